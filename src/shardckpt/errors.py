@@ -1,0 +1,30 @@
+"""One small exception hierarchy: callers catch `CheckpointError` for anything shardckpt raises on bad input."""
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error shardckpt raises about a checkpoint or a state dict."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Stored bytes or metadata are damaged: a checksum mismatch, a truncated or missing file, a hostile manifest."""
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """The checkpoint is sound but does not fit what was asked: missing/unexpected keys, shape or dtype mismatch."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint (no manifest) at the given path."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A committed checkpoint already exists and `overwrite=True` was not given."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A state-dict value that shardckpt cannot store (neither a tensor nor a plain JSON-able value)."""
+
+
+class ShardingError(Exception):
+    """Misuse of the sharding runtime: sharding twice, wrong device, a process group that does not match the mesh."""
