@@ -1,0 +1,244 @@
+"""Pure region math: which elements of a tensor a shard holds, and how two shards overlap.
+
+Every shard of a tensor is a region of that tensor's row-major element space:
+
+- ``Box``: an N-D box (``offsets``, ``sizes``), e.g. a dim-0 chunk or a tensor-parallel block.
+- ``FlatRange``: a half-open range ``[start, stop)`` of row-major element indices, e.g. a slice of a
+  flattened parameter that starts and ends mid-row.
+
+A region's *local storage* is its elements in global row-major order, packed densely. Resharding is
+intersecting the regions a reader wants with those a writer stored and copying the overlaps; this
+module plans that and never touches data (no I/O, no torch.distributed).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence, Union
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Box:
+    """The elements ``offsets[d] <= i[d] < offsets[d] + sizes[d]`` for every dim ``d``."""
+
+    offsets: Shape
+    sizes: Shape
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.sizes):
+            raise ValueError(f"Box offsets {self.offsets} and sizes {self.sizes} differ in rank")
+        if any(o < 0 for o in self.offsets) or any(s < 0 for s in self.sizes):
+            raise ValueError(f"Box offsets {self.offsets} and sizes {self.sizes} must be >= 0")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True)
+class FlatRange:
+    """The row-major element indices ``start <= i < stop``."""
+
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.stop:
+            raise ValueError(f"FlatRange [{self.start}, {self.stop}) is not a valid range")
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+Region = Union[Box, FlatRange]
+
+
+def strides(shape: Sequence[int]) -> Shape:
+    """Row-major (C order) element strides of ``shape``."""
+    out = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        out[d] = out[d + 1] * shape[d + 1]
+    return tuple(out)
+
+
+def ravel(index: Sequence[int], shape: Sequence[int]) -> int:
+    return sum(i * s for i, s in zip(index, strides(shape)))
+
+
+def unravel(flat: int, shape: Sequence[int]) -> Shape:
+    out = []
+    for s in strides(shape):
+        out.append(flat // s if s else 0)
+        flat = flat % s if s else flat
+    return tuple(out)
+
+
+def full_region(shape: Sequence[int]) -> FlatRange:
+    return FlatRange(0, math.prod(shape))
+
+
+def check_region(region: Region, shape: Sequence[int]) -> None:
+    """Raise ValueError unless ``region`` lies inside a tensor of ``shape``."""
+    if isinstance(region, FlatRange):
+        if region.stop > math.prod(shape):
+            raise ValueError(f"{region} exceeds the {math.prod(shape)} elements of shape {tuple(shape)}")
+        return
+    if len(region.offsets) != len(shape):
+        raise ValueError(f"{region} has rank {len(region.offsets)}, tensor has shape {tuple(shape)}")
+    for o, s, n in zip(region.offsets, region.sizes, shape):
+        if o + s > n:
+            raise ValueError(f"{region} exceeds shape {tuple(shape)}")
+
+
+def flat_bounds(region: Region, shape: Sequence[int]) -> tuple[int, int]:
+    """The smallest ``[lo, hi)`` of global row-major indices holding every element of ``region``."""
+    if isinstance(region, FlatRange):
+        return region.start, region.stop
+    if region.numel == 0:
+        return 0, 0
+    last = tuple(o + s - 1 for o, s in zip(region.offsets, region.sizes))
+    return ravel(region.offsets, shape), ravel(last, shape) + 1
+
+
+def canonical(region: Region, shape: Sequence[int]) -> Region:
+    """A box whose elements are consecutive in row-major order becomes a FlatRange; others stay."""
+    if isinstance(region, FlatRange):
+        return region
+    if region.numel == 0:
+        return FlatRange(0, 0)
+    lo, hi = flat_bounds(region, shape)
+    return FlatRange(lo, hi) if hi - lo == region.numel else region
+
+
+def dim0_chunk(shape: Sequence[int], index: int, count: int) -> FlatRange:
+    """Chunk ``index`` of ``count`` along dim 0, with ``torch.chunk`` semantics (ceil-sized, trailing ones empty)."""
+    if not shape:
+        return FlatRange(0, 1) if index == 0 else FlatRange(0, 0)
+    rows = -(-shape[0] // count) if count else 0
+    row_numel = math.prod(shape[1:])
+    first, last = min(index * rows, shape[0]), min((index + 1) * rows, shape[0])
+    if first == last:
+        return FlatRange(0, 0)
+    return FlatRange(first * row_numel, last * row_numel)
+
+
+def even_flat_shard(numel: int, index: int, count: int) -> FlatRange:
+    """Shard ``index`` of ``count`` equal flat shards of ``ceil(numel / count)`` elements, clipped to ``numel``."""
+    size = -(-numel // count)
+    start, stop = min(index * size, numel), min((index + 1) * size, numel)
+    return FlatRange(start, stop)
+
+
+def _flat_to_boxes(r: FlatRange, shape: Shape) -> Iterator[Box]:
+    """Split a flat range into at most ``2 * ndim - 1`` boxes (partial rows up, a full block, partial rows down)."""
+    if r.numel == 0:
+        return
+    if not shape:
+        yield Box((), ())
+        return
+    st = strides(shape)
+    pos, end = r.start, r.stop
+    # Climb: fill out partial sub-blocks from the innermost dim outwards until aligned.
+    for d in range(len(shape) - 1, -1, -1):
+        block = st[d] * shape[d]
+        outer_next = -(-pos // block) * block if d > 0 else end
+        stop = min(outer_next, end)
+        count = (stop - pos) // st[d]
+        if count > 0:
+            yield _row_box(pos, d, count, shape)
+            pos += count * st[d]
+        if pos >= end:
+            return
+    # Descend: what remains is aligned at its start; take whole sub-blocks from the outside in.
+    for d in range(len(shape)):
+        count = (end - pos) // st[d]
+        if count > 0:
+            yield _row_box(pos, d, count, shape)
+            pos += count * st[d]
+        if pos >= end:
+            return
+
+
+def _row_box(pos: int, d: int, count: int, shape: Shape) -> Box:
+    """The box starting at flat ``pos`` spanning ``count`` steps along dim ``d`` and all of the dims after it."""
+    idx = unravel(pos, shape)
+    sizes = (1,) * d + (count,) + tuple(shape[d + 1:])
+    return Box(idx, sizes)
+
+
+def _box_intersection(a: Box, b: Box) -> Box | None:
+    offsets, sizes = [], []
+    for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        sizes.append(hi - lo)
+    return Box(tuple(offsets), tuple(sizes))
+
+
+def intersect(a: Region, b: Region, shape: Sequence[int]) -> list[Region]:
+    """The overlap of two regions of one tensor, as disjoint pieces (empty list when they do not meet).
+
+    Contiguous boxes are handled as flat ranges, so dim-0 chunks meeting flat shards give one piece.
+    """
+    shape = tuple(shape)
+    a, b = canonical(a, shape), canonical(b, shape)
+    if isinstance(a, FlatRange) and isinstance(b, FlatRange):
+        lo, hi = max(a.start, b.start), min(a.stop, b.stop)
+        return [FlatRange(lo, hi)] if lo < hi else []
+    if isinstance(a, Box) and isinstance(b, Box):
+        box = _box_intersection(a, b)
+        return [box] if box is not None else []
+    box, flat = (a, b) if isinstance(a, Box) else (b, a)
+    lo, hi = flat_bounds(box, shape)
+    lo, hi = max(lo, flat.start), min(hi, flat.stop)
+    if hi <= lo:
+        return []
+    pieces = (_box_intersection(part, box) for part in _flat_to_boxes(FlatRange(lo, hi), shape))
+    return [p for p in pieces if p is not None]
+
+
+def local_index(flat: int, within: Region, shape: Sequence[int]) -> int:
+    """Position, in ``within``'s local storage, of the global element ``flat`` (which must lie in it)."""
+    if isinstance(within, FlatRange):
+        return flat - within.start
+    rel = tuple(i - o for i, o in zip(unravel(flat, shape), within.offsets))
+    return ravel(rel, within.sizes)
+
+
+def local_span(piece: Region, within: Region, shape: Sequence[int]) -> tuple[int, int]:
+    """``[lo, hi)`` in ``within``'s local storage covering every element of ``piece`` (a subset of it)."""
+    first, end = flat_bounds(piece, shape)
+    if first == end:
+        return 0, 0
+    return local_index(first, within, shape), local_index(end - 1, within, shape) + 1
+
+
+@dataclass(frozen=True)
+class StridedView:
+    """How to view ``piece`` inside a 1-D buffer of ``within``'s local storage: ``as_strided(size, stride, offset)``."""
+
+    size: Shape
+    stride: Shape
+    offset: int
+
+
+def strided_view(piece: Region, within: Region, shape: Sequence[int], base: int = 0) -> StridedView:
+    """View parameters of ``piece``'s elements inside ``within``'s local storage, buffer starting at ``base``.
+
+    A FlatRange piece is always contiguous in any region's local storage (consecutive global indices
+    that all lie in a region stay consecutive there), so it gets a 1-D view. A Box piece gets an N-D
+    view whose strides are those of ``within``'s storage.
+    """
+    shape = tuple(shape)
+    if isinstance(piece, FlatRange):
+        start = local_index(piece.start, within, shape) if piece.numel else 0
+        return StridedView((piece.numel,), (1,), start - base)
+    if isinstance(within, FlatRange):
+        return StridedView(piece.sizes, strides(shape), ravel(piece.offsets, shape) - within.start - base)
+    rel = tuple(p - w for p, w in zip(piece.offsets, within.offsets))
+    return StridedView(piece.sizes, strides(within.sizes), ravel(rel, within.sizes) - base)

@@ -1,0 +1,28 @@
+"""The torch side of region math: byte views of tensors and strided views of region pieces."""
+from __future__ import annotations
+
+import torch
+
+from shardckpt.regions import StridedView
+
+
+def view_of(buf: torch.Tensor, view: StridedView) -> torch.Tensor:
+    """Apply ``view`` to the 1-D tensor ``buf`` (whose element 0 is the view's base)."""
+    return buf.as_strided(view.size, view.stride, buf.storage_offset() + view.offset)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as a flat uint8 tensor, sharing memory (the tensor must be contiguous)."""
+    flat = t.reshape(-1)
+    if flat.dtype == torch.uint8:
+        return flat
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return flat.view(torch.uint8)
+
+
+def from_bytes(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Reinterpret a flat uint8 tensor as ``dtype`` with ``shape`` (no copy)."""
+    if raw.numel() == 0:
+        return torch.empty(shape, dtype=dtype, device=raw.device)
+    return raw.view(dtype).reshape(shape)
