@@ -1,0 +1,59 @@
+"""The multi-process harness itself: results, errors, collectives, timeouts."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._dist import RankFailedError, RankTimeoutError, run_ranks
+
+
+def _identity() -> tuple[int, int, int]:
+    return dist.get_rank(), dist.get_world_size(), torch.get_num_threads()
+
+
+def _fail_on_odd(marker: str) -> int:
+    if dist.get_rank() % 2:
+        raise ValueError(f"{marker} from rank {dist.get_rank()}")
+    return dist.get_rank()
+
+
+def _all_reduce_rank() -> list[float]:
+    t = torch.tensor([float(dist.get_rank()), 1.0])
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _deadlock() -> None:
+    if dist.get_rank() == 0:
+        dist.barrier()  # rank 1 never joins
+    else:
+        time.sleep(30)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_results_by_rank(world_size: int) -> None:
+    assert run_ranks(world_size, _identity) == [(r, world_size, 1) for r in range(world_size)]
+
+
+def test_exceptions_carry_every_failing_traceback() -> None:
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(4, _fail_on_odd, "boom")
+    message = str(info.value)
+    assert sorted(info.value.failures) == [1, 3]
+    assert "boom from rank 1" in message and "boom from rank 3" in message
+    assert "Traceback" in message and "_fail_on_odd" in message
+    assert run_ranks(4, _identity)[3] == (3, 4, 1)
+
+
+def test_all_reduce_across_three_ranks() -> None:
+    assert run_ranks(3, _all_reduce_rank) == [[3.0, 3.0]] * 3
+
+
+def test_timeout_kills_and_next_call_recovers() -> None:
+    with pytest.raises(RankTimeoutError) as info:
+        run_ranks(2, _deadlock, timeout=3)
+    assert "still running" in str(info.value) and "_deadlock" in str(info.value)
+    assert run_ranks(2, _all_reduce_rank) == [[1.0, 2.0]] * 2
