@@ -94,3 +94,19 @@ def test_invalid_regions_are_rejected():
         FlatRange(3, 2)
     with pytest.raises(ValueError):
         Box((0,), (1, 2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_contiguous_runs_list_a_regions_elements_in_order(data):
+    from shardckpt.regions import contiguous_runs
+
+    shape = data.draw(shapes)
+    region = data.draw(region_of(shape))
+    got = []
+    local = 0
+    for start, local_start, length in contiguous_runs(region, shape):
+        assert local_start == local
+        got.extend(range(start, start + length))
+        local += length
+    assert got == elements(region, shape).tolist()

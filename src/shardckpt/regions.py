@@ -12,6 +12,7 @@ module plans that and never touches data (no I/O, no torch.distributed).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence, Union
@@ -202,6 +203,21 @@ def intersect(a: Region, b: Region, shape: Sequence[int]) -> list[Region]:
     return [p for p in pieces if p is not None]
 
 
+def check_tiling(regions: Sequence[Region], shape: Sequence[int]) -> None:
+    """Raise ValueError unless ``regions`` cover every element of the tensor exactly once."""
+    shape = tuple(shape)
+    held, total = sum(r.numel for r in regions), math.prod(shape)
+    if held != total:
+        raise ValueError(f"chunks hold {held} elements, the tensor has {total}")
+    ordered = sorted((canonical(r, shape) for r in regions if r.numel), key=lambda r: flat_bounds(r, shape))
+    if all(isinstance(r, FlatRange) for r in ordered):
+        overlap = any(a.stop > b.start for a, b in zip(ordered, ordered[1:]))
+    else:
+        overlap = any(intersect(a, b, shape) for i, a in enumerate(ordered) for b in ordered[i + 1:])
+    if overlap:
+        raise ValueError("chunks overlap")
+
+
 def local_index(flat: int, within: Region, shape: Sequence[int]) -> int:
     """Position, in ``within``'s local storage, of the global element ``flat`` (which must lie in it)."""
     if isinstance(within, FlatRange):
@@ -216,6 +232,25 @@ def local_span(piece: Region, within: Region, shape: Sequence[int]) -> tuple[int
     if first == end:
         return 0, 0
     return local_index(first, within, shape), local_index(end - 1, within, shape) + 1
+
+
+def contiguous_runs(region: Region, shape: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """``(global_start, local_start, length)`` of each maximal run of consecutive elements, in order."""
+    shape = tuple(shape)
+    region = canonical(region, shape)
+    if isinstance(region, FlatRange):
+        if region.numel:
+            yield region.start, 0, region.numel
+        return
+    # Dims after j are covered fully, so each run spans dim j and everything inside it.
+    j = len(shape) - 1
+    while j > 0 and region.sizes[j] == shape[j]:
+        j -= 1
+    length = region.sizes[j] * math.prod(shape[j + 1:])
+    outer = Box(region.offsets[:j], region.sizes[:j])
+    for n, idx in enumerate(itertools.product(*(range(o, o + s) for o, s in zip(outer.offsets, outer.sizes)))):
+        start = idx + (region.offsets[j],) + (0,) * (len(shape) - j - 1)
+        yield ravel(start, shape), n * length, length
 
 
 @dataclass(frozen=True)

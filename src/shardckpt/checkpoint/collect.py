@@ -1,0 +1,88 @@
+"""Normalise a state dict's tensor leaves (plain tensors, ShardedTensor, DTensor) into local pieces."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardckpt.errors import UnsupportedValueError
+from shardckpt.regions import Box, FlatRange, Region, canonical, full_region
+from shardckpt.sharded_tensor import ShardedTensor
+from shardckpt.storage.tree import Path, leaves, path_name
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without DTensor
+    DTensor = ()  # type: ignore[assignment,misc]
+
+
+def is_tensor_like(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, ShardedTensor))
+
+
+@dataclass(frozen=True)
+class LocalPiece:
+    """What one rank holds of one tensor.
+
+    ``data`` holds the elements of ``region`` (shape: the box's sizes, or 1-D for a flat range).
+    ``replicated``: every rank holds the same whole tensor (a plain tensor); one rank will store it.
+    ``owner``: this rank is the one to store its region (False for a DTensor replica that another rank stores).
+    """
+
+    name: str
+    path: Path
+    data: torch.Tensor
+    shape: tuple[int, ...]
+    region: Region
+    replicated: bool
+    owner: bool = True
+
+
+def _dtensor_piece(name: str, path: Path, dt: Any) -> LocalPiece:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import Partial, Replicate
+
+    if any(isinstance(p, Partial) for p in dt.placements):
+        raise UnsupportedValueError(f"DTensor {name!r} has a Partial placement; reduce it (redistribute) before "
+                                    "saving")
+    shape = tuple(dt.shape)
+    local = dt._local_tensor
+    sizes, offsets = compute_local_shape_and_global_offset(shape, dt.device_mesh, dt.placements)
+    coords = dt.device_mesh.get_coordinate()
+    # Among replicas of one shard, the one at coordinate 0 of every Replicate mesh dim stores it.
+    owner = coords is not None and all(c == 0 for c, p in zip(coords, dt.placements) if isinstance(p, Replicate))
+    region: Region = Box(tuple(offsets), tuple(sizes)) if shape else Box((), ())
+    if math.prod(sizes) == 0:
+        region = FlatRange(0, 0)
+        local = local.reshape(-1)[:0]
+    return LocalPiece(name, path, local, shape, region, replicated=False, owner=owner)
+
+
+def to_piece(path: Path, value: Any) -> LocalPiece:
+    name = path_name(path)
+    if isinstance(value, ShardedTensor):
+        return LocalPiece(name, path, value.local, value.global_shape, value.region, replicated=False)
+    if DTensor and isinstance(value, DTensor):
+        return _dtensor_piece(name, path, value)
+    if isinstance(value, torch.Tensor):
+        return LocalPiece(name, path, value, tuple(value.shape), full_region(value.shape), replicated=True)
+    raise UnsupportedValueError(f"{name!r} is not a tensor")
+
+
+def local_pieces(state_dict: Any) -> list[LocalPiece]:
+    """Every tensor leaf of ``state_dict``, in traversal order."""
+    if not isinstance(state_dict, dict):
+        raise UnsupportedValueError(f"a state dict must be a dict, got {type(state_dict).__name__}")
+    return [to_piece(path, v) for path, v in leaves(state_dict, is_tensor_like) if is_tensor_like(v)]
+
+
+def region_key(region: Region, shape: tuple[int, ...]) -> tuple:
+    """A plain, picklable description of a region (for planning messages)."""
+    r = canonical(region, shape)
+    return ("flat", r.start, r.stop) if isinstance(r, FlatRange) else ("box", r.offsets, r.sizes)
+
+
+def region_from_key(key: tuple) -> Region:
+    return FlatRange(key[1], key[2]) if key[0] == "flat" else Box(key[1], key[2])

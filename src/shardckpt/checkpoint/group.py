@@ -1,0 +1,100 @@
+"""The few object collectives save and load need, over a torch process group or a world of one."""
+from __future__ import annotations
+
+import pickle
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+import torch.distributed as dist
+
+from shardckpt.errors import CheckpointError
+
+T = TypeVar("T")
+
+# Pass as ``process_group`` to act as a world of one even when torch.distributed is initialised.
+LOCAL = object()
+
+
+@dataclass(frozen=True)
+class Group:
+    pg: Any
+    rank: int
+    world_size: int
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Rank 0 gets every rank's ``obj``; the others get None."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=self._global(0), group=self.pg)
+        return out
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        """Rank ``r`` gets ``objs[r]`` from rank 0."""
+        if self.world_size == 1:
+            return objs[0]
+        out = [None]
+        dist.scatter_object_list(out, objs if self.rank == 0 else None, src=self._global(0), group=self.pg)
+        return out[0]
+
+    def broadcast(self, obj: Any) -> Any:
+        """Every rank gets rank 0's ``obj``."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global(0), group=self.pg)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.pg, group_rank) if self.pg is not None else group_rank
+
+
+def resolve_group(process_group: Any = None) -> Group:
+    """The given group, else the default group if torch.distributed is initialised, else a world of one."""
+    if process_group is LOCAL or (process_group is None and not (dist.is_available() and dist.is_initialized())):
+        return Group(None, 0, 1)
+    pg = process_group if process_group is not None else dist.group.WORLD
+    return Group(pg, dist.get_rank(pg), dist.get_world_size(pg))
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A rank's exception, carried to the other ranks so that all of them raise instead of hanging."""
+
+    rank: int
+    error: BaseException
+    text: str
+
+
+def attempt(rank: int, fn: Callable[[], T]) -> T | Failure:
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
+        try:
+            pickle.dumps(e)
+        except Exception:  # noqa: BLE001 - an unpicklable exception travels as its text
+            e = CheckpointError(f"{type(e).__name__}: {e}")
+        return Failure(rank, e, traceback.format_exc())
+
+
+def raise_failures(results: list[Any]) -> None:
+    """Re-raise the first rank's failure on every rank (same exception class when it is ours)."""
+    failures = [r for r in results if isinstance(r, Failure)]
+    if not failures:
+        return
+    first = failures[0]
+    if isinstance(first.error, CheckpointError):
+        raise first.error
+    raise CheckpointError(f"rank {first.rank} failed:\n{first.text}") from first.error

@@ -1,0 +1,119 @@
+"""Deciding, on rank 0, who writes which chunk (pure: no I/O, no collectives)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from shardckpt.checkpoint.collect import LocalPiece, region_from_key, region_key
+from shardckpt.errors import CheckpointError
+from shardckpt.regions import Region, check_tiling, flat_bounds, full_region
+from shardckpt.storage.dtypes import dtype_name, itemsize
+from shardckpt.storage.manifest import Chunks, compact_chunks
+
+
+@dataclass(frozen=True)
+class PieceInfo:
+    """What a rank tells rank 0 about one tensor leaf."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    region: tuple  # region_key()
+    replicated: bool
+    owner: bool
+
+    @classmethod
+    def of(cls, piece: LocalPiece) -> PieceInfo:
+        return cls(piece.name, dtype_name(piece.data.dtype, piece.name), piece.shape,
+                   region_key(piece.region, piece.shape), piece.replicated, piece.owner)
+
+
+@dataclass(frozen=True)
+class WriteTask:
+    """Rank must write its piece of ``name`` as chunk number ``chunk``."""
+
+    name: str
+    chunk: int
+
+
+@dataclass
+class TensorPlan:
+    dtype: str
+    shape: tuple[int, ...]
+    regions: list[Region] = field(default_factory=list)  # chunk i's region, ordered by first element
+    writers: list[int] = field(default_factory=list)  # rank writing chunk i
+
+    def chunks(self, file_of_rank: dict[int, int]) -> Chunks:
+        return compact_chunks(self.regions, [file_of_rank[r] for r in self.writers], self.shape)
+
+
+@dataclass
+class SavePlan:
+    generation: str  # names this save's data directory
+    tensors: dict[str, TensorPlan]
+    tasks: list[list[WriteTask]]  # per rank
+
+    @property
+    def writing_ranks(self) -> list[int]:
+        return [r for r, tasks in enumerate(self.tasks) if tasks]
+
+
+def make_save_plan(infos: list[list[PieceInfo]], generation: str) -> SavePlan:
+    """Check that ranks agree on every tensor and that shards tile it; assign each chunk a writer."""
+    world = len(infos)
+    tensors: dict[str, TensorPlan] = {}
+    replicated: dict[str, TensorPlan] = {}
+    pieces: dict[str, list[tuple[int, Region]]] = {}
+    for rank, rank_infos in enumerate(infos):
+        for info in rank_infos:
+            plan = tensors.setdefault(info.name, TensorPlan(info.dtype, info.shape))
+            if (plan.dtype, plan.shape) != (info.dtype, info.shape):
+                raise CheckpointError(f"cannot save {info.name!r}: rank {rank} has {info.dtype}{list(info.shape)}, "
+                                      f"another rank {plan.dtype}{list(plan.shape)}")
+            if info.replicated:
+                replicated[info.name] = plan
+            elif info.owner:
+                pieces.setdefault(info.name, []).append((rank, region_from_key(info.region)))
+            if info.name in replicated and info.name in pieces:
+                raise CheckpointError(f"cannot save {info.name!r}: it is a plain tensor on some ranks and sharded "
+                                      "on others")
+    load = [0] * world
+    for name, owned in pieces.items():
+        plan = tensors[name]
+        _check_shards(name, [r for _, r in owned], plan.shape)
+        for rank, region in sorted(owned, key=lambda o: flat_bounds(o[1], plan.shape)):
+            if region.numel:
+                plan.regions.append(region)
+                plan.writers.append(rank)
+                load[rank] += region.numel * itemsize_of(plan.dtype)
+    # Replicated tensors are stored once; spread them over ranks, biggest first, so ranks write in parallel.
+    for name in sorted(replicated, key=lambda n: (-_nbytes(replicated[n]), n)):
+        plan = replicated[name]
+        if math.prod(plan.shape):
+            rank = min(range(world), key=lambda r: (load[r], r))
+            plan.regions.append(full_region(plan.shape))
+            plan.writers.append(rank)
+            load[rank] += _nbytes(plan)
+    tasks: list[list[WriteTask]] = [[] for _ in range(world)]
+    for name, plan in tensors.items():
+        for chunk, rank in enumerate(plan.writers):
+            tasks[rank].append(WriteTask(name, chunk))
+    return SavePlan(generation, tensors, tasks)
+
+
+def _check_shards(name: str, regions: list[Region], shape: tuple[int, ...]) -> None:
+    try:
+        check_tiling(regions, shape)
+    except ValueError as e:
+        raise CheckpointError(f"cannot save {name!r}: its shards across ranks do not tile it ({e}); each "
+                              "element must be held by exactly one owning rank") from None
+
+
+def itemsize_of(dtype: str) -> int:
+    from shardckpt.storage.dtypes import DTYPES
+
+    return itemsize(DTYPES[dtype])
+
+
+def _nbytes(plan: TensorPlan) -> int:
+    return math.prod(plan.shape) * itemsize_of(plan.dtype)

@@ -1,0 +1,61 @@
+"""CRC32C of stored chunks, and a per-tensor checksum that does not depend on how the tensor was sharded.
+
+The tensor checksum is the CRC32C of the tensor's whole row-major byte string. A CRC is linear, so
+``crc(A || B) = shift(crc(A), len(B)) ^ crc(B)`` (zlib's ``crc32_combine``). Unrolled over pieces
+``P_1 .. P_k`` that tile the tensor, ``crc(tensor) = XOR_i shift(crc(P_i), bytes after P_i)``: each
+piece contributes a term on its own, in any order, so ranks combine their terms with a plain XOR.
+"""
+from __future__ import annotations
+
+import crc32c as _crc32c
+
+_POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
+
+
+def crc32c(data, value: int = 0) -> int:
+    """CRC32C of a bytes-like object, optionally continuing from ``value`` (hardware-accelerated)."""
+    return _crc32c.crc32c(data, value)
+
+
+def _multmodp(a: int, b: int) -> int:
+    """Multiply two polynomials modulo the CRC polynomial (reflected bit order)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+_X2N = _x2n_table()
+
+
+def crc32c_shift(crc: int, nbytes: int) -> int:
+    """``crc`` as if ``nbytes`` more bytes followed, minus their own contribution (x^(8n) mod P)."""
+    k, p = 3, 1 << 31  # x^0; bytes are 2^3 bits
+    while nbytes:
+        if nbytes & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        nbytes >>= 1
+        k += 1
+    return _multmodp(p, crc)
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """CRC32C of ``A || B`` from the CRCs of ``A`` and ``B`` and the length of ``B``."""
+    return crc32c_shift(crc_a, len_b) ^ crc_b
+
+
+def tensor_crc_term(piece_crc: int, bytes_after: int) -> int:
+    """One contiguous byte run's term in its tensor's checksum: XOR all terms of a tiling to get the CRC."""
+    return crc32c_shift(piece_crc, bytes_after)

@@ -1,0 +1,141 @@
+"""The nested structure of a state dict, as JSON, with tensors replaced by references.
+
+Encoding (FORMAT.md, "tree"):
+- ``None``, ``bool``, ``int``, ``str`` and finite ``float`` are themselves; other floats are
+  ``{"$float": "nan" | "inf" | "-inf"}``.
+- a list is a JSON array; a tuple is ``{"$tuple": [...]}``.
+- a dict whose keys are all strings not starting with ``$`` is a JSON object; any other dict is
+  ``{"$dict": [[key, value], ...]}`` (keys are scalars, e.g. the int parameter IDs of optimizer state).
+- a tensor is ``{"$tensor": name}``, where ``name`` is its path's keys joined by ``.``.
+
+Leaves are tensors and tensor-free subtrees: a tensor-free subtree (e.g. ``param_groups``) is one value.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from shardckpt.errors import CorruptCheckpointError, UnsupportedValueError
+
+Path = tuple[Any, ...]
+_SCALARS = (type(None), bool, int, str)
+_KEY_TYPES = (type(None), bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor's place in a decoded tree: the name of its entry in the manifest."""
+
+    name: str
+
+
+def path_name(path: Path) -> str:
+    return ".".join(str(k) for k in path)
+
+
+def _children(obj: Any) -> Iterator[tuple[Any, Any]] | None:
+    if isinstance(obj, dict):
+        return iter(obj.items())
+    if isinstance(obj, (list, tuple)):
+        return iter(enumerate(obj))
+    return None
+
+
+def leaves(obj: Any, is_tensor: Callable[[Any], bool], path: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """Yield ``(path, leaf)`` for every tensor and every maximal tensor-free subtree under ``obj``."""
+    kids = _children(obj)
+    if kids is None or (path and not contains(obj, is_tensor)):
+        yield path, obj
+        return
+    for key, value in kids:
+        yield from leaves(value, is_tensor, path + (key,))
+
+
+def contains(obj: Any, is_tensor: Callable[[Any], bool]) -> bool:
+    if is_tensor(obj):
+        return True
+    kids = _children(obj)
+    return kids is not None and any(contains(v, is_tensor) for _, v in kids)
+
+
+def get_at(obj: Any, path: Path) -> Any:
+    for key in path:
+        obj = obj[key]
+    return obj
+
+
+def set_at(obj: Any, path: Path, value: Any) -> None:
+    """Replace the leaf at ``path`` (its parent must be a dict or a list)."""
+    parent = get_at(obj, path[:-1])
+    if isinstance(parent, tuple):
+        raise UnsupportedValueError(f"cannot load {path_name(path)!r} in place: its parent is a tuple")
+    parent[path[-1]] = value
+
+
+def encode(obj: Any, is_tensor: Callable[[Any], bool], path: Path = ()) -> Any:
+    """The JSON form of ``obj``; tensors become ``{"$tensor": name}``. Unsupported values raise, naming the key."""
+    if is_tensor(obj):
+        return {"$tensor": path_name(path)}
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else {"$float": repr(obj)}
+    if isinstance(obj, _SCALARS):
+        return obj
+    if isinstance(obj, list):
+        return [encode(v, is_tensor, path + (i,)) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return {"$tuple": [encode(v, is_tensor, path + (i,)) for i, v in enumerate(obj)]}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in obj):
+            return {k: encode(v, is_tensor, path + (k,)) for k, v in obj.items()}
+        for k in obj:
+            if not isinstance(k, _KEY_TYPES):
+                raise UnsupportedValueError(
+                    f"state dict key {path_name(path + (k,))!r} has type {type(k).__name__}; keys must be "
+                    "str, int, float, bool or None")
+        return {"$dict": [[encode(k, is_tensor), encode(v, is_tensor, path + (k,))] for k, v in obj.items()]}
+    raise UnsupportedValueError(
+        f"state dict value {path_name(path)!r} has type {type(obj).__name__}; shardckpt stores tensors and "
+        "plain values (None, bool, int, float, str, list, tuple, dict). Convert it first (e.g. to a dict).")
+
+
+def decode(data: Any, where: str) -> Any:
+    """Inverse of ``encode`` for untrusted input; tensors become ``TensorRef``. ``where`` names the file."""
+    try:
+        return _decode(data, where)
+    except RecursionError:
+        raise CorruptCheckpointError(f"{where}: the state-dict tree is nested too deeply") from None
+
+
+def _decode(data: Any, where: str) -> Any:
+    if isinstance(data, (list,)):
+        return [_decode(v, where) for v in data]
+    if not isinstance(data, dict):
+        if isinstance(data, (float,) + _SCALARS):
+            return data
+        raise CorruptCheckpointError(f"{where}: unexpected value {data!r} in the state-dict tree")
+    if len(data) == 1:
+        (tag, body), = data.items()
+        if tag == "$tensor" and isinstance(body, str):
+            return TensorRef(body)
+        if tag == "$float" and body in ("nan", "inf", "-inf"):
+            return float(body)
+        if tag == "$tuple" and isinstance(body, list):
+            return tuple(_decode(v, where) for v in body)
+        if tag == "$dict" and isinstance(body, list):
+            return _decode_pairs(body, where)
+    if any(k.startswith("$") for k in data):
+        raise CorruptCheckpointError(f"{where}: unknown tag in state-dict tree object {sorted(data)[:3]}")
+    return {k: _decode(v, where) for k, v in data.items()}
+
+
+def _decode_pairs(pairs: list, where: str) -> dict:
+    out = {}
+    for pair in pairs:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise CorruptCheckpointError(f"{where}: a $dict entry must be a [key, value] pair, got {pair!r}")
+        key = _decode(pair[0], where)
+        if not isinstance(key, _KEY_TYPES):
+            raise CorruptCheckpointError(f"{where}: a $dict key must be a scalar, got {key!r}")
+        out[key] = _decode(pair[1], where)
+    return out
