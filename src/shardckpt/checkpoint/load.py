@@ -26,7 +26,8 @@ def read_manifest(storage: Storage) -> Manifest:
 
 
 def load(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None, strict: bool = True,
-         verify_checksums: bool = True, io_threads: int = DEFAULT_IO_THREADS) -> None:
+         verify_checksums: bool = True, io_threads: int = DEFAULT_IO_THREADS,
+         storage_options: dict | None = None) -> None:
     """Fill ``state_dict`` in place from the checkpoint at ``path``, whatever world size and sharding wrote it.
 
     Called collectively on every rank. Each rank reads only the bytes its tensors need: plain tensors
@@ -36,7 +37,7 @@ def load(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
     are cast. ``verify_checksums`` checks the CRC32C of every chunk read whole.
     """
     group = resolve_group(process_group)
-    storage = open_storage(path)
+    storage = open_storage(path, storage_options)
     for attempt_no in range(_ATTEMPTS):
         manifest = _shared_manifest(group, storage)
         outcome = attempt(group.rank, lambda: _load_into(state_dict, storage, manifest, strict, verify_checksums,
@@ -82,13 +83,13 @@ def _load_into(state_dict: dict, storage: Storage, manifest: Manifest, strict: b
 
 
 def load_full(path: str | os.PathLike, keys: Iterable[str] | None = None, *, verify_checksums: bool = True,
-              io_threads: int = DEFAULT_IO_THREADS) -> dict:
+              io_threads: int = DEFAULT_IO_THREADS, storage_options: dict | None = None) -> dict:
     """Read any shardckpt checkpoint as a plain nested state dict of full CPU tensors, in this process alone.
 
     ``keys`` restricts it to entries whose dotted name equals a key or starts with ``key + "."``
     (e.g. ``["model"]``); the result keeps the saved nesting.
     """
-    storage = open_storage(path)
+    storage = open_storage(path, storage_options)
     manifest = read_manifest(storage)
     prefixes = None if keys is None else tuple(keys)
 

@@ -27,7 +27,8 @@ DEFAULT_IO_THREADS = 4
 
 
 def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
-         metadata: dict | None = None, io_threads: int = DEFAULT_IO_THREADS) -> None:
+         metadata: dict | None = None, io_threads: int = DEFAULT_IO_THREADS,
+         storage_options: dict | None = None) -> None:
     """Save a (nested) state dict as a checkpoint at ``path`` (a local path or an fsspec URL).
 
     Called collectively on every rank of ``process_group`` (default: the default group, or a world of one
@@ -37,7 +38,7 @@ def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
     ``overwrite=True``; readers then see the complete old or the complete new checkpoint.
     """
     group = resolve_group(process_group)
-    storage = open_storage(path)
+    storage = open_storage(path, storage_options)
     prepared = attempt(group.rank, lambda: _prepare(state_dict, metadata, group))
     gathered = group.gather(prepared if isinstance(prepared, Failure) else prepared[1])
     plan = _plan_on_coordinator(group, storage, gathered, overwrite) if group.is_coordinator else None

@@ -228,8 +228,11 @@ class FsspecStorage:
         self.fs.invalidate_cache()
 
 
-def open_storage(path: str | os.PathLike) -> Storage:
-    """Local paths (and ``file://``) get the fast local backend; other URLs go through fsspec."""
+def open_storage(path: str | os.PathLike, storage_options: dict | None = None) -> Storage:
+    """Local paths (and ``file://``) get the fast local backend; other URLs go through fsspec.
+
+    ``storage_options`` go to the fsspec filesystem (e.g. ``{"endpoint_url": ...}`` for s3fs).
+    """
     path = os.fspath(path)
     if "://" not in path:
         return LocalStorage(path)
@@ -237,7 +240,7 @@ def open_storage(path: str | os.PathLike) -> Storage:
         return LocalStorage(path[len("file://"):])
     try:
         import fsspec
-        fs, root = fsspec.core.url_to_fs(path)
+        fs, root = fsspec.core.url_to_fs(path, **(storage_options or {}))
     except ImportError as e:
         hint = "pip install 'shardckpt[s3]'" if path.startswith(("s3://", "s3a://")) else "pip install the fsspec backend"
         raise CheckpointError(f"cannot open {path}: {e}. Install the backend: {hint}") from e
