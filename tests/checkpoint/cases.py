@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from shardckpt import ShardedTensor
+from shardckpt import Box, ShardedTensor
 from shardckpt.tensor_views import as_bytes
 
-KINDS = ("dim0", "flat", "plain")
+KINDS = ("dim0", "flat", "plain", "cols")
 
 
 def reference() -> dict:
@@ -35,6 +35,14 @@ def shard(full: torch.Tensor, kind: str, rank: int, world: int):
         return ShardedTensor.from_full(full, rank, world)
     if kind == "flat":
         return ShardedTensor.even_flat_shard(full, rank, world)
+    if kind == "cols" and full.dim() >= 2:
+        # A tensor-parallel style block: a chunk of the last dim (not contiguous in row-major order).
+        width = -(-full.shape[-1] // world)
+        lo, hi = min(rank * width, full.shape[-1]), min((rank + 1) * width, full.shape[-1])
+        offsets = (0,) * (full.dim() - 1) + (lo,)
+        return ShardedTensor(full[..., lo:hi].contiguous(), tuple(full.shape), Box(offsets, full.shape[:-1] + (hi - lo,)))
+    if kind == "cols":
+        return ShardedTensor.from_full(full, rank, world)
     return full.clone()
 
 

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import shardckpt
 from tests._dist import run_ranks
-from tests.checkpoint.cases import check_equal, empty_like_state, sharded_state
+from tests.checkpoint.cases import check_equal, empty_like_state, reference, sharded_state
 
 WORLD_SIZES = (1, 2, 3, 4)
 
@@ -40,9 +40,16 @@ def test_resharding_load_is_bit_exact(saved, save_ws, load_ws):
     run_ranks(load_ws, _load_and_check, saved[save_ws], 1)
 
 
-def test_full_read_in_one_process_matches_reference(saved):
-    from tests.checkpoint.cases import reference
+def test_every_saved_checkpoint_verifies(saved):
+    from shardckpt.checkpoint.verify import verify
 
+    for path in saved.values():
+        report = verify(path)
+        assert report.ok, report.problems
+        assert report.bytes_checked == sum(v.numel() * v.element_size() for v in reference()["model"].values())
+
+
+def test_full_read_in_one_process_matches_reference(saved):
     ref = reference()
     for path in saved.values():
         full = shardckpt.load_full(path)
