@@ -1,0 +1,37 @@
+"""shardckpt's training-side sharding runtime: flat groups, ZeRO-3 style, every state-dict type native.
+
+    from shardckpt.runtime import shard, ShardingStrategy, MixedPrecision
+    model = shard(model, strategy=ShardingStrategy.FULL_SHARD, wrap=(Block,))
+    optim = torch.optim.AdamW(model.parameters())   # the local flat shards: optimizer state is sharded too
+
+See docs/runtime.md for the design and `FlatLayout` for the contract LOCAL state dicts rely on.
+"""
+from __future__ import annotations
+
+from shardckpt.runtime.api import (
+    ShardedModule,
+    clip_grad_norm_,
+    groups,
+    is_sharded,
+    no_sync,
+    shard,
+    summon_full_params,
+)
+from shardckpt.runtime.config import MixedPrecision, ShardingStrategy
+from shardckpt.runtime.flat_group import FlatGroup
+from shardckpt.runtime.layout import ALIGN_BYTES, FlatLayout
+
+__all__ = [
+    "ALIGN_BYTES",
+    "FlatGroup",
+    "FlatLayout",
+    "MixedPrecision",
+    "ShardedModule",
+    "ShardingStrategy",
+    "clip_grad_norm_",
+    "groups",
+    "is_sharded",
+    "no_sync",
+    "shard",
+    "summon_full_params",
+]

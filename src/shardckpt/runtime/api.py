@@ -1,0 +1,221 @@
+"""The public entry points: `shard` and the functions that act on a sharded model."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from shardckpt.errors import ShardingError
+from shardckpt.runtime import collectives
+from shardckpt.runtime.build import FLAT_PARAM_NAMES, WrapPolicy, assign_parameters, build_groups, unit_prefixes
+from shardckpt.runtime.config import MixedPrecision, ShardingStrategy
+from shardckpt.runtime.flat_group import FlatGroup
+from shardckpt.runtime.state import ShardState, Unit, register, sharded_root_of, state_of
+
+
+def shard(
+    module: nn.Module,
+    *,
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+    wrap: WrapPolicy = None,
+    mixed_precision: MixedPrecision | None = None,
+    process_group: Any = None,
+    device: torch.device | str | None = None,
+) -> nn.Module:
+    """Shard `module` in place (ZeRO-3 style) and return it.
+
+    - `wrap`: a tuple of module classes, or a callable `policy(module) -> bool`, naming the submodules
+      whose parameters form their own group; the root holds the rest.
+    - `process_group`: None (the default group; a single process without one is a world of 1), a
+      ProcessGroup, a 1-D DeviceMesh, or for HYBRID_SHARD a `(shard_group, replicate_group)` pair or a
+      2-D DeviceMesh with dims (replicate, shard). HYBRID_SHARD without groups shards within blocks of
+      LOCAL_WORLD_SIZE consecutive ranks (the whole world if unset).
+    - `device`: where the parameters must already be; None takes their (single) device.
+
+    Every rank must hold identical initial weights. After sharding, `module.parameters()` yields one
+    flat shard per group (see `groups`), which is what an optimizer should be built over. The original
+    parameter names exist as plain tensor attributes only while their group is gathered (during
+    forward/backward, or inside `summon_full_params`).
+    """
+    _check_not_sharded(module)
+    if not isinstance(strategy, ShardingStrategy):
+        raise ShardingError(f"strategy must be a ShardingStrategy, got {strategy!r}")
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise ShardingError(f"mixed_precision must be a MixedPrecision, got {mixed_precision!r}")
+    device = _check_device(module, device)
+    groups = collectives.resolve_groups(strategy, process_group, device)
+    mp = mixed_precision or MixedPrecision()
+    prefixes = unit_prefixes(module, wrap)
+    members = assign_parameters(module, prefixes)
+    units = []
+    for prefix in prefixes:
+        built = build_groups(module, prefix, members[prefix], groups, mp.param_dtype, mp.reduce_dtype)
+        if built or prefix == "":
+            units.append(Unit(module.get_submodule(prefix), prefix, built))
+    _replace_parameters(units, members)
+    _cast_buffers(module, mp.buffer_dtype)
+    order = {id(p): i for i, p in enumerate(module.parameters())}
+    flat_groups = sorted((g for u in units for g in u.groups), key=lambda g: order[id(g.flat_param)])
+    state = ShardState(module, units, flat_groups, strategy, mixed_precision)
+    state.install()
+    register(state)
+    module.__class__ = _sharded_class(type(module))
+    return module
+
+
+def _check_not_sharded(module: nn.Module) -> None:
+    if not isinstance(module, nn.Module):
+        raise ShardingError(f"shard() takes an nn.Module, got {type(module).__name__}")
+    for name, sub in module.named_modules():
+        root = sharded_root_of(sub)
+        if root is not None:
+            where = "this module" if not name else f"its submodule {name!r}"
+            raise ShardingError(f"shard() was already called on {where} (or a model containing it); "
+                                "a module can be sharded only once")
+
+
+def _check_device(module: nn.Module, device: torch.device | str | None) -> torch.device:
+    devices = {p.device for p in module.parameters()}
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        wrong = [name for name, p in module.named_parameters() if p.device != device]
+        if wrong:
+            raise ShardingError(f"parameter {wrong[0]!r} (and {len(wrong) - 1} more) is on "
+                                f"{module.get_parameter(wrong[0]).device}, not on device={device}; "
+                                f"move the module there first (module.to({str(device)!r}))")
+        return device
+    if len(devices) > 1:
+        raise ShardingError(f"the module's parameters are on several devices {sorted(map(str, devices))}; "
+                            "move them to one device before sharding")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def _replace_parameters(units: list[Unit], members: dict[str, list]) -> None:
+    """Unregister the original parameters and register each unit's flat shards in their place."""
+    for member_list in members.values():
+        for member, _ in member_list:
+            for owner, attr in member.owners:
+                owner._parameters.pop(attr, None)
+    for unit in units:
+        for group in unit.groups:
+            name = FLAT_PARAM_NAMES[group.layout.requires_grad]
+            if hasattr(unit.module, name):
+                raise ShardingError(f"module {unit.prefix or '<root>'!r} already has an attribute {name!r}, "
+                                    "which shard() needs for its flat parameter")
+            unit.module.register_parameter(name, group.flat_param)
+
+
+def _cast_buffers(module: nn.Module, dtype: torch.dtype | None) -> None:
+    if dtype is None:
+        return
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and buf.is_floating_point():
+                sub._buffers[name] = buf.to(dtype)
+
+
+def _state(module: nn.Module, what: str) -> ShardState:
+    state = state_of(module)
+    if state is None:
+        raise ShardingError(f"{what} needs the module returned by shard() (the root of a sharded model); "
+                            f"got an unsharded {type(module).__name__}")
+    return state
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """True for a module returned by `shard` (the root of a sharded model), False otherwise."""
+    return state_of(module) is not None
+
+
+def groups(module: nn.Module) -> list[FlatGroup]:
+    """The flat groups of a sharded model, in `module.parameters()` order of their flat shards.
+
+    That order is the module's pre-order traversal (the root first, then wrapped submodules in
+    `named_modules()` order), trainable before frozen within a module: the same on every rank and at
+    every world size.
+    """
+    return list(_state(module, "groups()").groups)
+
+
+@contextlib.contextmanager
+def no_sync(module: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally (unsharded, fp32) without communication; the first backward
+    after the context reduces them together with its own."""
+    state = _state(module, "no_sync()")
+    previous, state.sync_grads = state.sync_grads, False
+    try:
+        yield
+    finally:
+        state.sync_grads = previous
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of all shards by their global norm (as the unsharded model's
+    `torch.nn.utils.clip_grad_norm_` would); return that norm (fp32, on the shards' device)."""
+    state = _state(module, "clip_grad_norm_()")
+    norm_type = float(norm_type)
+    trainable = [g for g in state.groups if g.flat_param.grad is not None]
+    device = trainable[0].flat_param.device if trainable else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for group in trainable:
+        part = group.local_grad_norm_power(norm_type)
+        total = torch.maximum(total, part) if norm_type == float("inf") else total + part
+    if state.groups:
+        # Shards are disjoint within a shard group and copies across replicas: reduce over the former.
+        op = torch.distributed.ReduceOp.MAX if norm_type == float("inf") else None
+        collectives.all_reduce(total, state.groups[0].groups.shard, op=op)
+    norm = total if norm_type == float("inf") else total ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for group in trainable:
+        group.flat_param.grad.mul_(coef.to(group.flat_param.grad.dtype))
+    return norm
+
+
+@contextlib.contextmanager
+def summon_full_params(module: nn.Module, writeback: bool = True) -> Iterator[None]:
+    """Expose the full master parameters under their original names for the body of the context.
+
+    With `writeback=True`, changes made through them are copied back into this rank's shards on exit
+    (each rank writes only its own shard). Not allowed between forward and backward.
+    """
+    state = _state(module, "summon_full_params()")
+    state.check_idle("summon_full_params()")
+    fulls = []
+    with torch.no_grad():
+        for group in state.groups:
+            full = group.gather_master()
+            group.set_master_views(full)
+            fulls.append(full)
+    try:
+        yield
+    finally:
+        for group, full in zip(state.groups, fulls):
+            if writeback:
+                group.write_back(full)
+            group.drop_views()
+
+
+class ShardedModule:
+    """Mixed into the class of every module `shard` returns: the functions above as methods."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return no_sync(self)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return clip_grad_norm_(self, max_norm, norm_type)
+
+    def summon_full_params(self, writeback: bool = True) -> contextlib.AbstractContextManager[None]:
+        return summon_full_params(self, writeback)
+
+
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    if cls not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+    return _SHARDED_CLASSES[cls]

@@ -1,0 +1,206 @@
+"""FlatGroup: one flat parameter, its local shard, its gathered buffer and its gradient reduction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from shardckpt.runtime import collectives
+from shardckpt.runtime.collectives import Groups, Handle
+from shardckpt.runtime.layout import FlatLayout
+
+
+@dataclass(frozen=True)
+class Member:
+    """One parameter of a group and every (module, attribute) it is reachable as (more than one when tied)."""
+
+    name: str
+    shape: tuple[int, ...]
+    owners: tuple[tuple[nn.Module, str], ...]
+    aliases: tuple[str, ...] = ()
+
+
+def divide_factors(world: int) -> tuple[float, float]:
+    """FSDP's split of the 1/world gradient average into a pre- and a post-reduction divide, so that
+    low-precision sums neither overflow (divide before) nor underflow (divide only after)."""
+    pre = 1
+    while world % pre == 0 and world / pre > pre:
+        pre *= 2
+    return float(pre), world / pre
+
+
+class FlatGroup:
+    """The members of one module (trainable or frozen ones) flattened into one sharded parameter.
+
+    Public: `layout` (FlatLayout), `flat_param` (the local shard: an nn.Parameter, 1-D,
+    `layout.shard_numel` long, in the master dtype; what the optimizer holds), `prefix` (the FQN of
+    the owning module, '' for the root), `name` (a unique, non-empty key: the prefix, '<root>' for
+    the root, plus '<frozen>' for the frozen group of a module) and `module`.
+    """
+
+    def __init__(self, module: nn.Module, prefix: str, members: list[tuple[Member, torch.Tensor]],
+                 layout: FlatLayout, groups: Groups, compute_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+        self.module, self.prefix, self.layout = module, prefix, layout
+        self.name = (prefix or "<root>") + ("" if layout.requires_grad else "<frozen>")
+        self._members, self._groups = [member for member, _ in members], groups
+        self._reduce_dtype = reduce_dtype
+        self._pre_divide, self._post_divide = divide_factors(groups.data_parallel_size)
+        shard = self._local_shard([param for _, param in members])
+        self.flat_param = nn.Parameter(shard, requires_grad=layout.requires_grad)
+        # The gathered parameter: an autograd leaf whose split views stand in for the originals.
+        # Its storage is allocated only while unsharded; collectives write through `_target`, an alias
+        # with its own version counter, so refilling it never trips autograd's saved-tensor checks.
+        self._full = torch.empty(layout.padded_numel, dtype=compute_dtype, device=self.flat_param.device)
+        self._full.requires_grad_(layout.requires_grad)
+        self._target = self._full.data
+        self._free_storage()
+        self._gather: Handle | None = None
+        self._gather_src: torch.Tensor | None = None
+        self._reduce: tuple[Handle, torch.Tensor] | None = None
+        self._pending_grad: torch.Tensor | None = None
+        self.unsharded = False
+
+    def _local_shard(self, params: list[torch.Tensor]) -> torch.Tensor:
+        layout, rank = self.layout, self._groups.shard_rank
+        shard = torch.zeros(layout.shard_numel, dtype=layout.torch_dtype, device=params[0].device)
+        with torch.no_grad():
+            for index, param in enumerate(params):
+                piece = layout.member_in_shard(index, rank)
+                if piece is not None:
+                    src, dst, length = piece
+                    shard[dst:dst + length].copy_(param.reshape(-1)[src:src + length])
+        return shard
+
+    # --- gathering ------------------------------------------------------------------------------
+
+    def _free_storage(self) -> None:
+        self._full.untyped_storage().resize_(0)
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Start (or do) the all-gather of the flat parameter in the compute dtype; no-op if under way."""
+        if self.unsharded or self._gather is not None:
+            return
+        storage = self._full.untyped_storage()
+        storage.resize_(self._full.numel() * self._full.element_size())
+        self._gather_src = self.flat_param.detach().to(self._full.dtype)
+        self._gather = collectives.all_gather(self._target, self._gather_src, self._groups.shard, async_op)
+
+    def wait_unshard(self) -> None:
+        if self._gather is None and not self.unsharded:
+            self.unshard()
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather = self._gather_src = None
+            self.unsharded = True
+
+    def use_views(self) -> None:
+        """Point every owner attribute at a fresh view of the gathered buffer (a new autograd graph)."""
+        sizes, end = [], 0
+        for offset, numel in zip(self.layout.offsets, self.layout.numels):
+            sizes += [offset - end, numel]
+            end = offset + numel
+        sizes.append(self.layout.padded_numel - end)
+        chunks = torch.split(self._full, sizes)
+        for member, chunk in zip(self._members, chunks[1::2]):
+            view = chunk.view(member.shape)
+            for module, attr in member.owners:
+                module.__dict__[attr] = view
+
+    def reshard(self) -> None:
+        """Free the gathered buffer and drop the owner attributes (autograd keeps what it saved)."""
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather = self._gather_src = None
+        if self.unsharded:
+            self._free_storage()
+            self.unsharded = False
+        self.drop_views()
+
+    def drop_views(self) -> None:
+        for member in self._members:
+            for module, attr in member.owners:
+                module.__dict__.pop(attr, None)
+
+    # --- gradients ------------------------------------------------------------------------------
+
+    def register_grad_hook(self, hook: Callable[[FlatGroup], None]) -> None:
+        """Call `hook(self)` once per backward, when the gathered parameter's gradient is complete."""
+        if self.layout.requires_grad:
+            self._full.register_post_accumulate_grad_hook(lambda _: hook(self))
+
+    def reduce_grad(self, sync: bool) -> None:
+        """Take the gathered gradient; keep it for later (no_sync) or start its reduce-scatter."""
+        grad, self._full.grad = self._full.grad, None
+        if grad is None:
+            return
+        if not sync:
+            self._pending_grad = grad.float() if self._pending_grad is None else self._pending_grad.add_(grad)
+            return
+        total = grad.to(self._reduce_dtype)  # ours alone now: safe to divide in place
+        if self._pending_grad is not None:
+            total.add_(self._pending_grad.to(self._reduce_dtype))
+            self._pending_grad = None
+        if self._pre_divide != 1:
+            total.div_(self._pre_divide)
+        if self._groups.shard is None:
+            self._reduce = (Handle(), total)
+            return
+        out = torch.empty(self.layout.shard_numel, dtype=self._reduce_dtype, device=total.device)
+        self._reduce = (collectives.reduce_scatter(out, total, self._groups.shard, async_op=True), out)
+
+    def finish_reduce_scatter(self) -> None:
+        """Wait for the reduce-scatter and start the all-reduce across replicas (NO_SHARD, HYBRID_SHARD)."""
+        if self._reduce is None:
+            return
+        handle, out = self._reduce
+        handle.wait()
+        self._reduce = (collectives.all_reduce(out, self._groups.replicate, async_op=True), out)
+
+    def finish_grad(self) -> None:
+        """Wait for the reduction, finish the average and accumulate into `flat_param.grad` (master dtype)."""
+        if self._reduce is None:
+            return
+        handle, out = self._reduce
+        self._reduce = None
+        handle.wait()
+        if self._post_divide != 1:
+            out.div_(self._post_divide)
+        grad = out.to(self.flat_param.dtype)
+        if self.flat_param.grad is None:
+            self.flat_param.grad = grad
+        else:
+            self.flat_param.grad += grad
+
+    # --- full master parameters (summon_full_params) ----------------------------------------------
+
+    def gather_master(self) -> torch.Tensor:
+        """All-gather the master shards into a new full flat tensor (padded, master dtype)."""
+        full = torch.empty(self.layout.padded_numel, dtype=self.flat_param.dtype, device=self.flat_param.device)
+        collectives.all_gather(full, self.flat_param.detach(), self._groups.shard)
+        return full
+
+    def set_master_views(self, full: torch.Tensor) -> None:
+        for member, offset, numel in zip(self._members, self.layout.offsets, self.layout.numels):
+            view = full[offset:offset + numel].view(member.shape)
+            for module, attr in member.owners:
+                module.__dict__[attr] = view
+
+    def write_back(self, full: torch.Tensor) -> None:
+        start, stop = self.layout.shard_range(self._groups.shard_rank)
+        with torch.no_grad():
+            self.flat_param.copy_(full[start:stop])
+
+    def local_grad_norm_power(self, norm_type: float) -> torch.Tensor | None:
+        """sum(|g|^p) (or max |g| for inf) over the local gradient shard, in fp32; None without a gradient."""
+        grad = self.flat_param.grad
+        if grad is None:
+            return None
+        if norm_type == float("inf"):
+            return grad.detach().abs().max().float()
+        return torch.linalg.vector_norm(grad.detach().float(), norm_type) ** norm_type
+
+    @property
+    def groups(self) -> Groups:
+        return self._groups

@@ -1,0 +1,171 @@
+"""The per-model runtime state and the module/autograd hooks that drive gathering and reduction.
+
+One `ShardState` per `shard()` call, kept in a registry keyed by the root module (no state is hung on
+the user's submodules). Each wrapped module (and the root) is a `Unit` with up to two FlatGroups
+(trainable and frozen members). The sequence, per unit:
+
+forward:  pre-hook: all-gather (or wait for the prefetch), point the original names at views,
+          prefetch the next unit in the recorded forward order;
+          post-hook: free (FULL_SHARD, HYBRID_SHARD, or when no backward will follow), and hook the
+          outputs so that backward re-gathers first.
+backward: output-gradient hook: all-gather again if freed, prefetch the previous unit;
+          gradient-ready hook (per group): start the reduce-scatter, free the buffer;
+          end of backward (engine callback): finish every reduction, free what is left.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from shardckpt.errors import ShardingError
+from shardckpt.runtime.config import MixedPrecision, ShardingStrategy
+from shardckpt.runtime.flat_group import FlatGroup
+
+_RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+class Unit:
+    """A module whose parameters form their own group(s): the root, or one named by the wrap policy."""
+
+    def __init__(self, module: nn.Module, prefix: str, groups: list[FlatGroup]) -> None:
+        self.module, self.prefix, self.groups = module, prefix, groups
+
+    @property
+    def unsharded(self) -> bool:
+        return any(group.unsharded for group in self.groups)
+
+    def unshard(self, async_op: bool) -> None:
+        for group in self.groups:
+            group.unshard(async_op)
+
+    def wait_and_use_views(self) -> None:
+        for group in self.groups:
+            group.wait_unshard()
+            group.use_views()
+
+    def wait(self) -> None:
+        for group in self.groups:
+            group.wait_unshard()
+
+    def reshard(self) -> None:
+        for group in self.groups:
+            group.reshard()
+
+
+class ShardState:
+    """Everything `shard()` set up for one root module, and the hooks that use it."""
+
+    def __init__(self, root: nn.Module, units: list[Unit], groups: list[FlatGroup],
+                 strategy: ShardingStrategy, mixed_precision: MixedPrecision | None) -> None:
+        self.root, self.units, self.groups = root, units, groups
+        self.strategy, self.mixed_precision = strategy, mixed_precision
+        self.sync_grads = True
+        self._order: list[Unit] = []
+        self._order_done = False
+        self._position: dict[int, int] = {}
+        self._callback_queued = False
+
+    def install(self) -> None:
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(lambda m, a, k, u=unit: self._pre_forward(u, a, k),
+                                                  with_kwargs=True)
+            unit.module.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
+            for group in unit.groups:
+                group.register_grad_hook(self._on_grad_ready)
+
+    # --- forward ------------------------------------------------------------------------------------
+
+    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if unit.module is self.root:
+            self._root_pre_forward()
+        if not self._order_done:
+            self._position[id(unit)] = len(self._order)
+            self._order.append(unit)
+        unit.unshard(async_op=False)
+        unit.wait_and_use_views()
+        self._prefetch(unit, step=1)
+        if unit.module is self.root and self.mixed_precision and self.mixed_precision.param_dtype:
+            dtype = self.mixed_precision.param_dtype
+            return tree_map(lambda x: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x,
+                            (args, kwargs))
+        return None
+
+    def _root_pre_forward(self) -> None:
+        # The order recorded in the first forward drives prefetching from the second on.
+        if self._order and not self._order_done:
+            self._order_done = True
+
+    def _prefetch(self, unit: Unit, step: int) -> None:
+        """Start the all-gather of the unit `step` places away in forward order, to overlap with compute."""
+        if not self._order_done or id(unit) not in self._position:
+            return
+        index = self._position[id(unit)] + step
+        if 0 <= index < len(self._order):
+            self._order[index].unshard(async_op=True)
+
+    def _post_forward(self, unit: Unit, output: Any) -> None:
+        grad_enabled = torch.is_grad_enabled()
+        is_root = unit.module is self.root
+        if not grad_enabled or (self.strategy in _RESHARD_AFTER_FORWARD and not is_root):
+            # The root stays gathered: its backward starts right away. Without grad nothing follows.
+            unit.reshard()
+        if grad_enabled:
+            tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+            for tensor in tensors:
+                tensor.register_hook(lambda grad, u=unit: self._pre_backward(u, grad))
+
+    # --- backward -----------------------------------------------------------------------------------
+
+    def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+        if not unit.unsharded:
+            unit.unshard(async_op=False)
+        unit.wait()
+        self._prefetch(unit, step=-1)
+        return grad
+
+    def _on_grad_ready(self, group: FlatGroup) -> None:
+        group.reduce_grad(self.sync_grads)
+        group.reshard()
+
+    def _post_backward(self) -> None:
+        self._callback_queued = False
+        for group in self.groups:
+            group.finish_reduce_scatter()
+        for group in self.groups:
+            group.finish_grad()
+        for unit in self.units:
+            unit.reshard()
+
+    # --- queries used by the public functions -----------------------------------------------------------
+
+    def check_idle(self, what: str) -> None:
+        busy = [unit.prefix or "<root>" for unit in self.units if unit.unsharded]
+        if busy:
+            raise ShardingError(f"{what} cannot run between forward and backward: groups {busy} are gathered "
+                                "for compute; call it after backward (or before forward)")
+
+
+_STATES: weakref.WeakKeyDictionary[nn.Module, ShardState] = weakref.WeakKeyDictionary()
+# Every module inside a sharded tree -> its root, to refuse sharding (part of) a sharded model again.
+_MEMBERS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+
+
+def register(state: ShardState) -> None:
+    _STATES[state.root] = state
+    for module in state.root.modules():
+        _MEMBERS[module] = state.root
+
+
+def state_of(module: nn.Module) -> ShardState | None:
+    return _STATES.get(module)
+
+
+def sharded_root_of(module: nn.Module) -> nn.Module | None:
+    return _MEMBERS.get(module)
