@@ -6,10 +6,10 @@ import os
 import sys
 
 from shardckpt import __version__
-from shardckpt.cli import inspect_cmd, verify_cmd
+from shardckpt.cli import demo_cmd, inspect_cmd, verify_cmd
 from shardckpt.errors import CheckpointError
 
-SUBCOMMANDS = (inspect_cmd, verify_cmd)
+SUBCOMMANDS = (inspect_cmd, verify_cmd, demo_cmd)
 
 EXIT_OK, EXIT_FAILED_CHECK, EXIT_USAGE = 0, 1, 2
 
