@@ -1,0 +1,328 @@
+"""Hostile manifests and indexes: every one must raise a CheckpointError subclass that names the file, and
+nothing outside the checkpoint directory may be read into a tensor, written or removed."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardckpt
+from shardckpt import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
+from shardckpt.storage.checksum import crc32c
+from tests.checkpoint.cases import reference
+from tests.storage._util import assert_tree_equal, zeros_like_tree
+
+MANIFEST = "manifest.json"
+
+
+class Ckpt:
+    """A valid checkpoint at ``<tmp>/area/ckpt``, with bait files around it."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.dir = tmp / "area" / "ckpt"
+        shardckpt.save(reference(), str(self.dir))
+        self.raw = (self.dir / MANIFEST).read_bytes()
+        self.doc = json.loads(self.raw)
+        (self.file,) = self.doc["files"]
+        self.index_rel = self.file["index"]["path"]
+        self.index_raw = (self.dir / self.index_rel).read_bytes()
+        self.index_doc = json.loads(self.index_raw)
+        # Bait: files a path escaping the root would reach, and a directory a bad generation could remove.
+        (tmp / "area" / "x").write_bytes(b"\0" * 4096)
+        (tmp / "victim").mkdir()
+        (tmp / "victim" / "keep.bin").write_bytes(os.urandom(4096))
+        (self.dir / "data-x").mkdir()  # makes "data-x/../../../victim" resolve outside on a real file system
+
+    def doc_copy(self) -> dict:
+        return copy.deepcopy(self.doc)
+
+    def write_manifest(self, data: bytes | dict) -> None:
+        if isinstance(data, dict):
+            data = json.dumps(data).encode()
+        (self.dir / MANIFEST).write_bytes(data)
+
+    def write_index(self, index_doc: dict, fix_manifest: bool = True) -> None:
+        """Replace the index; with ``fix_manifest`` also record its new size and CRC (so that it is trusted)."""
+        data = json.dumps(index_doc, separators=(",", ":")).encode()
+        (self.dir / self.index_rel).write_bytes(data)
+        if fix_manifest:
+            doc = self.doc_copy()
+            doc["files"][0]["index"].update(size=len(data), crc32c=crc32c(data))
+            self.write_manifest(doc)
+
+    def outside(self) -> dict[str, str]:
+        """Digest of every file under the temp dir but outside the checkpoint directory."""
+        out = {}
+        for p in sorted(self.tmp.rglob("*")):
+            if self.dir in p.parents or p == self.dir:
+                continue
+            out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        return out
+
+    def inside(self) -> dict[str, str]:
+        return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(self.dir.rglob("*"))
+                if p.is_file()}
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    return Ckpt(tmp_path)
+
+
+def _set(path: list, value):
+    def edit(doc: dict) -> dict:
+        node = doc
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value
+        return doc
+    return edit
+
+
+def _del(path: list):
+    def edit(doc: dict) -> dict:
+        node = doc
+        for k in path[:-1]:
+            node = node[k]
+        del node[path[-1]]
+        return doc
+    return edit
+
+
+F0 = ["files", 0]
+TINY = ["tensors", "model.tiny"]
+# name -> edit of the parsed manifest (a dict)
+MANIFEST_EDITS = {
+    "data path ../x": _set(F0 + ["path"], "../x"),
+    "data path ../../victim/keep.bin": _set(F0 + ["path"], "../../victim/keep.bin"),
+    "data path /etc/passwd": _set(F0 + ["path"], "/etc/passwd"),
+    "data path through data-x/..": _set(F0 + ["path"], "data-x/../../../victim/keep.bin"),
+    "data path with dot segment": _set(F0 + ["path"], "./manifest.json"),
+    "data path empty": _set(F0 + ["path"], ""),
+    "data path backslashes": _set(F0 + ["path"], "..\\..\\victim\\keep.bin"),
+    "data path file url": _set(F0 + ["path"], "file:///etc/passwd"),
+    "data path not a string": _set(F0 + ["path"], ["a"]),
+    "index path ../../etc/passwd": _set(F0 + ["index", "path"], "../../etc/passwd"),
+    "index path absolute": _set(F0 + ["index", "path"], "/etc/hostname"),
+    "generation ../../etc": _set(["generation"], "../../etc"),
+    "generation x/../../../victim": _set(["generation"], "x/../../../victim"),
+    "generation empty": _set(["generation"], ""),
+    "generation not a string": _set(["generation"], 7),
+    "shape of 2**60 elements": _set(TINY + ["shape"], [2 ** 30, 2 ** 30]),
+    "dimension 2**60": _set(TINY + ["shape"], [2 ** 60]),
+    "negative dimension": _set(TINY + ["shape"], [-2, -5]),
+    "float dimension": _set(TINY + ["shape"], [2.0, 5]),
+    "bool dimension": _set(TINY + ["shape"], [True, 10]),
+    "65 dimensions": _set(TINY + ["shape"], [1] * 65),
+    "negative file size": _set(F0 + ["size"], -1),
+    "file size 2**80": _set(F0 + ["size"], 2 ** 80),
+    "negative index size": _set(F0 + ["index", "size"], -5),
+    "index crc out of range": _set(F0 + ["index", "crc32c"], 2 ** 32),
+    "tensor crc negative": _set(TINY + ["crc32c"], -1),
+    "chunk size not tiling": _set(TINY + ["chunks", "size"], 3),
+    "chunk count negative": _set(TINY + ["chunks", "count"], -1),
+    "chunk file index past the files": _set(TINY + ["chunks", "files"], {"first": 5, "step": 1}),
+    "chunk file list past the files": _set(TINY + ["chunks", "files"], [3]),
+    "explicit chunk out of bounds": _set(TINY + ["chunks"], [{"flat": [0, 11], "file": 0}]),
+    "explicit chunks overlapping": _set(TINY + ["chunks"], [{"flat": [0, 10], "file": 0},
+                                                            {"flat": [5, 10], "file": 0}]),
+    "explicit chunk box of wrong rank": _set(TINY + ["chunks"], [{"box": {"offsets": [0], "sizes": [10]},
+                                                                  "file": 0}]),
+    "explicit chunk garbage": _set(TINY + ["chunks"], [{"flat": "ab"}]),
+    "unknown dtype": _set(TINY + ["dtype"], "float128"),
+    "dtype not a string": _set(TINY + ["dtype"], {"$tensor": "x"}),
+    "dtype python object": _set(TINY + ["dtype"], "object"),
+    "tensor ref to a nonexistent tensor": _set(["tree", "model", "tiny"], {"$tensor": "model.nope"}),
+    "tensor entry without ref": _set(["tree", "model", "tiny"], 3),
+    "tensor referenced twice": _set(["tree", "model", "scalar"], {"$tensor": "model.tiny"}),
+    "tensor ref not a string": _set(["tree", "model", "tiny"], {"$tensor": 5}),
+    "unknown tag in tree": _set(["tree", "model", "tiny"], {"$pickle": "cos\nsystem\n"}),
+    "tensors is a list": _set(["tensors"], []),
+    "files is an object": _set(["files"], {}),
+    "missing files": _del(["files"]),
+    "missing tree": _del(["tree"]),
+    "missing tensor chunks": _del(TINY + ["chunks"]),
+    "format name wrong": _set(["format"], "safetensors"),
+    "version 0": _set(["version"], 0),
+    "version string": _set(["version"], "1"),
+    "version huge": _set(["version"], 2 ** 64),
+    "world size 0": _set(["world_size"], 0),
+    "metadata a list": _set(["metadata"], [1]),
+}
+
+# name -> raw manifest bytes from the valid ones (json.dumps cannot write these)
+RAW_EDITS = {
+    "duplicate tensor name": lambda raw, doc: raw.replace(
+        b'"tensors":{', b'"tensors":{"model.tiny":' + json.dumps(doc["tensors"]["model.cube"],
+                                                                 separators=(",", ":")).encode() + b",", 1),
+    "duplicate tree key": lambda raw, doc: raw.replace(b'"tree":{', b'"tree":{"step":11,', 1),
+    "duplicate top-level generation": lambda raw, doc: raw[:-1] + b',"generation":"00ff"}',
+    "not JSON": lambda raw, doc: b"\x89PNG\r\n\x1a\n garbage \xff\xfe",
+    "empty file": lambda raw, doc: b"",
+    "truncated JSON": lambda raw, doc: raw[: len(raw) // 3],
+    "JSON null": lambda raw, doc: b"null",
+    "JSON list": lambda raw, doc: b"[1, 2]",
+    "invalid UTF-8 in a key": lambda raw, doc: raw.replace(b'"model.tiny"', b'"model.\xff\xfe"'),
+    "deeply nested": lambda raw, doc: b"[" * 200_000 + b"]" * 200_000,
+    "deeply nested tree": lambda raw, doc: raw.replace(b'"step":10', b'"step":' + b'{"a":' * 5000 + b"1" + b"}" * 5000),
+    "NaN as a size": lambda raw, doc: raw.replace(b'"size":%d' % doc["files"][0]["size"], b'"size":NaN', 1),
+    "a 5000-digit integer": lambda raw, doc: raw.replace(b'"size":%d' % doc["files"][0]["size"],
+                                                        b'"size":' + b"9" * 5000, 1),
+}
+
+
+def _check_rejected(ckpt: Ckpt, names: tuple[str, ...], exc=CorruptCheckpointError) -> None:
+    """load_full, strict load and non-strict load all raise ``exc`` naming one of ``names``; nothing changes."""
+    outside, inside = ckpt.outside(), ckpt.inside()
+    calls = {
+        "load_full": lambda: shardckpt.load_full(str(ckpt.dir)),
+        "load": lambda: shardckpt.load(zeros_like_tree(reference()), str(ckpt.dir)),
+        "load strict=False": lambda: shardckpt.load(zeros_like_tree(reference()), str(ckpt.dir), strict=False),
+    }
+    for what, call in calls.items():
+        with pytest.raises(CheckpointError) as info:
+            call()
+        assert isinstance(info.value, exc), f"{what}: {type(info.value).__name__}: {info.value}"
+        assert any(n in str(info.value) for n in names), f"{what}: the message does not name {names}: {info.value}"
+    assert ckpt.outside() == outside and ckpt.inside() == inside
+    # Overwriting a checkpoint whose manifest is hostile removes nothing outside it and works.
+    shardckpt.save(reference(), str(ckpt.dir), overwrite=True)
+    assert ckpt.outside() == outside
+    assert_tree_equal(shardckpt.load_full(str(ckpt.dir)), reference())
+
+
+@pytest.mark.parametrize("case", sorted(MANIFEST_EDITS))
+def test_hostile_manifest_field(ckpt, case):
+    ckpt.write_manifest(MANIFEST_EDITS[case](ckpt.doc_copy()))
+    _check_rejected(ckpt, (str(ckpt.dir / MANIFEST),))
+
+
+@pytest.mark.parametrize("case", sorted(RAW_EDITS))
+def test_hostile_manifest_text(ckpt, case):
+    data = RAW_EDITS[case](ckpt.raw, ckpt.doc)
+    assert data != ckpt.raw
+    ckpt.write_manifest(data)
+    _check_rejected(ckpt, (str(ckpt.dir / MANIFEST),))
+
+
+@pytest.mark.parametrize("version", [2, 1000])
+def test_newer_format_version_is_incompatible(ckpt, version):
+    doc = ckpt.doc_copy()
+    doc["version"] = version
+    doc["tensors"]["model.tiny"]["dtype"] = "float4_future"  # a newer version may hold what v1 cannot parse
+    ckpt.write_manifest(doc)
+    _check_rejected(ckpt, (str(ckpt.dir / MANIFEST),), exc=IncompatibleCheckpointError)
+
+
+# --------------------------------------------------------------------------------------------- indexes
+
+
+def _rows(ckpt: Ckpt) -> dict[str, list]:
+    return {row[0]: row for row in ckpt.index_doc["chunks"]}
+
+
+def _index_edit(ckpt: Ckpt, name: str, field: int, value) -> dict:
+    doc = copy.deepcopy(ckpt.index_doc)
+    for row in doc["chunks"]:
+        if row[0] == name:
+            row[field] = value
+    return doc
+
+
+INDEX_EDITS = {
+    "offset+length past the end": lambda c: _index_edit(c, "model.cube", 2, c.file["size"] - 8),
+    "offset past the end": lambda c: _index_edit(c, "model.cube", 2, c.file["size"] + 4096),
+    "offset 2**62": lambda c: _index_edit(c, "model.cube", 2, 2 ** 62),
+    "offset 2**80": lambda c: _index_edit(c, "model.cube", 2, 2 ** 80),
+    "negative offset": lambda c: _index_edit(c, "model.cube", 2, -64),
+    "length too long for the region": lambda c: _index_edit(c, "model.cube", 3, _rows(c)["model.cube"][3] + 4),
+    "length too short for the region": lambda c: _index_edit(c, "model.cube", 3, 4),
+    "negative length": lambda c: _index_edit(c, "model.cube", 3, -4),
+    "unknown codec": lambda c: _index_edit(c, "model.cube", 5, "pickle"),
+    "chunk number huge": lambda c: _index_edit(c, "model.cube", 1, 2 ** 70),
+    "row too short": lambda c: dict(c.index_doc, chunks=c.index_doc["chunks"][:-1] + [["model.cube", 0, 0]]),
+    "row is an object": lambda c: dict(c.index_doc, chunks=[{"name": "model.cube"}]),
+    "duplicate row": lambda c: dict(c.index_doc, chunks=c.index_doc["chunks"] + [_rows(c)["model.cube"]]),
+    "missing row": lambda c: dict(c.index_doc, chunks=[r for r in c.index_doc["chunks"] if r[0] != "model.cube"]),
+    "wrong format name": lambda c: dict(c.index_doc, format="shardckpt"),
+    "chunks not a list": lambda c: dict(c.index_doc, chunks={}),
+    "overlapping chunks with right CRCs": lambda c: _index_edit(c, "model.cube", 2, _rows(c)["model.tiny"][2]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INDEX_EDITS))
+def test_hostile_index_recorded_in_manifest(ckpt, case):
+    """An index whose size and CRC the (equally hostile) manifest vouches for: its content is still checked."""
+    ckpt.write_index(INDEX_EDITS[case](ckpt))
+    # The index or the data file it describes (with the tensor) may be named.
+    _check_rejected(ckpt, (str(ckpt.dir / ckpt.index_rel), str(ckpt.dir / ckpt.file["path"])))
+
+
+def test_index_not_matching_manifest_crc(ckpt):
+    ckpt.write_index(INDEX_EDITS["offset past the end"](ckpt), fix_manifest=False)
+    _check_rejected(ckpt, (str(ckpt.dir / ckpt.index_rel),))
+
+
+def test_manifest_file_size_larger_than_the_file(ckpt):
+    """The manifest claims a bigger data file and the index points into the claimed part."""
+    index = INDEX_EDITS["offset past the end"](ckpt)
+    data = json.dumps(index, separators=(",", ":")).encode()
+    (ckpt.dir / ckpt.index_rel).write_bytes(data)
+    doc = ckpt.doc_copy()
+    doc["files"][0]["size"] = ckpt.file["size"] + 1 << 20
+    doc["files"][0]["index"].update(size=len(data), crc32c=crc32c(data))
+    ckpt.write_manifest(doc)
+    _check_rejected(ckpt, (str(ckpt.dir / ckpt.file["path"]),))
+
+
+# ------------------------------------------------------------------------------------ absurd but consistent
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "load_full (checkpoint/load.py, `torch.empty(entry.shape, ...)` in load_full) allocates every tensor at the "
+    "manifest's shape before any stored byte or index is checked: a manifest claiming a tensor of 2**50 "
+    "elements (within MAX_NUMEL) gets a RuntimeError from torch's allocator instead of CorruptCheckpointError"))
+@pytest.mark.parametrize("claimed_file_size", ["as stored", "2**61"])
+def test_absurd_but_self_consistent_shape(ckpt, claimed_file_size):
+    doc = ckpt.doc_copy()
+    # 2**50 complex128 elements: 16 PiB, beyond any address space, so no allocator can succeed.
+    doc["tensors"]["model.tiny"].update(dtype="complex128", shape=[2 ** 25, 2 ** 25],
+                                        chunks={"size": 2 ** 50, "count": 1, "files": [0]})
+    if claimed_file_size != "as stored":
+        doc["files"][0]["size"] = 2 ** 61
+    ckpt.write_manifest(doc)
+    outside = ckpt.outside()
+    with pytest.raises(CorruptCheckpointError, match="model.tiny"):
+        shardckpt.load_full(str(ckpt.dir))
+    assert ckpt.outside() == outside
+
+
+def test_absurd_shape_against_a_state_dict_is_a_mismatch(ckpt):
+    """load into a caller's state dict compares shapes first: nothing is allocated."""
+    doc = ckpt.doc_copy()
+    doc["tensors"]["model.tiny"].update(shape=[2 ** 25, 2 ** 25], chunks={"size": 2 ** 50, "count": 1, "files": [0]})
+    ckpt.write_manifest(doc)
+    for strict in (True, False):
+        with pytest.raises(IncompatibleCheckpointError, match="model.tiny"):
+            shardckpt.load(zeros_like_tree(reference()), str(ckpt.dir), strict=strict)
+
+
+# ------------------------------------------------------------------------------------------ symlinks
+
+
+def test_overwrite_does_not_follow_a_symlinked_data_directory(ckpt):
+    """The old generation's data directory replaced by a symlink to elsewhere: overwrite must not empty elsewhere."""
+    gen_dir = ckpt.dir / f"data-{ckpt.doc['generation']}"
+    elsewhere = ckpt.tmp / "elsewhere"
+    gen_dir.rename(elsewhere)
+    gen_dir.symlink_to(elsewhere, target_is_directory=True)
+    before = sorted(p.name for p in elsewhere.iterdir())
+    shardckpt.save(reference(), str(ckpt.dir), overwrite=True)
+    assert sorted(p.name for p in elsewhere.iterdir()) == before
+    assert_tree_equal(shardckpt.load_full(str(ckpt.dir)), reference())
