@@ -20,7 +20,7 @@ GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
 class Attention(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)  # a key bias has a zero gradient: Adam would amplify noise
         self.proj = nn.Linear(DIM, DIM)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -52,6 +52,7 @@ class TinyTransformer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.tok = nn.Embedding(VOCAB, DIM)
+        nn.init.normal_(self.tok.weight, std=0.3)  # tied to the head: keep the first logits moderate
         self.pos = nn.Parameter(torch.randn(SEQ, DIM) * 0.1, requires_grad=False)
         self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
         self.ln_f = nn.LayerNorm(DIM)
