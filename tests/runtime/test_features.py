@@ -108,8 +108,61 @@ def _emulated_collectives() -> float:
     return max((a - b).abs().max().item() for a, b in zip(*runs))
 
 
+def _gathered_after(strategy: ShardingStrategy) -> dict[str, list[bool]]:
+    """Which groups hold a gathered buffer after forward, after backward, and after a no_grad forward."""
+    model = runtime.shard(_model.make_model(), strategy=strategy, wrap=(Block,))
+    ids, targets = _model.make_batches(1)[0]
+    state = {}
+    loss = _model.loss_fn(model, ids, targets)
+    state["forward"] = [g.unsharded for g in runtime.groups(model)]
+    loss.backward()
+    state["backward"] = [g.unsharded for g in runtime.groups(model)]
+    with torch.no_grad():
+        _model.loss_fn(model, ids, targets)
+    state["no_grad"] = [g.unsharded for g in runtime.groups(model)]
+    return state
+
+
+def _prefetches() -> list[int]:
+    """Per training step, how many all-gathers were issued asynchronously (prefetches)."""
+    native, counts = collectives.all_gather, []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        counts[-1] += bool(kwargs.get("async_op", args[3] if len(args) > 3 else False))
+        return native(*args, **kwargs)
+
+    model = runtime.shard(_model.make_model(), wrap=(Block,))
+    collectives.all_gather = counting
+    try:
+        for batch in _model.make_batches(2):
+            counts.append(0)
+            _model.loss_fn(model, *_model.local_slice(batch, dist.get_rank(), dist.get_world_size())).backward()
+    finally:
+        collectives.all_gather = native
+    return counts
+
+
+def _default_hybrid_groups() -> dict[str, Any]:
+    """HYBRID_SHARD without groups shards within LOCAL_WORLD_SIZE blocks, and trains like the 2x2 mesh."""
+    import os
+
+    saved = os.environ["LOCAL_WORLD_SIZE"]
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        default = runtime.shard(_model.make_model(), strategy=ShardingStrategy.HYBRID_SHARD, wrap=(Block,))
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = saved
+    mesh = runtime.shard(_model.make_model(), strategy=ShardingStrategy.HYBRID_SHARD, wrap=(Block,),
+                         process_group=_helpers.mesh_for(ShardingStrategy.HYBRID_SHARD, 4))
+    losses = [_model.train(m, _model.make_batches(2), rank=dist.get_rank(), world=4)[0] for m in (default, mesh)]
+    return {"world_sizes": {g.layout.world_size for g in runtime.groups(default)}, "same": losses[0] == losses[1]}
+
+
 def _features() -> dict[str, Any]:
     return {
+        "gathered": {s.name: _gathered_after(s) for s in ShardingStrategy},
+        "prefetches": _prefetches(),
+        "hybrid_default": _default_hybrid_groups() if dist.get_world_size() == 4 else None,
         "clip": _clip(),
         "no_sync": {s.name: _no_sync_matches_big_batch(s) for s in ShardingStrategy},
         "summon": _summon_writeback(),
@@ -121,6 +174,16 @@ def _features() -> dict[str, Any]:
 def test_clip_no_sync_summon_and_emulation(world_size: int) -> None:
     results = run_ranks(world_size, _features)
     for result in results:
+        gathered = result["gathered"]
+        # Root groups stay gathered from forward to backward; blocks are freed after forward under FULL_SHARD.
+        assert gathered["FULL_SHARD"]["forward"] == [True, True, False, False, False, False]
+        assert gathered["HYBRID_SHARD"]["forward"] == [True, True, False, False, False, False]
+        assert all(gathered["SHARD_GRAD_OP"]["forward"]) and all(gathered["NO_SHARD"]["forward"])
+        assert not any(any(g["backward"]) or any(g["no_grad"]) for g in gathered.values())
+        # The first step records the order; the second prefetches forward (2 blocks) and backward.
+        assert result["prefetches"][0] == 0 and result["prefetches"][1] >= 4, result["prefetches"]
+        if world_size == 4:
+            assert result["hybrid_default"] == {"world_sizes": {2}, "same": True}
         clip = result["clip"]
         torch.testing.assert_close(clip["norms"], clip["reference_norms"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(clip["losses"], clip["reference_losses"], rtol=1e-5, atol=1e-6)

@@ -193,15 +193,25 @@ def _check_hybrid(groups: Groups) -> Groups:
     return groups
 
 
+_DEFAULT_HYBRID: dict[tuple[int, int], Groups] = {}
+
+
 def _default_hybrid_groups() -> Groups:
     """Shard within blocks of LOCAL_WORLD_SIZE consecutive ranks (a node), replicate across blocks."""
     world = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if local < 1 or world % local:
         local = world
+    # Made once per default group: every rank must create every group, and groups are not free.
+    key = (id(dist.group.WORLD), local)
+    if key not in _DEFAULT_HYBRID:
+        _DEFAULT_HYBRID[key] = _block_groups(world, local)
+    return _DEFAULT_HYBRID[key]
+
+
+def _block_groups(world: int, local: int) -> Groups:
     me = dist.get_rank()
     shard = replicate = None
-    # Every rank must create every group, in the same order.
     for start in range(0, world, local):
         group = dist.new_group(list(range(start, start + local)))
         shard = group if start <= me < start + local else shard
