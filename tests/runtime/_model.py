@@ -90,8 +90,8 @@ def loss_fn(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch
 
 
 def train(model: nn.Module, batches: list, *, rank: int = 0, world: int = 1,
-          clip: Callable[[], Any] | None = None, lr: float = 1e-2) -> tuple[list[float], list[float]]:
-    """AdamW steps on this rank's slice of each global batch; returns (local losses, clip norms)."""
+          clip: Callable[[], Any] | None = None, lr: float = 1e-2) -> tuple[list[float], list[Any]]:
+    """AdamW steps on this rank's slice of each global batch; returns (local losses, what `clip` returned)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     losses, norms = [], []
     for batch in batches:
@@ -99,7 +99,7 @@ def train(model: nn.Module, batches: list, *, rank: int = 0, world: int = 1,
         loss = loss_fn(model, *local_slice(batch, rank, world))
         loss.backward()
         if clip is not None:
-            norms.append(float(clip()))
+            norms.append(clip())
         opt.step()
         losses.append(loss.item())
     return losses, norms

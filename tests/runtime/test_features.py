@@ -45,8 +45,8 @@ def _clip() -> dict[str, Any]:
     reference = _helpers.reference_run(3, clip=0.3)
     model = runtime.shard(_model.make_model(), wrap=(Block,))
     losses, norms = _model.train(model, _model.make_batches(3), rank=rank, world=world,
-                                 clip=lambda: model.clip_grad_norm_(0.3))
-    return {"norms": norms, "reference_norms": [float(n) for n in reference["norms"]],
+                                 clip=lambda: _helpers.clip_both(model.clip_grad_norm_, 0.3))
+    return {"norms": norms, "reference_norms": reference["norms"],
             "losses": _helpers.global_mean(losses), "reference_losses": reference["losses"]}
 
 

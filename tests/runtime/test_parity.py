@@ -42,7 +42,8 @@ def test_training_matches_unsharded_and_fsdp2(strategy: str, world_size: int) ->
     if world_size == 1:
         assert result["losses"] == result["reference_losses"]
         assert result["vs_reference"][0] == 0.0, result["vs_reference"]
-    torch.testing.assert_close(result["losses"], result["reference_losses"], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(result["losses"], result["fsdp2_losses"], rtol=1e-5, atol=1e-6)
-    assert result["vs_reference"][0] < 1e-5, result["vs_reference"]
-    assert result["vs_fsdp2"][0] < 1e-5, result["vs_fsdp2"]
+    # Otherwise only the summation order of the gradient average differs: a few ulp after 5 steps.
+    torch.testing.assert_close(result["losses"], result["reference_losses"], rtol=2e-6, atol=0)
+    torch.testing.assert_close(result["losses"], result["fsdp2_losses"], rtol=2e-6, atol=0)
+    assert result["vs_reference"][0] < 2e-6, result["vs_reference"]
+    assert result["vs_fsdp2"][0] < 2e-6, result["vs_fsdp2"]

@@ -48,6 +48,8 @@ def shard(
     groups = collectives.resolve_groups(strategy, process_group, device)
     mp = mixed_precision or MixedPrecision()
     prefixes = unit_prefixes(module, wrap)
+    # The unsharded parameter order: optimizer state keyed by parameter ID refers to it.
+    param_names = tuple(name for name, _ in module.named_parameters())
     members = assign_parameters(module, prefixes)
     units = []
     for prefix in prefixes:
@@ -59,6 +61,7 @@ def shard(
     order = {id(p): i for i, p in enumerate(module.parameters())}
     flat_groups = sorted((g for u in units for g in u.groups), key=lambda g: order[id(g.flat_param)])
     state = ShardState(module, units, flat_groups, strategy, mixed_precision)
+    state.param_names = param_names
     state.install()
     register(state)
     module.__class__ = _sharded_class(type(module))
@@ -166,7 +169,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         total = torch.maximum(total, part) if norm_type == float("inf") else total + part
     if state.groups:
         # Shards are disjoint within a shard group and copies across replicas: reduce over the former.
-        op = torch.distributed.ReduceOp.MAX if norm_type == float("inf") else None
+        op = "max" if norm_type == float("inf") else "sum"
         collectives.all_reduce(total, state.groups[0].groups.shard, op=op)
     norm = total if norm_type == float("inf") else total ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -192,10 +195,11 @@ def summon_full_params(module: nn.Module, writeback: bool = True) -> Iterator[No
             fulls.append(full)
     try:
         yield
-    finally:
-        for group, full in zip(state.groups, fulls):
-            if writeback:
+        if writeback:  # not when the body raised
+            for group, full in zip(state.groups, fulls):
                 group.write_back(full)
+    finally:
+        for group in state.groups:
             group.drop_views()
 
 

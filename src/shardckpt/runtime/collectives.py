@@ -101,11 +101,12 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: ProcessGroup | 
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool = False,
-               op: Any = None) -> Handle:
-    """In-place all-reduce (SUM unless `op` is given, e.g. `dist.ReduceOp.MAX`)."""
+               op: str = "sum") -> Handle:
+    """In-place all-reduce; `op` is 'sum' or 'max'."""
     if size(group) == 1:
         return Handle()
-    return Handle(dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op))
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    return Handle(dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op))
 
 
 @dataclass(frozen=True)

@@ -124,8 +124,7 @@ class ShardState:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
-        if not unit.unsharded:
-            unit.unshard(async_op=False)
+        unit.unshard(async_op=False)  # a no-op for groups still gathered (or being gathered)
         unit.wait()
         self._prefetch(unit, step=-1)
         return grad
