@@ -17,9 +17,28 @@ from shardckpt.checkpoint.load import load, load_full
 from shardckpt.checkpoint.save import save
 from shardckpt.regions import Box, FlatRange
 from shardckpt.sharded_tensor import ShardedTensor
+from shardckpt.state_dict import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictType,
+    get_state_dict,
+    load_state,
+    rekey_optim_state_dict,
+    save_state,
+    set_state_dict,
+    state_dict_type,
+)
 
 __all__ = [
     "save", "load", "load_full", "ShardedTensor", "Box", "FlatRange",
+    "StateDictType", "FullStateDictConfig", "ShardedStateDictConfig", "LocalStateDictConfig",
+    "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig", "OptimStateKeyType",
+    "get_state_dict", "set_state_dict", "state_dict_type", "save_state", "load_state", "rekey_optim_state_dict",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompatibleCheckpointError", "ShardingError", "UnsupportedValueError",
 ]

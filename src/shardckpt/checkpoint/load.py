@@ -2,19 +2,22 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
-from shardckpt.checkpoint.group import Failure, Group, attempt, raise_failures, resolve_group
-from shardckpt.checkpoint.load_plan import match, plan_reads
-from shardckpt.checkpoint.reader import execute_reads
+from shardckpt.checkpoint.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
+from shardckpt.checkpoint.load_plan import Target, match, plan_reads
+from shardckpt.checkpoint.reader import check_data_file, execute_reads
 from shardckpt.checkpoint.save import DEFAULT_IO_THREADS
-from shardckpt.errors import CheckpointNotFoundError
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
+from shardckpt.regions import Region, check_region
 from shardckpt.storage.backend import Storage, open_storage
-from shardckpt.storage.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from shardckpt.storage.manifest import MANIFEST_NAME, Manifest, chunks_of, parse_manifest
 from shardckpt.storage.tree import TensorRef, leaves, path_name, set_at
 
+T = TypeVar("T")
 _ATTEMPTS = 3  # a concurrent overwrite can remove the data a reader is on; it then reloads the new checkpoint
 
 
@@ -36,18 +39,63 @@ def load(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
     ``IncompatibleCheckpointError`` before anything is read; otherwise the common keys load and dtypes
     are cast. ``verify_checksums`` checks the CRC32C of every chunk read whole.
     """
-    group = resolve_group(process_group)
-    storage = open_storage(path, storage_options)
+    _with_retries(resolve_group(process_group), open_storage(path, storage_options),
+                  lambda storage, manifest: _load_into(state_dict, storage, manifest, strict, verify_checksums,
+                                                       io_threads))
+
+
+def _with_retries(group: Group, storage: Storage, work: Callable[[Storage, Manifest], T]) -> T:
+    """Run ``work`` on the committed manifest; start over if a concurrent overwrite removed its data."""
     for attempt_no in range(_ATTEMPTS):
         manifest = _shared_manifest(group, storage)
-        outcome = attempt(group.rank, lambda: _load_into(state_dict, storage, manifest, strict, verify_checksums,
-                                                         io_threads))
+        outcome = attempt(group.rank, lambda: work(storage, manifest))
         outcomes = group.all_gather(outcome)
         if not any(isinstance(o, Failure) for o in outcomes):
-            return
+            return outcome
         if attempt_no + 1 < _ATTEMPTS and _generation_changed(group, storage, manifest):
             continue
         raise_failures(outcomes)
+
+
+@dataclass(frozen=True)
+class PieceRequest:
+    """Fill ``dest`` (contiguous) with ``region`` of the saved tensor named ``tensor``."""
+
+    tensor: str
+    region: Region
+    dest: torch.Tensor
+
+
+def load_pieces(path: str | os.PathLike, build: Callable[[Manifest], list[PieceRequest]], *,
+                process_group: Any = None, verify_checksums: bool = True, io_threads: int = DEFAULT_IO_THREADS,
+                storage_options: dict | None = None) -> Manifest:
+    """Collective, lower-level ``load``: ``build`` turns the committed manifest into explicit requests.
+
+    Used where destinations are not a state dict's leaves, e.g. slices of a runtime flat shard filled
+    straight from a checkpoint of any type. Returns the manifest (for its plain values). Dtypes are cast.
+    """
+    def work(storage: Storage, manifest: Manifest) -> Manifest:
+        targets = [_request_target(manifest, storage, r) for r in build(manifest)]
+        execute_reads(storage, manifest, plan_reads(targets), io_threads, verify_checksums)
+        return manifest
+
+    return _with_retries(resolve_group(process_group), open_storage(path, storage_options), work)
+
+
+def _request_target(manifest: Manifest, storage: Storage, request: PieceRequest) -> Target:
+    entry = manifest.tensors.get(request.tensor)
+    if entry is None:
+        raise IncompatibleCheckpointError(f"{storage.url(MANIFEST_NAME)}: the checkpoint has no tensor "
+                                          f"{request.tensor!r}")
+    try:
+        check_region(request.region, entry.shape)
+    except ValueError as e:
+        raise IncompatibleCheckpointError(f"tensor {request.tensor!r}: {e}") from None
+    if request.dest.numel() != request.region.numel or not request.dest.is_contiguous():
+        raise ValueError(f"destination for {request.tensor!r} must be contiguous with {request.region.numel} "
+                         "elements")
+    dest = request.dest.detach()
+    return Target(request.tensor, entry, request.region, dest, dest.reshape(-1), staged=False)
 
 
 def _shared_manifest(group: Group, storage: Storage) -> Manifest:
@@ -89,24 +137,40 @@ def load_full(path: str | os.PathLike, keys: Iterable[str] | None = None, *, ver
     ``keys`` restricts it to entries whose dotted name equals a key or starts with ``key + "."``
     (e.g. ``["model"]``); the result keeps the saved nesting.
     """
-    storage = open_storage(path, storage_options)
-    manifest = read_manifest(storage)
     prefixes = None if keys is None else tuple(keys)
 
     def wanted(name: str) -> bool:
         return prefixes is None or any(name == k or name.startswith(k + ".") for k in prefixes)
 
-    tree = manifest.tree
-    out: dict = {}
-    for leaf_path, leaf in leaves(tree, lambda v: isinstance(v, TensorRef)):
-        if not wanted(path_name(leaf_path)):
-            continue
+    def work(storage: Storage, manifest: Manifest) -> dict:
+        out: dict = {}
+        chosen = [(p, leaf) for p, leaf in leaves(manifest.tree, lambda v: isinstance(v, TensorRef))
+                  if wanted(path_name(p))]
+        _check_files_before_allocating(storage, manifest, [leaf for _, leaf in chosen])
+        for leaf_path, leaf in chosen:
+            if isinstance(leaf, TensorRef):
+                entry = manifest.tensors[leaf.name]
+                leaf = torch.empty(entry.shape, dtype=entry.dtype)
+            _insert(out, manifest.tree, leaf_path, leaf)
+        _load_into(out, storage, manifest, strict=False, verify=verify_checksums, io_threads=io_threads)
+        return out
+
+    return _with_retries(resolve_group(LOCAL), open_storage(path, storage_options), work)
+
+
+def _check_files_before_allocating(storage: Storage, manifest: Manifest, leaves_: list) -> None:
+    """Stored bytes must back what the manifest claims before memory is allocated for it."""
+    files = {f for leaf in leaves_ if isinstance(leaf, TensorRef)
+             for _, _, f in chunks_of(manifest.tensors[leaf.name])}
+    for f in sorted(files):
+        check_data_file(storage, manifest.files[f])
+    for leaf in leaves_:
         if isinstance(leaf, TensorRef):
             entry = manifest.tensors[leaf.name]
-            leaf = torch.empty(entry.shape, dtype=entry.dtype)
-        _insert(out, tree, leaf_path, leaf)
-    _load_into(out, storage, manifest, strict=False, verify=verify_checksums, io_threads=io_threads)
-    return out
+            held = sum(manifest.files[f].size for f in {f for _, _, f in chunks_of(entry)})
+            if entry.nbytes > held:
+                raise CorruptCheckpointError(f"{storage.url(MANIFEST_NAME)}: tensor {entry.name!r} claims "
+                                             f"{entry.nbytes} bytes, its data files hold {held}")
 
 
 def _insert(out: dict, tree: Any, path: tuple, leaf: Any) -> None:

@@ -22,8 +22,17 @@ from shardckpt.tensor_views import as_bytes, from_bytes, view_of
 Index = dict[tuple[str, int], ChunkRecord]
 
 
+def check_data_file(storage: Storage, file: FileEntry) -> None:
+    """The data file must have the size the manifest records (catches truncation and lying manifests early)."""
+    size = storage.file_size(file.path)
+    if size != file.size:
+        raise CorruptCheckpointError(f"{storage.url(file.path)}: data file has {size} bytes, the manifest records "
+                                     f"{file.size}")
+
+
 def read_index(storage: Storage, file: FileEntry) -> Index:
     """A data file's chunk index, checked against the size and CRC the manifest recorded for it."""
+    check_data_file(storage, file)
     url = storage.url(file.index_path)
     data = storage.read_bytes(file.index_path)
     if len(data) != file.index_size or crc32c(data) != file.index_crc32c:

@@ -182,6 +182,8 @@ class FsspecStorage:
         return f"{self._protocol}://{self.url(path)}" if "://" not in self.root else self.url(path)
 
     def exists(self, path: str) -> bool:
+        # Never answer from a listing cache: the manifest's existence is the commit point.
+        self.fs.invalidate_cache(posixpath.dirname(self.url(path)))
         return self.fs.exists(self.url(path))
 
     def read_bytes(self, path: str) -> bytes:
@@ -202,6 +204,7 @@ class FsspecStorage:
         out[:] = data
 
     def file_size(self, path: str) -> int:
+        self.fs.invalidate_cache(posixpath.dirname(self.url(path)))
         try:
             return int(self.fs.size(self.url(path)))
         except (OSError, KeyError) as e:

@@ -1,0 +1,96 @@
+"""The public state-dict functions: get/set any type in memory, and save/load a model + optimizer."""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from shardckpt.checkpoint.save import save
+from shardckpt.state_dict.model_state import get_model_state, set_model_state
+from shardckpt.state_dict.optim_state import get_optim_state, set_optim_state
+from shardckpt.state_dict.types import (
+    OptimStateKeyType,
+    StateDictConfig,
+    StateDictType,
+    resolve_config,
+)
+
+DEFAULT_TYPE = StateDictType.FULL_STATE_DICT
+"""The type ``model.state_dict()`` of a sharded model gives outside a ``state_dict_type`` context: FULL,
+as with FSDP, so that it matches the unsharded model's ``state_dict()``."""
+
+
+def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, type: StateDictType,
+                   config: StateDictConfig | None = None,
+                   optim_key: OptimStateKeyType = OptimStateKeyType.PARAM_NAME) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` of the given type (``"optim"`` only with an optimizer).
+
+    Works for models sharded by ``shardckpt.runtime.shard`` and for plain models. Collective for sharded
+    models (FULL and SHARDED move data between ranks; LOCAL does not). Optimizer state is keyed by
+    parameter name (FQN) or by ID (the unsharded model's ``named_parameters()`` order).
+    """
+    config = resolve_config(type, config)
+    out: dict[str, Any] = {"model": get_model_state(model, type, config)}
+    if optimizer is not None:
+        out["optim"] = get_optim_state(model, optimizer, type, config, optim_key)
+    return out
+
+
+def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, state_dict: dict[str, Any], *,
+                   type: StateDictType, config: StateDictConfig | None = None, strict: bool = True) -> None:
+    """Load a state dict of the given type, as ``get_state_dict`` made it at this world size and wrapping.
+
+    Checkpoints from another world size, wrapping or type load with ``load_state``. Mismatches raise
+    ``IncompatibleCheckpointError`` naming the key.
+    """
+    config = resolve_config(type, config)
+    set_model_state(model, state_dict["model"], type, config, strict)
+    if optimizer is not None and "optim" in state_dict:
+        set_optim_state(model, optimizer, state_dict["optim"], type, config)
+
+
+@contextlib.contextmanager
+def state_dict_type(model: nn.Module, type: StateDictType, config: StateDictConfig | None = None) -> Iterator[None]:
+    """Within the context, ``model.state_dict()`` and ``model.load_state_dict()`` of a sharded model use ``type``.
+
+    Unlike FSDP1's, nothing is set on submodules, and the previous setting is restored on exit even when
+    the body raises.
+    """
+    from shardckpt.runtime.state import state_of
+
+    state = state_of(model)
+    if state is None:
+        raise TypeError("state_dict_type() needs a model returned by shardckpt.runtime.shard()")
+    config = resolve_config(type, config)
+    previous = getattr(state, "state_dict_setting", None)
+    state.state_dict_setting = (type, config)
+    try:
+        yield
+    finally:
+        state.state_dict_setting = previous
+
+
+def module_state_dict_setting(model: nn.Module) -> tuple[StateDictType, StateDictConfig]:
+    """The (type, config) a sharded module's own ``state_dict()`` uses now."""
+    from shardckpt.runtime.state import state_of
+
+    setting = getattr(state_of(model), "state_dict_setting", None)
+    return setting or (DEFAULT_TYPE, resolve_config(DEFAULT_TYPE, None))
+
+
+def save_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *,
+               type: StateDictType = StateDictType.SHARDED_STATE_DICT, config: StateDictConfig | None = None,
+               optim_key: OptimStateKeyType = OptimStateKeyType.PARAM_NAME, extra: dict | None = None,
+               **save_kwargs: Any) -> None:
+    """Save model (and optimizer) state of ``type`` to ``path``; ``load_state`` reads it at any world size.
+
+    ``extra`` adds plain entries (e.g. ``{"step": 1000}``). The manifest's metadata records the type and
+    the optimizer key type.
+    """
+    sd = get_state_dict(model, optimizer, type=type, config=config, optim_key=optim_key)
+    sd.update(extra or {})
+    metadata = {"state_dict_type": type.value, "optim_key": optim_key.value}
+    save(sd, path, metadata=metadata, **save_kwargs)

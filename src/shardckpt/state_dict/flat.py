@@ -1,0 +1,74 @@
+"""Where each original parameter sits in a rank's flat shard, and how to move members in and out of it.
+
+A runtime flat group holds its members back to back (``FlatLayout``); shard-group rank ``r`` holds
+flat elements ``[r * shard_numel, (r + 1) * shard_numel)``, so it holds of member ``j`` a flat range in
+the member's own coordinates (possibly starting mid-row). Every conversion of a member is a ``Move``
+between those per-rank ranges and the regions another type wants.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from shardckpt.regions import FlatRange, Region
+from shardckpt.runtime import FlatGroup, FlatLayout
+from shardckpt.runtime.build import FLAT_PARAM_NAMES
+from shardckpt.state_dict.redistribute import Move, exchange
+
+LAYOUTS_KEY = "_flat_layouts"  # in a LOCAL model state dict: {local key: FlatLayout.to_dict()}
+
+
+def local_key(group: FlatGroup) -> str:
+    """The flat parameter's name in the sharded module's own ``state_dict()`` (e.g. ``layers.0._flat_param``)."""
+    name = FLAT_PARAM_NAMES[group.layout.requires_grad]
+    return f"{group.prefix}.{name}" if group.prefix else name
+
+
+def held_region(layout: FlatLayout, member: int, rank: int) -> FlatRange | None:
+    """The part of member ``member`` that shard-group rank ``rank`` holds, in the member's coordinates."""
+    piece = layout.member_in_shard(member, rank)
+    return None if piece is None else FlatRange(piece[0], piece[0] + piece[2])
+
+
+def shard_view(layout: FlatLayout, flat_shard: torch.Tensor, member: int, rank: int) -> torch.Tensor | None:
+    """This rank's elements of ``member`` as a view into its flat shard."""
+    piece = layout.member_in_shard(member, rank)
+    return None if piece is None else flat_shard[piece[1]:piece[1] + piece[2]]
+
+
+def gather_members(group: FlatGroup, flat_tensors: Sequence[torch.Tensor],
+                   wanted: Callable[[tuple[int, ...], int], Region | None]) -> list[list[torch.Tensor | None]]:
+    """For each flat-shaped tensor (the parameter shard, or an optimizer state shard) and each member:
+    this rank's ``wanted(shape, rank)`` region of the member, as a new tensor (None where it wants none)."""
+    layout, rank, world = group.layout, group.groups.shard_rank, group.groups.shard_size
+    moves, out = [], []
+    for flat in flat_tensors:
+        row = []
+        for j, shape in enumerate(layout.shapes):
+            want = [wanted(shape, q) for q in range(world)]
+            dst = torch.empty(want[rank].numel, dtype=flat.dtype, device=flat.device) if want[rank] else None
+            held = [held_region(layout, j, q) for q in range(world)]
+            moves.append(Move(shape, held, want, shard_view(layout, flat.detach(), j, rank), dst))
+            row.append(dst)
+        out.append(row)
+    exchange(moves, rank, world, group.groups.shard)
+    return out
+
+
+def scatter_members(group: FlatGroup, flat_tensors: Sequence[torch.Tensor],
+                    sources: Sequence[Sequence[torch.Tensor | None]],
+                    held: Callable[[tuple[int, ...], int], Region | None], everywhere: bool = False) -> None:
+    """Inverse of ``gather_members``: fill each flat-shaped tensor's shard from member pieces, where rank
+    q holds region ``held(shape, q)`` of each member (``sources[i][j]``: this rank's piece, contiguous)."""
+    layout, rank, world = group.layout, group.groups.shard_rank, group.groups.shard_size
+    moves = []
+    for flat, srcs in zip(flat_tensors, sources):
+        for j, shape in enumerate(layout.shapes):
+            have = [held(shape, q) for q in range(world)]
+            want = [held_region(layout, j, q) for q in range(world)]
+            src = srcs[j]
+            if src is not None:
+                src = src.detach().to(device=flat.device, dtype=flat.dtype).contiguous()
+            moves.append(Move(shape, have, want, src, shard_view(layout, flat.detach(), j, rank), everywhere))
+    exchange(moves, rank, world, group.groups.shard)

@@ -1,0 +1,196 @@
+"""``load_state``: model (and optimizer) state from a checkpoint of any type, saved at any world size.
+
+Nothing is gathered. Every piece of memory the model owns on this rank (a slice of a flat shard, a
+buffer, a slice of an optimizer state shard) becomes a request for a region of a saved tensor; the
+load engine reads just those bytes. Saved FULL or SHARDED state names tensors by FQN, with the
+member's own coordinates; saved LOCAL state names flat tensors, whose ``FlatLayout``s (stored with
+them) turn a member region into a flat region. So LOCAL checkpoints convert without the model that
+wrote them, and wrapping and world size may differ freely.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from shardckpt.checkpoint.load import PieceRequest, load_pieces
+from shardckpt.errors import IncompatibleCheckpointError
+from shardckpt.regions import FlatRange, Region, full_region
+from shardckpt.runtime import FlatLayout, groups, is_sharded
+from shardckpt.state_dict.flat import LAYOUTS_KEY
+from shardckpt.state_dict.model_state import buffers
+from shardckpt.state_dict.optim_state import _by_param, init_optim_state, match_param_groups, param_names
+from shardckpt.storage.manifest import Manifest
+from shardckpt.storage.tree import TensorRef
+
+
+@dataclass(frozen=True)
+class Dest:
+    """A piece of this rank's memory: elements ``region`` of parameter ``names[0]`` (or an alias)."""
+
+    names: tuple[str, ...]
+    region: FlatRange
+    dest: torch.Tensor
+
+
+def _params(model: nn.Module) -> list[tuple[tuple[str, ...], torch.Tensor]]:
+    """The tensors this rank's model owns, with their member names: flat shards, or plain parameters."""
+    if is_sharded(model):
+        return [(group.layout.names, group.flat_param) for group in groups(model)]
+    return [((name,), p) for name, p in model.named_parameters()]
+
+
+def _dests(model: nn.Module, index: int, tensor: torch.Tensor) -> Iterator[Dest]:
+    """What this rank holds of each member of parameter ``index``, inside ``tensor`` (the parameter itself,
+    or optimizer state shaped like it)."""
+    if not is_sharded(model):
+        names, p = _params(model)[index]
+        yield Dest(names, FlatRange(0, p.numel()), tensor.detach())
+        return
+    group = groups(model)[index]
+    layout, rank = group.layout, group.groups.shard_rank
+    for j, name in enumerate(layout.names):
+        piece = layout.member_in_shard(j, rank)
+        if piece is not None:
+            src, dst, n = piece
+            yield Dest((name,) + layout.aliases[j], FlatRange(src, src + n), tensor.detach()[dst:dst + n])
+
+
+@dataclass
+class Saved:
+    """How the checkpoint names model and optimizer tensors."""
+
+    manifest: Manifest
+    ids: list[str]  # this model's parameter names by ID
+    local: dict[str, tuple[str, int]] = field(default_factory=dict)  # fqn -> (flat key, offset), if LOCAL
+    local_order: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, manifest: Manifest, ids: list[str]) -> Saved:
+        saved = cls(manifest, ids)
+        layouts = _tree(manifest, "model", LAYOUTS_KEY)
+        if isinstance(layouts, dict):
+            for key, doc in layouts.items():
+                layout = FlatLayout.from_dict(doc)
+                saved.local_order.append(key)
+                for j, names in enumerate(zip(layout.names, layout.aliases)):
+                    for name in (names[0],) + tuple(names[1]):
+                        saved.local[name] = (key, layout.offsets[j])
+        return saved
+
+    def resolve(self, prefix: str, names: tuple[str, ...], region: FlatRange, suffix: str = "") -> tuple[str, Region]:
+        """The saved tensor and region holding ``region`` of parameter ``names[0]``."""
+        for name in names:
+            if name in self.local:
+                key, offset = self.local[name]
+                if prefix == "optim.state" and self._optim_by_id():
+                    key = str(self.local_order.index(key))
+                return f"{prefix}.{key}{suffix}", FlatRange(offset + region.start, offset + region.stop)
+            keys = [name] + ([str(self.ids.index(name))] if name in self.ids else [])
+            key = keys[-1] if prefix == "optim.state" and self._optim_by_id() else keys[0]
+            if f"{prefix}.{key}{suffix}" in self.manifest.tensors:
+                return f"{prefix}.{key}{suffix}", region
+        raise IncompatibleCheckpointError(f"the checkpoint holds no {prefix.split('.')[0]} state for {names[0]!r}"
+                                          f"{suffix and f' ({suffix[1:]})'}")
+
+    def _optim_by_id(self) -> bool:
+        state = _tree(self.manifest, "optim", "state")
+        return isinstance(state, dict) and any(isinstance(k, int) for k in state)
+
+    def optim_scalar(self, names: tuple[str, ...], key: str) -> Any:
+        """A non-sharded optimizer state entry (e.g. ``step``): a TensorRef or a plain value."""
+        state = _tree(self.manifest, "optim", "state") or {}
+        for name in names:
+            candidates = [self.local[name][0]] if name in self.local else [name]
+            if self._optim_by_id():
+                candidates = [self.local_order.index(c) if c in self.local_order else self.ids.index(c)
+                              for c in candidates if c in self.local_order or c in self.ids]
+            for c in candidates:
+                if c in state and key in state[c]:
+                    return state[c][key]
+        raise IncompatibleCheckpointError(f"the checkpoint holds no optimizer state {key!r} for {names[0]!r}")
+
+    def param_groups_by_name(self) -> list[dict]:
+        """The saved param groups, with every parameter given as its member FQNs."""
+        out = []
+        for pg in _tree(self.manifest, "optim", "param_groups") or []:
+            names = []
+            for p in pg.get("params", []):
+                if isinstance(p, int):
+                    p = self.local_order[p] if self.local_order else self.ids[p]
+                names.extend([n for n, (k, _) in self.local.items() if k == p] if p in self.local_order else [p])
+            out.append({**pg, "params": names})
+        return out
+
+
+def _tree(manifest: Manifest, *path: str) -> Any:
+    node = manifest.tree
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *,
+               process_group: Any = None, **load_kwargs: Any) -> dict[str, Any]:
+    """Load model (and optimizer) state saved by ``save_state`` (any type, world size, wrapping) or by
+    ``shardckpt.save({"model": m.state_dict(), "optim": o.state_dict()}, ...)`` of a plain model.
+
+    Collective. Returns the checkpoint's other plain top-level values (e.g. ``{"step": 1000}``).
+    """
+    if optimizer is not None:
+        init_optim_state(optimizer)
+    scalars: list[tuple[dict, str, Any]] = []
+
+    def build(manifest: Manifest) -> list[PieceRequest]:
+        saved = Saved.of(manifest, param_names(model))
+        requests = [PieceRequest(*saved.resolve("model", d.names, d.region), d.dest)
+                    for i, (_, p) in enumerate(_params(model)) for d in _dests(model, i, p)]
+        for name, buf in buffers(model).items():
+            requests.append(PieceRequest(f"model.{name}", full_region(buf.shape), buf.detach()))
+        if optimizer is not None:
+            requests += _optim_requests(model, optimizer, saved, scalars)
+        return requests
+
+    manifest = load_pieces(path, build, process_group=process_group, **load_kwargs)
+    for state, key, value in scalars:
+        state[key] = value
+    if optimizer is not None:
+        saved = Saved.of(manifest, param_names(model))
+        names = _optimizer_param_names(model, optimizer)
+        for pg, hyper in zip(optimizer.param_groups, match_param_groups(saved.param_groups_by_name(), optimizer,
+                                                                        names)):
+            pg.update(hyper)
+    return {k: v for k, v in manifest.tree.items() if k not in ("model", "optim") and not isinstance(v, TensorRef)}
+
+
+def _optimizer_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    if is_sharded(model):
+        return [list(g.layout.names) for g in _by_param(model, optimizer)]
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)]] for pg in optimizer.param_groups for p in pg["params"]]
+
+
+def _optim_requests(model: nn.Module, optimizer: torch.optim.Optimizer, saved: Saved,
+                    scalars: list) -> list[PieceRequest]:
+    """Requests for every sharded optimizer state slice; scalar entries go to ``scalars`` for afterwards."""
+    requests = []
+    for i, (names, param) in enumerate(_params(model)):
+        state = optimizer.state.get(param, {})
+        sharded = [k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape == param.shape]
+        for key in sharded:
+            for d in _dests(model, i, state[key]):
+                requests.append(PieceRequest(*saved.resolve("optim.state", d.names, d.region, f".{key}"), d.dest))
+        for key in [k for k in state if k not in sharded]:
+            value = saved.optim_scalar(names, key)
+            if isinstance(value, TensorRef):
+                entry = saved.manifest.tensors[value.name]
+                temp = torch.empty(entry.shape, dtype=entry.dtype, device=getattr(state[key], "device", "cpu"))
+                requests.append(PieceRequest(value.name, full_region(entry.shape), temp))
+                value = temp
+            scalars.append((state, key, value))
+    return requests

@@ -1,0 +1,245 @@
+"""Model state dicts of each type, for runtime-sharded models and for plain (unsharded) models."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardckpt.checkpoint.group import resolve_group
+from shardckpt.errors import IncompatibleCheckpointError
+from shardckpt.regions import FlatRange, dim0_chunk, full_region
+from shardckpt.runtime import FlatGroup, groups, is_sharded
+from shardckpt.runtime.build import FLAT_PARAM_NAMES
+from shardckpt.sharded_tensor import ShardedTensor
+from shardckpt.state_dict.flat import LAYOUTS_KEY, gather_members, local_key, scatter_members
+from shardckpt.state_dict.redistribute import Move, assemble_chunks, exchange
+from shardckpt.state_dict.types import FullStateDictConfig, StateDictConfig, StateDictType
+
+FULL, SHARDED, LOCAL = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT
+
+
+def _global_rank() -> int:
+    return resolve_group().rank
+
+
+def _rank0_only(config: StateDictConfig) -> bool:
+    return isinstance(config, FullStateDictConfig) and config.rank0_only
+
+
+def _offload(t: torch.Tensor, config: StateDictConfig) -> torch.Tensor:
+    return t.detach().cpu() if config.offload_to_cpu and t.device.type != "cpu" else t.detach()
+
+
+def buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent buffers under their FQNs (what ``state_dict()`` holds besides parameters)."""
+    flat_names = set(FLAT_PARAM_NAMES.values())
+    return {k: v for k, v in nn.Module.state_dict(model, keep_vars=True).items()
+            if k.rsplit(".", 1)[-1] not in flat_names and k not in dict(model.named_parameters())}
+
+
+def member_wanted(sd_type: StateDictType, config: StateDictConfig):
+    """The region of a member each shard-group rank wants, for FULL or SHARDED state (the same on every rank:
+    it is the transfer plan)."""
+    if sd_type is SHARDED:
+        return lambda shape, q, world: dim0_chunk(shape, q, world)
+    rank0_only = _rank0_only(config)
+    return lambda shape, q, world: full_region(shape) if (not rank0_only or q == 0) else None
+
+
+def as_type(t: torch.Tensor, shape: tuple[int, ...], sd_type: StateDictType, rank: int, world: int) -> Any:
+    """A member's gathered piece as its state-dict value: a full tensor, or a dim-0 ShardedTensor."""
+    if sd_type is SHARDED:
+        region = dim0_chunk(shape, rank, world)
+        return ShardedTensor.dim0_chunk(t.view(_chunk_shape(shape, region)), shape, rank, world)
+    return t.view(shape)
+
+
+def _chunk_shape(shape: tuple[int, ...], region: FlatRange) -> tuple[int, ...]:
+    if not shape:
+        return () if region.numel else (0,)
+    row = 1
+    for s in shape[1:]:
+        row *= s
+    return (region.numel // row if row else 0,) + tuple(shape[1:])
+
+
+# ------------------------------------------------------------------------------------------------ get
+
+
+def _group_state(group: FlatGroup, flat_tensors: list[torch.Tensor], sd_type: StateDictType,
+                 config: StateDictConfig) -> list[list[Any]]:
+    """Each flat tensor's members as FULL tensors or SHARDED chunks (None where this rank gets nothing)."""
+    world, rank = group.groups.shard_size, group.groups.shard_rank
+    wanted = member_wanted(sd_type, config)
+    pieces = gather_members(group, flat_tensors, lambda shape, q: wanted(shape, q, world))
+    return [[None if t is None else as_type(_offload(t, config), shape, sd_type, rank, world)
+             for t, shape in zip(row, group.layout.shapes)] for row in pieces]
+
+
+def local_value(group: FlatGroup, flat: torch.Tensor, config: StateDictConfig) -> ShardedTensor:
+    layout, rank = group.layout, group.groups.shard_rank
+    start, stop = layout.shard_range(rank)
+    return ShardedTensor(_offload(flat, config), (layout.padded_numel,), FlatRange(start, stop))
+
+
+def get_model_state(model: nn.Module, sd_type: StateDictType, config: StateDictConfig) -> dict[str, Any]:
+    if not is_sharded(model):
+        return _get_plain(model, sd_type, config)
+    keep = not _rank0_only(config) or _global_rank() == 0
+    out: dict[str, Any] = {}
+    layouts = {}
+    for group in groups(model):
+        if sd_type is LOCAL:
+            out[local_key(group)] = local_value(group, group.flat_param, config)
+            layouts[local_key(group)] = group.layout.to_dict()
+            continue
+        (values,) = _group_state(group, [group.flat_param], sd_type, config)
+        for j, value in enumerate(values):
+            if value is not None and keep:
+                for name in (group.layout.names[j],) + group.layout.aliases[j]:
+                    out[name] = value
+    if keep:
+        out.update({k: _offload(v, config) for k, v in buffers(model).items()})
+    if sd_type is LOCAL:
+        out[LAYOUTS_KEY] = layouts
+    return out
+
+
+def _get_plain(model: nn.Module, sd_type: StateDictType, config: StateDictConfig) -> dict[str, Any]:
+    group = resolve_group()
+    if sd_type is FULL and _rank0_only(config) and group.rank != 0:
+        return {}
+    sd = {k: _offload(v, config) for k, v in model.state_dict().items()}
+    if sd_type is SHARDED:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        sd = {k: ShardedTensor.from_full(v, group.rank, group.world_size) if k in params else v
+              for k, v in sd.items()}
+    return sd
+
+
+# ------------------------------------------------------------------------------------------------ set
+
+
+def _missing_unexpected(expected: list[str], given: dict, aliases: set[str]) -> tuple[list[str], list[str]]:
+    missing = [k for k in expected if k not in given]
+    unexpected = [k for k in given if k not in expected and k not in aliases and k != LAYOUTS_KEY]
+    return missing, unexpected
+
+
+def check_keys(missing: list[str], unexpected: list[str], what: str) -> None:
+    if missing or unexpected:
+        parts = [f"missing {missing[:10]}" if missing else "", f"unexpected {unexpected[:10]}" if unexpected else ""]
+        raise IncompatibleCheckpointError(f"{what} does not match the model: " + "; ".join(p for p in parts if p))
+
+
+def member_source(value: Any, name: str, shape: tuple[int, ...], sd_type: StateDictType, rank: int,
+                  world: int) -> torch.Tensor | None:
+    """A state-dict value's local data for member ``name``, checked against what ``sd_type`` promises."""
+    if value is None:
+        return None
+    if sd_type is SHARDED:
+        want = dim0_chunk(shape, rank, world)
+        if not isinstance(value, ShardedTensor) or value.global_shape != shape or \
+                value.region.numel != want.numel:
+            raise IncompatibleCheckpointError(
+                f"{name!r}: a SHARDED state dict must hold this rank's dim-0 chunk {rank}/{world} of shape "
+                f"{list(shape)}; got {value!r:.120}. Load checkpoints saved at another world size with "
+                "shardckpt.load_state(), which reshards from files.")
+        return value.local.reshape(-1)
+    t = value.local if isinstance(value, ShardedTensor) else value
+    if tuple(t.shape) != tuple(shape):
+        raise IncompatibleCheckpointError(f"{name!r}: shape {list(t.shape)} does not match the model's {list(shape)}")
+    return t.reshape(-1)
+
+
+def set_model_state(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType, config: StateDictConfig,
+                    strict: bool = True) -> tuple[list[str], list[str]]:
+    """Load ``sd`` of type ``sd_type`` into the model; returns (missing, unexpected) keys when not strict."""
+    if not is_sharded(model):
+        return _set_plain(model, sd, sd_type, config, strict)
+    rank0_only = _rank0_only(config) and sd_type is FULL
+    source_rank = _global_rank() == 0 if rank0_only else True
+    expected, aliases = [], set()
+    for group in groups(model):
+        layout = group.layout
+        if sd_type is LOCAL:
+            expected.append(local_key(group))
+            _set_local(group, group.flat_param, sd.get(local_key(group)), local_key(group))
+            continue
+        expected.extend(layout.names)
+        aliases.update(a for al in layout.aliases for a in al)
+        rank, world = group.groups.shard_rank, group.groups.shard_size
+        srcs = []
+        for j, name in enumerate(layout.names):
+            value = next((sd[n] for n in (name,) + layout.aliases[j] if n in sd), None)
+            if value is None and strict and source_rank:
+                check_keys([name], [], "state dict")
+            srcs.append(member_source(value, name, layout.shapes[j], sd_type, rank, world) if source_rank else None)
+        scatter_members(group, [group.flat_param], [srcs], _held_fn(sd_type, rank0_only, world),
+                        everywhere=sd_type is FULL and not rank0_only)
+    bufs = buffers(model)
+    expected.extend(bufs)
+    if rank0_only:
+        _broadcast_buffers(bufs, sd)
+    else:
+        _set_buffers(bufs, sd)
+    missing, unexpected = _missing_unexpected(expected, sd, aliases)
+    if strict and source_rank:
+        check_keys(missing, unexpected, "state dict")
+    return missing, unexpected
+
+
+def _held_fn(sd_type: StateDictType, rank0_only: bool, world: int):
+    if sd_type is SHARDED:
+        return lambda shape, q: dim0_chunk(shape, q, world)
+    return lambda shape, q: full_region(shape) if (not rank0_only or q == 0) else None
+
+
+def _set_local(group: FlatGroup, flat: torch.Tensor, value: Any, key: str) -> None:
+    layout, rank = group.layout, group.groups.shard_rank
+    start, stop = layout.shard_range(rank)
+    if value is None:
+        raise IncompatibleCheckpointError(f"LOCAL state dict has no {key!r}")
+    if not isinstance(value, ShardedTensor) or value.global_shape != (layout.padded_numel,) or \
+            value.region != FlatRange(start, stop):
+        raise IncompatibleCheckpointError(
+            f"{key!r}: this LOCAL state was made with another world size or wrapping (it holds "
+            f"{getattr(value, 'region', None)} of {getattr(value, 'global_shape', None)}, this rank holds "
+            f"{FlatRange(start, stop)} of ({layout.padded_numel},)); use shardckpt.load_state() to reshard it")
+    with torch.no_grad():
+        flat.copy_(value.local)
+
+
+def _broadcast_buffers(bufs: dict[str, torch.Tensor], sd: dict[str, Any]) -> None:
+    """rank0_only: rank 0's values for every buffer, on every rank (rank 0 holds, everyone wants)."""
+    group = resolve_group()
+    have = group.broadcast(sorted(k for k in bufs if k in sd) if group.rank == 0 else None)
+    moves = []
+    for name in have:
+        buf = bufs[name]
+        src = sd[name].to(device=buf.device, dtype=buf.dtype) if group.rank == 0 else None
+        region = full_region(buf.shape)
+        moves.append(Move(tuple(buf.shape), [region] + [None] * (group.world_size - 1),
+                          [region] * group.world_size, src, buf.detach()))
+    exchange(moves, group.rank, group.world_size, group.pg)
+
+
+def _set_buffers(bufs: dict[str, torch.Tensor], sd: dict[str, Any]) -> None:
+    with torch.no_grad():
+        for name, buf in bufs.items():
+            if name in sd:
+                value = sd[name]
+                buf.copy_(value.local if isinstance(value, ShardedTensor) else value)
+
+
+def _set_plain(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType, config: StateDictConfig,
+               strict: bool) -> tuple[list[str], list[str]]:
+    group = resolve_group()
+    if sd_type is FULL and _rank0_only(config) and group.world_size > 1:
+        raise IncompatibleCheckpointError("FULL rank0_only loading needs a sharded model (a plain model holds "
+                                          "the full weights on every rank; load them on every rank)")
+    chunks = {k: v for k, v in sd.items() if isinstance(v, ShardedTensor)}
+    full = {**sd, **assemble_chunks(chunks, group.rank, group.world_size, group.pg)}
+    result = model.load_state_dict(full, strict=strict)
+    return list(result.missing_keys), list(result.unexpected_keys)

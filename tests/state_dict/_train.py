@@ -1,0 +1,65 @@
+"""Training helpers run inside the ranks for the state-dict tests (model from tests/runtime/_model.py)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import shardckpt
+from shardckpt import StateDictType
+from shardckpt.runtime import ShardingStrategy, shard
+from tests.runtime import _model
+from tests.runtime._model import Block
+
+TYPES = tuple(StateDictType)
+STEPS_BEFORE, STEPS_AFTER = 3, 3
+
+
+def new_run(strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD, process_group: Any = None):
+    model = shard(_model.make_model(), wrap=(Block,), strategy=strategy, process_group=process_group)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def steps(model, optim, batches) -> list[float]:
+    """AdamW steps on this rank's slice of each global batch; the global mean loss of each step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for batch in batches:
+        optim.zero_grad()
+        loss = _model.loss_fn(model, *_model.local_slice(batch, rank, world))
+        loss.backward()
+        optim.step()
+        t = loss.detach().double()
+        dist.all_reduce(t)
+        losses.append(float(t) / world)
+    return losses
+
+
+def full_state(model, optim) -> dict:
+    """Model and optimizer state as full tensors keyed by name, copied (rank 0 only, None elsewhere)."""
+    sd = shardckpt.get_state_dict(model, optim, type=StateDictType.FULL_STATE_DICT,
+                                  config=shardckpt.FullStateDictConfig(rank0_only=True))
+    return _clone(sd) if dist.get_rank() == 0 else None
+
+
+def _clone(obj):
+    if torch.is_tensor(obj):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    return obj
+
+
+def assert_same_state(got: dict, want: dict, where: str) -> None:
+    """Model and optimizer state equal bit for bit, tensor by tensor, param groups included."""
+    assert got["model"].keys() == want["model"].keys(), where
+    for k, v in want["model"].items():
+        assert torch.equal(got["model"][k], v), f"{where}: model {k}"
+    assert got["optim"]["state"].keys() == want["optim"]["state"].keys(), where
+    for name, state in want["optim"]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(got["optim"]["state"][name][k], v), f"{where}: optim {name}.{k}"
+    assert got["optim"]["param_groups"] == want["optim"]["param_groups"], where

@@ -1,0 +1,87 @@
+"""Train, save as every type, load at every world size by every route, continue: the run must not notice."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch.distributed as dist
+
+import shardckpt
+from shardckpt import StateDictType
+from tests._dist import run_ranks
+from tests.runtime import _model
+from tests.state_dict._train import (
+    STEPS_AFTER, STEPS_BEFORE, TYPES, assert_same_state, full_state, new_run, steps,
+)
+
+WORLD_SIZES = (1, 2, 3, 4)
+FULL, SHARDED, LOCAL = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT
+
+
+def _path(root: str, world: int, sd_type: StateDictType) -> str:
+    return f"{root}/ws{world}-{sd_type.name}"
+
+
+def _train_and_save(root: str) -> dict:
+    world = dist.get_world_size()
+    model, optim = new_run()
+    batches = _model.make_batches(STEPS_BEFORE + STEPS_AFTER)
+    before = steps(model, optim, batches[:STEPS_BEFORE])
+    for sd_type in TYPES:
+        shardckpt.save_state(model, optim, _path(root, world, sd_type), type=sd_type, extra={"step": STEPS_BEFORE})
+    state = full_state(model, optim)
+    after = steps(model, optim, batches[STEPS_BEFORE:])
+    return {"losses": before + after, "state": state}
+
+
+def _resume(model, optim) -> tuple[dict, list[float]]:
+    state = full_state(model, optim)
+    batches = _model.make_batches(STEPS_BEFORE + STEPS_AFTER)[STEPS_BEFORE:]
+    return state, steps(model, optim, batches)
+
+
+def _load_every_way(root: str, saved_world: int) -> dict:
+    """Every (route, saved type) this world size can load; each continues training from the checkpoint."""
+    world = dist.get_world_size()
+    results = {}
+    for saved in TYPES:
+        path = _path(root, saved_world, saved)
+        model, optim = new_run()
+        extra = shardckpt.load_state(model, optim, path)
+        assert extra == {"step": STEPS_BEFORE}
+        results[("load_state", saved.name)] = _resume(model, optim)
+        # The in-memory route: a state dict of the load type, filled by shardckpt.load, then set.
+        for load_type in TYPES:
+            names_match = saved is not LOCAL and load_type is not LOCAL
+            if not (names_match or (saved is LOCAL and load_type is LOCAL and world == saved_world)):
+                continue
+            model, optim = new_run()
+            sd = shardckpt.get_state_dict(model, optim, type=load_type)
+            shardckpt.load(sd, path, strict=False)
+            shardckpt.set_state_dict(model, optim, sd, type=load_type)
+            results[(f"load as {load_type.name}", saved.name)] = _resume(model, optim)
+    return results
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("resume"))
+    return root, {w: run_ranks(w, _train_and_save, root)[0] for w in WORLD_SIZES}
+
+
+@pytest.mark.parametrize("load_world", WORLD_SIZES)
+@pytest.mark.parametrize("save_world", WORLD_SIZES)
+def test_resume_from_every_type_at_every_world_size(saved, save_world, load_world):
+    root, runs = saved
+    reference = runs[save_world]
+    results = run_ranks(load_world, _load_every_way, root, save_world, timeout=300)[0]
+    assert len(results) >= 3 + 4  # every saved type by load_state, FULL/SHARDED by the in-memory route
+    for (route, saved_type), (state, losses) in results.items():
+        where = f"{saved_type} saved at ws {save_world}, {route} at ws {load_world}"
+        assert_same_state(state, reference["state"], where)
+        want = reference["losses"][STEPS_BEFORE:]
+        if load_world == save_world:
+            assert losses == want, where  # bit-exact: the interruption changes nothing
+        else:
+            assert all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) for a, b in zip(losses, want)), \
+                (where, losses, want)
