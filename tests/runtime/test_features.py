@@ -13,7 +13,7 @@ from tests._dist import run_ranks
 from tests.runtime import _helpers, _model
 from tests.runtime._model import Block
 
-BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
 
 
 def _mixed_precision() -> dict[str, Any]:
@@ -21,7 +21,7 @@ def _mixed_precision() -> dict[str, Any]:
     reference = _helpers.reference_run(5)
     model = runtime.shard(_model.make_model(), wrap=(Block,), mixed_precision=BF16)
     losses, _ = _model.train(model, _model.make_batches(5), rank=rank, world=world)
-    dtypes = {g.flat_param.dtype for g in runtime.groups(model)}
+    dtypes = {g.flat_param.dtype for g in runtime.groups(model)} | {model.blocks[0].mask.dtype}
     fsdp2 = _helpers.torch_fsdp2_run(ShardingStrategy.FULL_SHARD, 5, bf16=True)
     params = _helpers.full_params(model, list(reference["params"]))
     return {"losses": _helpers.global_mean(losses), "reference_losses": reference["losses"],
@@ -33,7 +33,7 @@ def _mixed_precision() -> dict[str, Any]:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_bf16_compute_stays_near_fp32(world_size: int) -> None:
     result = run_ranks(world_size, _mixed_precision)[0]
-    assert result["master_dtypes"] == ["torch.float32"]
+    assert result["master_dtypes"] == ["torch.bfloat16", "torch.float32"]  # the buffer, the masters
     torch.testing.assert_close(result["losses"], result["reference_losses"], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(result["losses"], result["fsdp2_losses"], rtol=1e-2, atol=1e-2)
     assert result["vs_reference"][0] < 3e-2, result["vs_reference"]

@@ -37,7 +37,9 @@ class FlatGroup:
     Public: `layout` (FlatLayout), `flat_param` (the local shard: an nn.Parameter, 1-D,
     `layout.shard_numel` long, in the master dtype; what the optimizer holds), `prefix` (the FQN of
     the owning module, '' for the root), `name` (a unique, non-empty key: the prefix, '<root>' for
-    the root, plus '<frozen>' for the frozen group of a module) and `module`.
+    the root, plus '<frozen>' for the frozen group of a module), `module`, `groups` (the `Groups`:
+    `shard` / `replicate` process groups, `shard_rank`, `shard_size`; `layout.shard_range(groups.shard_rank)`
+    is this rank's slice) and `unsharded` (whether the gathered compute buffer is allocated now).
     """
 
     def __init__(self, module: nn.Module, prefix: str, members: list[tuple[Member, torch.Tensor]],

@@ -68,6 +68,8 @@ class ShardState:
         self._order_done = False
         self._position: dict[int, int] = {}
         self._callback_queued = False
+        # Owned by shardckpt.state_dict (its state_dict_type context); kept here so it is per model.
+        self.state_dict_setting: Any = None
 
     def install(self) -> None:
         for unit in self.units:
@@ -135,6 +137,8 @@ class ShardState:
 
     def _post_backward(self) -> None:
         self._callback_queued = False
+        # Owned by shardckpt.state_dict (its state_dict_type context); kept here so it is per model.
+        self.state_dict_setting: Any = None
         for group in self.groups:
             group.finish_reduce_scatter()
         for group in self.groups:
