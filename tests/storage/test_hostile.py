@@ -298,8 +298,9 @@ def test_absurd_but_self_consistent_shape(ckpt, claimed_file_size):
         doc["files"][0]["size"] = 2 ** 61
     ckpt.write_manifest(doc)
     outside = ckpt.outside()
-    with pytest.raises(CorruptCheckpointError, match="model.tiny"):
+    with pytest.raises(CorruptCheckpointError) as info:
         shardckpt.load_full(str(ckpt.dir))
+    assert any(n in str(info.value) for n in ("model.tiny", MANIFEST, ckpt.file["path"])), info.value
     assert ckpt.outside() == outside
 
 
