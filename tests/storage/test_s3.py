@@ -40,12 +40,9 @@ def test_multi_rank_save_ws3_load_ws2_bit_exact(s3_bucket):
     assert_tree_equal(shardckpt.load_full(url, storage_options=server.options()), reference())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FsspecStorage.exists (storage/backend.py) answers from s3fs's directory-listing cache: when the "
-    "caller's (shared, same-options) S3FileSystem has listed the checkpoint directory before another process "
-    "committed manifest.json, load reports CheckpointNotFoundError and save(overwrite=False) silently "
-    "overwrites the other process's checkpoint"))
 def test_commit_point_is_not_answered_from_a_stale_listing_cache(s3_bucket):
+    # Regression: FsspecStorage.exists answered from s3fs's listing cache of a shared instance: load saw
+    # no checkpoint, and save(overwrite=False) replaced another process's checkpoint.
     import fsspec
 
     server, bucket = s3_bucket
