@@ -112,9 +112,8 @@ class FlatGroup:
 
     def reshard(self) -> None:
         """Free the gathered buffer and drop the owner attributes (autograd keeps what it saved)."""
-        if self._gather is not None:
-            self._gather.wait()
-            self._gather = self._gather_src = None
+        if self._gather is not None:  # a prefetch nobody used: let it land, then free its buffer
+            self.wait_unshard()
         if self.unsharded:
             self._free_storage()
             self.unsharded = False

@@ -8,7 +8,8 @@ forward:  pre-hook: all-gather (or wait for the prefetch), point the original na
           prefetch the next unit in the recorded forward order;
           post-hook: free (FULL_SHARD, HYBRID_SHARD, or when no backward will follow), and hook the
           outputs so that backward re-gathers first.
-backward: output-gradient hook: all-gather again if freed, prefetch the previous unit;
+backward: output-gradient hook: all-gather again if freed, prefetch the unit that finished its
+          forward just before this one (it runs backward next);
           gradient-ready hook (per group): start the reduce-scatter, free the buffer;
           end of backward (engine callback): finish every reduction, free what is left.
 """
@@ -56,6 +57,24 @@ class Unit:
             group.reshard()
 
 
+class _Order:
+    """The order units ran in (pre- or post-forward) during the first forward."""
+
+    def __init__(self) -> None:
+        self.units: list[Unit] = []
+        self._index: dict[int, int] = {}
+
+    def record(self, unit: Unit) -> None:
+        self._index[id(unit)] = len(self.units)
+        self.units.append(unit)
+
+    def neighbour(self, unit: Unit, step: int) -> Unit | None:
+        if id(unit) not in self._index:
+            return None
+        index = self._index[id(unit)] + step
+        return self.units[index] if 0 <= index < len(self.units) else None
+
+
 class ShardState:
     """Everything `shard()` set up for one root module, and the hooks that use it."""
 
@@ -64,9 +83,10 @@ class ShardState:
         self.root, self.units, self.groups = root, units, groups
         self.strategy, self.mixed_precision = strategy, mixed_precision
         self.sync_grads = True
-        self._order: list[Unit] = []
-        self._order_done = False
-        self._position: dict[int, int] = {}
+        # Forward prefetches along the pre-forward order; backward along the post-forward order,
+        # reversed: the unit that finished forward just before this one runs backward just after it.
+        self._forward_order, self._backward_order = _Order(), _Order()
+        self._recording = True
         self._callback_queued = False
         # Owned by shardckpt.state_dict (its state_dict_type context); kept here so it is per model.
         self.state_dict_setting: Any = None
@@ -82,34 +102,29 @@ class ShardState:
     # --- forward ------------------------------------------------------------------------------------
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if unit.module is self.root:
-            self._root_pre_forward()
-        if not self._order_done:
-            self._position[id(unit)] = len(self._order)
-            self._order.append(unit)
+        if unit.module is self.root and self._forward_order.units:
+            self._recording = False  # the first forward is over: prefetch from now on
+        if self._recording:
+            self._forward_order.record(unit)
         unit.unshard(async_op=False)
         unit.wait_and_use_views()
-        self._prefetch(unit, step=1)
+        self._prefetch(self._forward_order, unit, step=1)
         if unit.module is self.root and self.mixed_precision and self.mixed_precision.param_dtype:
             dtype = self.mixed_precision.param_dtype
             return tree_map(lambda x: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x,
                             (args, kwargs))
         return None
 
-    def _root_pre_forward(self) -> None:
-        # The order recorded in the first forward drives prefetching from the second on.
-        if self._order and not self._order_done:
-            self._order_done = True
-
-    def _prefetch(self, unit: Unit, step: int) -> None:
-        """Start the all-gather of the unit `step` places away in forward order, to overlap with compute."""
-        if not self._order_done or id(unit) not in self._position:
-            return
-        index = self._position[id(unit)] + step
-        if 0 <= index < len(self._order):
-            self._order[index].unshard(async_op=True)
+    def _prefetch(self, order: _Order, unit: Unit, step: int) -> None:
+        """Start the all-gather of the unit `step` places away in `order`, to overlap with compute."""
+        if not self._recording:
+            neighbour = order.neighbour(unit, step)
+            if neighbour is not None:
+                neighbour.unshard(async_op=True)
 
     def _post_forward(self, unit: Unit, output: Any) -> None:
+        if self._recording:
+            self._backward_order.record(unit)
         grad_enabled = torch.is_grad_enabled()
         is_root = unit.module is self.root
         if not grad_enabled or (self.strategy in _RESHARD_AFTER_FORWARD and not is_root):
@@ -128,7 +143,7 @@ class ShardState:
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
         unit.unshard(async_op=False)  # a no-op for groups still gathered (or being gathered)
         unit.wait()
-        self._prefetch(unit, step=-1)
+        self._prefetch(self._backward_order, unit, step=-1)
         return grad
 
     def _on_grad_ready(self, group: FlatGroup) -> None:
