@@ -142,8 +142,8 @@ def _prefetches() -> list[int]:
     return counts
 
 
-def _default_hybrid_groups() -> dict[str, Any]:
-    """HYBRID_SHARD without groups shards within LOCAL_WORLD_SIZE blocks, and trains like the 2x2 mesh."""
+def _hybrid_group_forms() -> dict[str, Any]:
+    """HYBRID_SHARD given no groups (LOCAL_WORLD_SIZE blocks) or a (shard, replicate) pair trains like the 2x2 mesh."""
     import os
 
     saved = os.environ["LOCAL_WORLD_SIZE"]
@@ -152,17 +152,20 @@ def _default_hybrid_groups() -> dict[str, Any]:
         default = runtime.shard(_model.make_model(), strategy=ShardingStrategy.HYBRID_SHARD, wrap=(Block,))
     finally:
         os.environ["LOCAL_WORLD_SIZE"] = saved
-    mesh = runtime.shard(_model.make_model(), strategy=ShardingStrategy.HYBRID_SHARD, wrap=(Block,),
-                         process_group=_helpers.mesh_for(ShardingStrategy.HYBRID_SHARD, 4))
-    losses = [_model.train(m, _model.make_batches(2), rank=dist.get_rank(), world=4)[0] for m in (default, mesh)]
-    return {"world_sizes": {g.layout.world_size for g in runtime.groups(default)}, "same": losses[0] == losses[1]}
+    device_mesh = _helpers.mesh_for(ShardingStrategy.HYBRID_SHARD, 4)
+    pair = (device_mesh.get_group(1), device_mesh.get_group(0))
+    models = [runtime.shard(_model.make_model(), strategy=ShardingStrategy.HYBRID_SHARD, wrap=(Block,),
+                            process_group=groups) for groups in (device_mesh, pair)]
+    losses = [_model.train(m, _model.make_batches(2), rank=dist.get_rank(), world=4)[0] for m in [default, *models]]
+    return {"world_sizes": {g.layout.world_size for m in [default, *models] for g in runtime.groups(m)},
+            "same": losses[0] == losses[1] == losses[2]}
 
 
 def _features() -> dict[str, Any]:
     return {
         "gathered": {s.name: _gathered_after(s) for s in ShardingStrategy},
         "prefetches": _prefetches(),
-        "hybrid_default": _default_hybrid_groups() if dist.get_world_size() == 4 else None,
+        "hybrid_forms": _hybrid_group_forms() if dist.get_world_size() == 4 else None,
         "clip": _clip(),
         "no_sync": {s.name: _no_sync_matches_big_batch(s) for s in ShardingStrategy},
         "summon": _summon_writeback(),
@@ -184,7 +187,7 @@ def test_clip_no_sync_summon_and_emulation(world_size: int) -> None:
         # in forward, then blocks.1 (from the root) and blocks.0 (from blocks.1) in backward.
         assert result["prefetches"] == [0, 8], result["prefetches"]
         if world_size == 4:
-            assert result["hybrid_default"] == {"world_sizes": {2}, "same": True}
+            assert result["hybrid_forms"] == {"world_sizes": {2}, "same": True}
         clip = result["clip"]
         torch.testing.assert_close(clip["norms"], clip["reference_norms"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(clip["losses"], clip["reference_losses"], rtol=1e-5, atol=1e-6)
