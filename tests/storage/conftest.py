@@ -173,3 +173,29 @@ def local_dir(tmp_path) -> str:
     path = tmp_path / "ckpt"
     yield str(path)
     shutil.rmtree(path, ignore_errors=True)
+
+
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+@pytest.fixture(autouse=True)
+def _loopback_only(monkeypatch):
+    """Fail any test here that makes this process open a network connection to anything but loopback."""
+    import socket
+
+    real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def check(sock, address) -> None:
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in _LOOPBACK:
+            raise AssertionError(f"storage tests must only reach 127.0.0.1, not {address!r}")
+
+    def connect(sock, address):
+        check(sock, address)
+        return real_connect(sock, address)
+
+    def connect_ex(sock, address):
+        check(sock, address)
+        return real_connect_ex(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)

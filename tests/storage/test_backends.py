@@ -197,3 +197,62 @@ def test_shape_mismatch_raises_even_when_not_strict(backend):
 def test_every_error_is_a_checkpoint_error(backend):
     with pytest.raises(CheckpointError):
         _load_full(backend)
+
+
+# --------------------------------------------------------------------------------------- failed saves
+
+
+@pytest.mark.parametrize("where", ["data", "commit"])
+def test_failed_overwrite_keeps_the_old_checkpoint(backend, monkeypatch, where):
+    """A save that fails after writing data (or while committing) leaves the old checkpoint whole."""
+    import shardckpt.checkpoint.save as save_mod
+
+    _save(backend)
+    old_generations = _generations(backend)
+    if where == "data":
+        real = save_mod.write_rank_file
+
+        def failing_write(*args, **kwargs):
+            real(*args, **kwargs)  # the data and index files are written...
+            raise OSError("injected: disk full")  # ...then this rank fails
+
+        monkeypatch.setattr(save_mod, "write_rank_file", failing_write)
+    else:
+        storage_cls = type(save_mod.open_storage(backend.url, backend.options))
+
+        def failing_put(self, path, data):
+            raise OSError("injected: commit failed")
+
+        monkeypatch.setattr(storage_cls, "put_atomic", failing_put)
+    with pytest.raises(CheckpointError, match="injected"):
+        _save(backend, _other(), overwrite=True)
+    monkeypatch.undo()
+    assert_tree_equal(_load_full(backend), reference())
+    assert old_generations <= _generations(backend)
+    if where == "data":  # the failed generation's files were removed
+        assert _generations(backend) == old_generations
+    # and a later overwrite works and cleans up the previous generation
+    _save(backend, _other(), overwrite=True)
+    assert_tree_equal(_load_full(backend), _other())
+    assert not (old_generations & _generations(backend))
+
+
+def test_odd_keys_and_tensor_free_state_dicts(backend):
+    cases = [{}, {"step": 3, "lrs": [0.1, (1, None)]}, {"e": torch.zeros(0, 3)},
+             {"": torch.ones(2), "x/y": torch.ones(1), "..": torch.full((3,), 2.0), "$s": torch.ones(1),
+              5: torch.arange(4), "ü": {"../../etc": torch.ones(1, dtype=torch.bool)}}]
+    for i, sd in enumerate(cases):
+        where = backend.sibling(f"odd-{i}")
+        shardckpt.save(sd, where.url, storage_options=where.options)
+        assert_tree_equal(shardckpt.load_full(where.url, storage_options=where.options), sd)
+        shardckpt.save(sd, where.url, overwrite=True, storage_options=where.options)
+        assert_tree_equal(shardckpt.load_full(where.url, storage_options=where.options), sd)
+        assert all(".." not in f.split("/") for f in where.files())
+
+
+def test_load_into_non_contiguous_targets(backend):
+    t = torch.randn(4, 6)
+    _save(backend, {"t": t.t().contiguous(), "s": t[:, 1]})
+    sd = {"t": torch.zeros(4, 6).t(), "s": torch.zeros(4, 3)[:, 0]}  # a transpose, a strided column
+    shardckpt.load(sd, backend.url, storage_options=backend.options)
+    assert torch.equal(sd["t"], t.t()) and torch.equal(sd["s"], t[:, 1])

@@ -63,3 +63,15 @@ def test_commit_point_is_not_answered_from_a_stale_listing_cache(s3_bucket):
     with pytest.raises(CheckpointExistsError):
         shardckpt.save({"x": reference()["model"]["tiny"]}, url, storage_options=server.options())
     assert found_error is None, found_error
+
+
+def test_the_loopback_guard_is_active():
+    """conftest's autouse guard: any connection off 127.0.0.1 (e.g. EC2 metadata, real AWS) fails the test."""
+    import socket
+
+    s = socket.socket()
+    try:
+        with pytest.raises(AssertionError, match="127.0.0.1"):
+            s.connect(("169.254.169.254", 80))
+    finally:
+        s.close()
