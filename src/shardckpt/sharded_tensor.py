@@ -19,8 +19,9 @@ class ShardedTensor:
     - ``global_shape``: the shape of the whole tensor.
     - ``region``: which elements ``local`` holds (see ``shardckpt.regions``).
 
-    The regions of all ranks' ShardedTensors under one key must tile the tensor exactly (no overlap,
-    no gap): ``save`` checks this. ``load`` fills ``local`` in place.
+    The regions of all ranks' ShardedTensors under one key must tile the tensor exactly (no gap, no
+    partial overlap): ``save`` checks this. Ranks holding the very same region are replicas (e.g. the
+    replica groups of HYBRID_SHARD); it is stored once. ``load`` fills ``local`` in place.
     """
 
     local: torch.Tensor

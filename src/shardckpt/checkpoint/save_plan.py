@@ -64,6 +64,7 @@ def make_save_plan(infos: list[list[PieceInfo]], generation: str) -> SavePlan:
     tensors: dict[str, TensorPlan] = {}
     replicated: dict[str, TensorPlan] = {}
     pieces: dict[str, list[tuple[int, Region]]] = {}
+    seen: dict[str, set] = {}
     for rank, rank_infos in enumerate(infos):
         for info in rank_infos:
             plan = tensors.setdefault(info.name, TensorPlan(info.dtype, info.shape))
@@ -72,7 +73,9 @@ def make_save_plan(infos: list[list[PieceInfo]], generation: str) -> SavePlan:
                                       f"another rank {plan.dtype}{list(plan.shape)}")
             if info.replicated:
                 replicated[info.name] = plan
-            elif info.owner:
+            elif info.owner and info.region not in seen.setdefault(info.name, set()):
+                # An identical region on another rank is a replica (e.g. HYBRID_SHARD): stored once.
+                seen[info.name].add(info.region)
                 pieces.setdefault(info.name, []).append((rank, region_from_key(info.region)))
             if info.name in replicated and info.name in pieces:
                 raise CheckpointError(f"cannot save {info.name!r}: it is a plain tensor on some ranks and sharded "

@@ -60,8 +60,7 @@ def shard(
     _cast_buffers(module, mp.buffer_dtype)
     order = {id(p): i for i, p in enumerate(module.parameters())}
     flat_groups = sorted((g for u in units for g in u.groups), key=lambda g: order[id(g.flat_param)])
-    state = ShardState(module, units, flat_groups, strategy, mixed_precision)
-    state.param_names = param_names
+    state = ShardState(module, units, flat_groups, param_names, strategy, mixed_precision)
     state.install()
     register(state)
     module.__class__ = _sharded_class(type(module))

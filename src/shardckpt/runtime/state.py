@@ -78,9 +78,11 @@ class _Order:
 class ShardState:
     """Everything `shard()` set up for one root module, and the hooks that use it."""
 
-    def __init__(self, root: nn.Module, units: list[Unit], groups: list[FlatGroup],
+    def __init__(self, root: nn.Module, units: list[Unit], groups: list[FlatGroup], param_names: tuple[str, ...],
                  strategy: ShardingStrategy, mixed_precision: MixedPrecision | None) -> None:
         self.root, self.units, self.groups = root, units, groups
+        # The unsharded model's named_parameters() order (optimizer state keyed by ID refers to it).
+        self.param_names = param_names
         self.strategy, self.mixed_precision = strategy, mixed_precision
         self.sync_grads = True
         # Forward prefetches along the pre-forward order; backward along the post-forward order,
@@ -152,8 +154,6 @@ class ShardState:
 
     def _post_backward(self) -> None:
         self._callback_queued = False
-        # Owned by shardckpt.state_dict (its state_dict_type context); kept here so it is per model.
-        self.state_dict_setting: Any = None
         for group in self.groups:
             group.finish_reduce_scatter()
         for group in self.groups:

@@ -100,8 +100,8 @@ class Saved:
         state = _tree(self.manifest, "optim", "state")
         return isinstance(state, dict) and any(isinstance(k, int) for k in state)
 
-    def optim_scalar(self, names: tuple[str, ...], key: str) -> Any:
-        """A non-sharded optimizer state entry (e.g. ``step``): a TensorRef or a plain value."""
+    def optim_entry(self, names: tuple[str, ...]) -> dict:
+        """The saved optimizer state of parameter ``names[0]`` (tensors as TensorRef); {} if none."""
         state = _tree(self.manifest, "optim", "state") or {}
         for name in names:
             candidates = [self.local[name][0]] if name in self.local else [name]
@@ -109,9 +109,9 @@ class Saved:
                 candidates = [self.local_order.index(c) if c in self.local_order else self.ids.index(c)
                               for c in candidates if c in self.local_order or c in self.ids]
             for c in candidates:
-                if c in state and key in state[c]:
-                    return state[c][key]
-        raise IncompatibleCheckpointError(f"the checkpoint holds no optimizer state {key!r} for {names[0]!r}")
+                if isinstance(state.get(c), dict):
+                    return state[c]
+        return {}
 
     def param_groups_by_name(self) -> list[dict]:
         """The saved param groups, with every parameter given as its member FQNs."""
@@ -181,12 +181,19 @@ def _optim_requests(model: nn.Module, optimizer: torch.optim.Optimizer, saved: S
     requests = []
     for i, (names, param) in enumerate(_params(model)):
         state = optimizer.state.get(param, {})
+        if not state:
+            continue
+        given = saved.optim_entry(names)
+        if set(given) != set(state):
+            raise IncompatibleCheckpointError(
+                f"the checkpoint's optimizer state for {names[0]!r} holds {sorted(given) or 'nothing'}, this "
+                f"optimizer keeps {sorted(state)}: was it saved from a different kind of optimizer?")
         sharded = [k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape == param.shape]
         for key in sharded:
             for d in _dests(model, i, state[key]):
                 requests.append(PieceRequest(*saved.resolve("optim.state", d.names, d.region, f".{key}"), d.dest))
         for key in [k for k in state if k not in sharded]:
-            value = saved.optim_scalar(names, key)
+            value = given[key]
             if isinstance(value, TensorRef):
                 entry = saved.manifest.tensors[value.name]
                 temp = torch.empty(entry.shape, dtype=entry.dtype, device=getattr(state[key], "device", "cpu"))

@@ -34,8 +34,9 @@ def _offload(t: torch.Tensor, config: StateDictConfig) -> torch.Tensor:
 def buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """Persistent buffers under their FQNs (what ``state_dict()`` holds besides parameters)."""
     flat_names = set(FLAT_PARAM_NAMES.values())
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     return {k: v for k, v in nn.Module.state_dict(model, keep_vars=True).items()
-            if k.rsplit(".", 1)[-1] not in flat_names and k not in dict(model.named_parameters())}
+            if k.rsplit(".", 1)[-1] not in flat_names and k not in params}
 
 
 def member_wanted(sd_type: StateDictType, config: StateDictConfig):

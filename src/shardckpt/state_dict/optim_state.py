@@ -76,13 +76,16 @@ def get_optim_state(model: nn.Module, optim: torch.optim.Optimizer, sd_type: Sta
             if keep:
                 state_out[name] = {k: rows[flat_keys.index(k)][j] if k in flat_keys else _copy(scalars[k])
                                    for k in state}
+    # Parameters in the unsharded model's order, as a plain optimizer over it would list them.
+    position = {name: i for i, name in enumerate(param_names(model))}
+    in_order = (lambda names: names) if sd_type is LOCAL else (lambda names: sorted(names, key=position.get))
     groups_out = []
     for pg, start in zip(optim.param_groups, _starts(optim)):
         names = [name for g in flat_groups[start:start + len(pg["params"])] for name in _member_names(g, sd_type)]
-        groups_out.append({**{k: v for k, v in pg.items() if k != "params"}, "params": names})
+        groups_out.append({**{k: v for k, v in pg.items() if k != "params"}, "params": in_order(names)})
     if not keep:
         return {}
-    out = {"state": state_out, "param_groups": groups_out}
+    out = {"state": {name: state_out[name] for name in in_order(list(state_out))}, "param_groups": groups_out}
     if key_type is OptimStateKeyType.PARAM_ID:
         order = [local_key(g) for g in groups(model)] if sd_type is LOCAL else param_names(model)
         out = rekey_optim_state_dict(out, key_type, order)
