@@ -146,7 +146,8 @@ def groups(module: nn.Module) -> list[FlatGroup]:
 @contextlib.contextmanager
 def no_sync(module: nn.Module) -> Iterator[None]:
     """Accumulate gradients locally (unsharded, fp32) without communication; the first backward
-    after the context reduces them together with its own."""
+    after the context reduces them together with its own. They are not visible as `.grad` until
+    then, so `zero_grad()` in between does not discard them."""
     state = _state(module, "no_sync()")
     previous, state.sync_grads = state.sync_grads, False
     try:

@@ -64,6 +64,11 @@ class FlatGroup:
         self._pending_grad: torch.Tensor | None = None
         self.unsharded = False
 
+    def __repr__(self) -> str:
+        layout = self.layout
+        return (f"FlatGroup({self.name!r}, {len(layout.names)} members, numel={layout.numel}, "
+                f"shard {self._groups.shard_rank}/{layout.world_size} of {layout.shard_numel}, {layout.dtype})")
+
     def _local_shard(self, params: list[torch.Tensor]) -> torch.Tensor:
         layout, rank = self.layout, self._groups.shard_rank
         shard = torch.zeros(layout.shard_numel, dtype=layout.torch_dtype, device=params[0].device)
