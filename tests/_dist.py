@@ -248,7 +248,8 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
 
     Raises `RankFailedError` with every failing rank's traceback if any rank raises or dies, and
     `RankTimeoutError` (with the hung ranks' stacks) if not all ranks finish within `timeout` seconds.
-    Either way the pool is killed and the next call builds a new one.
+    A pool with a hung or dead rank, or whose group fails a barrier afterwards, is killed; the next
+    call builds a new one.
     """
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(f"world_size must be in 1..{MAX_WORLD_SIZE}, got {world_size}")
