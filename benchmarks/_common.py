@@ -1,0 +1,106 @@
+"""Shared helpers for the benchmarks: page-cache dropping, RSS sampling, medians, formatting."""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_warned = False
+
+
+def can_drop_caches() -> bool:
+    return os.geteuid() == 0 and os.path.exists("/proc/sys/vm/drop_caches")
+
+
+def drop_caches() -> None:
+    """``sync`` then drop the page cache (root only; warns once and only syncs otherwise)."""
+    global _warned
+    os.sync()
+    if can_drop_caches():
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    elif not _warned:
+        _warned = True
+        print("WARNING: not root: cannot drop the page cache; 'cold' loads may be warm", file=sys.stderr)
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.unlink(path)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+class RssSampler:
+    """Samples this process's RSS every ``interval`` seconds in a thread; ``peak`` is the high-water mark."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.base = rss_bytes()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            r = rss_bytes()
+            if r > self.peak:
+                self.peak = r
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        r = rss_bytes()
+        if r > self.peak:
+            self.peak = r
+
+    @property
+    def delta(self) -> int:
+        return self.peak - self.base
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+class Timer:
+    def __enter__(self) -> Timer:
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.s = time.perf_counter() - self.t0
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
