@@ -18,7 +18,7 @@ from shardckpt.storage.manifest import MANIFEST_NAME, Manifest, chunks_of, parse
 from shardckpt.storage.tree import TensorRef, leaves, path_name, set_at
 
 T = TypeVar("T")
-_ATTEMPTS = 3  # a concurrent overwrite can remove the data a reader is on; it then reloads the new checkpoint
+_ATTEMPTS = 5  # a concurrent overwrite can remove the data a reader is on; it then reloads the new checkpoint
 
 
 def read_manifest(storage: Storage) -> Manifest:

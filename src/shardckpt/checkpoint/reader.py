@@ -100,8 +100,19 @@ def execute_read(storage: Storage, manifest: Manifest, read: ChunkRead, rec: Chu
 
 def execute_reads(storage: Storage, manifest: Manifest, reads: list[ChunkRead], io_threads: int,
                   verify: bool) -> None:
+    files = {r.file for r in reads}
+    # Open every data file first: a concurrent overwrite may delete them once a new manifest is committed.
+    storage.pin([manifest.files[f].path for f in sorted(files)])
+    try:
+        _execute(storage, manifest, reads, files, io_threads, verify)
+    finally:
+        storage.release()
+
+
+def _execute(storage: Storage, manifest: Manifest, reads: list[ChunkRead], files: set[int], io_threads: int,
+             verify: bool) -> None:
     with ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="shardckpt-read") as pool:
-        indexes = read_indexes(storage, manifest, {r.file for r in reads}, pool)
+        indexes = read_indexes(storage, manifest, files, pool)
         records = [chunk_record(storage, manifest, indexes, r) for r in reads]
         # Biggest reads first, so that the pool's tail is short.
         order = sorted(range(len(reads)), key=lambda i: -(reads[i].hi - reads[i].lo))

@@ -38,6 +38,12 @@ class Storage(Protocol):
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None: ...
 
+    def pin(self, paths: list[str]) -> None:
+        """Keep these files readable until ``release`` even if a concurrent overwrite deletes them (local disk:
+        open descriptors outlive an unlink; elsewhere a no-op, and readers retry)."""
+
+    def release(self) -> None: ...
+
     def file_size(self, path: str) -> int: ...
 
     def open_writer(self, path: str) -> FileWriter: ...
@@ -83,6 +89,7 @@ class LocalStorage:
 
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
+        self._pinned: dict[str, int] = {}
 
     def url(self, path: str) -> str:
         return os.path.join(self.root, path)
@@ -100,8 +107,9 @@ class LocalStorage:
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         url = self.url(path)
         out = out.cast("B")
+        pinned = self._pinned.get(path)
         try:
-            fd = os.open(url, os.O_RDONLY)
+            fd = os.open(url, os.O_RDONLY) if pinned is None else pinned
         except OSError as e:
             raise _missing(url, e) from e
         try:
@@ -113,7 +121,21 @@ class LocalStorage:
                                                  f"{offset + len(out)}, it ends at {offset + done})")
                 done += n
         finally:
+            if pinned is None:
+                os.close(fd)
+
+    def pin(self, paths: list[str]) -> None:
+        for path in paths:
+            if path not in self._pinned:
+                try:
+                    self._pinned[path] = os.open(self.url(path), os.O_RDONLY)
+                except OSError as e:
+                    raise _missing(self.url(path), e) from e
+
+    def release(self) -> None:
+        for fd in self._pinned.values():
             os.close(fd)
+        self._pinned.clear()
 
     def file_size(self, path: str) -> int:
         try:
@@ -202,6 +224,12 @@ class FsspecStorage:
             raise CorruptCheckpointError(f"{self._display(path)}: file is truncated (wanted {len(out)} bytes at "
                                          f"offset {offset}, got {len(data)})")
         out[:] = data
+
+    def pin(self, paths: list[str]) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
 
     def file_size(self, path: str) -> int:
         self.fs.invalidate_cache(posixpath.dirname(self.url(path)))
