@@ -9,7 +9,6 @@ import torch.distributed as dist
 
 import shardckpt
 from shardckpt import StateDictType
-from shardckpt.runtime import groups
 from tests.runtime import _model
 from tests.runtime._model import Block
 from tests.state_dict._train import _clone, new_run, steps
