@@ -162,7 +162,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     state = _state(module, "clip_grad_norm_()")
     norm_type = float(norm_type)
     trainable = [g for g in state.groups if g.flat_param.grad is not None]
-    device = trainable[0].flat_param.device if trainable else torch.device("cpu")
+    device = state.groups[0].flat_param.device if state.groups else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
     for group in trainable:
         part = group.local_grad_norm_power(norm_type)
@@ -214,6 +214,26 @@ class ShardedModule:
 
     def summon_full_params(self, writeback: bool = True) -> contextlib.AbstractContextManager[None]:
         return summon_full_params(self, writeback)
+
+    def state_dict(self, *, keep_vars: bool = False, **kwargs: Any) -> dict[str, Any]:
+        """The model state of the type ``shardckpt.state_dict_type`` sets (FULL outside it); collective."""
+        from shardckpt.state_dict.api import module_state_dict_setting
+        from shardckpt.state_dict.model_state import get_model_state
+
+        if kwargs.get("destination") is not None or kwargs.get("prefix"):
+            raise ShardingError("state_dict() of a sharded model takes no destination or prefix; call it on the "
+                                "root returned by shard()")
+        return get_model_state(self, *module_state_dict_setting(self))
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load model state of the type ``shardckpt.state_dict_type`` sets (FULL outside it); collective."""
+        from shardckpt.state_dict.api import module_state_dict_setting
+        from shardckpt.state_dict.model_state import set_model_state
+
+        if assign:
+            raise ShardingError("load_state_dict(assign=True) cannot replace the flat shards of a sharded model")
+        missing, unexpected = set_model_state(self, state_dict, *module_state_dict_setting(self), strict=strict)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
 _SHARDED_CLASSES: dict[type, type] = {}
