@@ -28,3 +28,12 @@ class UnsupportedValueError(CheckpointError, TypeError):
 
 class ShardingError(Exception):
     """Misuse of the sharding runtime: sharding twice, wrong device, a process group that does not match the mesh."""
+
+
+def key_mismatch(what: str, missing: list, unexpected: list, hint: str = "") -> IncompatibleCheckpointError:
+    """The error for keys one side has and the other lacks (the first ten of each are named)."""
+    def some(keys: list) -> str:
+        return f"{keys[:10]}" + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
+
+    parts = ([f"missing {some(missing)}"] if missing else []) + ([f"unexpected {some(unexpected)}"] if unexpected else [])
+    return IncompatibleCheckpointError(f"{what}: " + "; ".join(parts) + (f". {hint}" if hint else ""))

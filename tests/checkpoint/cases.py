@@ -57,7 +57,7 @@ def sharded_state(rank: int, world: int, rotate: int) -> dict:
 def empty_like_state(rank: int, world: int, rotate: int) -> dict:
     """Same structure as ``sharded_state`` but zero-filled tensors and different plain values."""
     sd = sharded_state(rank, world, rotate)
-    for k, v in sd["model"].items():
+    for v in sd["model"].values():
         local = v.local if isinstance(v, ShardedTensor) else v
         local.zero_()
     sd["step"], sd["meta"] = -1, {}

@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 import shardckpt
 from shardckpt import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError

@@ -48,7 +48,7 @@ def _with_retries(group: Group, storage: Storage, work: Callable[[Storage, Manif
     """Run ``work`` on the committed manifest; start over if a concurrent overwrite removed its data."""
     for attempt_no in range(_ATTEMPTS):
         manifest = _shared_manifest(group, storage)
-        outcome = attempt(group.rank, lambda: work(storage, manifest))
+        outcome = attempt(group.rank, lambda m=manifest: work(storage, m))
         outcomes = group.all_gather(outcome)
         if not any(isinstance(o, Failure) for o in outcomes):
             return outcome
@@ -176,7 +176,7 @@ def _check_files_before_allocating(storage: Storage, manifest: Manifest, leaves_
 def _insert(out: dict, tree: Any, path: tuple, leaf: Any) -> None:
     """Place ``leaf`` at ``path`` in ``out``, creating containers shaped like those of ``tree`` on the way."""
     node, src = out, tree
-    for depth, key in enumerate(path[:-1]):
+    for key in path[:-1]:
         src = src[key]
         if isinstance(node, dict):
             node = node.setdefault(key, {} if isinstance(src, dict) else [])

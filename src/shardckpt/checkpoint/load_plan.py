@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from shardckpt.checkpoint.collect import is_tensor_like, to_piece
-from shardckpt.errors import IncompatibleCheckpointError
+from shardckpt.errors import IncompatibleCheckpointError, key_mismatch
 from shardckpt.regions import Region, flat_bounds, intersect, local_span
 from shardckpt.storage.manifest import Manifest, TensorEntry
 from shardckpt.storage.tree import Path, TensorRef, leaves, path_name
@@ -76,12 +76,8 @@ def match(manifest: Manifest, state_dict: dict, strict: bool) -> tuple[list[Targ
             values.append((path, stored))
     unexpected = sorted(set(saved) - names)
     if strict and (missing or unexpected):
-        raise IncompatibleCheckpointError(
-            "state dict and checkpoint do not match"
-            + (f"; missing from the checkpoint: {missing[:10]}" + (" ..." if len(missing) > 10 else "") if missing else "")
-            + (f"; in the checkpoint but not the state dict: {unexpected[:10]}" + (" ..." if len(unexpected) > 10 else "")
-               if unexpected else "")
-            + ". Pass strict=False to load the keys both have.")
+        raise key_mismatch("state dict and checkpoint do not match (missing: in the state dict, not the "
+                           "checkpoint)", missing, unexpected, "Pass strict=False to load the keys both have.")
     return targets, values
 
 

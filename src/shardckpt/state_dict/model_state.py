@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from shardckpt.checkpoint.group import resolve_group
-from shardckpt.errors import IncompatibleCheckpointError
+from shardckpt.errors import IncompatibleCheckpointError, key_mismatch
 from shardckpt.regions import FlatRange, dim0_chunk, full_region
 from shardckpt.runtime import FlatGroup, groups, is_sharded
 from shardckpt.runtime.build import FLAT_PARAM_NAMES
@@ -130,8 +130,7 @@ def _missing_unexpected(expected: list[str], given: dict, aliases: set[str]) -> 
 
 def check_keys(missing: list[str], unexpected: list[str], what: str) -> None:
     if missing or unexpected:
-        parts = [f"missing {missing[:10]}" if missing else "", f"unexpected {unexpected[:10]}" if unexpected else ""]
-        raise IncompatibleCheckpointError(f"{what} does not match the model: " + "; ".join(p for p in parts if p))
+        raise key_mismatch(f"{what} does not match the model", missing, unexpected)
 
 
 def member_source(value: Any, name: str, shape: tuple[int, ...], sd_type: StateDictType, rank: int,
