@@ -134,7 +134,9 @@ class Groups:
 
 
 def _is_mesh(obj: Any) -> bool:
-    return type(obj).__name__ == "DeviceMesh" and hasattr(obj, "get_group")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return isinstance(obj, DeviceMesh)
 
 
 def resolve_groups(strategy: ShardingStrategy, process_group: Any, device: torch.device) -> Groups:
