@@ -53,11 +53,10 @@ class RssSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             r = rss_bytes()
-            if r > self.peak:
-                self.peak = r
+            self.peak = max(self.peak, r)
             self._stop.wait(self.interval)
 
-    def __enter__(self) -> RssSampler:
+    def __enter__(self) -> RssSampler:  # noqa: PYI034
         self._thread.start()
         return self
 
@@ -65,8 +64,7 @@ class RssSampler:
         self._stop.set()
         self._thread.join()
         r = rss_bytes()
-        if r > self.peak:
-            self.peak = r
+        self.peak = max(self.peak, r)
 
     @property
     def delta(self) -> int:
@@ -94,7 +92,7 @@ def loadavg() -> str:
 
 
 class Timer:
-    def __enter__(self) -> Timer:
+    def __enter__(self) -> Timer:  # noqa: PYI034
         self.t0 = time.perf_counter()
         return self
 

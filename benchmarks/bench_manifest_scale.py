@@ -39,16 +39,20 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
+import torch
+from _common import median, verdict
 
-from _common import median, verdict  # noqa: E402
-
-from shardckpt.checkpoint.load_plan import Target, match, plan_reads  # noqa: E402
-from shardckpt.checkpoint.collect import is_tensor_like  # noqa: E402
-from shardckpt.regions import Box, dim0_chunk  # noqa: E402
-from shardckpt.sharded_tensor import ShardedTensor  # noqa: E402
-from shardckpt.storage.manifest import FileEntry, Manifest, TensorEntry, compact_chunks, parse_manifest  # noqa: E402
-from shardckpt.storage.tree import encode, leaves, path_name  # noqa: E402
+from shardckpt.checkpoint.load_plan import Target, match, plan_reads
+from shardckpt.regions import Box, dim0_chunk
+from shardckpt.sharded_tensor import ShardedTensor
+from shardckpt.storage.manifest import (
+    FileEntry,
+    Manifest,
+    TensorEntry,
+    compact_chunks,
+    parse_manifest,
+)
+from shardckpt.storage.tree import encode, leaves, path_name
 
 MIB = 1 << 20
 MANIFEST_LIMIT = 16 * MIB

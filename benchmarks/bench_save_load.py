@@ -43,11 +43,20 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
+import torch
+from _common import (
+    RssSampler,
+    Timer,
+    can_drop_caches,
+    drop_caches,
+    fsync_path,
+    loadavg,
+    median,
+    remove,
+    verdict,
+)
 
-from _common import RssSampler, Timer, can_drop_caches, drop_caches, fsync_path, loadavg, median, remove, verdict  # noqa: E402,I001
-
-import shardckpt  # noqa: E402
+import shardckpt
 
 GIB = 1 << 30
 SAVE_METHODS = ["raw", "shardckpt", "dcp2", "dcp1", "torch", "safetensors"]
