@@ -138,11 +138,19 @@ def _errors(root: str) -> list[str]:
     steps(model, two, _model.make_batches(1))
     shardckpt.save_state(model, two, f"{root}/two-groups", overwrite=True)
     expect(lambda: shardckpt.load_state(model, optim, f"{root}/two-groups"), "param_groups")
+    # rank0_only: only rank 0 holds the values, yet every rank must raise (none may hang in a collective).
+    rank0 = shardckpt.FullStateDictConfig(rank0_only=True)
+    mine = lambda sd: sd if dist.get_rank() == 0 else {}  # noqa: E731
+    expect(lambda: shardckpt.set_state_dict(model, None, mine(missing), type=FULL, config=rank0), "ln_f.bias")
+    shardckpt.set_state_dict(model, optim, mine(sd), type=FULL, config=rank0)  # and a sound one loads
+    bad_optim = {"model": sd["model"], "optim": {**sd["optim"], "state": {
+        **sd["optim"]["state"], "ln_f.weight": {**sd["optim"]["state"]["ln_f.weight"], "exp_avg": torch.zeros(2)}}}}
+    expect(lambda: shardckpt.set_state_dict(model, optim, mine(bad_optim), type=FULL, config=rank0), "ln_f.weight")
     with pytest.raises(TypeError):
         shardckpt.get_state_dict(model, optim, type=FULL, config=shardckpt.ShardedStateDictConfig())
     return messages
 
 
 def test_mismatches_raise_errors_naming_the_key(tmp_path):
-    messages = run_ranks(2, _errors, str(tmp_path))[0]
-    assert len(messages) == 5
+    messages = run_ranks(2, _errors, str(tmp_path), timeout=120)[0]
+    assert len(messages) == 7

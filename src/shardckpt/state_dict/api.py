@@ -44,12 +44,15 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, st
     """Load a state dict of the given type, as ``get_state_dict`` made it at this world size and wrapping.
 
     Checkpoints from another world size, wrapping or type load with ``load_state``. Mismatches raise
-    ``IncompatibleCheckpointError`` naming the key.
+    ``IncompatibleCheckpointError`` naming the key, on every rank. With FULL ``rank0_only``, only rank 0's
+    ``state_dict`` is read (the others may pass ``{}``).
     """
     config = resolve_config(type, config)
-    set_model_state(model, state_dict["model"], type, config, strict)
-    if optimizer is not None and "optim" in state_dict:
-        set_optim_state(model, optimizer, state_dict["optim"], type, config)
+    # With FULL rank0_only the other ranks have nothing to give: they may pass {}.
+    rank0_only = getattr(config, "rank0_only", False) and type is StateDictType.FULL_STATE_DICT
+    set_model_state(model, state_dict.get("model", {}), type, config, strict)
+    if optimizer is not None and ("optim" in state_dict or rank0_only):
+        set_optim_state(model, optimizer, state_dict.get("optim", {}), type, config)
 
 
 @contextlib.contextmanager

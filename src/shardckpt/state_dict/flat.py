@@ -58,13 +58,17 @@ def gather_members(group: FlatGroup, flat_tensors: Sequence[torch.Tensor],
 
 def scatter_members(group: FlatGroup, flat_tensors: Sequence[torch.Tensor],
                     sources: Sequence[Sequence[torch.Tensor | None]],
-                    held: Callable[[tuple[int, ...], int], Region | None], everywhere: bool = False) -> None:
+                    held: Callable[[tuple[int, ...], int], Region | None], everywhere: bool = False,
+                    skip: set[int] = frozenset()) -> None:
     """Inverse of ``gather_members``: fill each flat-shaped tensor's shard from member pieces, where rank
-    q holds region ``held(shape, q)`` of each member (``sources[i][j]``: this rank's piece, contiguous)."""
+    q holds region ``held(shape, q)`` of each member (``sources[i][j]``: this rank's piece, contiguous).
+    Members in ``skip`` (the same set on every rank) are left as they are."""
     layout, rank, world = group.layout, group.groups.shard_rank, group.groups.shard_size
     moves = []
     for flat, srcs in zip(flat_tensors, sources):
         for j, shape in enumerate(layout.shapes):
+            if j in skip:
+                continue
             have = [held(shape, q) for q in range(world)]
             want = [held_region(layout, j, q) for q in range(world)]
             src = srcs[j]

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardckpt.checkpoint.group import resolve_group
+from shardckpt.checkpoint.group import attempt, raise_failures, resolve_group
 from shardckpt.errors import IncompatibleCheckpointError, key_mismatch
 from shardckpt.regions import FlatRange, dim0_chunk, full_region
 from shardckpt.runtime import FlatGroup, groups, is_sharded
@@ -122,10 +122,34 @@ def _get_plain(model: nn.Module, sd_type: StateDictType, config: StateDictConfig
 # ------------------------------------------------------------------------------------------------ set
 
 
-def _missing_unexpected(expected: list[str], given: dict, aliases: set[str]) -> tuple[list[str], list[str]]:
-    missing = [k for k in expected if k not in given]
-    unexpected = [k for k in given if k not in expected and k not in aliases and k != LAYOUTS_KEY]
-    return missing, unexpected
+def _expected(model: nn.Module, sd_type: StateDictType) -> list[tuple[str, ...]]:
+    """Every key the model's state dict of ``sd_type`` holds: (name, *aliases) per parameter, then buffers."""
+    if sd_type is LOCAL:
+        keys = [(local_key(g),) for g in groups(model)]
+    else:
+        keys = [(name,) + g.layout.aliases[j] for g in groups(model) for j, name in enumerate(g.layout.names)]
+    return keys + [(name,) for name in buffers(model)]
+
+
+def _check_state(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType, strict: bool) -> list[str]:
+    """Missing keys (strict: raise on any mismatch, shapes included); the same answer on every rank that runs it."""
+    expected = _expected(model, sd_type)
+    known = {k for names in expected for k in names} | {LAYOUTS_KEY}
+    missing = [names[0] for names in expected if not any(n in sd for n in names)]
+    unexpected = [k for k in sd if k not in known]
+    if strict:
+        check_keys(missing, unexpected, "state dict")
+    if sd_type is not LOCAL:
+        for group in groups(model):
+            rank, world = group.groups.shard_rank, group.groups.shard_size
+            for j, name in enumerate(group.layout.names):
+                member_source(_value(sd, (name,) + group.layout.aliases[j]), name, group.layout.shapes[j], sd_type,
+                              rank, world)
+    return missing
+
+
+def _value(sd: dict[str, Any], names: tuple[str, ...]) -> Any:
+    return next((sd[n] for n in names if n in sd), None)
 
 
 def check_keys(missing: list[str], unexpected: list[str], what: str) -> None:
@@ -155,39 +179,40 @@ def member_source(value: Any, name: str, shape: tuple[int, ...], sd_type: StateD
 
 def set_model_state(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType, config: StateDictConfig,
                     strict: bool = True) -> tuple[list[str], list[str]]:
-    """Load ``sd`` of type ``sd_type`` into the model; returns (missing, unexpected) keys when not strict."""
+    """Load ``sd`` of type ``sd_type`` into the model; returns (missing, unexpected) keys when not strict.
+
+    Everything is checked before any data moves, so that all ranks raise together or none does.
+    """
     if not is_sharded(model):
         return _set_plain(model, sd, sd_type, config, strict)
     rank0_only = _rank0_only(config) and sd_type is FULL
-    source_rank = _global_rank() == 0 if rank0_only else True
-    expected, aliases = [], set()
+    world_group = resolve_group()
+    if rank0_only:  # only rank 0 holds the values: it checks, and every rank follows its verdict
+        verdict = attempt(0, lambda: _check_state(model, sd, sd_type, strict)) if world_group.rank == 0 else None
+        verdict = world_group.broadcast(verdict)
+        raise_failures([verdict])
+        missing = verdict
+    else:
+        missing = _check_state(model, sd, sd_type, strict)
+    source = world_group.rank == 0 if rank0_only else True
     for group in groups(model):
-        layout = group.layout
         if sd_type is LOCAL:
-            expected.append(local_key(group))
-            _set_local(group, group.flat_param, sd.get(local_key(group)), local_key(group))
+            if local_key(group) not in missing:
+                _set_local(group, group.flat_param, sd[local_key(group)], local_key(group))
             continue
-        expected.extend(layout.names)
-        aliases.update(a for al in layout.aliases for a in al)
-        rank, world = group.groups.shard_rank, group.groups.shard_size
-        srcs = []
-        for j, name in enumerate(layout.names):
-            value = next((sd[n] for n in (name,) + layout.aliases[j] if n in sd), None)
-            if value is None and strict and source_rank:
-                check_keys([name], [], "state dict")
-            srcs.append(member_source(value, name, layout.shapes[j], sd_type, rank, world) if source_rank else None)
+        layout, rank, world = group.layout, group.groups.shard_rank, group.groups.shard_size
+        skip = {j for j, name in enumerate(layout.names) if name in missing}
+        srcs = [member_source(_value(sd, (name,) + layout.aliases[j]), name, layout.shapes[j], sd_type, rank, world)
+                if source and j not in skip else None for j, name in enumerate(layout.names)]
         scatter_members(group, [group.flat_param], [srcs], _held_fn(sd_type, rank0_only, world),
-                        everywhere=sd_type is FULL and not rank0_only)
+                        everywhere=sd_type is FULL and not rank0_only, skip=skip)
     bufs = buffers(model)
-    expected.extend(bufs)
     if rank0_only:
         _broadcast_buffers(bufs, sd)
     else:
         _set_buffers(bufs, sd)
-    missing, unexpected = _missing_unexpected(expected, sd, aliases)
-    if strict and source_rank:
-        check_keys(missing, unexpected, "state dict")
-    return missing, unexpected
+    known = {k for names in _expected(model, sd_type) for k in names} | {LAYOUTS_KEY}
+    return missing, [k for k in sd if k not in known]
 
 
 def _held_fn(sd_type: StateDictType, rank0_only: bool, world: int):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardckpt.checkpoint.group import resolve_group
+from shardckpt.checkpoint.group import attempt, raise_failures, resolve_group
 from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.runtime import FlatGroup, groups, is_sharded
 from shardckpt.sharded_tensor import ShardedTensor
@@ -140,9 +140,11 @@ def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, s
     flat_groups = _by_param(model, optim)
     params = [p for pg in optim.param_groups for p in pg["params"]]
     # Plain parts (scalars, hyper-parameters) are small: take them from rank 0 when only it has them.
-    small = _small_parts(osd, flat_groups, params, optim, sd_type) if source else None
+    # Checked before any data moves; with rank0_only rank 0 checks and every rank follows its verdict.
+    small = attempt(group0.rank, lambda: _small_parts(osd, flat_groups, params, optim, sd_type)) if source else None
     if rank0_only:
         small = group0.broadcast(small)
+    raise_failures([small])
     scalars, hyper = small
     for group, param in zip(flat_groups, params):
         state = optim.state.get(param, {})
@@ -184,6 +186,12 @@ def _small_parts(osd: dict, flat_groups: list[FlatGroup], params: list, optim: t
                     "was it saved from a different kind of optimizer?")
             flat_keys = _flat_keys(state, group)
             scalars[id(param)] = {k: _copy(v) for k, v in given.items() if k not in flat_keys}
+            if sd_type is not LOCAL:  # shapes, before any data moves
+                rank, world = group.groups.shard_rank, group.groups.shard_size
+                for j, name in enumerate(names):
+                    for k in flat_keys:
+                        member_source(osd["state"][name][k], f"{name}.{k}", group.layout.shapes[j], sd_type, rank,
+                                      world)
     names = [_member_names(g, sd_type) for g in flat_groups]
     return scalars, match_param_groups(osd.get("param_groups", []), optim, names)
 
