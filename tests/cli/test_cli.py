@@ -40,7 +40,7 @@ def test_verify_sound_checkpoint_exits_0(ckpt, capsys):
 
 
 def test_verify_flipped_byte_exits_1_naming_tensor_and_file(ckpt, capsys):
-    data_file = glob.glob(f"{ckpt}/data-*/rank-*.bin")[0]
+    data_file = sorted(glob.glob(f"{ckpt}/data-*/rank-*.bin"))[0]  # slot 0 holds the biggest tensor
     raw = bytearray(open(data_file, "rb").read())
     raw[100] ^= 0x40  # inside model.w (written first, 2 KiB)
     open(data_file, "wb").write(bytes(raw))

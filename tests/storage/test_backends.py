@@ -119,7 +119,7 @@ def test_uncommitted_data_is_not_a_checkpoint(backend):
 @pytest.mark.parametrize("which", ["bin", "index"])
 def test_missing_file_is_corrupt_and_named(backend, which):
     _save(backend)
-    (victim,) = backend.data_files() if which == "bin" else backend.index_files()
+    victim = sorted(backend.data_files() if which == "bin" else backend.index_files())[0]
     backend.remove(victim)
     with pytest.raises(CorruptCheckpointError, match=victim.split("/")[-1]) as info:
         _load_full(backend)
@@ -210,13 +210,13 @@ def test_failed_overwrite_keeps_the_old_checkpoint(backend, monkeypatch, where):
     _save(backend)
     old_generations = _generations(backend)
     if where == "data":
-        real = save_mod.write_rank_file
+        real = save_mod.write_rank_files
 
         def failing_write(*args, **kwargs):
             real(*args, **kwargs)  # the data and index files are written...
             raise OSError("injected: disk full")  # ...then this rank fails
 
-        monkeypatch.setattr(save_mod, "write_rank_file", failing_write)
+        monkeypatch.setattr(save_mod, "write_rank_files", failing_write)
     else:
         storage_cls = type(save_mod.open_storage(backend.url, backend.options))
 

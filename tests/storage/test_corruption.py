@@ -13,7 +13,8 @@ from tests.storage._util import assert_tree_equal, index_rows
 
 
 def _setup(backend):
-    shardckpt.save(reference(), backend.url, storage_options=backend.options)
+    # One data file, so that each test can damage "the" file at a known chunk.
+    shardckpt.save(reference(), backend.url, storage_options=backend.options, files_per_rank=1)
     (data,) = backend.data_files()
     (index,) = backend.index_files()
     return data, index

@@ -16,18 +16,19 @@ from typing import Any
 from shardckpt.checkpoint.collect import LocalPiece, is_tensor_like, local_pieces
 from shardckpt.checkpoint.group import Failure, Group, attempt, raise_failures, resolve_group
 from shardckpt.checkpoint.save_plan import PieceInfo, SavePlan, WriteTask, make_save_plan
-from shardckpt.checkpoint.writer import RankResult, write_rank_file
+from shardckpt.checkpoint.writer import RankResult, write_rank_files
 from shardckpt.errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
 from shardckpt.storage.backend import Storage, open_storage
 from shardckpt.storage.manifest import MANIFEST_NAME, Manifest, TensorEntry, parse_manifest
 from shardckpt.storage.dtypes import DTYPES
 from shardckpt.storage.tree import encode
 
-DEFAULT_IO_THREADS = 4
+DEFAULT_IO_THREADS = 4  # parallel reads on load
+DEFAULT_FILES_PER_RANK = 2  # data files each rank writes in parallel on save
 
 
 def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
-         metadata: dict | None = None, io_threads: int = DEFAULT_IO_THREADS,
+         metadata: dict | None = None, files_per_rank: int = DEFAULT_FILES_PER_RANK,
          storage_options: dict | None = None) -> None:
     """Save a (nested) state dict as a checkpoint at ``path`` (a local path or an fsspec URL).
 
@@ -35,18 +36,19 @@ def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
     when torch.distributed is not initialised). Values may be plain tensors (full or replicated: stored
     once, by one rank), ``ShardedTensor``s, torch DTensors, or plain JSON-able values. ``metadata`` is a
     JSON-able dict stored in the manifest. A committed checkpoint at ``path`` is replaced only with
-    ``overwrite=True``; readers then see the complete old or the complete new checkpoint.
+    ``overwrite=True``; readers then see the complete old or the complete new checkpoint. Each rank writes
+    ``files_per_rank`` data files in parallel (rank 0's value counts).
     """
     group = resolve_group(process_group)
     storage = open_storage(path, storage_options)
     prepared = attempt(group.rank, lambda: _prepare(state_dict, metadata, group))
     gathered = group.gather(prepared if isinstance(prepared, Failure) else prepared[1])
-    plan = _plan_on_coordinator(group, storage, gathered, overwrite) if group.is_coordinator else None
+    plan = _plan_on_coordinator(group, storage, gathered, overwrite, files_per_rank) if group.is_coordinator else None
     mine = group.scatter(_per_rank(plan, group.world_size) if group.is_coordinator else None)
     raise_failures([prepared, mine])
     pieces, _, encoded_tree = prepared
-    generation, tasks = mine
-    result = attempt(group.rank, lambda: _write(storage, generation, group.rank, tasks, pieces, io_threads))
+    generation, tasks, per_rank = mine
+    result = attempt(group.rank, lambda: _write(storage, generation, group.rank, tasks, pieces, per_rank))
     results = group.gather(result)
     outcome = None
     if group.is_coordinator:
@@ -71,7 +73,8 @@ def _prepare(state_dict: dict, metadata: dict | None, group: Group) -> tuple[dic
     return by_name, [PieceInfo.of(p) for p in pieces], encoded
 
 
-def _plan_on_coordinator(group: Group, storage: Storage, gathered: list, overwrite: bool) -> SavePlan | Failure:
+def _plan_on_coordinator(group: Group, storage: Storage, gathered: list, overwrite: bool,
+                         files_per_rank: int) -> SavePlan | Failure:
     failures = [g for g in gathered if isinstance(g, Failure)]
     if failures:
         return failures[0]
@@ -80,7 +83,9 @@ def _plan_on_coordinator(group: Group, storage: Storage, gathered: list, overwri
         if not overwrite and storage.exists(MANIFEST_NAME):
             raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: a checkpoint already exists; pass "
                                         "overwrite=True to replace it")
-        return make_save_plan(gathered, uuid.uuid4().hex[:16])
+        if not isinstance(files_per_rank, int) or not 1 <= files_per_rank <= 64:
+            raise ValueError(f"files_per_rank must be an int in 1..64, got {files_per_rank!r}")
+        return make_save_plan(gathered, uuid.uuid4().hex[:16], files_per_rank)
 
     return attempt(0, plan)
 
@@ -88,7 +93,7 @@ def _plan_on_coordinator(group: Group, storage: Storage, gathered: list, overwri
 def _per_rank(plan: SavePlan | Failure, world_size: int) -> list:
     if isinstance(plan, Failure):
         return [plan] * world_size
-    return [(plan.generation, plan.tasks[r]) for r in range(world_size)]
+    return [(plan.generation, plan.tasks[r], plan.files_per_rank) for r in range(world_size)]
 
 
 def data_dir(generation: str) -> str:
@@ -96,11 +101,11 @@ def data_dir(generation: str) -> str:
 
 
 def _write(storage: Storage, generation: str, rank: int, tasks: list[WriteTask], pieces: dict,
-           io_threads: int) -> RankResult | None:
+           files_per_rank: int) -> RankResult | None:
     if not tasks:
         return None
-    base = f"{data_dir(generation)}/rank-{rank:05d}"
-    return write_rank_file(storage, f"{base}.bin", f"{base}.index.json", tasks, pieces, io_threads)
+    return write_rank_files(storage, f"{data_dir(generation)}/rank-{rank:05d}", tasks, pieces,
+                            files_per_rank)
 
 
 def _commit(storage: Storage, plan: SavePlan, results: list, encoded_tree: Any, world_size: int,
@@ -110,17 +115,17 @@ def _commit(storage: Storage, plan: SavePlan, results: list, encoded_tree: Any, 
     if failures:
         storage.remove_dir(data_dir(generation))
         raise_failures(failures)
-    file_of_rank, files = {}, []
+    first_file, files = {}, []
     for rank, result in enumerate(results):
         if result is not None:
-            file_of_rank[rank] = len(files)
-            files.append(result.file)
+            first_file[rank] = len(files)
+            files.extend(result.files)
     tensors = {}
     for name, tp in plan.tensors.items():
         crc = 0
         for result in results:
             crc ^= result.crc_terms.get(name, 0) if result is not None else 0
-        tensors[name] = TensorEntry(name, DTYPES[tp.dtype], tp.shape, crc, tp.chunks(file_of_rank))
+        tensors[name] = TensorEntry(name, DTYPES[tp.dtype], tp.shape, crc, tp.chunks(first_file))
     if files:
         storage.sync_dir(data_dir(generation))
     previous = _previous_generation(storage)

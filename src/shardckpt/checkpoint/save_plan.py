@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from shardckpt.checkpoint.collect import LocalPiece, region_from_key, region_key
 from shardckpt.errors import CheckpointError
 from shardckpt.regions import Region, check_tiling, flat_bounds, full_region
-from shardckpt.storage.dtypes import dtype_name, itemsize
+from shardckpt.storage.dtypes import DTYPES, dtype_name, itemsize
 from shardckpt.storage.manifest import Chunks, compact_chunks
 
 
@@ -30,10 +30,11 @@ class PieceInfo:
 
 @dataclass(frozen=True)
 class WriteTask:
-    """Rank must write its piece of ``name`` as chunk number ``chunk``."""
+    """Rank must write its piece of ``name`` as chunk number ``chunk``, into its data file ``slot``."""
 
     name: str
     chunk: int
+    slot: int = 0
 
 
 @dataclass
@@ -42,9 +43,11 @@ class TensorPlan:
     shape: tuple[int, ...]
     regions: list[Region] = field(default_factory=list)  # chunk i's region, ordered by first element
     writers: list[int] = field(default_factory=list)  # rank writing chunk i
+    slot: int = 0  # which of each rank's data files holds this tensor's chunks
 
-    def chunks(self, file_of_rank: dict[int, int]) -> Chunks:
-        return compact_chunks(self.regions, [file_of_rank[r] for r in self.writers], self.shape)
+    def chunks(self, first_file: dict[int, int]) -> Chunks:
+        """``first_file[rank]``: the manifest position of that rank's first data file."""
+        return compact_chunks(self.regions, [first_file[r] + self.slot for r in self.writers], self.shape)
 
 
 @dataclass
@@ -52,13 +55,14 @@ class SavePlan:
     generation: str  # names this save's data directory
     tensors: dict[str, TensorPlan]
     tasks: list[list[WriteTask]]  # per rank
+    files_per_rank: int
 
     @property
     def writing_ranks(self) -> list[int]:
         return [r for r, tasks in enumerate(self.tasks) if tasks]
 
 
-def make_save_plan(infos: list[list[PieceInfo]], generation: str) -> SavePlan:
+def make_save_plan(infos: list[list[PieceInfo]], generation: str, files_per_rank: int = 2) -> SavePlan:
     """Check that ranks agree on every tensor and that shards tile it; assign each chunk a writer."""
     world = len(infos)
     tensors: dict[str, TensorPlan] = {}
@@ -97,11 +101,22 @@ def make_save_plan(infos: list[list[PieceInfo]], generation: str) -> SavePlan:
             plan.regions.append(full_region(plan.shape))
             plan.writers.append(rank)
             load[rank] += _nbytes(plan)
+    _assign_slots(tensors, files_per_rank)
     tasks: list[list[WriteTask]] = [[] for _ in range(world)]
     for name, plan in tensors.items():
         for chunk, rank in enumerate(plan.writers):
-            tasks[rank].append(WriteTask(name, chunk))
-    return SavePlan(generation, tensors, tasks)
+            tasks[rank].append(WriteTask(name, chunk, plan.slot))
+    return SavePlan(generation, tensors, tasks, files_per_rank)
+
+
+def _assign_slots(tensors: dict[str, TensorPlan], files_per_rank: int) -> None:
+    """Spread tensors over each rank's data files by total bytes, biggest first. A tensor keeps one slot on
+    every rank, so chunk i's file stays ``first + i * files_per_rank`` (compact in the manifest)."""
+    load = [0] * files_per_rank
+    for name in sorted(tensors, key=lambda n: (-_nbytes(tensors[n]), n)):
+        slot = min(range(files_per_rank), key=lambda k: (load[k], k))
+        tensors[name].slot = slot
+        load[slot] += _nbytes(tensors[name])
 
 
 def _check_shards(name: str, regions: list[Region], shape: tuple[int, ...]) -> None:
@@ -113,8 +128,6 @@ def _check_shards(name: str, regions: list[Region], shape: tuple[int, ...]) -> N
 
 
 def itemsize_of(dtype: str) -> int:
-    from shardckpt.storage.dtypes import DTYPES
-
     return itemsize(DTYPES[dtype])
 
 

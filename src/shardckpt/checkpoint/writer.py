@@ -1,4 +1,4 @@
-"""Writing one rank's data file: stage each chunk's bytes, checksum them, write them, make them durable."""
+"""Writing one rank's data files: stage each chunk's bytes, checksum them, write them, make them durable."""
 from __future__ import annotations
 
 import math
@@ -11,17 +11,17 @@ from shardckpt.checkpoint.collect import LocalPiece
 from shardckpt.checkpoint.save_plan import WriteTask
 from shardckpt.regions import contiguous_runs
 from shardckpt.storage.backend import Storage
-from shardckpt.storage.checksum import crc32c, crc32c_combine, tensor_crc_term
+from shardckpt.storage.checksum import crc32c, tensor_crc_term
 from shardckpt.storage.manifest import ChunkRecord, FileEntry, index_to_bytes
 from shardckpt.tensor_views import as_bytes
 
 ALIGN = 64  # chunk offsets are aligned so that a memory map of the file gives aligned tensors
-SEGMENT = 32 << 20  # bytes per write job: big chunks are split so that CRC and I/O overlap across threads
+BLOCK = 16 << 20  # bytes checksummed and written at a time
 
 
 @dataclass(frozen=True)
 class RankResult:
-    file: FileEntry
+    files: list[FileEntry]  # one per slot, in slot order
     crc_terms: dict[str, int]  # per tensor: XOR of this rank's chunks' checksum terms
 
 
@@ -49,86 +49,57 @@ def _crc_term(piece: LocalPiece, crc: int, raw: torch.Tensor | None = None) -> i
     return term
 
 
-def _segments(piece: LocalPiece) -> list[tuple[int, int]]:
-    """Byte ranges written (and checksummed) as separate jobs, so that CRC and writes overlap across threads.
+def _write_chunk(writer, piece: LocalPiece) -> tuple[int, int]:
+    """Stream one chunk in blocks, each checksummed just before it is written (while it is in cache)."""
+    raw = _host_bytes(piece.data)
+    data = memoryview(raw.numpy())
+    crc = 0
+    for lo in range(0, len(data), BLOCK):
+        block = data[lo:lo + BLOCK]
+        crc = crc32c(block, crc)
+        writer.write(block)
+    return crc, _crc_term(piece, crc, raw)
 
-    Only chunks already in contiguous CPU memory of one run are split: the others are staged (copied)
-    once, whole, inside their single job.
-    """
-    t, n = piece.data, piece.data.nbytes
-    if t.device.type != "cpu" or not t.is_contiguous() or len(list(contiguous_runs(piece.region, piece.shape))) != 1:
-        return [(0, n)]
-    return [(lo, min(lo + SEGMENT, n)) for lo in range(0, n, SEGMENT)] or [(0, 0)]
 
-
-def write_rank_file(storage: Storage, data_path: str, index_path: str, tasks: list[WriteTask],
-                    pieces: dict[str, LocalPiece], io_threads: int) -> RankResult:
-    """Write every task's chunk to ``data_path`` and its index to ``index_path``; both durable on return."""
-    offsets, pos = [], 0
-    for task in tasks:
-        offsets.append(pos)
-        pos += -(-pieces[task.name].data.nbytes // ALIGN) * ALIGN
-    writer = storage.open_writer(data_path)
-    try:
-        if writer.positional:
-            crcs = _write_positional(writer, tasks, pieces, offsets, io_threads)
-        else:
-            crcs = _write_sequential(writer, tasks, pieces, offsets)
-    finally:
-        writer.close()
+def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: list[WriteTask],
+                    pieces: dict[str, LocalPiece]) -> tuple[FileEntry, dict[str, int]]:
+    """Write the tasks' chunks in order (offsets aligned) and the file's index; both durable on return."""
     records: dict[tuple[str, int], ChunkRecord] = {}
     terms: dict[str, int] = {}
-    for task, offset, (crc, term) in zip(tasks, offsets, crcs):
-        records[(task.name, task.chunk)] = ChunkRecord(offset, pieces[task.name].data.nbytes, crc, "raw")
-        terms[task.name] = terms.get(task.name, 0) ^ term
-    size = offsets[-1] + pieces[tasks[-1].name].data.nbytes if tasks else 0
+    writer, pos = storage.open_writer(data_path), 0
+    try:
+        for task in tasks:
+            piece = pieces[task.name]
+            pad = -pos % ALIGN
+            if pad:
+                writer.write(memoryview(bytes(pad)))
+                pos += pad
+            crc, term = _write_chunk(writer, piece)
+            records[(task.name, task.chunk)] = ChunkRecord(pos, piece.data.nbytes, crc, "raw")
+            terms[task.name] = terms.get(task.name, 0) ^ term
+            pos += piece.data.nbytes
+    finally:
+        writer.close()
     index = index_to_bytes(records)
     index_writer = storage.open_writer(index_path)
     index_writer.write(memoryview(index))
     index_writer.close()
-    return RankResult(FileEntry(data_path, size, index_path, len(index), crc32c(index)), terms)
+    return FileEntry(data_path, pos, index_path, len(index), crc32c(index)), terms
 
 
-def _write_positional(writer, tasks: list[WriteTask], pieces: dict[str, LocalPiece], offsets: list[int],
-                      io_threads: int) -> list[tuple[int, int]]:
-    """pwrite every segment from a thread pool; per chunk its CRC and checksum term."""
-    jobs = [(i, lo, hi) for i, task in enumerate(tasks) for lo, hi in _segments(pieces[task.name])]
+def write_rank_files(storage: Storage, base: str, tasks: list[WriteTask], pieces: dict[str, LocalPiece],
+                     files_per_rank: int) -> RankResult:
+    """One data file per slot (``<base>-<slot>.bin``), written in parallel: one writer per file, because
+    buffered writes to a single file serialise on its lock."""
+    by_slot = [[t for t in tasks if t.slot == k] for k in range(files_per_rank)]
 
-    def run(job: tuple[int, int, int]) -> tuple[int, int | None]:
-        i, lo, hi = job
-        piece = pieces[tasks[i].name]
-        raw = _host_bytes(piece.data)
-        view = memoryview(raw.numpy())[lo:hi]
-        crc = crc32c(view)
-        writer.pwrite(view, offsets[i] + lo)
-        whole = lo == 0 and hi == raw.numel()
-        return crc, _crc_term(piece, crc, raw) if whole else None
+    def write(k: int) -> tuple[FileEntry, dict[str, int]]:
+        return write_data_file(storage, f"{base}-{k}.bin", f"{base}-{k}.index.json", by_slot[k], pieces)
 
-    with ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="shardckpt-write") as pool:
-        done = list(pool.map(run, jobs))
-    out: list[tuple[int, int]] = []
-    for (i, lo, hi), (crc, term) in zip(jobs, done):
-        if lo == 0:
-            out.append((crc, term))
-        else:  # a later segment of a split chunk: chain its CRC onto the chunk's
-            chained = crc32c_combine(out[-1][0], crc, hi - lo)
-            out[-1] = (chained, None)
-        if hi == pieces[tasks[i].name].data.nbytes and out[-1][1] is None:
-            out[-1] = (out[-1][0], _crc_term(pieces[tasks[i].name], out[-1][0]))
-    return out
-
-
-def _write_sequential(writer, tasks: list[WriteTask], pieces: dict[str, LocalPiece],
-                      offsets: list[int]) -> list[tuple[int, int]]:
-    """Object stores take one stream: chunks in order, zero padding between them."""
-    out = []
-    for i, task in enumerate(tasks):
-        piece = pieces[task.name]
-        raw = _host_bytes(piece.data)
-        view = memoryview(raw.numpy())
-        crc = crc32c(view)
-        writer.write(view)
-        if i + 1 < len(tasks):
-            writer.write(memoryview(bytes(offsets[i + 1] - offsets[i] - raw.numel())))
-        out.append((crc, _crc_term(piece, crc, raw)))
-    return out
+    with ThreadPoolExecutor(files_per_rank, thread_name_prefix="shardckpt-write") as pool:
+        written = list(pool.map(write, range(files_per_rank)))
+    terms: dict[str, int] = {}
+    for _, file_terms in written:
+        for name, term in file_terms.items():
+            terms[name] = terms.get(name, 0) ^ term
+    return RankResult([entry for entry, _ in written], terms)

@@ -32,4 +32,4 @@ def dtype_from_name(name: object, where: str) -> torch.dtype:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
