@@ -8,8 +8,8 @@ import torch
 
 from shardckpt.checkpoint.collect import is_tensor_like, to_piece
 from shardckpt.errors import IncompatibleCheckpointError, key_mismatch
-from shardckpt.regions import Region, flat_bounds, intersect, local_span
-from shardckpt.storage.manifest import Manifest, TensorEntry
+from shardckpt.regions import FlatRange, Region, canonical, flat_bounds, intersect, local_span
+from shardckpt.storage.manifest import Manifest, RegularChunks, TensorEntry
 from shardckpt.storage.tree import Path, TensorRef, leaves, path_name
 
 
@@ -23,6 +23,10 @@ class Target:
     dest: torch.Tensor  # the caller's tensor (local shard)
     flat: torch.Tensor  # 1-D contiguous view of ``dest``'s storage, or a staging copy
     staged: bool  # True: ``flat`` is a copy to write back into ``dest`` at the end
+
+    def __post_init__(self) -> None:
+        # Once here rather than per chunk: a dim-0 chunk becomes a flat range, the fast case of planning.
+        self.region = canonical(self.region, self.entry.shape)
 
 
 @dataclass
@@ -85,18 +89,43 @@ def plan_reads(targets: list[Target]) -> list[ChunkRead]:
     """For each stored chunk some target overlaps: the element span to read and the pieces to copy."""
     reads: dict[tuple[str, int], ChunkRead] = {}
     for target in targets:
-        entry = target.entry
-        lo, hi = flat_bounds(target.region, entry.shape)
-        for i in entry.chunks.overlapping(lo, hi):
-            region = entry.chunks.region(i, entry.numel)
-            pieces = intersect(region, target.region, entry.shape)
-            if not pieces:
-                continue
-            read = reads.get((entry.name, i))
-            if read is None:
-                read = reads[(entry.name, i)] = ChunkRead(entry, i, entry.chunks.file(i), region, region.numel, 0)
-            for piece in pieces:
-                a, b = local_span(piece, region, entry.shape)
-                read.lo, read.hi = min(read.lo, a), max(read.hi, b)
-                read.copies.append((piece, target))
+        if isinstance(target.region, FlatRange) and isinstance(target.entry.chunks, RegularChunks):
+            _plan_flat_regular(target, reads)
+        else:
+            _plan_general(target, reads)
     return list(reads.values())
+
+
+def _read_for(reads: dict, entry: TensorEntry, i: int, region: Region) -> ChunkRead:
+    read = reads.get((entry.name, i))
+    if read is None:
+        read = reads[(entry.name, i)] = ChunkRead(entry, i, entry.chunks.file(i), region, region.numel, 0)
+    return read
+
+
+def _plan_flat_regular(target: Target, reads: dict) -> None:
+    """A flat range against regular flat chunks (the FSDP case at scale): integer arithmetic only."""
+    entry, (lo, hi) = target.entry, (target.region.start, target.region.stop)
+    size, numel = entry.chunks.size, entry.numel
+    for i in entry.chunks.overlapping(lo, hi):
+        start, stop = i * size, min((i + 1) * size, numel)
+        a, b = max(lo, start), min(hi, stop)
+        if a < b:
+            read = _read_for(reads, entry, i, FlatRange(start, stop))
+            read.lo, read.hi = min(read.lo, a - start), max(read.hi, b - start)
+            read.copies.append((FlatRange(a, b), target))
+
+
+def _plan_general(target: Target, reads: dict) -> None:
+    entry = target.entry
+    lo, hi = flat_bounds(target.region, entry.shape)
+    for i in entry.chunks.overlapping(lo, hi):
+        region = entry.chunks.region(i, entry.numel)
+        pieces = intersect(region, target.region, entry.shape)
+        if not pieces:
+            continue
+        read = _read_for(reads, entry, i, region)
+        for piece in pieces:
+            a, b = local_span(piece, region, entry.shape)
+            read.lo, read.hi = min(read.lo, a), max(read.hi, b)
+            read.copies.append((piece, target))

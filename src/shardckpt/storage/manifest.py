@@ -123,8 +123,8 @@ def compact_chunks(regions: Sequence[Region], files: Sequence[int], shape: Seque
     flat = [canonical(r, shape) for r in regions]
     if flat and all(isinstance(r, FlatRange) for r in flat):
         size = flat[0].numel
-        if size and all(r == FlatRange(i * size, min((i + 1) * size, numel)) for i, r in enumerate(flat)) \
-                and len(flat) == -(-numel // size):
+        if size and len(flat) == -(-numel // size) and \
+                all(r.start == i * size and r.stop == min(r.start + size, numel) for i, r in enumerate(flat)):
             step = files[1] - files[0] if len(files) > 1 else 1
             affine = all(f == files[0] + i * step for i, f in enumerate(files))
             return RegularChunks(size, len(flat), (files[0], step) if affine else tuple(files), affine)
