@@ -110,6 +110,9 @@ def canonical(region: Region, shape: Sequence[int]) -> Region:
         return region
     if region.numel == 0:
         return FlatRange(0, 0)
+    if shape and tuple(region.sizes[1:]) == tuple(shape[1:]):  # a dim-0 chunk, the common case: no index arithmetic
+        row = math.prod(shape[1:])
+        return FlatRange(region.offsets[0] * row, (region.offsets[0] + region.sizes[0]) * row)
     lo, hi = flat_bounds(region, shape)
     return FlatRange(lo, hi) if hi - lo == region.numel else region
 

@@ -110,10 +110,15 @@ def _plan_flat_regular(target: Target, reads: dict) -> None:
     for i in entry.chunks.overlapping(lo, hi):
         start, stop = i * size, min((i + 1) * size, numel)
         a, b = max(lo, start), min(hi, stop)
-        if a < b:
-            read = _read_for(reads, entry, i, FlatRange(start, stop))
+        if a >= b:
+            continue
+        read = reads.get((entry.name, i))
+        if read is None:
+            read = reads[(entry.name, i)] = ChunkRead(entry, i, entry.chunks.file(i), FlatRange(start, stop),
+                                                      a - start, b - start)
+        else:
             read.lo, read.hi = min(read.lo, a - start), max(read.hi, b - start)
-            read.copies.append((FlatRange(a, b), target))
+        read.copies.append((target.region if (a, b) == (lo, hi) else FlatRange(a, b), target))
 
 
 def _plan_general(target: Target, reads: dict) -> None:
