@@ -145,9 +145,12 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
     if optimizer is not None:
         init_optim_state(optimizer)
     scalars: list[tuple[dict, str, Any]] = []
+    seen: list[Saved] = []
 
     def build(manifest: Manifest) -> list[PieceRequest]:
+        scalars.clear()  # a retry (after a concurrent overwrite) starts over
         saved = Saved.of(manifest, param_names(model))
+        seen[:] = [saved]
         requests = [PieceRequest(*saved.resolve("model", d.names, d.region), d.dest)
                     for i, (_, p) in enumerate(_params(model)) for d in _dests(model, i, p)]
         for name, buf in buffers(model).items():
@@ -160,7 +163,7 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
     for state, key, value in scalars:
         state[key] = value
     if optimizer is not None:
-        saved = Saved.of(manifest, param_names(model))
+        saved = seen[0]
         names = _optimizer_param_names(model, optimizer)
         for pg, hyper in zip(optimizer.param_groups, match_param_groups(saved.param_groups_by_name(), optimizer,
                                                                         names)):

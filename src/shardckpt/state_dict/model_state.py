@@ -131,8 +131,9 @@ def _expected(model: nn.Module, sd_type: StateDictType) -> list[tuple[str, ...]]
     return keys + [(name,) for name in buffers(model)]
 
 
-def _check_state(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType, strict: bool) -> list[str]:
-    """Missing keys (strict: raise on any mismatch, shapes included); the same answer on every rank that runs it."""
+def _check_state(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType,
+                 strict: bool) -> tuple[list[str], list[str]]:
+    """(missing, unexpected) keys (strict: raise on any mismatch, shapes included); the same on every rank."""
     expected = _expected(model, sd_type)
     known = {k for names in expected for k in names} | {LAYOUTS_KEY}
     missing = [names[0] for names in expected if not any(n in sd for n in names)]
@@ -145,7 +146,7 @@ def _check_state(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType, s
             for j, name in enumerate(group.layout.names):
                 member_source(_value(sd, (name,) + group.layout.aliases[j]), name, group.layout.shapes[j], sd_type,
                               rank, world)
-    return missing
+    return missing, unexpected
 
 
 def _value(sd: dict[str, Any], names: tuple[str, ...]) -> Any:
@@ -191,9 +192,9 @@ def set_model_state(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType
         verdict = attempt(0, lambda: _check_state(model, sd, sd_type, strict)) if world_group.rank == 0 else None
         verdict = world_group.broadcast(verdict)
         raise_failures([verdict])
-        missing = verdict
+        missing, unexpected = verdict
     else:
-        missing = _check_state(model, sd, sd_type, strict)
+        missing, unexpected = _check_state(model, sd, sd_type, strict)
     source = world_group.rank == 0 if rank0_only else True
     for group in groups(model):
         if sd_type is LOCAL:
@@ -211,8 +212,7 @@ def set_model_state(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType
         _broadcast_buffers(bufs, sd)
     else:
         _set_buffers(bufs, sd)
-    known = {k for names in _expected(model, sd_type) for k in names} | {LAYOUTS_KEY}
-    return missing, [k for k in sd if k not in known]
+    return missing, unexpected
 
 
 def _held_fn(sd_type: StateDictType, rank0_only: bool, world: int):
