@@ -10,7 +10,7 @@ EPILOG = """examples:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("demo", help="save on 2 ranks, inspect, verify, reload on 3 ranks (end to end)",
+    p = sub.add_parser("demo", help="save on 2 ranks, inspect, verify, reshard to 3; train sharded, checkpoint, resume on 3",
                        description="Run the end-to-end demonstration on a generated transformer-shaped state dict, "
                                    "with real gloo processes on 127.0.0.1.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
