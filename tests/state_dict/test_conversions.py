@@ -73,10 +73,10 @@ def _load_into_sharded(path: str) -> dict:
     return full_state(model, optim)
 
 
-def _save_sharded(path: str, sd_type: StateDictType, strategy: ShardingStrategy) -> dict:
+def _save_sharded(path: str, sd_type: StateDictType, strategy: ShardingStrategy, key=NAME) -> dict:
     model, optim = new_run(strategy)
     steps(model, optim, _model.make_batches(2))
-    shardckpt.save_state(model, optim, path, type=sd_type)
+    shardckpt.save_state(model, optim, path, type=sd_type, optim_key=key)
     return full_state(model, optim)
 
 
@@ -106,6 +106,13 @@ def test_other_strategies_save_and_reshard(tmp_path, strategy, save_world, load_
         saved = run_ranks(save_world, _save_sharded, path, sd_type, strategy)[0]
         assert_same_state(run_ranks(load_world, _load_into_sharded, path)[0], saved,
                           f"{strategy.name} {sd_type.name} ws {save_world} -> {load_world}")
+
+
+@pytest.mark.parametrize("sd_type", [SHARDED, LOCAL])
+def test_id_keyed_optimizer_state_loads_at_another_world_size(tmp_path, sd_type):
+    path = str(tmp_path / sd_type.name)
+    saved = run_ranks(3, _save_sharded, path, sd_type, ShardingStrategy.FULL_SHARD, ID)[0]
+    assert_same_state(run_ranks(2, _load_into_sharded, path)[0], saved, f"{sd_type.name} by ID, ws 3 -> 2")
 
 
 def _errors(root: str) -> list[str]:

@@ -9,6 +9,7 @@ wrote them, and wrapping and world size may differ freely.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -61,16 +62,18 @@ def _dests(model: nn.Module, index: int, tensor: torch.Tensor) -> Iterator[Dest]
 
 @dataclass
 class Saved:
-    """How the checkpoint names model and optimizer tensors."""
+    """How the checkpoint names model and optimizer tensors (derived once from its manifest)."""
 
     manifest: Manifest
     ids: list[str]  # this model's parameter names by ID
+    optim_by_id: bool = False  # optimizer state keyed by parameter ID (else by name)
     local: dict[str, tuple[str, int]] = field(default_factory=dict)  # fqn -> (flat key, offset), if LOCAL
-    local_order: list[str] = field(default_factory=list)
+    local_order: list[str] = field(default_factory=list)  # flat keys in order: the IDs of LOCAL optimizer state
 
     @classmethod
     def of(cls, manifest: Manifest, ids: list[str]) -> Saved:
-        saved = cls(manifest, ids)
+        state = _tree(manifest, "optim", "state")
+        saved = cls(manifest, ids, isinstance(state, dict) and any(isinstance(k, int) for k in state))
         layouts = _tree(manifest, "model", LAYOUTS_KEY)
         if isinstance(layouts, dict):
             for key, doc in layouts.items():
@@ -81,36 +84,35 @@ class Saved:
                         saved.local[name] = (key, layout.offsets[j])
         return saved
 
+    @functools.cached_property
+    def _id_of(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.local_order or self.ids)}
+
+    def _optim_key(self, key: str) -> Any:
+        """How optimizer state names a parameter (or a LOCAL flat key): its ID or the name itself."""
+        return self._id_of.get(key) if self.optim_by_id else key
+
     def resolve(self, prefix: str, names: tuple[str, ...], region: FlatRange, suffix: str = "") -> tuple[str, Region]:
         """The saved tensor and region holding ``region`` of parameter ``names[0]``."""
+        optim = prefix == "optim.state"
         for name in names:
             if name in self.local:
                 key, offset = self.local[name]
-                if prefix == "optim.state" and self._optim_by_id():
-                    key = str(self.local_order.index(key))
+                key = self._optim_key(key) if optim else key
                 return f"{prefix}.{key}{suffix}", FlatRange(offset + region.start, offset + region.stop)
-            keys = [name] + ([str(self.ids.index(name))] if name in self.ids else [])
-            key = keys[-1] if prefix == "optim.state" and self._optim_by_id() else keys[0]
+            key = self._optim_key(name) if optim else name
             if f"{prefix}.{key}{suffix}" in self.manifest.tensors:
                 return f"{prefix}.{key}{suffix}", region
         raise IncompatibleCheckpointError(f"the checkpoint holds no {prefix.split('.')[0]} state for {names[0]!r}"
                                           f"{suffix and f' ({suffix[1:]})'}")
 
-    def _optim_by_id(self) -> bool:
-        state = _tree(self.manifest, "optim", "state")
-        return isinstance(state, dict) and any(isinstance(k, int) for k in state)
-
     def optim_entry(self, names: tuple[str, ...]) -> dict:
         """The saved optimizer state of parameter ``names[0]`` (tensors as TensorRef); {} if none."""
         state = _tree(self.manifest, "optim", "state") or {}
         for name in names:
-            candidates = [self.local[name][0]] if name in self.local else [name]
-            if self._optim_by_id():
-                candidates = [self.local_order.index(c) if c in self.local_order else self.ids.index(c)
-                              for c in candidates if c in self.local_order or c in self.ids]
-            for c in candidates:
-                if isinstance(state.get(c), dict):
-                    return state[c]
+            entry = state.get(self._optim_key(self.local[name][0] if name in self.local else name))
+            if isinstance(entry, dict):
+                return entry
         return {}
 
     def param_groups_by_name(self) -> list[dict]:
