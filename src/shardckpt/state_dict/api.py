@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shardckpt.checkpoint.save import save
-from shardckpt.state_dict.model_state import get_model_state, set_model_state
+from shardckpt.state_dict.model_state import get_model_state, rank0_only, set_model_state
 from shardckpt.state_dict.optim_state import get_optim_state, set_optim_state
 from shardckpt.state_dict.types import (
     OptimStateKeyType,
@@ -49,9 +49,8 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, st
     """
     config = resolve_config(type, config)
     # With FULL rank0_only the other ranks have nothing to give: they may pass {}.
-    rank0_only = getattr(config, "rank0_only", False) and type is StateDictType.FULL_STATE_DICT
     set_model_state(model, state_dict.get("model", {}), type, config, strict)
-    if optimizer is not None and ("optim" in state_dict or rank0_only):
+    if optimizer is not None and ("optim" in state_dict or rank0_only(config)):
         set_optim_state(model, optimizer, state_dict.get("optim", {}), type, config)
 
 

@@ -21,7 +21,7 @@ from shardckpt.checkpoint.load import PieceRequest, load_pieces
 from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.regions import FlatRange, Region, full_region
 from shardckpt.runtime import FlatLayout, groups, is_sharded
-from shardckpt.state_dict.flat import LAYOUTS_KEY
+from shardckpt.state_dict.flat import LAYOUTS_KEY, held_region, shard_view
 from shardckpt.state_dict.model_state import buffers
 from shardckpt.state_dict.optim_state import _by_param, init_optim_state, match_param_groups, param_names
 from shardckpt.storage.manifest import Manifest
@@ -54,10 +54,9 @@ def _dests(model: nn.Module, index: int, tensor: torch.Tensor) -> Iterator[Dest]
     group = groups(model)[index]
     layout, rank = group.layout, group.groups.shard_rank
     for j, name in enumerate(layout.names):
-        piece = layout.member_in_shard(j, rank)
-        if piece is not None:
-            src, dst, n = piece
-            yield Dest((name,) + layout.aliases[j], FlatRange(src, src + n), tensor.detach()[dst:dst + n])
+        region = held_region(layout, j, rank)
+        if region is not None:
+            yield Dest((name,) + layout.aliases[j], region, shard_view(layout, tensor.detach(), j, rank))
 
 
 @dataclass

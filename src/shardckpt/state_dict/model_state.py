@@ -23,7 +23,8 @@ def _global_rank() -> int:
     return resolve_group().rank
 
 
-def _rank0_only(config: StateDictConfig) -> bool:
+def rank0_only(config: StateDictConfig) -> bool:
+    """FULL with ``rank0_only`` (configs are checked against their type, so this implies FULL)."""
     return isinstance(config, FullStateDictConfig) and config.rank0_only
 
 
@@ -39,13 +40,14 @@ def buffers(model: nn.Module) -> dict[str, torch.Tensor]:
             if k.rsplit(".", 1)[-1] not in flat_names and k not in params}
 
 
-def member_wanted(sd_type: StateDictType, config: StateDictConfig):
-    """The region of a member each shard-group rank wants, for FULL or SHARDED state (the same on every rank:
-    it is the transfer plan)."""
+def member_regions(sd_type: StateDictType, config: StateDictConfig, world: int):
+    """``(shape, q) -> region``: the piece of a member that shard-group rank q has in a FULL or SHARDED state
+    dict (its dim-0 chunk; or the whole member, on rank 0 only with rank0_only). The same on every rank:
+    it is the transfer plan, whichever direction the data moves."""
     if sd_type is SHARDED:
-        return lambda shape, q, world: dim0_chunk(shape, q, world)
-    rank0_only = _rank0_only(config)
-    return lambda shape, q, world: full_region(shape) if (not rank0_only or q == 0) else None
+        return lambda shape, q: dim0_chunk(shape, q, world)
+    only0 = rank0_only(config)
+    return lambda shape, q: full_region(shape) if (not only0 or q == 0) else None
 
 
 def as_type(t: torch.Tensor, shape: tuple[int, ...], sd_type: StateDictType, rank: int, world: int) -> Any:
@@ -72,8 +74,7 @@ def _group_state(group: FlatGroup, flat_tensors: list[torch.Tensor], sd_type: St
                  config: StateDictConfig) -> list[list[Any]]:
     """Each flat tensor's members as FULL tensors or SHARDED chunks (None where this rank gets nothing)."""
     world, rank = group.groups.shard_size, group.groups.shard_rank
-    wanted = member_wanted(sd_type, config)
-    pieces = gather_members(group, flat_tensors, lambda shape, q: wanted(shape, q, world))
+    pieces = gather_members(group, flat_tensors, member_regions(sd_type, config, world))
     return [[None if t is None else as_type(_offload(t, config), shape, sd_type, rank, world)
              for t, shape in zip(row, group.layout.shapes)] for row in pieces]
 
@@ -87,7 +88,7 @@ def local_value(group: FlatGroup, flat: torch.Tensor, config: StateDictConfig) -
 def get_model_state(model: nn.Module, sd_type: StateDictType, config: StateDictConfig) -> dict[str, Any]:
     if not is_sharded(model):
         return _get_plain(model, sd_type, config)
-    keep = not _rank0_only(config) or _global_rank() == 0
+    keep = not rank0_only(config) or _global_rank() == 0
     out: dict[str, Any] = {}
     layouts = {}
     for group in groups(model):
@@ -109,7 +110,7 @@ def get_model_state(model: nn.Module, sd_type: StateDictType, config: StateDictC
 
 def _get_plain(model: nn.Module, sd_type: StateDictType, config: StateDictConfig) -> dict[str, Any]:
     group = resolve_group()
-    if sd_type is FULL and _rank0_only(config) and group.rank != 0:
+    if rank0_only(config) and group.rank != 0:
         return {}
     sd = {k: _offload(v, config) for k, v in model.state_dict().items()}
     if sd_type is SHARDED:
@@ -186,16 +187,16 @@ def set_model_state(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType
     """
     if not is_sharded(model):
         return _set_plain(model, sd, sd_type, config, strict)
-    rank0_only = _rank0_only(config) and sd_type is FULL
+    only0 = rank0_only(config)
     world_group = resolve_group()
-    if rank0_only:  # only rank 0 holds the values: it checks, and every rank follows its verdict
+    if only0:  # only rank 0 holds the values: it checks, and every rank follows its verdict
         verdict = attempt(0, lambda: _check_state(model, sd, sd_type, strict)) if world_group.rank == 0 else None
         verdict = world_group.broadcast(verdict)
         raise_failures([verdict])
         missing, unexpected = verdict
     else:
         missing, unexpected = _check_state(model, sd, sd_type, strict)
-    source = world_group.rank == 0 if rank0_only else True
+    source = world_group.rank == 0 if only0 else True
     for group in groups(model):
         if sd_type is LOCAL:
             if local_key(group) not in missing:
@@ -205,20 +206,14 @@ def set_model_state(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType
         skip = {j for j, name in enumerate(layout.names) if name in missing}
         srcs = [member_source(_value(sd, (name,) + layout.aliases[j]), name, layout.shapes[j], sd_type, rank, world)
                 if source and j not in skip else None for j, name in enumerate(layout.names)]
-        scatter_members(group, [group.flat_param], [srcs], _held_fn(sd_type, rank0_only, world),
-                        everywhere=sd_type is FULL and not rank0_only, skip=skip)
+        scatter_members(group, [group.flat_param], [srcs], member_regions(sd_type, config, world),
+                        everywhere=sd_type is FULL and not only0, skip=skip)
     bufs = buffers(model)
-    if rank0_only:
+    if only0:
         _broadcast_buffers(bufs, sd)
     else:
         _set_buffers(bufs, sd)
     return missing, unexpected
-
-
-def _held_fn(sd_type: StateDictType, rank0_only: bool, world: int):
-    if sd_type is SHARDED:
-        return lambda shape, q: dim0_chunk(shape, q, world)
-    return lambda shape, q: full_region(shape) if (not rank0_only or q == 0) else None
 
 
 def _set_local(group: FlatGroup, flat: torch.Tensor, value: Any, key: str) -> None:
@@ -261,7 +256,7 @@ def _set_buffers(bufs: dict[str, torch.Tensor], sd: dict[str, Any]) -> None:
 def _set_plain(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType, config: StateDictConfig,
                strict: bool) -> tuple[list[str], list[str]]:
     group = resolve_group()
-    if sd_type is FULL and _rank0_only(config) and group.world_size > 1:
+    if rank0_only(config) and group.world_size > 1:
         raise IncompatibleCheckpointError("FULL rank0_only loading needs a sharded model (a plain model holds "
                                           "the full weights on every rank; load them on every rank)")
     chunks = {k: v for k, v in sd.items() if isinstance(v, ShardedTensor)}

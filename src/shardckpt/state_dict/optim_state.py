@@ -14,7 +14,7 @@ from shardckpt.runtime import FlatGroup, groups, is_sharded
 from shardckpt.sharded_tensor import ShardedTensor
 from shardckpt.state_dict.flat import local_key, scatter_members
 from shardckpt.state_dict.model_state import (
-    LOCAL, SHARDED, _group_state, _held_fn, _rank0_only, _set_local, local_value, member_source,
+    LOCAL, SHARDED, _group_state, _set_local, local_value, member_regions, member_source, rank0_only,
 )
 from shardckpt.state_dict.redistribute import assemble_chunks
 from shardckpt.state_dict.rekey import key_type_of, rekey_optim_state_dict
@@ -58,7 +58,7 @@ def get_optim_state(model: nn.Module, optim: torch.optim.Optimizer, sd_type: Sta
     init_optim_state(optim)  # so that a fresh optimizer's state dict has the structure to load into
     if not is_sharded(model):
         return _get_plain(model, optim, sd_type, key_type)
-    keep = not _rank0_only(config) or resolve_group().rank == 0
+    keep = not rank0_only(config) or resolve_group().rank == 0
     flat_groups = _by_param(model, optim)
     state_out: dict[str, Any] = {}
     for group, param in zip(flat_groups, (p for pg in optim.param_groups for p in pg["params"])):
@@ -130,9 +130,9 @@ def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, s
     if not is_sharded(model):
         _set_plain(model, optim, osd, sd_type)
         return
-    rank0_only = _rank0_only(config) and sd_type is StateDictType.FULL_STATE_DICT
+    only0 = rank0_only(config)
     group0 = resolve_group()
-    source = group0.rank == 0 if rank0_only else True
+    source = group0.rank == 0 if only0 else True
     if source and key_type_of(osd) is OptimStateKeyType.PARAM_ID:
         order = [local_key(g) for g in groups(model)] if sd_type is LOCAL else param_names(model)
         osd = rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, order)
@@ -142,7 +142,7 @@ def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, s
     # Plain parts (scalars, hyper-parameters) are small: take them from rank 0 when only it has them.
     # Checked before any data moves; with rank0_only rank 0 checks and every rank follows its verdict.
     small = attempt(group0.rank, lambda: _small_parts(osd, flat_groups, params, optim, sd_type)) if source else None
-    if rank0_only:
+    if only0:
         small = group0.broadcast(small)
     raise_failures([small])
     scalars, hyper = small
@@ -159,8 +159,8 @@ def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, s
                                       world) if source else None
                         for j, name in enumerate(group.layout.names)] for k in flat_keys]
             scatter_members(group, [state[k] for k in flat_keys], sources,
-                            _held_fn(sd_type, rank0_only, world),
-                            everywhere=sd_type is StateDictType.FULL_STATE_DICT and not rank0_only)
+                            member_regions(sd_type, config, world),
+                            everywhere=sd_type is StateDictType.FULL_STATE_DICT and not only0)
         for k, v in scalars.get(id(param), {}).items():
             state[k] = v.to(state[k].device) if torch.is_tensor(v) and torch.is_tensor(state.get(k)) else v
     for pg, values in zip(optim.param_groups, hyper):
