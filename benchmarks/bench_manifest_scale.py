@@ -45,13 +45,8 @@ from _common import median, verdict
 from shardckpt.checkpoint.load_plan import Target, match, plan_reads
 from shardckpt.regions import Box, dim0_chunk
 from shardckpt.sharded_tensor import ShardedTensor
-from shardckpt.storage.manifest import (
-    FileEntry,
-    Manifest,
-    TensorEntry,
-    compact_chunks,
-    parse_manifest,
-)
+from shardckpt.storage.chunks import compact_chunks
+from shardckpt.storage.manifest import FileEntry, Manifest, TensorEntry, parse_manifest
 from shardckpt.storage.tree import encode, leaves, path_name
 
 MIB = 1 << 20

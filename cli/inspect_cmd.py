@@ -37,6 +37,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"{info['path']}: {info['format']} v{info['version']} ({info['created_by']}), world size "
           f"{info['world_size']}, state dict type {info['state_dict_type'] or '-'}, {len(info['tensors'])} tensors, "
           f"{_size(info['total_bytes'])} in {info['files']} files")
+    if info["manifest_checksum"]:
+        print(f"  manifest checksummed; chunk checksums per {_size(info['block_size'] or 0)} block")
+    else:
+        print(f"  format v{info['version']}: no manifest checksum, one checksum per whole chunk (a partial read "
+              "checks its whole chunk)")
     rows = [(t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", _size(t["bytes"]), t["crc32c"])
             for t in info["tensors"]]
     header = ("name", "dtype", "shape", "bytes", "crc32c")

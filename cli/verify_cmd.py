@@ -9,8 +9,9 @@ from shardckpt.checkpoint.verify import verify
 from shardckpt.cli.progress import Progress
 from shardckpt.errors import CorruptCheckpointError
 
-EPILOG = """checks: every data file present with its recorded size; every chunk index intact; chunks tile
-every tensor exactly once; every chunk's CRC32C; every tensor's sharding-independent checksum.
+EPILOG = """checks: the manifest's own checksum (format v2 on); every data file present with its recorded
+size; every chunk index intact; chunks tile every tensor exactly once; every checksum block of every
+chunk (a failure names its byte range); every tensor's sharding-independent checksum.
 
 examples:
   shardckpt verify /ckpt/step-1000
@@ -40,13 +41,17 @@ def run(args: argparse.Namespace) -> int:
         return 1
     progress.close()
     if args.json:
-        print(json.dumps({"ok": report.ok, "tensors": report.tensors, "chunks": report.chunks,
+        print(json.dumps({"ok": report.ok, "version": report.version,
+                          "manifest_checksum": report.manifest_checksum,
+                          "tensors": report.tensors, "chunks": report.chunks,
                           "bytes_checked": report.bytes_checked,
                           "problems": [{"tensor": p.tensor, "file": p.file, "message": p.message}
                                        for p in report.problems]}, indent=2))
     elif report.ok:
+        manifest = ("manifest checksum OK" if report.manifest_checksum else
+                    f"format v{report.version}: its manifest has no checksum, not checked")
         print(f"OK {args.path}: {report.tensors} tensors, {report.chunks} chunks, "
-              f"{report.bytes_checked:,} bytes checked")
+              f"{report.bytes_checked:,} bytes checked, {manifest}")
     else:
         for problem in report.problems:
             print(f"BAD {problem}", file=sys.stderr)

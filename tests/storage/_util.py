@@ -38,5 +38,19 @@ def zeros_like_tree(tree):
 
 
 def index_rows(data: bytes) -> list[list]:
-    """``[name, chunk, offset, length, crc32c, codec]`` rows of a chunk index file."""
+    """``[name, chunk, offset, length, crc32c, codec, block_crcs]`` rows of a chunk index file."""
     return json.loads(data)["chunks"]
+
+
+def manifest_doc(data: bytes) -> dict:
+    """A manifest's JSON object without its checksum field (edit it, then write ``sealed(doc)``)."""
+    doc = json.loads(data)
+    doc.pop("crc32c", None)
+    return doc
+
+
+def sealed(doc: dict) -> bytes:
+    """Manifest bytes with a valid checksum: edits made this way test validation, not the checksum."""
+    from shardckpt.storage.manifest import seal
+
+    return seal(json.dumps(doc, separators=(",", ":")).encode())

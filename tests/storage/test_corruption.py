@@ -33,7 +33,7 @@ def _flip(backend, rel: str, offset: int) -> None:
 def test_flipped_byte_names_the_tensor(backend):
     data, index = _setup(backend)
     rows = {row[0]: row for row in index_rows(backend.read(index))}
-    name, _, offset, length, _, _ = rows["model.cube"]
+    name, _, offset, length, *_ = rows["model.cube"]
     _flip(backend, data, offset + length // 2)
     with pytest.raises(CorruptCheckpointError, match=r"'model\.cube'.*checksum") as info:
         _load_full(backend)
@@ -52,7 +52,7 @@ def test_every_tensor_detects_a_flip_in_its_first_and_last_byte(backend):
     pristine = backend.read(data)
     rows = [r for r in index_rows(backend.read(index)) if r[3] > 0]
     assert len(rows) == 8  # every non-empty tensor of the reference
-    for name, _, offset, length, _, _ in rows:
+    for name, _, offset, length, *_ in rows:
         for at in (offset, offset + length - 1):
             _flip(backend, data, at)
             with pytest.raises(CorruptCheckpointError, match=re.escape(repr(name))):

@@ -13,8 +13,9 @@ import pytest
 import shardckpt
 from shardckpt import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.storage.checksum import crc32c
+from shardckpt.storage.manifest import seal
 from tests.checkpoint.cases import reference
-from tests.storage._util import assert_tree_equal, zeros_like_tree
+from tests.storage._util import assert_tree_equal, manifest_doc, sealed, zeros_like_tree
 
 MANIFEST = "manifest.json"
 
@@ -27,7 +28,8 @@ class Ckpt:
         self.dir = tmp / "area" / "ckpt"
         shardckpt.save(reference(), str(self.dir), files_per_rank=1)  # one file: "the" file of the cases
         self.raw = (self.dir / MANIFEST).read_bytes()
-        self.doc = json.loads(self.raw)
+        self.doc = manifest_doc(self.raw)
+        self.body = b"{" + self.raw[len(b'{"crc32c":"00000000",'):]  # the JSON without its checksum field
         (self.file,) = self.doc["files"]
         self.index_rel = self.file["index"]["path"]
         self.index_raw = (self.dir / self.index_rel).read_bytes()
@@ -42,8 +44,9 @@ class Ckpt:
         return copy.deepcopy(self.doc)
 
     def write_manifest(self, data: bytes | dict) -> None:
+        """A dict is written with a valid checksum, so that what is tested is the validation behind it."""
         if isinstance(data, dict):
-            data = json.dumps(data).encode()
+            data = sealed(data)
         (self.dir / MANIFEST).write_bytes(data)
 
     def write_index(self, index_doc: dict, fix_manifest: bool = True) -> None:
@@ -153,7 +156,38 @@ MANIFEST_EDITS = {
     "version huge": _set(["version"], 2 ** 64),
     "world size 0": _set(["world_size"], 0),
     "metadata a list": _set(["metadata"], [1]),
+    # Format v2: objects carry exactly the fields FORMAT.md lists; integers are JSON integers.
+    "unknown top-level field": _set(["extra"], 1),
+    "missing world_size": _del(["world_size"]),
+    "unknown field in files[0]": _set(F0 + ["mtime"], 0),
+    "unknown field in files[0].index": _set(F0 + ["index", "sha256"], "00"),
+    "unknown field in a tensor": _set(TINY + ["stride"], [5, 1]),
+    "integer written 1.0": _set(["world_size"], 1.0),
+    "integer written 1e3": _set(F0 + ["size"], 1e3),
+    "data path outside the generation": _set(F0 + ["path"], "data-0123/rank-00000-0.bin"),
+    "regular chunk size 0": _set(TINY + ["chunks", "size"], 0),
+    "empty explicit chunk": _set(TINY + ["chunks"], [{"flat": [0, 0], "file": 0}, {"flat": [0, 10], "file": 0}]),
+    "unknown field in a chunk": _set(TINY + ["chunks"], [{"flat": [0, 10], "file": 0, "codec": "raw"}]),
+    "flat chunk past numel": _set(TINY + ["chunks"], [{"flat": [0, 11], "file": 0}]),
+    "box chunk past the shape": _set(TINY + ["chunks"], [{"box": {"offsets": [0, 1], "sizes": [2, 5]}, "file": 0}]),
+    "$dict keys 1 and true collide": _set(["tree", "meta"], {"$dict": [[1, "a"], [True, "b"]]}),
+    "tagged object with an extra key": _set(["tree", "step"], {"$float": "nan", "x": 1}),
+    "two leaves named alike": _set(["tree", "model.tiny"], 5),
+    "tensor not named by its path": lambda doc: _rename_tensor(doc, "model.tiny", "model.small"),
+    "regular chunks count 2**40 in one file": _set(TINY, {"dtype": "float32", "shape": [2 ** 40], "crc32c": 0,
+                                                         "chunks": {"size": 1, "count": 2 ** 40,
+                                                                    "files": {"first": 0, "step": 0}}}),
 }
+
+
+def _rename_tensor(doc: dict, old: str, new: str) -> dict:
+    """The tensor table and the tree's reference agree on a name that is not the tensor's path."""
+    doc["tensors"][new] = doc["tensors"].pop(old)
+    node = doc["tree"]
+    for key in old.split(".")[:-1]:
+        node = node[key]
+    node[old.split(".")[-1]] = {"$tensor": new}
+    return doc
 
 # name -> raw manifest bytes from the valid ones (json.dumps cannot write these)
 RAW_EDITS = {
@@ -204,13 +238,14 @@ def test_hostile_manifest_field(ckpt, case):
 
 @pytest.mark.parametrize("case", sorted(RAW_EDITS))
 def test_hostile_manifest_text(ckpt, case):
-    data = RAW_EDITS[case](ckpt.raw, ckpt.doc)
-    assert data != ckpt.raw
-    ckpt.write_manifest(data)
+    data = RAW_EDITS[case](ckpt.body, ckpt.doc)
+    assert data != ckpt.body
+    # Sealed where it can be, so that the parser's own checks are what is tested.
+    ckpt.write_manifest(seal(data) if data.startswith(b"{") else data)
     _check_rejected(ckpt, (str(ckpt.dir / MANIFEST),))
 
 
-@pytest.mark.parametrize("version", [2, 1000])
+@pytest.mark.parametrize("version", [3, 1000])
 def test_newer_format_version_is_incompatible(ckpt, version):
     doc = ckpt.doc_copy()
     doc["version"] = version
@@ -252,7 +287,19 @@ INDEX_EDITS = {
     "wrong format name": lambda c: dict(c.index_doc, format="shardckpt"),
     "chunks not a list": lambda c: dict(c.index_doc, chunks={}),
     "overlapping chunks with right CRCs": lambda c: _index_edit(c, "model.cube", 2, _rows(c)["model.tiny"][2]),
+    "index version 1 in a v2 checkpoint": lambda c: dict(c.index_doc, version=1),
+    "unknown index field": lambda c: dict(c.index_doc, writer="x"),
+    "block size 0": lambda c: dict(c.index_doc, block_size=0),
+    "block CRCs missing": lambda c: _index_edit(c, "model.cube", 6, []),
+    "block CRCs one too many": lambda c: _index_edit(c, "model.cube", 6, _rows(c)["model.cube"][6] * 2),
+    "row of v1 width": lambda c: _index_edit_row(c, "model.cube", lambda row: row[:6]),
 }
+
+
+def _index_edit_row(ckpt: Ckpt, name: str, edit) -> dict:
+    doc = copy.deepcopy(ckpt.index_doc)
+    doc["chunks"] = [edit(row) if row[0] == name else row for row in doc["chunks"]]
+    return doc
 
 
 @pytest.mark.parametrize("case", sorted(INDEX_EDITS))
@@ -301,13 +348,14 @@ def test_absurd_but_self_consistent_shape(ckpt, claimed_file_size):
     assert ckpt.outside() == outside
 
 
-def test_absurd_shape_against_a_state_dict_is_a_mismatch(ckpt):
-    """load into a caller's state dict compares shapes first: nothing is allocated."""
+def test_absurd_shape_is_refused_before_matching(ckpt):
+    """A shape whose bytes the data files cannot hold is refused when the manifest is parsed: nothing is
+    allocated, and it is reported as the corruption it is (before v2 it surfaced as a shape mismatch)."""
     doc = ckpt.doc_copy()
     doc["tensors"]["model.tiny"].update(shape=[2 ** 25, 2 ** 25], chunks={"size": 2 ** 50, "count": 1, "files": [0]})
     ckpt.write_manifest(doc)
     for strict in (True, False):
-        with pytest.raises(IncompatibleCheckpointError, match="model.tiny"):
+        with pytest.raises(CorruptCheckpointError, match="model.tiny.*claims"):
             shardckpt.load(zeros_like_tree(reference()), str(ckpt.dir), strict=strict)
 
 

@@ -1,23 +1,34 @@
-"""``describe``: what a checkpoint holds, from its manifest alone (no data is read)."""
+"""``describe``: what a checkpoint holds, from its manifest (and the first chunk index, for the block size)."""
 from __future__ import annotations
 
 import os
 
 from shardckpt.checkpoint.load import read_manifest
+from shardckpt.checkpoint.reader import read_index
 from shardckpt.storage.backend import open_storage
 from shardckpt.storage.dtypes import dtype_name
-from shardckpt.storage.manifest import FORMAT_NAME, FORMAT_VERSION
+from shardckpt.storage.manifest import FORMAT_NAME
 
 
 def describe(path: str | os.PathLike, *, storage_options: dict | None = None) -> dict:
-    """A JSON-able summary: format, world size, state-dict type, total bytes, and one entry per tensor."""
-    manifest = read_manifest(open_storage(path, storage_options))
+    """A JSON-able summary: format, world size, state-dict type, total bytes, and one entry per tensor.
+
+    ``block_size`` is the checksum block size of the first data file's chunks (format v2 on; ``None`` for
+    v1, whose partial reads are checked by reading whole chunks)."""
+    storage = open_storage(path, storage_options)
+    manifest = read_manifest(storage)
+    block_size = None
+    if manifest.version >= 2 and manifest.files:
+        records = read_index(storage, manifest.files[0], manifest.version)
+        block_size = next((r.block_size for r in records.values()), None)
     tensors = [{"name": t.name, "dtype": dtype_name(t.dtype, t.name), "shape": list(t.shape), "bytes": t.nbytes,
                 "chunks": len(t.chunks), "crc32c": f"{t.crc32c:08x}"} for t in manifest.tensors.values()]
     return {
         "path": os.fspath(path),
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": manifest.version,
+        "manifest_checksum": manifest.checksummed,
+        "block_size": block_size,
         "created_by": manifest.created_by,
         "world_size": manifest.world_size,
         "state_dict_type": manifest.metadata.get("state_dict_type"),

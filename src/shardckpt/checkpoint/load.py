@@ -14,7 +14,7 @@ from shardckpt.checkpoint.save import DEFAULT_IO_THREADS
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.regions import Region, check_region
 from shardckpt.storage.backend import Storage, open_storage
-from shardckpt.storage.manifest import MANIFEST_NAME, Manifest, chunks_of, parse_manifest
+from shardckpt.storage.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from shardckpt.storage.tree import TensorRef, leaves, path_name, set_at
 
 T = TypeVar("T")
@@ -37,7 +37,8 @@ def load(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
     are filled whole, ``ShardedTensor``s and DTensors with their own region. Plain values are replaced
     by the saved ones. With ``strict``, missing or unexpected keys and shape or dtype mismatches raise
     ``IncompatibleCheckpointError`` before anything is read; otherwise the common keys load and dtypes
-    are cast. ``verify_checksums`` checks the CRC32C of every chunk read whole.
+    are cast. ``verify_checksums`` checks every byte read against its CRC32C (a whole chunk's, or those of
+    the checksum blocks around a partial read).
     """
     _with_retries(resolve_group(process_group), open_storage(path, storage_options),
                   lambda storage, manifest: _load_into(state_dict, storage, manifest, strict, verify_checksums,
@@ -160,17 +161,15 @@ def load_full(path: str | os.PathLike, keys: Iterable[str] | None = None, *, ver
 
 def _check_files_before_allocating(storage: Storage, manifest: Manifest, leaves_: list) -> None:
     """Stored bytes must back what the manifest claims before memory is allocated for it."""
-    files = {f for leaf in leaves_ if isinstance(leaf, TensorRef)
-             for _, _, f in chunks_of(manifest.tensors[leaf.name])}
-    for f in sorted(files):
+    entries = [manifest.tensors[leaf.name] for leaf in leaves_ if isinstance(leaf, TensorRef)]
+    used = {entry.name: entry.chunks.files_used() for entry in entries}  # bounded by the number of files
+    for f in sorted(set().union(*used.values())):
         check_data_file(storage, manifest.files[f])
-    for leaf in leaves_:
-        if isinstance(leaf, TensorRef):
-            entry = manifest.tensors[leaf.name]
-            held = sum(manifest.files[f].size for f in {f for _, _, f in chunks_of(entry)})
-            if entry.nbytes > held:
-                raise CorruptCheckpointError(f"{storage.url(MANIFEST_NAME)}: tensor {entry.name!r} claims "
-                                             f"{entry.nbytes} bytes, its data files hold {held}")
+    for entry in entries:
+        held = sum(manifest.files[f].size for f in used[entry.name])
+        if entry.nbytes > held:
+            raise CorruptCheckpointError(f"{storage.url(MANIFEST_NAME)}: tensor {entry.name!r} claims "
+                                         f"{entry.nbytes} bytes, its data files hold {held}")
 
 
 def _insert(out: dict, tree: Any, path: tuple, leaf: Any) -> None:

@@ -9,7 +9,8 @@ import torch
 from shardckpt.checkpoint.collect import is_tensor_like, to_piece
 from shardckpt.errors import IncompatibleCheckpointError, key_mismatch
 from shardckpt.regions import FlatRange, Region, canonical, flat_bounds, intersect, local_span
-from shardckpt.storage.manifest import Manifest, RegularChunks, TensorEntry
+from shardckpt.storage.chunks import RegularChunks
+from shardckpt.storage.manifest import Manifest, TensorEntry
 from shardckpt.storage.tree import Path, TensorRef, leaves, path_name
 
 

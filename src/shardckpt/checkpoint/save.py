@@ -21,7 +21,7 @@ from shardckpt.errors import CheckpointError, CheckpointExistsError, Unsupported
 from shardckpt.storage.backend import Storage, open_storage
 from shardckpt.storage.manifest import MANIFEST_NAME, Manifest, TensorEntry, parse_manifest
 from shardckpt.storage.dtypes import DTYPES
-from shardckpt.storage.tree import encode
+from shardckpt.storage.tree import check_savable_depth, encode, leaves, path_name
 
 DEFAULT_IO_THREADS = 4  # parallel reads on load
 DEFAULT_FILES_PER_RANK = 2  # data files each rank writes in parallel on save
@@ -57,13 +57,10 @@ def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
 
 
 def _prepare(state_dict: dict, metadata: dict | None, group: Group) -> tuple[dict, list[PieceInfo], Any]:
+    check_savable_depth(state_dict)
+    _check_unique_names(state_dict)
     pieces = local_pieces(state_dict)
-    by_name: dict[str, LocalPiece] = {}
-    for p in pieces:
-        if p.name in by_name:
-            raise UnsupportedValueError(f"two state-dict entries are both named {p.name!r} once their keys are "
-                                        "joined with '.'; rename one")
-        by_name[p.name] = p
+    by_name = {p.name: p for p in pieces}
     encoded = encode(state_dict, is_tensor_like) if group.is_coordinator else None
     if metadata is not None:
         try:
@@ -71,6 +68,17 @@ def _prepare(state_dict: dict, metadata: dict | None, group: Group) -> tuple[dic
         except (TypeError, ValueError) as e:
             raise UnsupportedValueError(f"save(metadata=...) must be JSON-able: {e}") from None
     return by_name, [PieceInfo.of(p) for p in pieces], encoded
+
+
+def _check_unique_names(state_dict: dict) -> None:
+    """Loads match entries by their keys joined with '.', so two entries may not share that name."""
+    seen: set[str] = set()
+    for leaf_path, _ in leaves(state_dict, is_tensor_like):
+        name = path_name(leaf_path)
+        if name in seen:
+            raise UnsupportedValueError(f"two state-dict entries are both named {name!r} once their keys are "
+                                        "joined with '.' (e.g. a key 'a.b' beside 'a' -> 'b'); rename one")
+        seen.add(name)
 
 
 def _plan_on_coordinator(group: Group, storage: Storage, gathered: list, overwrite: bool,

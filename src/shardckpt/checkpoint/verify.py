@@ -1,8 +1,10 @@
 """``verify``: prove a checkpoint complete and uncorrupted, from its own bytes alone.
 
-Checks, in order: the manifest parses and its chunks tile every tensor exactly once (parse_manifest);
-every data file exists with the recorded size; every index matches its recorded size and CRC and
-lists exactly the chunks the manifest expects; every chunk's bytes match their CRC32C; and the
+Checks, in order: the manifest's own checksum (format v2 on), that it parses and its chunks tile every
+tensor exactly once (parse_manifest); every data file exists with the recorded size (before any loop
+over chunks, so a hostile chunk count is bounded by real bytes); every index matches its recorded size
+and CRC and lists exactly the chunks the manifest expects; every checksum block of every chunk matches
+its CRC32C (a failure names the block's byte range); the blocks combine to the chunk's CRC; and the
 per-tensor checksum, recombined from the bytes read, matches the manifest.
 """
 from __future__ import annotations
@@ -11,18 +13,19 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 from shardckpt.checkpoint.load import read_manifest
-from shardckpt.checkpoint.reader import Index, read_index
+from shardckpt.checkpoint.reader import Index, check_data_file, read_index
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.regions import contiguous_runs
 from shardckpt.storage.backend import Storage, open_storage
 from shardckpt.storage.checksum import crc32c, crc32c_combine, tensor_crc_term
 from shardckpt.storage.dtypes import itemsize
-from shardckpt.storage.manifest import ChunkRecord, Manifest, TensorEntry, chunks_of
+from shardckpt.storage.index import ChunkRecord
+from shardckpt.storage.manifest import Manifest, TensorEntry, chunks_of
 
-BLOCK = 16 << 20  # bytes read at a time when checksumming a chunk
+READ_SIZE = 16 << 20  # bytes read at a time when checksumming a chunk
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,8 @@ class VerifyReport:
     tensors: int = 0
     chunks: int = 0
     bytes_checked: int = 0
+    version: int = 0
+    manifest_checksum: bool = False  # False: format v1, whose manifest has no checksum to check
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -48,36 +53,70 @@ class VerifyReport:
         return not self.problems
 
 
-def _stream_crc(storage: Storage, path: str, offset: int, length: int, progress: Callable[[int], None]) -> int:
-    crc, pos = 0, 0
-    buf = bytearray(min(BLOCK, length))
-    while pos < length:
-        view = memoryview(buf)[:min(len(buf), length - pos)]
-        storage.read_into(path, offset + pos, view)
-        crc = crc32c(view, crc)
-        pos += len(view)
-        progress(len(view))
-    return crc
+class _Splitter:
+    """CRC32C of consecutive segments of a byte stream fed piece by piece (segment lengths given in order)."""
+
+    def __init__(self, lengths: Iterable[int]):
+        self._lengths: Iterator[int] = iter(lengths)
+        self._left = next(self._lengths, 0)
+        self._crc = 0
+        self.crcs: list[int] = []
+
+    def feed(self, data: memoryview) -> None:
+        pos = 0
+        while pos < len(data) and self._left:
+            take = min(self._left, len(data) - pos)
+            self._crc = crc32c(data[pos:pos + take], self._crc)
+            pos, self._left = pos + take, self._left - take
+            if not self._left:
+                self.crcs.append(self._crc)
+                self._crc, self._left = 0, next(self._lengths, 0)
 
 
-def _chunk_crc(storage: Storage, path: str, rec: ChunkRecord, entry: TensorEntry, region,
-               progress: Callable[[int], None]) -> tuple[int, int]:
-    """A chunk's CRC32C, and its term of the tensor checksum (see storage.checksum)."""
+def _block_lengths(rec: ChunkRecord) -> Iterator[int]:
+    for lo in range(0, rec.length, rec.block_size):
+        yield min(rec.block_size, rec.length - lo)
+
+
+def _scan_chunk(storage: Storage, path: str, rec: ChunkRecord, entry: TensorEntry, region,
+                tick: Callable[[int], None]) -> tuple[list[str], int | None]:
+    """Problems found in one chunk's bytes, and (if none) its term of the tensor checksum."""
     size = itemsize(entry.dtype)
+    runs = list(contiguous_runs(region, entry.shape))
+    blocks = _Splitter(_block_lengths(rec))
+    # A box chunk is several runs of the tensor's bytes: one CRC per run for the tensor checksum.
+    run_crcs = _Splitter(n * size for _, _, n in runs) if len(runs) > 1 else None
+    buf = bytearray(min(READ_SIZE, rec.length))
+    for lo in range(0, rec.length, READ_SIZE):
+        view = memoryview(buf)[:min(READ_SIZE, rec.length - lo)]
+        storage.read_into(path, rec.offset + lo, view)
+        blocks.feed(view)
+        if run_crcs is not None:
+            run_crcs.feed(view)
+        tick(len(view))
+    problems = [f"fails its checksum in file bytes [{rec.offset + k * rec.block_size}, "
+                f"{rec.offset + min((k + 1) * rec.block_size, rec.length)}) (block {k}: stored {want:08x}, read "
+                f"{got:08x})" for k, (want, got) in enumerate(zip(rec.blocks, blocks.crcs)) if want != got]
+    if problems:
+        return problems, None
+    crc = 0
+    for k, block_crc in enumerate(blocks.crcs):
+        crc = crc32c_combine(crc, block_crc, min(rec.block_size, rec.length - k * rec.block_size))
+    if crc != rec.crc32c:
+        return [f"its block checksums combine to {crc:08x}, its index records {rec.crc32c:08x}"], None
     total = entry.numel * size
-    crc, term = 0, 0
-    # A box chunk is several runs of the tensor's bytes: one CRC per run, chained for the chunk's CRC.
-    for start, local, length in contiguous_runs(region, entry.shape):
-        run_crc = _stream_crc(storage, path, rec.offset + local * size, length * size, progress)
-        crc = crc32c_combine(crc, run_crc, length * size)
-        term ^= tensor_crc_term(run_crc, total - (start + length) * size)
-    return crc, term
+    crcs = run_crcs.crcs if run_crcs is not None else [crc]
+    term = 0
+    for (start, _, n), run_crc in zip(runs, crcs):
+        term ^= tensor_crc_term(run_crc, total - (start + n) * size)
+    return [], term
 
 
-def _check_file(storage: Storage, manifest: Manifest, f: int, expected: set, report: VerifyReport) -> Index | None:
+def _check_index(storage: Storage, manifest: Manifest, f: int, expected: set,
+                 report: VerifyReport) -> Index | None:
     file = manifest.files[f]
     try:
-        index = read_index(storage, file)
+        index = read_index(storage, file, manifest.version)
     except CorruptCheckpointError as e:
         report.problems.append(Problem(None, storage.url(file.path), str(e)))
         return None
@@ -86,23 +125,42 @@ def _check_file(storage: Storage, manifest: Manifest, f: int, expected: set, rep
     return index
 
 
+def _sized_files(storage: Storage, manifest: Manifest, report: VerifyReport) -> set[int]:
+    """Files present with their recorded size; problems reported for the others."""
+    good = set()
+    for f, file in enumerate(manifest.files):
+        try:
+            check_data_file(storage, file)
+            good.add(f)
+        except CorruptCheckpointError as e:
+            report.problems.append(Problem(None, storage.url(file.path), str(e)))
+    return good
+
+
 def verify(path: str | os.PathLike, *, storage_options: dict | None = None, io_threads: int = 4,
            progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check everything about the checkpoint at ``path``; problems are collected, not raised.
 
     Raises ``CheckpointNotFoundError`` if there is no checkpoint, ``CorruptCheckpointError`` if the
-    manifest itself is unreadable. ``progress(done_bytes, total_bytes)`` is called as data is read.
+    manifest itself is damaged. ``progress(done_bytes, total_bytes)`` is called as data is read.
     """
     storage = open_storage(path, storage_options)
     manifest = read_manifest(storage)
-    report = VerifyReport(tensors=len(manifest.tensors))
+    report = VerifyReport(tensors=len(manifest.tensors), version=manifest.version,
+                          manifest_checksum=manifest.checksummed)
+    sized = _sized_files(storage, manifest, report)
     expected: dict[int, set] = {f: set() for f in range(len(manifest.files))}
     jobs = []
     for entry in manifest.tensors.values():
+        if not entry.chunks.files_used() <= sized:
+            # Its file's problem is reported; skipping also bounds the loop below by bytes that exist.
+            report.problems.append(Problem(entry.name, None, "not checked: a data file holding it is damaged"))
+            continue
         for i, region, f in chunks_of(entry):
             expected[f].add((entry.name, i))
             jobs.append((entry, i, region, f))
-    indexes = {f: _check_file(storage, manifest, f, expected[f], report) for f in expected}
+    indexes = {f: _check_index(storage, manifest, f, expected[f], report) if f in sized else None
+               for f in expected}
     total = sum(r.numel * itemsize(e.dtype) for e, _, r, _ in jobs)
     lock, done = threading.Lock(), [0]
 
@@ -127,14 +185,10 @@ def verify(path: str | os.PathLike, *, storage_options: dict | None = None, io_t
                                                               f"{region.numel * itemsize(entry.dtype)}"))
             return entry.name, None
         try:
-            crc, term = _chunk_crc(storage, manifest.files[f].path, rec, entry, region, tick)
+            problems, term = _scan_chunk(storage, manifest.files[f].path, rec, entry, region, tick)
         except CorruptCheckpointError as e:
-            report.problems.append(Problem(entry.name, file, f"chunk {i}: {e}"))
-            return entry.name, None
-        if crc != rec.crc32c:
-            report.problems.append(Problem(entry.name, file, f"chunk {i} fails its checksum (stored "
-                                                              f"{rec.crc32c:08x}, read {crc:08x})"))
-            return entry.name, None
+            problems, term = [str(e)], None
+        report.problems.extend(Problem(entry.name, file, f"chunk {i} {p}") for p in problems)
         return entry.name, term
 
     terms: dict[str, int | None] = {name: 0 for name in manifest.tensors}
@@ -148,4 +202,3 @@ def verify(path: str | os.PathLike, *, storage_options: dict | None = None, io_t
             report.problems.append(Problem(name, None, f"tensor checksum {term:08x} differs from the manifest's "
                                                        f"{entry.crc32c:08x}"))
     return report
-

@@ -1,6 +1,8 @@
 """Writing one rank's data files: stage each chunk's bytes, checksum them, write them, make them durable."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -11,12 +13,13 @@ from shardckpt.checkpoint.collect import LocalPiece
 from shardckpt.checkpoint.save_plan import WriteTask
 from shardckpt.regions import contiguous_runs
 from shardckpt.storage.backend import Storage
-from shardckpt.storage.checksum import crc32c, tensor_crc_term
-from shardckpt.storage.manifest import ChunkRecord, FileEntry, index_to_bytes
+from shardckpt.storage.checksum import crc32c, crc32c_combine, shift_by_table, shift_table, tensor_crc_term
+from shardckpt.storage.index import BLOCK_SIZE, ChunkRecord, index_to_bytes
+from shardckpt.storage.manifest import FORMAT_VERSION, FileEntry
 from shardckpt.tensor_views import as_bytes
 
 ALIGN = 64  # chunk offsets are aligned so that a memory map of the file gives aligned tensors
-BLOCK = 16 << 20  # bytes checksummed and written at a time
+WRITE_SIZE = 16 << 20  # bytes written per call (16 checksum blocks, each CRC'd just before, while in cache)
 
 
 @dataclass(frozen=True)
@@ -49,16 +52,34 @@ def _crc_term(piece: LocalPiece, crc: int, raw: torch.Tensor | None = None) -> i
     return term
 
 
-def _write_chunk(writer, piece: LocalPiece) -> tuple[int, int]:
-    """Stream one chunk in blocks, each checksummed just before it is written (while it is in cache)."""
+@functools.lru_cache(maxsize=4)
+def _block_shift(block_size: int) -> list[list[int]]:
+    return shift_table(block_size)
+
+
+def chunk_crc_from_blocks(blocks: list[int], length: int, block_size: int) -> int:
+    """The CRC32C of a chunk from those of its blocks (all full but the last)."""
+    crc, table = 0, _block_shift(block_size)
+    for block_crc in blocks[:-1]:
+        crc = shift_by_table(crc, table) ^ block_crc
+    return crc32c_combine(crc, blocks[-1], length - (len(blocks) - 1) * block_size) if blocks else 0
+
+
+def _write_chunk(writer, piece: LocalPiece) -> tuple[ChunkRecord, int]:
+    """Stream one chunk, each block checksummed just before it is written (while it is in cache).
+
+    Returns the record (offset 0: the caller places it) and the chunk's term of the tensor checksum."""
     raw = _host_bytes(piece.data)
     data = memoryview(raw.numpy())
-    crc = 0
-    for lo in range(0, len(data), BLOCK):
-        block = data[lo:lo + BLOCK]
-        crc = crc32c(block, crc)
-        writer.write(block)
-    return crc, _crc_term(piece, crc, raw)
+    block = BLOCK_SIZE  # read at call time: tests shrink it to get many blocks from small tensors
+    step = max(WRITE_SIZE // block, 1) * block  # writes end on block boundaries
+    blocks = []
+    for lo in range(0, len(data), step):
+        piece_bytes = data[lo:lo + step]
+        blocks.extend(crc32c(piece_bytes[k:k + block]) for k in range(0, len(piece_bytes), block))
+        writer.write(piece_bytes)
+    crc = chunk_crc_from_blocks(blocks, len(data), block)
+    return ChunkRecord(0, len(data), crc, "raw", block, tuple(blocks)), _crc_term(piece, crc, raw)
 
 
 def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: list[WriteTask],
@@ -74,13 +95,13 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
             if pad:
                 writer.write(memoryview(bytes(pad)))
                 pos += pad
-            crc, term = _write_chunk(writer, piece)
-            records[(task.name, task.chunk)] = ChunkRecord(pos, piece.data.nbytes, crc, "raw")
+            record, term = _write_chunk(writer, piece)
+            records[(task.name, task.chunk)] = dataclasses.replace(record, offset=pos)
             terms[task.name] = terms.get(task.name, 0) ^ term
             pos += piece.data.nbytes
     finally:
         writer.close()
-    index = index_to_bytes(records)
+    index = index_to_bytes(records, FORMAT_VERSION, BLOCK_SIZE)
     index_writer = storage.open_writer(index_path)
     index_writer.write(memoryview(index))
     index_writer.close()

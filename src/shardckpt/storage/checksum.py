@@ -51,6 +51,15 @@ def crc32c_shift(crc: int, nbytes: int) -> int:
     return _multmodp(p, crc)
 
 
+def shift_table(nbytes: int) -> list[list[int]]:
+    """Tables that shift a CRC by a fixed ``nbytes`` in four lookups (the shift is linear in the CRC's bits)."""
+    return [[crc32c_shift(b << (8 * k), nbytes) for b in range(256)] for k in range(4)]
+
+
+def shift_by_table(crc: int, table: list[list[int]]) -> int:
+    return table[0][crc & 255] ^ table[1][(crc >> 8) & 255] ^ table[2][(crc >> 16) & 255] ^ table[3][crc >> 24]
+
+
 def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """CRC32C of ``A || B`` from the CRCs of ``A`` and ``B`` and the length of ``B``."""
     return crc32c_shift(crc_a, len_b) ^ crc_b

@@ -1,7 +1,8 @@
-"""The manifest (``manifest.json``), the on-disk contract of format v1, and its per-file chunk indexes.
+"""The manifest (``manifest.json``): the commit point and table of contents of a checkpoint.
 
 See FORMAT.md for the specification. Everything read here is untrusted: every field is checked
-before use, and errors name the file and the tensor.
+before use, and errors name the file and the tensor. From format v2 the manifest carries a CRC32C of
+its own bytes in a fixed-width prefix, checked before anything in it is believed.
 """
 from __future__ import annotations
 
@@ -9,173 +10,28 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Iterator
 
 import torch
 
 from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError
-from shardckpt.regions import Box, FlatRange, Region, canonical, check_region, check_tiling
+from shardckpt.regions import Region
+from shardckpt.storage.checksum import crc32c
+from shardckpt.storage.chunks import Chunks, chunks_from_json
 from shardckpt.storage.dtypes import dtype_from_name, dtype_name, itemsize
-from shardckpt.storage.tree import TensorRef, decode, leaves
+from shardckpt.storage.tree import TensorRef, decode, leaves, path_name
+from shardckpt.storage.validate import (MAX_NUMEL, check_fields, check_relative_path, get_field, get_int,
+                                        get_list, int_field, parse_json)
 
 FORMAT_NAME = "shardckpt"
-FORMAT_VERSION = 1
-INDEX_FORMAT_NAME = "shardckpt-index"
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
-CODECS = ("raw",)
-MAX_NUMEL = 1 << 50  # far beyond any real tensor; larger is a hostile or broken manifest
-MAX_BYTES = 1 << 62
+# The checksum prefix: exactly these bytes with 8 lowercase hex digits; the CRC32C covers every byte after it.
+_SEAL = re.compile(rb'\{"crc32c":"([0-9a-f]{8})",')
+_SEAL_LEN = len(b'{"crc32c":"00000000",')
 _GENERATION = re.compile(r"^[0-9a-f]{1,64}$")
-_SAFE_PATH = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
-
-
-def _int(value: Any, where: str, lo: int = 0, hi: int = MAX_BYTES) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise CorruptCheckpointError(f"{where}: expected an integer in [{lo}, {hi}], got {value!r}")
-    return value
-
-
-def _get(obj: Any, key: str, where: str) -> Any:
-    if not isinstance(obj, dict) or key not in obj:
-        raise CorruptCheckpointError(f"{where}: missing field {key!r}")
-    return obj[key]
-
-
-def check_relative_path(path: Any, where: str) -> str:
-    """A data path must stay inside the checkpoint: relative, no '..', a plain character set."""
-    if not isinstance(path, str) or not _SAFE_PATH.match(path) or any(p in (".", "..") for p in path.split("/")):
-        raise CorruptCheckpointError(f"{where}: unsafe or invalid file path {path!r} (it must stay inside the "
-                                     "checkpoint directory)")
-    return path
-
-
-# ----------------------------------------------------------------------------------------------- chunks
-
-
-@dataclass(frozen=True)
-class RegularChunks:
-    """Compact form for the common case: chunk ``i`` is flat elements ``[i*size, min((i+1)*size, numel))``.
-
-    Covers dim-0 chunks (``size`` = rows per chunk x row size) and even flat shards. ``files`` is either
-    a tuple of file indexes (one per chunk) or ``(first, step)`` meaning chunk ``i`` is in file ``first + i*step``.
-    """
-
-    size: int
-    count: int
-    files: tuple[int, ...]
-    affine: bool
-
-    def __len__(self) -> int:
-        return self.count
-
-    def region(self, i: int, numel: int) -> Region:
-        return FlatRange(i * self.size, min((i + 1) * self.size, numel))
-
-    def file(self, i: int) -> int:
-        return self.files[0] + i * self.files[1] if self.affine else self.files[i]
-
-    def overlapping(self, lo: int, hi: int) -> range:
-        """Chunks that may hold elements in flat bounds ``[lo, hi)``."""
-        if hi <= lo or self.size == 0:
-            return range(0)
-        return range(lo // self.size, min((hi - 1) // self.size + 1, self.count))
-
-    def to_json(self) -> dict:
-        files = {"first": self.files[0], "step": self.files[1]} if self.affine else list(self.files)
-        return {"size": self.size, "count": self.count, "files": files}
-
-
-@dataclass(frozen=True)
-class ExplicitChunks:
-    """Any tiling: a list of (region, file index)."""
-
-    regions: tuple[Region, ...]
-    files: tuple[int, ...]
-
-    def __len__(self) -> int:
-        return len(self.regions)
-
-    def region(self, i: int, numel: int) -> Region:
-        return self.regions[i]
-
-    def file(self, i: int) -> int:
-        return self.files[i]
-
-    def overlapping(self, lo: int, hi: int) -> range:
-        return range(len(self.regions))
-
-    def to_json(self) -> list:
-        return [dict(region_to_json(r), file=f) for r, f in zip(self.regions, self.files)]
-
-
-Chunks = Union[RegularChunks, ExplicitChunks]
-
-
-def region_to_json(region: Region) -> dict:
-    if isinstance(region, FlatRange):
-        return {"flat": [region.start, region.stop]}
-    return {"box": {"offsets": list(region.offsets), "sizes": list(region.sizes)}}
-
-
-def compact_chunks(regions: Sequence[Region], files: Sequence[int], shape: Sequence[int]) -> Chunks:
-    """The most compact description of a tiling (regions sorted by their first element)."""
-    numel = math.prod(shape)
-    flat = [canonical(r, shape) for r in regions]
-    if flat and all(isinstance(r, FlatRange) for r in flat):
-        size = flat[0].numel
-        if size and len(flat) == -(-numel // size) and \
-                all(r.start == i * size and r.stop == min(r.start + size, numel) for i, r in enumerate(flat)):
-            step = files[1] - files[0] if len(files) > 1 else 1
-            affine = all(f == files[0] + i * step for i, f in enumerate(files))
-            return RegularChunks(size, len(flat), (files[0], step) if affine else tuple(files), affine)
-    return ExplicitChunks(tuple(flat), tuple(files))
-
-
-def _region_from_json(obj: Any, shape: tuple[int, ...], where: str) -> Region:
-    try:
-        if isinstance(obj, dict) and "flat" in obj:
-            a, b = obj["flat"]
-            region: Region = FlatRange(_int(a, where, 0, MAX_NUMEL), _int(b, where, 0, MAX_NUMEL))
-        else:
-            box = _get(obj, "box", where)
-            offsets = tuple(_int(v, where, 0, MAX_NUMEL) for v in _get(box, "offsets", where))
-            sizes = tuple(_int(v, where, 0, MAX_NUMEL) for v in _get(box, "sizes", where))
-            region = Box(offsets, sizes)
-        check_region(region, shape)
-    except (ValueError, TypeError) as e:
-        raise CorruptCheckpointError(f"{where}: invalid chunk region {obj!r}: {e}") from None
-    return canonical(region, shape)
-
-
-def _chunks_from_json(obj: Any, shape: tuple[int, ...], n_files: int, where: str) -> Chunks:
-    numel = math.prod(shape)
-    if isinstance(obj, dict):
-        size = _int(_get(obj, "size", where), where, 0, MAX_NUMEL)
-        count = _int(_get(obj, "count", where), where, 0, MAX_NUMEL)
-        if count != (-(-numel // size) if size else 0) or (numel and not size):
-            raise CorruptCheckpointError(f"{where}: {count} chunks of {size} elements do not tile {numel} elements")
-        files = _get(obj, "files", where)
-        if isinstance(files, dict):
-            first = _int(_get(files, "first", where), where, 0, n_files - 1 if count else n_files)
-            step = _int(_get(files, "step", where), where, -n_files, n_files)
-            if count and not 0 <= first + (count - 1) * step < n_files:
-                raise CorruptCheckpointError(f"{where}: chunk file indexes run past the {n_files} files")
-            return RegularChunks(size, count, (first, step), True)
-        if not isinstance(files, list) or len(files) != count:
-            raise CorruptCheckpointError(f"{where}: 'files' must list one file index per chunk")
-        return RegularChunks(size, count, tuple(_int(f, where, 0, n_files - 1) for f in files), False)
-    if not isinstance(obj, list):
-        raise CorruptCheckpointError(f"{where}: 'chunks' must be an object or a list")
-    regions = tuple(_region_from_json(c, shape, where) for c in obj)
-    files = tuple(_int(_get(c, "file", where), where, 0, n_files - 1) for c in obj)
-    try:
-        check_tiling(regions, shape)
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{where}: {e}") from None
-    return ExplicitChunks(regions, files)
-
-
-# ---------------------------------------------------------------------------------------------- entries
+_TOP_REQUIRED = ("format", "version", "world_size", "generation", "tree", "files", "tensors")
+_TOP_OPTIONAL = ("crc32c", "created_by", "metadata")
 
 
 @dataclass(frozen=True)
@@ -221,143 +77,147 @@ class Manifest:
     files: list[FileEntry]
     metadata: dict = field(default_factory=dict)
     created_by: str = ""
+    version: int = FORMAT_VERSION
+    checksummed: bool = True  # False only for format v1, whose manifest has no checksum
 
     def to_bytes(self, encoded_tree: Any) -> bytes:
         doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "created_by": self.created_by,
                "world_size": self.world_size, "generation": self.generation, "metadata": self.metadata,
                "tree": encoded_tree, "files": [f.to_json() for f in self.files],
                "tensors": {name: t.to_json() for name, t in self.tensors.items()}}
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
 
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-def _no_duplicates(where: str):
-    def hook(pairs: list) -> dict:
-        out = {}
-        for k, v in pairs:
-            if k in out:
-                raise CorruptCheckpointError(f"{where}: duplicate key {k!r}")
-            out[k] = v
-        return out
-    return hook
+def seal(body: bytes) -> bytes:
+    """Prefix a JSON object's text with the CRC32C of everything after the prefix (format v2)."""
+    if not body.startswith(b"{") or body.startswith(b'{"crc32c"'):
+        raise ValueError("seal() takes the text of a JSON object without a checksum")
+    rest = body[1:]
+    return b'{"crc32c":"%08x",' % crc32c(rest) + rest
 
 
-def parse_json(data: bytes, where: str) -> Any:
-    try:
-        return json.loads(data, object_pairs_hook=_no_duplicates(where))
-    except (ValueError, RecursionError) as e:
-        if isinstance(e, CorruptCheckpointError):
-            raise
-        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
+def _check_seal(data: bytes, where: str) -> bool:
+    """True if ``data`` carries a checksum prefix and it matches; raises if it does not match."""
+    m = _SEAL.match(data)
+    if m is None:
+        return False
+    stored, actual = int(m.group(1), 16), crc32c(data[_SEAL_LEN:])
+    if stored != actual:
+        raise CorruptCheckpointError(f"{where}: the manifest fails its checksum (stored {stored:08x}, computed "
+                                     f"{actual:08x}): it is damaged; run `shardckpt verify`")
+    return True
 
 
 def parse_manifest(data: bytes, where: str) -> Manifest:
     """Parse and validate a manifest; ``where`` names it in errors."""
+    sealed = _check_seal(data, where)
     doc = parse_json(data, where)
-    if _get(doc, "format", where) != FORMAT_NAME:
-        raise CorruptCheckpointError(f"{where}: not a shardckpt manifest (format {doc.get('format')!r})")
-    version = _int(_get(doc, "version", where), where, 1, 1 << 31)
+    if get_field(doc, "format", where) != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where}: not a shardckpt manifest (format {str(doc.get('format'))[:40]!r})")
+    version = int_field(doc, "version", where, 1, 1 << 31)
     if version > FORMAT_VERSION:
         raise IncompatibleCheckpointError(f"{where}: format version {version} is newer than this shardckpt reads "
                                           f"({FORMAT_VERSION}); upgrade shardckpt")
-    files = [_file_from_json(f, f"{where} files[{i}]") for i, f in enumerate(_list(doc, "files", where))]
-    tensors_doc = _get(doc, "tensors", where)
+    if version >= 2:
+        if not sealed:
+            raise CorruptCheckpointError(f"{where}: a format v{version} manifest must begin with its checksum "
+                                         '(\'{"crc32c":"<8 hex digits>",\'): the file is damaged')
+        check_fields(doc, _TOP_REQUIRED, _TOP_OPTIONAL, where)
+    elif sealed:
+        raise CorruptCheckpointError(f"{where}: a format v1 manifest has no checksum prefix: the file is damaged")
+    return _manifest_from_doc(doc, version, where)
+
+
+def _manifest_from_doc(doc: dict, version: int, where: str) -> Manifest:
+    strict = version >= 2
+    generation = get_field(doc, "generation", where)
+    if not isinstance(generation, str) or not _GENERATION.match(generation):
+        raise CorruptCheckpointError(f"{where}: 'generation' must be 1-64 lowercase hex digits, got "
+                                     f"{str(generation)[:80]!r}")
+    data_dir = f"data-{generation}/" if strict else ""
+    files = [_file_from_json(f, data_dir, strict, f"{where} files[{i}]")
+             for i, f in enumerate(get_list(doc, "files", where))]
+    tensors_doc = get_field(doc, "tensors", where)
     if not isinstance(tensors_doc, dict):
         raise CorruptCheckpointError(f"{where}: 'tensors' must be an object")
-    tensors = {name: _tensor_from_json(name, t, len(files), f"{where} tensor {name!r}")
+    stored = sum(f.size for f in files)
+    tensors = {name: _tensor_from_json(name, t, files, stored, strict, f"{where} tensor {name!r}")
                for name, t in tensors_doc.items()}
-    tree = decode(_get(doc, "tree", where), where)
-    _check_tree_refs(tree, tensors, where)
+    tree = decode(get_field(doc, "tree", where), where)
+    _check_tree(tree, tensors, strict, where)
     metadata = doc.get("metadata", {})
     if not isinstance(metadata, dict):
         raise CorruptCheckpointError(f"{where}: 'metadata' must be an object")
-    generation = _get(doc, "generation", where)
-    if not isinstance(generation, str) or not _GENERATION.match(generation):
-        raise CorruptCheckpointError(f"{where}: 'generation' must be 1-64 lowercase hex digits, got {generation!r}")
-    return Manifest(world_size=_int(_get(doc, "world_size", where), where, 1, 1 << 24), generation=generation,
-                    tree=tree, tensors=tensors, files=files, metadata=metadata,
-                    created_by=str(doc.get("created_by", "")))
+    created_by = doc.get("created_by", "")
+    if not isinstance(created_by, str):
+        raise CorruptCheckpointError(f"{where}: 'created_by' must be a string")
+    return Manifest(world_size=int_field(doc, "world_size", where, 1, 1 << 24),
+                    generation=generation, tree=tree, tensors=tensors, files=files, metadata=metadata,
+                    created_by=created_by, version=version, checksummed=strict)
 
 
-def _list(doc: Any, key: str, where: str) -> list:
-    value = _get(doc, key, where)
-    if not isinstance(value, list):
-        raise CorruptCheckpointError(f"{where}: {key!r} must be a list")
-    return value
+def _file_from_json(obj: Any, data_dir: str, strict: bool, where: str) -> FileEntry:
+    if strict:
+        check_fields(obj, ("path", "size", "index"), (), where)
+    index = get_field(obj, "index", where)
+    if strict:
+        check_fields(index, ("path", "size", "crc32c"), (), where)
+    entry = FileEntry(path=check_relative_path(get_field(obj, "path", where), where),
+                      size=int_field(obj, "size", where),
+                      index_path=check_relative_path(get_field(index, "path", where), where),
+                      index_size=int_field(index, "size", where, 0, 1 << 34),
+                      index_crc32c=int_field(index, "crc32c", where, 0, 0xFFFFFFFF))
+    for path in (entry.path, entry.index_path):
+        if not path.startswith(data_dir):
+            raise CorruptCheckpointError(f"{where}: file path {path!r} is outside this generation's {data_dir}")
+    return entry
 
 
-def _file_from_json(obj: Any, where: str) -> FileEntry:
-    index = _get(obj, "index", where)
-    return FileEntry(path=check_relative_path(_get(obj, "path", where), where),
-                     size=_int(_get(obj, "size", where), where),
-                     index_path=check_relative_path(_get(index, "path", where), where),
-                     index_size=_int(_get(index, "size", where), where, 0, 1 << 34),
-                     index_crc32c=_int(_get(index, "crc32c", where), where, 0, 0xFFFFFFFF))
-
-
-def _tensor_from_json(name: str, obj: Any, n_files: int, where: str) -> TensorEntry:
-    dtype = dtype_from_name(_get(obj, "dtype", where), where)
-    shape_doc = _get(obj, "shape", where)
+def _tensor_from_json(name: str, obj: Any, files: list[FileEntry], stored: int, strict: bool,
+                      where: str) -> TensorEntry:
+    if strict:
+        check_fields(obj, ("dtype", "shape", "crc32c", "chunks"), (), where)
+    dtype = dtype_from_name(get_field(obj, "dtype", where), where)
+    shape_doc = get_field(obj, "shape", where)
     if not isinstance(shape_doc, list) or len(shape_doc) > 64:
         raise CorruptCheckpointError(f"{where}: 'shape' must be a list of at most 64 dims")
-    shape = tuple(_int(s, where, 0, MAX_NUMEL) for s in shape_doc)
+    shape = tuple(get_int(s, f"{where} field 'shape'", 0, MAX_NUMEL) for s in shape_doc)
     if math.prod(shape) > MAX_NUMEL:
         raise CorruptCheckpointError(f"{where}: absurd shape {shape}")
-    crc = _int(_get(obj, "crc32c", where), where, 0, 0xFFFFFFFF)
-    return TensorEntry(name, dtype, shape, crc, _chunks_from_json(_get(obj, "chunks", where), shape, n_files, where))
+    crc = int_field(obj, "crc32c", where, 0, 0xFFFFFFFF)
+    entry = TensorEntry(name, dtype, shape, crc, chunks_from_json(get_field(obj, "chunks", where), shape,
+                                                                  len(files), strict, where))
+    # O(1) bound first: no loop may run over a count of chunks that the files' bytes could not back.
+    if entry.nbytes > stored:
+        raise CorruptCheckpointError(f"{where}: claims {entry.nbytes} bytes, all data files hold {stored}")
+    held = sum(files[f].size for f in entry.chunks.files_used())
+    if entry.nbytes > held:
+        raise CorruptCheckpointError(f"{where}: claims {entry.nbytes} bytes, its data files hold {held}")
+    return entry
 
 
-def _check_tree_refs(tree: Any, tensors: dict[str, TensorEntry], where: str) -> None:
-    refs = [leaf.name for _, leaf in leaves(tree, lambda v: isinstance(v, TensorRef))
-            if isinstance(leaf, TensorRef)]
+def _check_tree(tree: Any, tensors: dict[str, TensorEntry], strict: bool, where: str) -> None:
+    """Every tensor referenced once, and every leaf's dotted name unique (loads match leaves by that name)."""
+    found = list(leaves(tree, lambda v: isinstance(v, TensorRef)))
+    seen: set[str] = set()
+    for leaf_path, leaf in found:
+        name = path_name(leaf_path)
+        if name in seen:
+            raise CorruptCheckpointError(f"{where}: two entries of the state-dict tree are both named {name!r}")
+        seen.add(name)
+        if strict and isinstance(leaf, TensorRef) and leaf.name != name:
+            raise CorruptCheckpointError(f"{where}: the tensor at {name!r} is named {leaf.name!r} (a tensor is "
+                                         "named by its path)")
+    refs = [leaf.name for _, leaf in found if isinstance(leaf, TensorRef)]
     if len(refs) != len(set(refs)):
         raise CorruptCheckpointError(f"{where}: a tensor is referenced twice in the tree")
     if set(refs) != set(tensors):
         missing = sorted(set(refs) ^ set(tensors))[:5]
         raise CorruptCheckpointError(f"{where}: tree and tensor table disagree on {missing}")
-
-
-# ------------------------------------------------------------------------------------------ file indexes
-
-
-@dataclass(frozen=True)
-class ChunkRecord:
-    """Where one chunk's bytes sit in a data file."""
-
-    offset: int
-    length: int
-    crc32c: int  # of the stored bytes
-    codec: str
-
-
-def index_to_bytes(records: dict[tuple[str, int], ChunkRecord]) -> bytes:
-    rows = [[name, i, r.offset, r.length, r.crc32c, r.codec] for (name, i), r in records.items()]
-    return json.dumps({"format": INDEX_FORMAT_NAME, "version": FORMAT_VERSION, "chunks": rows},
-                      separators=(",", ":")).encode()
-
-
-def parse_index(data: bytes, file: FileEntry, where: str) -> dict[tuple[str, int], ChunkRecord]:
-    doc = parse_json(data, where)
-    if _get(doc, "format", where) != INDEX_FORMAT_NAME:
-        raise CorruptCheckpointError(f"{where}: not a shardckpt chunk index")
-    out: dict[tuple[str, int], ChunkRecord] = {}
-    for row in _list(doc, "chunks", where):
-        if not (isinstance(row, list) and len(row) == 6 and isinstance(row[0], str)):
-            raise CorruptCheckpointError(f"{where}: malformed chunk row {str(row)[:80]}")
-        name, i = row[0], _int(row[1], where, 0, MAX_NUMEL)
-        rec = ChunkRecord(_int(row[2], where), _int(row[3], where), _int(row[4], where, 0, 0xFFFFFFFF), row[5])
-        if rec.codec not in CODECS:
-            raise CorruptCheckpointError(f"{where}: tensor {name!r} chunk {i}: unknown codec {rec.codec!r}")
-        if rec.offset + rec.length > file.size:
-            raise CorruptCheckpointError(f"{where}: tensor {name!r} chunk {i} runs past the end of {file.path} "
-                                         f"({rec.offset}+{rec.length} > {file.size} bytes)")
-        if (name, i) in out:
-            raise CorruptCheckpointError(f"{where}: tensor {name!r} chunk {i} is listed twice")
-        out[(name, i)] = rec
-    return out
 
 
 def chunks_of(entry: TensorEntry) -> Iterator[tuple[int, Region, int]]:

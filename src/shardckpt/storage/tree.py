@@ -9,6 +9,8 @@ Encoding (FORMAT.md, "tree"):
 - a tensor is ``{"$tensor": name}``, where ``name`` is its path's keys joined by ``.``.
 
 Leaves are tensors and tensor-free subtrees: a tensor-free subtree (e.g. ``param_groups``) is one value.
+Nesting is limited to ``MAX_DEPTH`` levels, checked without recursion before any recursive walk, on save
+and on load alike, so that no walk can overflow Python's stack.
 """
 from __future__ import annotations
 
@@ -21,6 +23,24 @@ from shardckpt.errors import CorruptCheckpointError, UnsupportedValueError
 Path = tuple[Any, ...]
 _SCALARS = (type(None), bool, int, str)
 _KEY_TYPES = (type(None), bool, int, float, str)
+MAX_DEPTH = 100  # levels of containers; real state dicts use fewer than 10
+
+
+def depth_exceeds(obj: Any, limit: int = MAX_DEPTH) -> bool:
+    """True if containers nest more than ``limit`` deep in ``obj`` (iterative: safe at any depth)."""
+    stack = [(obj, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            kids = node.values()
+        elif isinstance(node, (list, tuple)):
+            kids = node
+        else:
+            continue
+        if depth >= limit:
+            return True
+        stack.extend((k, depth + 1) for k in kids)
+    return False
 
 
 @dataclass(frozen=True)
@@ -73,8 +93,16 @@ def set_at(obj: Any, path: Path, value: Any) -> None:
     parent[path[-1]] = value
 
 
+def check_savable_depth(obj: Any) -> None:
+    if depth_exceeds(obj):
+        raise UnsupportedValueError(f"the state dict nests containers more than {MAX_DEPTH} levels deep; "
+                                    "flatten it")
+
+
 def encode(obj: Any, is_tensor: Callable[[Any], bool], path: Path = ()) -> Any:
-    """The JSON form of ``obj``; tensors become ``{"$tensor": name}``. Unsupported values raise, naming the key."""
+    """The JSON form of ``obj``; tensors become ``{"$tensor": name}``. Unsupported values raise, naming the key.
+
+    Callers check the depth first (``check_savable_depth``)."""
     if is_tensor(obj):
         return {"$tensor": path_name(path)}
     if isinstance(obj, float):
@@ -101,10 +129,13 @@ def encode(obj: Any, is_tensor: Callable[[Any], bool], path: Path = ()) -> Any:
 
 def decode(data: Any, where: str) -> Any:
     """Inverse of ``encode`` for untrusted input; tensors become ``TensorRef``. ``where`` names the file."""
-    try:
-        return _decode(data, where)
-    except RecursionError:
-        raise CorruptCheckpointError(f"{where}: the state-dict tree is nested too deeply") from None
+    # The JSON form nests deeper than the value ($dict pairs, $tuple): allow for that, bounded all the same.
+    if depth_exceeds(data, 3 * MAX_DEPTH):
+        raise CorruptCheckpointError(f"{where}: the state-dict tree is nested more than {MAX_DEPTH} levels deep")
+    value = _decode(data, where)
+    if depth_exceeds(value):
+        raise CorruptCheckpointError(f"{where}: the state-dict tree is nested more than {MAX_DEPTH} levels deep")
+    return value
 
 
 def _decode(data: Any, where: str) -> Any:
@@ -136,6 +167,8 @@ def _decode_pairs(pairs: list, where: str) -> dict:
             raise CorruptCheckpointError(f"{where}: a $dict entry must be a [key, value] pair, got {pair!r}")
         key = _decode(pair[0], where)
         if not isinstance(key, _KEY_TYPES):
-            raise CorruptCheckpointError(f"{where}: a $dict key must be a scalar, got {key!r}")
+            raise CorruptCheckpointError(f"{where}: a $dict key must be a scalar, got {str(key)[:40]}")
+        if key in out:  # Python equality: 1, 1.0 and true are one key, so the saved dict cannot have held both
+            raise CorruptCheckpointError(f"{where}: $dict keys {key!r} collide")
         out[key] = _decode(pair[1], where)
     return out

@@ -1,0 +1,90 @@
+"""A data file's chunk index (``<data file>.index.json``): where each chunk sits, and its checksums.
+
+From format v2 every chunk also carries one CRC32C per ``block_size`` bytes of its stored bytes, so that
+a read of part of a chunk checks whole blocks around the wanted bytes instead of trusting them.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from shardckpt.errors import CorruptCheckpointError
+from shardckpt.storage.validate import MAX_NUMEL, check_fields, get_field, get_int, get_list, int_field, parse_json
+
+INDEX_FORMAT_NAME = "shardckpt-index"
+CODECS = ("raw",)
+# 1 MiB: a partial read costs at most two extra MiB per chunk (<1% of a resharding load of large
+# tensors, measured in benchmarks/bench_reshard_load.py), and the index grows by ~11 bytes per MiB.
+BLOCK_SIZE = 1 << 20
+MAX_BLOCK_SIZE = 1 << 31
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """Where one chunk's bytes sit in a data file, with the CRC32C of all of them and of each block.
+
+    A format v1 record has no block CRCs: it is treated as one block, the whole chunk.
+    """
+
+    offset: int
+    length: int
+    crc32c: int  # of the stored bytes
+    codec: str
+    block_size: int
+    blocks: tuple[int, ...]  # CRC32C of stored bytes [k*block_size, (k+1)*block_size), clipped to length
+
+    def block_bounds(self, lo: int, hi: int) -> tuple[int, int]:
+        """The smallest run of whole blocks holding stored bytes ``[lo, hi)``, as byte bounds in the chunk."""
+        b = self.block_size
+        return lo // b * b, min(-(-hi // b) * b, self.length)
+
+
+def index_to_bytes(records: dict[tuple[str, int], ChunkRecord], version: int, block_size: int) -> bytes:
+    """The index of one data file; every record's blocks are ``block_size`` bytes (the last may be shorter)."""
+    rows = [[name, i, r.offset, r.length, r.crc32c, r.codec, list(r.blocks)] for (name, i), r in records.items()]
+    return json.dumps({"format": INDEX_FORMAT_NAME, "version": version, "block_size": block_size, "chunks": rows},
+                      separators=(",", ":")).encode()
+
+
+def _record(row, version: int, block_size: int, file_size: int, where: str) -> tuple[str, int, ChunkRecord]:
+    width = 6 if version == 1 else 7
+    if not (isinstance(row, list) and len(row) == width and isinstance(row[0], str)):
+        raise CorruptCheckpointError(f"{where}: malformed chunk row {str(row)[:80]} (a row has {width} fields)")
+    name = row[0]
+    at = f"{where}: tensor {name!r} row"
+    i = get_int(row[1], f"{at} chunk number", 0, MAX_NUMEL)
+    offset, length = get_int(row[2], f"{at} offset"), get_int(row[3], f"{at} length", 1)
+    crc = get_int(row[4], f"{at} crc32c", 0, 0xFFFFFFFF)
+    if row[5] not in CODECS:
+        raise CorruptCheckpointError(f"{where}: tensor {name!r} chunk {i}: unknown codec {str(row[5])[:40]!r}")
+    if offset + length > file_size:
+        raise CorruptCheckpointError(f"{where}: tensor {name!r} chunk {i} runs past the end of the data file "
+                                     f"({offset}+{length} > {file_size} bytes)")
+    if version == 1:
+        return name, i, ChunkRecord(offset, length, crc, row[5], length, (crc,))
+    blocks = row[6]
+    if not isinstance(blocks, list) or len(blocks) != -(-length // block_size):
+        raise CorruptCheckpointError(f"{where}: tensor {name!r} chunk {i}: expected one block CRC per "
+                                     f"{block_size} bytes of its {length}")
+    crcs = tuple(get_int(c, f"{at} block CRC", 0, 0xFFFFFFFF) for c in blocks)
+    return name, i, ChunkRecord(offset, length, crc, row[5], block_size, crcs)
+
+
+def parse_index(data: bytes, version: int, file_size: int, where: str) -> dict[tuple[str, int], ChunkRecord]:
+    """Parse a chunk index written at manifest format ``version`` for a data file of ``file_size`` bytes."""
+    doc = parse_json(data, where)
+    if version >= 2:
+        check_fields(doc, ("format", "version", "block_size", "chunks"), (), where)
+    if get_field(doc, "format", where) != INDEX_FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where}: not a shardckpt chunk index")
+    if int_field(doc, "version", where, 1, 1 << 31) != version:
+        raise CorruptCheckpointError(f"{where}: index version {doc['version']} differs from the manifest's "
+                                     f"format version {version}")
+    block_size = int_field(doc, "block_size", where, 1, MAX_BLOCK_SIZE) if version >= 2 else 0
+    out: dict[tuple[str, int], ChunkRecord] = {}
+    for row in get_list(doc, "chunks", where):
+        name, i, rec = _record(row, version, block_size, file_size, where)
+        if (name, i) in out:
+            raise CorruptCheckpointError(f"{where}: tensor {name!r} chunk {i} is listed twice")
+        out[(name, i)] = rec
+    return out
