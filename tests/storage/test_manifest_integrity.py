@@ -170,3 +170,27 @@ def test_bool_bytes_other_than_0_and_1_are_corrupt(tmp_path):
         shardckpt.load_full(path)
     with pytest.raises(CorruptCheckpointError, match="'mask'.*bool byte"):
         shardckpt.load({"mask": torch.zeros(4, dtype=torch.bool)}, path)
+
+
+def test_a_flipped_gap_byte_between_chunks_is_harmless(tmp_path):
+    """FORMAT.md: alignment gaps are covered by no checksum because no reader ever reads them."""
+    path = str(tmp_path / "ckpt")
+    state = {"a": torch.arange(3, dtype=torch.float32), "b": torch.arange(5, dtype=torch.float64)}
+    shardckpt.save(state, path, files_per_rank=1)
+    (index,) = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".index.json")]
+    rows = sorted(json.loads(open(index, "rb").read())["chunks"], key=lambda r: r[2])
+    gap = rows[0][2] + rows[0][3]
+    assert gap < rows[1][2]  # the second chunk starts at the next 64-byte boundary
+    data_file = index[:-len(".index.json")] + ".bin"
+    raw = bytearray(open(data_file, "rb").read())
+    raw[gap] ^= 0xFF
+    open(data_file, "wb").write(bytes(raw))
+    assert_tree_equal(shardckpt.load_full(path), state)
+    assert verify(path).ok
+
+
+def test_dollar_keys_and_scalar_keys_round_trip(tmp_path):
+    """A user dict with a '$'-key, and every scalar key type, is stored as a $dict and comes back as it was."""
+    state = {"d": {"$ref": 1, "x": 2}, "k": {None: 1, True: 2, 3: 3, 1.5: 4, "s": 5, float("inf"): 6}}
+    shardckpt.save(state, str(tmp_path / "ckpt"))
+    assert shardckpt.load_full(str(tmp_path / "ckpt")) == state
