@@ -30,13 +30,13 @@ from tests.storage._util import index_rows
 ROWS, COLS = 2048, 512  # 4 MiB of float32: four 1 MiB blocks
 
 
-def _flip(path: str, name: str, byte_in_tensor: int) -> int:
-    """Flip one stored byte of tensor ``name`` (one chunk); returns the chunk's offset in the data file."""
+def _flip(path: str, name: str, byte_in_chunk: int, chunk: int = 0) -> int:
+    """Flip one stored byte of a chunk of tensor ``name``; returns the chunk's offset in the data file."""
     for index in glob.glob(os.path.join(path, "data-*", "*.index.json")):
         for row in index_rows(open(index, "rb").read()):
-            if row[0] == name:
+            if row[0] == name and row[1] == chunk:
                 data_file = index[:-len(".index.json")] + ".bin"
-                at = row[2] + byte_in_tensor
+                at = row[2] + byte_in_chunk
                 with open(data_file, "r+b") as f:
                     f.seek(at)
                     b = f.read(1)
@@ -158,3 +158,29 @@ def test_resharding_loads_detect_a_flip_at_every_world_size(tmp_path, save_kind,
     for load_ws in (1, 3, 4):
         messages = run_ranks(load_ws, _load_expect_corrupt, path, load_kind)
         assert all("checksum" in m for m in messages)
+
+
+def _save_local_state(path: str) -> None:
+    from tests.state_dict._train import new_run
+
+    model, optim = new_run()
+    shardckpt.save_state(model, optim, path, type=shardckpt.StateDictType.LOCAL_STATE_DICT)
+
+
+def _load_state_expect_corrupt(path: str) -> str:
+    from tests.state_dict._train import new_run
+
+    model, optim = new_run()
+    with pytest.raises(CorruptCheckpointError, match="checksum") as info:
+        shardckpt.load_state(model, optim, path)
+    return str(info.value)
+
+
+def test_load_state_at_a_new_world_size_detects_a_flip(tmp_path):
+    """load_state reads slices of saved flat shards (partial reads): a flipped byte in any of them is caught."""
+    path = str(tmp_path / "ckpt")
+    run_ranks(2, _save_local_state, path)
+    index = sorted(glob.glob(os.path.join(path, "data-*", "*.index.json")))[0]
+    name, chunk, _, length, *_ = max(index_rows(open(index, "rb").read()), key=lambda r: r[3])
+    _flip(path, name, length // 2, chunk)
+    run_ranks(3, _load_state_expect_corrupt, path)
