@@ -57,7 +57,7 @@ def test_partial_load_over_a_flipped_byte_raises(tmp_path):
     shardckpt.save({"w": full}, path)
     flipped = 1200 * COLS * 4 + 17  # in row 1200, block 2
     chunk_at = _flip(path, "w", flipped)
-    with pytest.raises(CorruptCheckpointError, match=rf"'w' chunk 0 fails its checksum in file bytes \[\d+, \d+\)"):
+    with pytest.raises(CorruptCheckpointError, match=r"'w' chunk 0 fails its checksum in file bytes \[\d+, \d+\)"):
         shardckpt.load({"w": _rows(full, 1024, 1536)}, path)
     # A flat range starting mid-row, as a FSDP flat shard would ask: also refused.
     with pytest.raises(CorruptCheckpointError, match="'w'"):

@@ -13,7 +13,7 @@ import os
 import uuid
 from typing import Any
 
-from shardckpt.checkpoint.collect import LocalPiece, is_tensor_like, local_pieces
+from shardckpt.checkpoint.collect import is_tensor_like, local_pieces
 from shardckpt.checkpoint.group import Failure, Group, attempt, raise_failures, resolve_group
 from shardckpt.checkpoint.save_plan import PieceInfo, SavePlan, WriteTask, make_save_plan
 from shardckpt.checkpoint.writer import RankResult, write_rank_files

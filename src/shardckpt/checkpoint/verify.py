@@ -20,7 +20,7 @@ from shardckpt.checkpoint.reader import Index, check_data_file, read_index
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.regions import contiguous_runs
 from shardckpt.storage.backend import Storage, open_storage
-from shardckpt.storage.checksum import crc32c, crc32c_combine, tensor_crc_term
+from shardckpt.storage.checksum import combine_block_crcs, crc32c, runs_crc_term
 from shardckpt.storage.dtypes import itemsize
 from shardckpt.storage.index import ChunkRecord
 from shardckpt.storage.manifest import Manifest, TensorEntry, chunks_of
@@ -99,17 +99,10 @@ def _scan_chunk(storage: Storage, path: str, rec: ChunkRecord, entry: TensorEntr
                 f"{got:08x})" for k, (want, got) in enumerate(zip(rec.blocks, blocks.crcs)) if want != got]
     if problems:
         return problems, None
-    crc = 0
-    for k, block_crc in enumerate(blocks.crcs):
-        crc = crc32c_combine(crc, block_crc, min(rec.block_size, rec.length - k * rec.block_size))
+    crc = combine_block_crcs(blocks.crcs, rec.length, rec.block_size)
     if crc != rec.crc32c:
         return [f"its block checksums combine to {crc:08x}, its index records {rec.crc32c:08x}"], None
-    total = entry.numel * size
-    crcs = run_crcs.crcs if run_crcs is not None else [crc]
-    term = 0
-    for (start, _, n), run_crc in zip(runs, crcs):
-        term ^= tensor_crc_term(run_crc, total - (start + n) * size)
-    return [], term
+    return [], runs_crc_term(runs, run_crcs.crcs if run_crcs is not None else [crc], size, entry.numel)
 
 
 def _check_index(storage: Storage, manifest: Manifest, f: int, expected: set,

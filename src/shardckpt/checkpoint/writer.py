@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from shardckpt.checkpoint.collect import LocalPiece
 from shardckpt.checkpoint.save_plan import WriteTask
 from shardckpt.regions import contiguous_runs
 from shardckpt.storage.backend import Storage
-from shardckpt.storage.checksum import crc32c, crc32c_combine, shift_by_table, shift_table, tensor_crc_term
+from shardckpt.storage.checksum import combine_block_crcs, crc32c, runs_crc_term
 from shardckpt.storage.index import BLOCK_SIZE, ChunkRecord, index_to_bytes
 from shardckpt.storage.manifest import FORMAT_VERSION, FileEntry
 from shardckpt.tensor_views import as_bytes
@@ -36,33 +35,16 @@ def _host_bytes(t: torch.Tensor) -> torch.Tensor:
     return as_bytes(t.contiguous())
 
 
-def _crc_term(piece: LocalPiece, crc: int, raw: torch.Tensor | None = None) -> int:
-    """This chunk's term of the tensor checksum (see storage.checksum); ``raw`` is needed for box chunks only."""
+def _crc_term(piece: LocalPiece, crc: int, raw: torch.Tensor) -> int:
+    """This chunk's term of the tensor checksum (see storage.checksum): box chunks have one run per row."""
     size = piece.data.element_size()
-    total = math.prod(piece.shape) * size
     runs = list(contiguous_runs(piece.region, piece.shape))
     if len(runs) == 1:
-        start, _, length = runs[0]
-        return tensor_crc_term(crc, total - (start + length) * size)
-    buf = (raw if raw is not None else _host_bytes(piece.data)).numpy()
-    term = 0
-    for start, local, length in runs:
-        run_crc = crc32c(buf[local * size:(local + length) * size])
-        term ^= tensor_crc_term(run_crc, total - (start + length) * size)
-    return term
-
-
-@functools.lru_cache(maxsize=4)
-def _block_shift(block_size: int) -> list[list[int]]:
-    return shift_table(block_size)
-
-
-def chunk_crc_from_blocks(blocks: list[int], length: int, block_size: int) -> int:
-    """The CRC32C of a chunk from those of its blocks (all full but the last)."""
-    crc, table = 0, _block_shift(block_size)
-    for block_crc in blocks[:-1]:
-        crc = shift_by_table(crc, table) ^ block_crc
-    return crc32c_combine(crc, blocks[-1], length - (len(blocks) - 1) * block_size) if blocks else 0
+        crcs = [crc]
+    else:
+        buf = raw.numpy()
+        crcs = [crc32c(buf[local * size:(local + n) * size]) for _, local, n in runs]
+    return runs_crc_term(runs, crcs, size, math.prod(piece.shape))
 
 
 def _write_chunk(writer, piece: LocalPiece) -> tuple[ChunkRecord, int]:
@@ -78,7 +60,7 @@ def _write_chunk(writer, piece: LocalPiece) -> tuple[ChunkRecord, int]:
         piece_bytes = data[lo:lo + step]
         blocks.extend(crc32c(piece_bytes[k:k + block]) for k in range(0, len(piece_bytes), block))
         writer.write(piece_bytes)
-    crc = chunk_crc_from_blocks(blocks, len(data), block)
+    crc = combine_block_crcs(blocks, len(data), block)
     return ChunkRecord(0, len(data), crc, "raw", block, tuple(blocks)), _crc_term(piece, crc, raw)
 
 

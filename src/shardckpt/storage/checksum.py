@@ -7,6 +7,8 @@ piece contributes a term on its own, in any order, so ranks combine their terms 
 """
 from __future__ import annotations
 
+import functools
+
 import crc32c as _crc32c
 
 _POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
@@ -68,3 +70,25 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
 def tensor_crc_term(piece_crc: int, bytes_after: int) -> int:
     """One contiguous byte run's term in its tensor's checksum: XOR all terms of a tiling to get the CRC."""
     return crc32c_shift(piece_crc, bytes_after)
+
+
+def runs_crc_term(runs: list[tuple[int, int, int]], run_crcs: list[int], itemsize: int, numel: int) -> int:
+    """A chunk's term of its tensor's checksum from its runs ``(global start, local start, elements)``
+    (``regions.contiguous_runs``) and the CRC32C of each run's bytes."""
+    total, term = numel * itemsize, 0
+    for (start, _, n), run_crc in zip(runs, run_crcs):
+        term ^= tensor_crc_term(run_crc, total - (start + n) * itemsize)
+    return term
+
+
+@functools.lru_cache(maxsize=4)
+def _block_shift(block_size: int) -> list[list[int]]:
+    return shift_table(block_size)
+
+
+def combine_block_crcs(blocks: list[int] | tuple[int, ...], length: int, block_size: int) -> int:
+    """The CRC32C of ``length`` bytes from those of its ``block_size`` blocks (all full but the last)."""
+    crc, table = 0, _block_shift(block_size)
+    for block_crc in blocks[:-1]:
+        crc = shift_by_table(crc, table) ^ block_crc
+    return crc32c_combine(crc, blocks[-1], length - (len(blocks) - 1) * block_size) if blocks else 0

@@ -10,8 +10,21 @@ from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
 from shardckpt.errors import CorruptCheckpointError
-from shardckpt.regions import Box, FlatRange, Region, canonical, check_region, check_tiling
-from shardckpt.storage.validate import MAX_NUMEL, check_fields, get_field, get_int, int_field
+from shardckpt.regions import (
+    Box,
+    FlatRange,
+    Region,
+    canonical,
+    check_region,
+    check_tiling,
+)
+from shardckpt.storage.validate import (
+    MAX_NUMEL,
+    check_fields,
+    get_field,
+    get_int,
+    int_field,
+)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,15 @@ import json
 from dataclasses import dataclass
 
 from shardckpt.errors import CorruptCheckpointError
-from shardckpt.storage.validate import MAX_NUMEL, check_fields, get_field, get_int, get_list, int_field, parse_json
+from shardckpt.storage.validate import (
+    MAX_NUMEL,
+    check_fields,
+    get_field,
+    get_int,
+    get_list,
+    int_field,
+    parse_json,
+)
 
 INDEX_FORMAT_NAME = "shardckpt-index"
 CODECS = ("raw",)

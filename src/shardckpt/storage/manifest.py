@@ -20,8 +20,16 @@ from shardckpt.storage.checksum import crc32c
 from shardckpt.storage.chunks import Chunks, chunks_from_json
 from shardckpt.storage.dtypes import dtype_from_name, dtype_name, itemsize
 from shardckpt.storage.tree import TensorRef, decode, leaves, path_name
-from shardckpt.storage.validate import (MAX_NUMEL, check_fields, check_relative_path, get_field, get_int,
-                                        get_list, int_field, parse_json)
+from shardckpt.storage.validate import (
+    MAX_NUMEL,
+    check_fields,
+    check_relative_path,
+    get_field,
+    get_int,
+    get_list,
+    int_field,
+    parse_json,
+)
 
 FORMAT_NAME = "shardckpt"
 FORMAT_VERSION = 2
