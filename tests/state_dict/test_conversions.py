@@ -8,6 +8,7 @@ import torch.distributed as dist
 import shardckpt
 from shardckpt import IncompatibleCheckpointError, OptimStateKeyType, ShardedTensor, StateDictType
 from shardckpt.runtime import ShardingStrategy
+from shardckpt.state_dict import unsharded_param_names
 from tests._dist import run_ranks
 from tests.runtime import _model
 from tests.state_dict._train import assert_same_state, full_state, new_run, steps
@@ -40,13 +41,15 @@ def _against_unsharded() -> None:
     ref = ref_model.state_dict()
     assert full["model"].keys() == ref.keys()  # tied head and buffers included, as state_dict() has them
     assert all(_close(full["model"][k], v) for k, v in ref.items())
-    ref_osd = ref_optim.state_dict()  # by ID: exactly the plain torch.optim layout
-    assert full["optim"]["param_groups"] == ref_osd["param_groups"]
+    ref_osd = ref_optim.state_dict()  # by ID: the plain torch.optim layout, plus the names of the IDs
+    names = [n for n, _ in ref_model.named_parameters()]
+    assert [{k: v for k, v in pg.items() if k != "param_names"} for pg in full["optim"]["param_groups"]] == \
+        ref_osd["param_groups"]
+    assert all(pg["param_names"] == [names[i] for i in pg["params"]] for pg in full["optim"]["param_groups"])
     assert full["optim"]["state"].keys() == ref_osd["state"].keys()
     for i, state in ref_osd["state"].items():
         assert all(_close(full["optim"]["state"][i][k], v) for k, v in state.items())
     by_name = shardckpt.get_state_dict(model, optim, type=FULL, optim_key=NAME)["optim"]
-    names = [n for n, _ in ref_model.named_parameters()]
     rekeyed = shardckpt.rekey_optim_state_dict(by_name, ID, names)
     assert rekeyed["param_groups"] == full["optim"]["param_groups"]
     assert all(torch.equal(rekeyed["state"][i][k], v) for i, s in full["optim"]["state"].items() for k, v in s.items())
@@ -67,9 +70,18 @@ def _save_plain(path: str) -> dict:
     return full_state(model, optim)
 
 
-def _load_into_sharded(path: str) -> dict:
+def _load_into_sharded(path: str, **kwargs) -> dict:
     model, optim = new_run()
-    shardckpt.load_state(model, optim, path)
+    shardckpt.load_state(model, optim, path, **kwargs)
+    return full_state(model, optim)
+
+
+def _load_plain_into_sharded(path: str) -> dict:
+    """A plain torch optimizer's IDs follow its own param groups: the sharded model is told the names."""
+    model, optim = new_run()
+    with pytest.raises(IncompatibleCheckpointError, match="optim_param_names"):
+        shardckpt.load_state(model, optim, path)
+    shardckpt.load_state(model, optim, path, optim_param_names=unsharded_param_names(model))
     return full_state(model, optim)
 
 
@@ -91,7 +103,7 @@ def test_plain_state_dict_loads_into_sharded_models_and_back(tmp_path):
     plain = str(tmp_path / "plain")
     want = run_ranks(1, _save_plain, plain)[0]
     for world in (2, 3):
-        assert_same_state(run_ranks(world, _load_into_sharded, plain)[0], want, f"plain -> ws {world}")
+        assert_same_state(run_ranks(world, _load_plain_into_sharded, plain)[0], want, f"plain -> ws {world}")
     for sd_type in (FULL, SHARDED, LOCAL):
         path = str(tmp_path / sd_type.name)
         saved = run_ranks(3, _save_sharded, path, sd_type, ShardingStrategy.FULL_SHARD)[0]

@@ -9,7 +9,7 @@ from shardckpt.state_dict.api import (
     state_dict_type,
 )
 from shardckpt.state_dict.load_state import load_state
-from shardckpt.state_dict.optim_state import init_optim_state
+from shardckpt.state_dict.optim_state import init_optim_state, unsharded_param_names
 from shardckpt.state_dict.rekey import rekey_optim_state_dict
 from shardckpt.state_dict.types import (
     FullOptimStateDictConfig,
@@ -27,5 +27,5 @@ __all__ = [
     "DEFAULT_TYPE", "FullOptimStateDictConfig", "FullStateDictConfig", "LocalOptimStateDictConfig",
     "LocalStateDictConfig", "OptimStateKeyType", "ShardedOptimStateDictConfig", "ShardedStateDictConfig",
     "StateDictConfig", "StateDictType", "get_state_dict", "init_optim_state", "load_state",
-    "rekey_optim_state_dict", "save_state", "set_state_dict", "state_dict_type",
+    "rekey_optim_state_dict", "save_state", "set_state_dict", "state_dict_type", "unsharded_param_names",
 ]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -30,7 +30,8 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
 
     Works for models sharded by ``shardckpt.runtime.shard`` and for plain models. Collective for sharded
     models (FULL and SHARDED move data between ranks; LOCAL does not). Optimizer state is keyed by
-    parameter name (FQN) or by ID (the unsharded model's ``named_parameters()`` order).
+    parameter name (FQN) or by ID: IDs in the unsharded model's ``named_parameters()`` order (LOCAL: the
+    flat parameters' order), each param group recording the names of its IDs as ``param_names``.
     """
     config = resolve_config(type, config)
     out: dict[str, Any] = {"model": get_model_state(model, type, config)}
@@ -40,18 +41,24 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
 
 
 def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, state_dict: dict[str, Any], *,
-                   type: StateDictType, config: StateDictConfig | None = None, strict: bool = True) -> None:
+                   type: StateDictType, config: StateDictConfig | None = None, strict: bool = True,
+                   optim_param_names: Sequence[str] | None = None) -> None:
     """Load a state dict of the given type, as ``get_state_dict`` made it at this world size and wrapping.
 
     Checkpoints from another world size, wrapping or type load with ``load_state``. Mismatches raise
     ``IncompatibleCheckpointError`` naming the key, on every rank. With FULL ``rank0_only``, only rank 0's
     ``state_dict`` is read (the others may pass ``{}``).
+
+    ID-keyed optimizer state maps IDs to parameters by the ``param_names`` its param groups record
+    (``get_state_dict`` records them), else by ``optim_param_names`` (the names of IDs 0, 1, ...), else,
+    for a plain model, by this optimizer's own param groups as torch's ``load_state_dict`` does;
+    otherwise it is refused.
     """
     config = resolve_config(type, config)
     # With FULL rank0_only the other ranks have nothing to give: they may pass {}.
     set_model_state(model, state_dict.get("model", {}), type, config, strict)
     if optimizer is not None and ("optim" in state_dict or rank0_only(config)):
-        set_optim_state(model, optimizer, state_dict.get("optim", {}), type, config)
+        set_optim_state(model, optimizer, state_dict.get("optim", {}), type, config, optim_param_names)
 
 
 @contextlib.contextmanager

@@ -19,6 +19,8 @@ from shardckpt.regions import FlatRange, Region, full_region, strided_view
 from shardckpt.runtime.layout import FlatLayout, build_layout
 from shardckpt.sharded_tensor import ShardedTensor
 from shardckpt.state_dict.flat import LAYOUTS_KEY
+from shardckpt.state_dict.per_param import is_per_param, per_param_keys
+from shardckpt.state_dict.rekey import keyed_by_name
 from shardckpt.state_dict.types import StateDictType
 from shardckpt.tensor_views import view_of
 
@@ -59,14 +61,18 @@ def _members(flat: torch.Tensor, layout: FlatLayout) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------------------ merge
 
 
-def merge(states: Sequence[dict], sd_type: StateDictType) -> dict:
-    """Every rank's ``{"model": ..., "optim": ...}`` of ``sd_type`` (optimizer keyed by name) -> one FULL dict.
+def merge(states: Sequence[dict], sd_type: StateDictType, optim_param_names: Sequence[str] | None = None) -> dict:
+    """Every rank's ``{"model": ..., "optim": ...}`` of ``sd_type`` -> one FULL dict, optimizer keyed by name.
 
-    From LOCAL state, a param group lists its parameters in flat-group order (offline there is no
-    unsharded order; names are what matter, and ``rekey_optim_state_dict`` takes the order for IDs).
+    ID-keyed optimizer state is read through the ``param_names`` its groups record, else through
+    ``optim_param_names`` (the names of IDs 0, 1, ...; LOCAL state's IDs are its flat parameters in layout
+    order), else refused. From LOCAL state, a param group lists its parameters in flat-group order
+    (offline there is no unsharded order; names are what matter, and ``rekey_optim_state_dict`` takes
+    the order for IDs).
     """
     if sd_type is FULL:
-        return next(s for s in states if s.get("model"))
+        full = next(s for s in states if s.get("model"))
+        return {**full, "optim": _by_name(full["optim"], optim_param_names, {})} if "optim" in full else full
     models = [s["model"] for s in states]
     layouts = layouts_of(models[0]) if sd_type is LOCAL else {}
     out: dict[str, Any] = {"model": {}}
@@ -80,8 +86,14 @@ def merge(states: Sequence[dict], sd_type: StateDictType) -> dict:
         else:
             out["model"][key] = _assemble([m[key] for m in models])
     if "optim" in states[0]:
-        out["optim"] = _merge_optim([s["optim"] for s in states], layouts)
+        out["optim"] = _merge_optim([_by_name(s["optim"], optim_param_names, layouts) for s in states], layouts)
     return out
+
+
+def _by_name(osd: dict, given: Sequence[str] | None, layouts: dict[str, FlatLayout]) -> dict:
+    """Optimizer state keyed by name; LOCAL state's IDs have always meant its flat keys in layout order."""
+    fallback = (lambda: dict(enumerate(layouts))) if layouts else None
+    return keyed_by_name(osd, given, fallback)
 
 
 def _merge_optim(optims: Sequence[dict], layouts: dict[str, FlatLayout]) -> dict:
@@ -105,13 +117,17 @@ def _merge_optim(optims: Sequence[dict], layouts: dict[str, FlatLayout]) -> dict
 # ------------------------------------------------------------------------------------------------ split
 
 
-def split(full: dict, sd_type: StateDictType, world_size: int, layouts: dict[str, FlatLayout]) -> list[dict]:
+def split(full: dict, sd_type: StateDictType, world_size: int, layouts: dict[str, FlatLayout],
+          optim_param_names: Sequence[str] | None = None) -> list[dict]:
     """A FULL ``{"model": ..., "optim": ...}`` -> per-rank state dicts of ``sd_type`` at ``world_size``.
 
     ``layouts`` (flat key -> FlatLayout, e.g. ``layouts_of(local_state)``) say which entries are
-    parameters and, for LOCAL, how they are flattened; their world size is re-derived.
+    parameters and, for LOCAL, how they are flattened; their world size is re-derived. Optimizer state
+    comes out keyed by name (ID-keyed input is read as ``merge`` reads it).
     """
     layouts = {k: _at_world_size(v, world_size) for k, v in layouts.items()}
+    if "optim" in full:
+        full = {**full, "optim": _by_name(full["optim"], optim_param_names, {})}
     return [_split_rank(full, sd_type, rank, world_size, layouts) for rank in range(world_size)]
 
 
@@ -153,22 +169,28 @@ def _split_rank(full: dict, sd_type: StateDictType, rank: int, world: int,
 
 def _split_optim(optim: dict, model: dict, sd_type: StateDictType, rank: int, world: int,
                  layouts: dict[str, FlatLayout]) -> dict:
-    def sharded(name: str, value: Any) -> bool:
-        return torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) == tuple(model[name].shape)
+    keys = per_param_keys((tuple(model[name].shape), entry) for name, entry in optim["state"].items())
+
+    def sharded(name: str, key: str, value: Any) -> bool:
+        return is_per_param(key, value, tuple(model[name].shape), keys, name, strict=True)
 
     if sd_type is not LOCAL:
-        state = {name: {k: ShardedTensor.from_full(v, rank, world) if sd_type is SHARDED and sharded(name, v) else v
-                        for k, v in entry.items()} for name, entry in optim["state"].items()}
+        state = {name: {k: ShardedTensor.from_full(v, rank, world) if sd_type is SHARDED and sharded(name, k, v)
+                        else v for k, v in entry.items()} for name, entry in optim["state"].items()}
         return {"state": state, "param_groups": [dict(pg) for pg in optim["param_groups"]]}
     state, key_of = {}, {}
     for key, layout in layouts.items():
         key_of.update({name: key for name in layout.names})
-        first = optim["state"].get(layout.names[0])
-        if first is None:
+        held = [name for name in layout.names if name in optim["state"]]
+        if not held:
             continue
+        if len(held) != len(layout.names):
+            raise IncompatibleCheckpointError(
+                f"optimizer state covers {held[:3]}... but not every member of the flat parameter {key!r}: a "
+                "LOCAL optimizer state holds all of a flat parameter's members or none")
         entry = {}
-        for k, v in first.items():
-            if sharded(layout.names[0], v):
+        for k, v in optim["state"][layout.names[0]].items():
+            if sharded(layout.names[0], k, v):
                 members = {n: optim["state"][n][k] for n in layout.names}
                 entry[k] = _flat_shard(_flat_of(members, layout, v.dtype), layout, rank)
             else:

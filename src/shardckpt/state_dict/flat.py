@@ -10,10 +10,13 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
+from shardckpt.checkpoint.group import resolve_group
 from shardckpt.regions import FlatRange, Region
 from shardckpt.runtime import FlatGroup, FlatLayout
 from shardckpt.runtime.build import FLAT_PARAM_NAMES
+from shardckpt.runtime.collectives import Groups
 from shardckpt.state_dict.redistribute import Move, exchange
 
 LAYOUTS_KEY = "_flat_layouts"  # in a LOCAL model state dict: {local key: FlatLayout.to_dict()}
@@ -76,3 +79,39 @@ def scatter_members(group: FlatGroup, flat_tensors: Sequence[torch.Tensor],
                 src = src.detach().to(device=flat.device, dtype=flat.dtype).contiguous()
             moves.append(Move(shape, have, want, src, shard_view(layout, flat.detach(), j, rank), everywhere))
     exchange(moves, rank, world, group.groups.shard)
+
+
+def rank0_shard_rank(groups: Groups) -> int | None:
+    """The shard-group rank of global rank 0 if it is in this rank's shard group, else None.
+
+    With ``rank0_only`` only global rank 0 holds full values, so only its replica (its shard group) gathers
+    to it or scatters from it; the other replicas of HYBRID_SHARD / NO_SHARD get their shards by
+    ``copy_to_replicas``."""
+    if groups.shard is None:
+        return 0 if resolve_group().rank == 0 else None
+    return dist.get_group_rank(groups.shard, 0) if 0 in dist.get_process_group_ranks(groups.shard) else None
+
+
+def replica_source(groups: Groups) -> int:
+    """The replicate-group rank of the replica holding global rank 0 (collective over the replicate group)."""
+    replicate = resolve_group(groups.replicate) if groups.replicate is not None else None
+    if replicate is None or replicate.world_size == 1:
+        return 0
+    return replicate.all_gather(rank0_shard_rank(groups) is not None).index(True)
+
+
+def copy_to_replicas(group: FlatGroup, flat_tensors: Sequence[torch.Tensor], source: int) -> None:
+    """Copy each flat-shaped tensor's shard from replica ``source`` (see ``replica_source``) to the other
+    replicas, which hold the same shard-group rank (collective over the replicate group)."""
+    if group.groups.replicate is None:
+        return
+    replicate = resolve_group(group.groups.replicate)
+    if replicate.world_size == 1:
+        return
+    numel = group.layout.shard_numel
+    held = [FlatRange(0, numel) if q == source else None for q in range(replicate.world_size)]
+    wanted = [None if q == source else FlatRange(0, numel) for q in range(replicate.world_size)]
+    mine = replicate.rank == source
+    moves = [Move((numel,), held, wanted, flat.detach() if mine else None, None if mine else flat.detach())
+             for flat in flat_tensors]
+    exchange(moves, replicate.rank, replicate.world_size, replicate.pg)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -23,7 +23,12 @@ from shardckpt.regions import FlatRange, Region, full_region
 from shardckpt.runtime import FlatLayout, groups, is_sharded
 from shardckpt.state_dict.flat import LAYOUTS_KEY, held_region, shard_view
 from shardckpt.state_dict.model_state import buffers
-from shardckpt.state_dict.optim_state import _by_param, init_optim_state, match_param_groups, param_names
+from shardckpt.state_dict.optim_state import (
+    _by_param, init_optim_state, match_param_groups, plain_names, unsharded_param_names,
+)
+from shardckpt.state_dict.param_ids import positional_names, resolve_id_names, unknown_ids
+from shardckpt.state_dict.rekey import key_type_of
+from shardckpt.state_dict.types import OptimStateKeyType
 from shardckpt.storage.manifest import Manifest
 from shardckpt.storage.tree import TensorRef
 
@@ -64,15 +69,14 @@ class Saved:
     """How the checkpoint names model and optimizer tensors (derived once from its manifest)."""
 
     manifest: Manifest
-    ids: list[str]  # this model's parameter names by ID
-    optim_by_id: bool = False  # optimizer state keyed by parameter ID (else by name)
+    id_names: dict[int, str] | None = None  # ID -> name (a FQN, or a LOCAL flat key); None: keyed by name
     local: dict[str, tuple[str, int]] = field(default_factory=dict)  # fqn -> (flat key, offset), if LOCAL
-    local_order: list[str] = field(default_factory=list)  # flat keys in order: the IDs of LOCAL optimizer state
+    local_order: list[str] = field(default_factory=list)  # flat keys in layout order
 
     @classmethod
-    def of(cls, manifest: Manifest, ids: list[str]) -> Saved:
-        state = _tree(manifest, "optim", "state")
-        saved = cls(manifest, ids, isinstance(state, dict) and any(isinstance(k, int) for k in state))
+    def of(cls, manifest: Manifest, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+           optim_param_names: Sequence[str] | None) -> Saved:
+        saved = cls(manifest)
         layouts = _tree(manifest, "model", LAYOUTS_KEY)
         if isinstance(layouts, dict):
             for key, doc in layouts.items():
@@ -81,15 +85,32 @@ class Saved:
                 for j, names in enumerate(zip(layout.names, layout.aliases)):
                     for name in (names[0],) + tuple(names[1]):
                         saved.local[name] = (key, layout.offsets[j])
+        optim = _tree(manifest, "optim")
+        if optimizer is not None and isinstance(optim, dict) and key_type_of(optim) is OptimStateKeyType.PARAM_ID:
+            groups = optim.get("param_groups") or []
+            saved.id_names = resolve_id_names(groups, optim_param_names,
+                                              lambda: saved._unrecorded_ids(model, optimizer, groups))
         return saved
+
+    def _unrecorded_ids(self, model: nn.Module, optimizer: torch.optim.Optimizer, groups: list) -> dict[int, str]:
+        """IDs the checkpoint does not name. LOCAL state's IDs always meant its flat parameters in layout order;
+        ``save_state`` wrote IDs in the unsharded ``named_parameters()`` order before it recorded names; a
+        plain torch optimizer's IDs map onto a live plain optimizer as torch maps them. Else: refused."""
+        if self.local_order:
+            return dict(enumerate(self.local_order))
+        if self.manifest.metadata.get("optim_key") == OptimStateKeyType.PARAM_ID.value:
+            return dict(enumerate(unsharded_param_names(model)))
+        if not is_sharded(model):
+            return positional_names(groups, plain_names(model, optimizer), "optim_param_names")
+        raise unknown_ids("optim_param_names")
 
     @functools.cached_property
     def _id_of(self) -> dict[str, int]:
-        return {name: i for i, name in enumerate(self.local_order or self.ids)}
+        return {name: i for i, name in (self.id_names or {}).items()}
 
     def _optim_key(self, key: str) -> Any:
         """How optimizer state names a parameter (or a LOCAL flat key): its ID or the name itself."""
-        return self._id_of.get(key) if self.optim_by_id else key
+        return self._id_of.get(key) if self.id_names is not None else key
 
     def resolve(self, prefix: str, names: tuple[str, ...], region: FlatRange, suffix: str = "") -> tuple[str, Region]:
         """The saved tensor and region holding ``region`` of parameter ``names[0]``."""
@@ -120,8 +141,11 @@ class Saved:
         for pg in _tree(self.manifest, "optim", "param_groups") or []:
             names = []
             for p in pg.get("params", []):
-                if isinstance(p, int):
-                    p = self.local_order[p] if self.local_order else self.ids[p]
+                if self.id_names is not None:
+                    if p not in self.id_names:
+                        raise IncompatibleCheckpointError(f"the checkpoint's param groups list parameter ID {p!r}, "
+                                                          "which the IDs' names do not cover")
+                    p = self.id_names[p]
                 names.extend([n for n, (k, _) in self.local.items() if k == p] if p in self.local_order else [p])
             out.append({**pg, "params": names})
         return out
@@ -137,10 +161,15 @@ def _tree(manifest: Manifest, *path: str) -> Any:
 
 
 def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *,
-               process_group: Any = None, **load_kwargs: Any) -> dict[str, Any]:
+               process_group: Any = None, optim_param_names: Sequence[str] | None = None,
+               **load_kwargs: Any) -> dict[str, Any]:
     """Load model (and optimizer) state saved by ``save_state`` (any type, world size, wrapping) or by
     ``shardckpt.save({"model": m.state_dict(), "optim": o.state_dict()}, ...)`` of a plain model.
 
+    Optimizer state keyed by ID maps IDs to parameters by the ``param_names`` its param groups record
+    (``save_state`` records them; so does torch for an optimizer built over ``model.named_parameters()``),
+    else by ``optim_param_names`` (the names of IDs 0, 1, ...), else, into a plain model, by this
+    optimizer's own param groups as torch's ``load_state_dict`` does; otherwise it is refused.
     Collective. Returns the checkpoint's other plain top-level values (e.g. ``{"step": 1000}``).
     """
     if optimizer is not None:
@@ -150,7 +179,7 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
 
     def build(manifest: Manifest) -> list[PieceRequest]:
         scalars.clear()  # a retry (after a concurrent overwrite) starts over
-        saved = Saved.of(manifest, param_names(model))
+        saved = Saved.of(manifest, model, optimizer, optim_param_names)
         seen[:] = [saved]
         requests = [PieceRequest(*saved.resolve("model", d.names, d.region), d.dest)
                     for i, (_, p) in enumerate(_params(model)) for d in _dests(model, i, p)]
@@ -175,8 +204,7 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
 def _optimizer_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     if is_sharded(model):
         return [list(g.layout.names) for g in _by_param(model, optimizer)]
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [[names[id(p)]] for pg in optimizer.param_groups for p in pg["params"]]
+    return [[name] for names in plain_names(model, optimizer) for name in names]
 
 
 def _optim_requests(model: nn.Module, optimizer: torch.optim.Optimizer, saved: Saved,
@@ -192,7 +220,7 @@ def _optim_requests(model: nn.Module, optimizer: torch.optim.Optimizer, saved: S
             raise IncompatibleCheckpointError(
                 f"the checkpoint's optimizer state for {names[0]!r} holds {sorted(given) or 'nothing'}, this "
                 f"optimizer keeps {sorted(state)}: was it saved from a different kind of optimizer?")
-        sharded = [k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape == param.shape]
+        sharded = [k for k, v in state.items() if _per_param(v, param, given[k], saved.manifest)]
         for key in sharded:
             for d in _dests(model, i, state[key]):
                 requests.append(PieceRequest(*saved.resolve("optim.state", d.names, d.region, f".{key}"), d.dest))
@@ -200,8 +228,22 @@ def _optim_requests(model: nn.Module, optimizer: torch.optim.Optimizer, saved: S
             value = given[key]
             if isinstance(value, TensorRef):
                 entry = saved.manifest.tensors[value.name]
+                if torch.is_tensor(state[key]) and tuple(entry.shape) != tuple(state[key].shape):
+                    raise IncompatibleCheckpointError(
+                        f"the checkpoint's {value.name!r} has shape {list(entry.shape)}, this optimizer keeps "
+                        f"{key!r} of {names[0]!r} with shape {list(state[key].shape)}")
                 temp = torch.empty(entry.shape, dtype=entry.dtype, device=getattr(state[key], "device", "cpu"))
                 requests.append(PieceRequest(value.name, full_region(entry.shape), temp))
                 value = temp
             scalars.append((state, key, value))
     return requests
+
+
+def _per_param(value: Any, param: torch.Tensor, saved: Any, manifest: Manifest) -> bool:
+    """Whether optimizer state ``value`` of ``param`` (a parameter or a flat shard) is per-parameter, read
+    piece by piece, rather than a scalar such as ``step``, read whole. A 0-d parameter's per-parameter
+    state is 0-d like ``step``: a saved 0-d tensor is its whole value either way, but a LOCAL checkpoint
+    holds it inside its flat group's tensor, to be read at the member's offset."""
+    if not torch.is_tensor(value) or value.shape != param.shape:
+        return False
+    return value.dim() > 0 or (isinstance(saved, TensorRef) and tuple(manifest.tensors[saved.name].shape) != ())

@@ -12,7 +12,9 @@ from shardckpt.regions import FlatRange, dim0_chunk, full_region
 from shardckpt.runtime import FlatGroup, groups, is_sharded
 from shardckpt.runtime.build import FLAT_PARAM_NAMES
 from shardckpt.sharded_tensor import ShardedTensor
-from shardckpt.state_dict.flat import LAYOUTS_KEY, gather_members, local_key, scatter_members
+from shardckpt.state_dict.flat import (
+    LAYOUTS_KEY, copy_to_replicas, gather_members, local_key, rank0_shard_rank, replica_source, scatter_members,
+)
 from shardckpt.state_dict.redistribute import Move, assemble_chunks, exchange
 from shardckpt.state_dict.types import FullStateDictConfig, StateDictConfig, StateDictType
 
@@ -40,14 +42,18 @@ def buffers(model: nn.Module) -> dict[str, torch.Tensor]:
             if k.rsplit(".", 1)[-1] not in flat_names and k not in params}
 
 
-def member_regions(sd_type: StateDictType, config: StateDictConfig, world: int):
+def member_regions(sd_type: StateDictType, config: StateDictConfig, group: FlatGroup):
     """``(shape, q) -> region``: the piece of a member that shard-group rank q has in a FULL or SHARDED state
-    dict (its dim-0 chunk; or the whole member, on rank 0 only with rank0_only). The same on every rank:
-    it is the transfer plan, whichever direction the data moves."""
+    dict (its dim-0 chunk; or the whole member, with rank0_only only on global rank 0, so that the other
+    replicas' shard groups move nothing). The same on every rank of the shard group: it is the transfer
+    plan, whichever direction the data moves."""
+    world = group.groups.shard_size
     if sd_type is SHARDED:
         return lambda shape, q: dim0_chunk(shape, q, world)
-    only0 = rank0_only(config)
-    return lambda shape, q: full_region(shape) if (not only0 or q == 0) else None
+    if not rank0_only(config):
+        return lambda shape, q: full_region(shape)
+    holder = rank0_shard_rank(group.groups)
+    return lambda shape, q: full_region(shape) if q == holder else None
 
 
 def as_type(t: torch.Tensor, shape: tuple[int, ...], sd_type: StateDictType, rank: int, world: int) -> Any:
@@ -74,7 +80,7 @@ def _group_state(group: FlatGroup, flat_tensors: list[torch.Tensor], sd_type: St
                  config: StateDictConfig) -> list[list[Any]]:
     """Each flat tensor's members as FULL tensors or SHARDED chunks (None where this rank gets nothing)."""
     world, rank = group.groups.shard_size, group.groups.shard_rank
-    pieces = gather_members(group, flat_tensors, member_regions(sd_type, config, world))
+    pieces = gather_members(group, flat_tensors, member_regions(sd_type, config, group))
     return [[None if t is None else as_type(_offload(t, config), shape, sd_type, rank, world)
              for t, shape in zip(row, group.layout.shapes)] for row in pieces]
 
@@ -197,6 +203,7 @@ def set_model_state(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType
     else:
         missing, unexpected = _check_state(model, sd, sd_type, strict)
     source = world_group.rank == 0 if only0 else True
+    replicas: dict[int, int] = {}  # id(Groups) -> the replica that holds global rank 0 (rank0_only)
     for group in groups(model):
         if sd_type is LOCAL:
             if local_key(group) not in missing:
@@ -206,14 +213,25 @@ def set_model_state(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType
         skip = {j for j, name in enumerate(layout.names) if name in missing}
         srcs = [member_source(_value(sd, (name,) + layout.aliases[j]), name, layout.shapes[j], sd_type, rank, world)
                 if source and j not in skip else None for j, name in enumerate(layout.names)]
-        scatter_members(group, [group.flat_param], [srcs], member_regions(sd_type, config, world),
+        scatter_members(group, [group.flat_param], [srcs], member_regions(sd_type, config, group),
                         everywhere=sd_type is FULL and not only0, skip=skip)
+        if only0:
+            fill_replicas(group, [group.flat_param], replicas)
     bufs = buffers(model)
     if only0:
         _broadcast_buffers(bufs, sd)
     else:
         _set_buffers(bufs, sd)
     return missing, unexpected
+
+
+def fill_replicas(group: FlatGroup, flat_tensors: list[torch.Tensor], sources: dict[int, int]) -> None:
+    """After a rank0_only scatter, which filled global rank 0's replica only: copy its shards to the
+    others. ``sources`` caches each Groups' source replica for the call (finding it is a collective)."""
+    key = id(group.groups)
+    if key not in sources:
+        sources[key] = replica_source(group.groups)
+    copy_to_replicas(group, flat_tensors, sources[key])
 
 
 def _set_local(group: FlatGroup, flat: torch.Tensor, value: Any, key: str) -> None:

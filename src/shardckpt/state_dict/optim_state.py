@@ -3,7 +3,7 @@ group; its flat-shaped state (e.g. Adam's ``exp_avg``) converts exactly like the
 scalars (e.g. ``step``) are replicated to every member."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -14,15 +14,19 @@ from shardckpt.runtime import FlatGroup, groups, is_sharded
 from shardckpt.sharded_tensor import ShardedTensor
 from shardckpt.state_dict.flat import local_key, scatter_members
 from shardckpt.state_dict.model_state import (
-    LOCAL, SHARDED, _group_state, _set_local, local_value, member_regions, member_source, rank0_only,
+    LOCAL, SHARDED, _group_state, _set_local, fill_replicas, local_value, member_regions, member_source, rank0_only,
 )
+from shardckpt.state_dict.param_ids import NOT_HYPER, hyper_parameters, positional_names
+from shardckpt.state_dict.per_param import is_per_param, per_param_keys
 from shardckpt.state_dict.redistribute import assemble_chunks
-from shardckpt.state_dict.rekey import key_type_of, rekey_optim_state_dict
+from shardckpt.state_dict.rekey import keyed_by_name, rekey_optim_state_dict
 from shardckpt.state_dict.types import OptimStateKeyType, StateDictConfig, StateDictType
 
 
-def param_names(model: nn.Module) -> list[str]:
-    """Names of parameter IDs 0, 1, ...: the unsharded model's ``named_parameters()`` order."""
+def unsharded_param_names(model: nn.Module) -> list[str]:
+    """The unsharded model's ``named_parameters()`` names, in order (of a sharded model too): the names of
+    IDs 0, 1, ... of a plain optimizer built over the unsharded model's ``parameters()`` in one group, and
+    of the IDs ``get_state_dict(optim_key=PARAM_ID)`` gives (which also records them as ``param_names``)."""
     if is_sharded(model):
         from shardckpt.runtime.state import state_of
 
@@ -56,9 +60,9 @@ def _member_names(group: FlatGroup, sd_type: StateDictType) -> list[str]:
 def get_optim_state(model: nn.Module, optim: torch.optim.Optimizer, sd_type: StateDictType,
                     config: StateDictConfig, key_type: OptimStateKeyType) -> dict:
     init_optim_state(optim)  # so that a fresh optimizer's state dict has the structure to load into
-    if not is_sharded(model):
-        return _get_plain(model, optim, sd_type, key_type)
     keep = not rank0_only(config) or resolve_group().rank == 0
+    if not is_sharded(model):
+        return _get_plain(model, optim, sd_type, key_type) if keep else {}
     flat_groups = _by_param(model, optim)
     state_out: dict[str, Any] = {}
     for group, param in zip(flat_groups, (p for pg in optim.param_groups for p in pg["params"])):
@@ -77,18 +81,18 @@ def get_optim_state(model: nn.Module, optim: torch.optim.Optimizer, sd_type: Sta
                 state_out[name] = {k: rows[flat_keys.index(k)][j] if k in flat_keys else _copy(scalars[k])
                                    for k in state}
     # Parameters in the unsharded model's order, as a plain optimizer over it would list them.
-    position = {name: i for i, name in enumerate(param_names(model))}
+    position = {name: i for i, name in enumerate(unsharded_param_names(model))}
     in_order = (lambda names: names) if sd_type is LOCAL else (lambda names: sorted(names, key=position.get))
     groups_out = []
     for pg, start in zip(optim.param_groups, _starts(optim)):
         names = [name for g in flat_groups[start:start + len(pg["params"])] for name in _member_names(g, sd_type)]
-        groups_out.append({**{k: v for k, v in pg.items() if k != "params"}, "params": in_order(names)})
+        groups_out.append({**hyper_parameters(pg), "params": in_order(names)})
     if not keep:
         return {}
     out = {"state": {name: state_out[name] for name in in_order(list(state_out))}, "param_groups": groups_out}
     if key_type is OptimStateKeyType.PARAM_ID:
-        order = [local_key(g) for g in groups(model)] if sd_type is LOCAL else param_names(model)
-        out = rekey_optim_state_dict(out, key_type, order)
+        order = [local_key(g) for g in groups(model)] if sd_type is LOCAL else unsharded_param_names(model)
+        out = rekey_optim_state_dict(out, key_type, order)  # records the names: self-describing
     return out
 
 
@@ -126,27 +130,31 @@ def init_optim_state(optim: torch.optim.Optimizer) -> None:
 
 
 def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, sd_type: StateDictType,
-                    config: StateDictConfig) -> None:
+                    config: StateDictConfig, optim_param_names: Sequence[str] | None = None) -> None:
     if not is_sharded(model):
-        _set_plain(model, optim, osd, sd_type)
+        _set_plain(model, optim, osd, sd_type, optim_param_names)
         return
     only0 = rank0_only(config)
     group0 = resolve_group()
     source = group0.rank == 0 if only0 else True
-    if source and key_type_of(osd) is OptimStateKeyType.PARAM_ID:
-        order = [local_key(g) for g in groups(model)] if sd_type is LOCAL else param_names(model)
-        osd = rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, order)
     init_optim_state(optim)
     flat_groups = _by_param(model, optim)
     params = [p for pg in optim.param_groups for p in pg["params"]]
+    named: dict[str, dict] = {"osd": {}}
+
+    def check() -> tuple[dict, list]:
+        named["osd"] = keyed_by_name(osd, optim_param_names)  # a sharded optimizer has no order of its own
+        return _small_parts(named["osd"], flat_groups, params, optim, sd_type)
+
     # Plain parts (scalars, hyper-parameters) are small: take them from rank 0 when only it has them.
     # Checked before any data moves; with rank0_only rank 0 checks and every rank follows its verdict.
-    small = attempt(group0.rank, lambda: _small_parts(osd, flat_groups, params, optim, sd_type)) if source else None
+    small = attempt(group0.rank, check) if source else None
     if only0:
         small = group0.broadcast(small)
     raise_failures([small])
     scalars, hyper = small
-    for group, param in zip(flat_groups, params):
+    osd, replicas = named["osd"], {}
+    for i, (group, param) in enumerate(zip(flat_groups, params)):
         state = optim.state.get(param, {})
         flat_keys = _flat_keys(state, group)
         if sd_type is LOCAL:
@@ -158,10 +166,11 @@ def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, s
             sources = [[member_source(osd["state"][name][k], f"{name}.{k}", group.layout.shapes[j], sd_type, rank,
                                       world) if source else None
                         for j, name in enumerate(group.layout.names)] for k in flat_keys]
-            scatter_members(group, [state[k] for k in flat_keys], sources,
-                            member_regions(sd_type, config, world),
+            scatter_members(group, [state[k] for k in flat_keys], sources, member_regions(sd_type, config, group),
                             everywhere=sd_type is StateDictType.FULL_STATE_DICT and not only0)
-        for k, v in scalars.get(id(param), {}).items():
+            if only0:
+                fill_replicas(group, [state[k] for k in flat_keys], replicas)
+        for k, v in scalars.get(i, {}).items():
             state[k] = v.to(state[k].device) if torch.is_tensor(v) and torch.is_tensor(state.get(k)) else v
     for pg, values in zip(optim.param_groups, hyper):
         pg.update(values)
@@ -169,10 +178,10 @@ def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, s
 
 def _small_parts(osd: dict, flat_groups: list[FlatGroup], params: list, optim: torch.optim.Optimizer,
                  sd_type: StateDictType) -> tuple[dict, list]:
-    """Per parameter its scalar state (from its first member), per optimizer group its hyper-parameters;
-    checking that the state dict fits this optimizer."""
+    """Per parameter (by position: they travel to other ranks) its scalar state (from its first member), per
+    optimizer group its hyper-parameters; checking that the state dict fits this optimizer."""
     scalars: dict[int, dict] = {}
-    for group, param in zip(flat_groups, params):
+    for i, (group, param) in enumerate(zip(flat_groups, params)):
         state = optim.state.get(param, {})
         names = _member_names(group, sd_type)
         for name in names:
@@ -185,7 +194,7 @@ def _small_parts(osd: dict, flat_groups: list[FlatGroup], params: list, optim: t
                     f"optimizer state for {names[0]!r} holds {sorted(given)}, this optimizer keeps {sorted(state)}: "
                     "was it saved from a different kind of optimizer?")
             flat_keys = _flat_keys(state, group)
-            scalars[id(param)] = {k: _copy(v) for k, v in given.items() if k not in flat_keys}
+            scalars[i] = {k: _copy(v) for k, v in given.items() if k not in flat_keys}
             if sd_type is not LOCAL:  # shapes, before any data moves
                 rank, world = group.groups.shard_rank, group.groups.shard_size
                 for j, name in enumerate(names):
@@ -213,11 +222,11 @@ def match_param_groups(given_groups: list[dict], optim: torch.optim.Optimizer,
                 f"the saved param_groups do not match this optimizer's: parameters {names[:3]}... are "
                 f"{'missing from' if None in found else 'spread over several of'} its param groups")
         given = given_groups[found.pop()]
-        if set(given) - {"params"} != set(pg) - {"params"}:
-            raise IncompatibleCheckpointError(f"param group hyper-parameters {sorted(set(given) - {'params'})} differ "
-                                              f"from this optimizer's {sorted(set(pg) - {'params'})}: a different "
+        if set(given) - NOT_HYPER != set(pg) - NOT_HYPER:
+            raise IncompatibleCheckpointError(f"param group hyper-parameters {sorted(set(given) - NOT_HYPER)} differ "
+                                              f"from this optimizer's {sorted(set(pg) - NOT_HYPER)}: a different "
                                               "kind of optimizer?")
-        hyper.append({k: v for k, v in given.items() if k != "params"})
+        hyper.append(hyper_parameters(given))
     return hyper
 
 
@@ -229,34 +238,50 @@ def _starts(optim: torch.optim.Optimizer) -> list[int]:
 # ------------------------------------------------------------------------------------- plain models
 
 
-def _plain_ids(model: nn.Module, optim: torch.optim.Optimizer) -> list[int]:
-    """For each optimizer position, the parameter's ID in the model's order."""
-    ids = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
-    return [ids[id(p)] for pg in optim.param_groups for p in pg["params"]]
+def plain_names(model: nn.Module, optim: torch.optim.Optimizer) -> list[list[str]]:
+    """The names of a plain model's optimizer's parameters, group by group (torch's ID order)."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    if any(id(p) not in name_of for pg in optim.param_groups for p in pg["params"]):
+        raise IncompatibleCheckpointError("the optimizer holds a tensor that is not a parameter of this model: "
+                                          "build it over the model's parameters")
+    return [[name_of[id(p)] for p in pg["params"]] for pg in optim.param_groups]
 
 
 def _get_plain(model: nn.Module, optim: torch.optim.Optimizer, sd_type: StateDictType,
                key_type: OptimStateKeyType) -> dict:
     osd = optim.state_dict()
-    ids = _plain_ids(model, optim)
-    osd = {"state": {ids[i]: dict(s) for i, s in osd["state"].items()},
-           "param_groups": [{**pg, "params": [ids[i] for i in pg["params"]]} for pg in osd["param_groups"]]}
+    names = [name for group_names in plain_names(model, optim) for name in group_names]  # torch's ID -> name
+    state = {names[i]: dict(entry) for i, entry in osd["state"].items()}
+    groups_ = [{**hyper_parameters(pg), "params": [names[i] for i in pg["params"]]} for pg in osd["param_groups"]]
     if sd_type is SHARDED:
         g = resolve_group()
-        shapes = [tuple(p.shape) for _, p in model.named_parameters()]
-        for i, state in osd["state"].items():
-            for k, v in state.items():
-                if torch.is_tensor(v) and tuple(v.shape) == shapes[i] and v.dim() > 0:
-                    state[k] = ShardedTensor.from_full(v, g.rank, g.world_size)
-    return rekey_optim_state_dict(osd, key_type, param_names(model))
+        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        keys = per_param_keys((shapes[name], entry) for name, entry in state.items())
+        for name, entry in state.items():
+            for k, v in entry.items():
+                if is_per_param(k, v, shapes[name], keys, name, strict=False):
+                    entry[k] = ShardedTensor.from_full(v, g.rank, g.world_size)
+    out = {"state": state, "param_groups": groups_}
+    return rekey_optim_state_dict(out, key_type, unsharded_param_names(model))
 
 
-def _set_plain(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, sd_type: StateDictType) -> None:
-    osd = rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_ID, param_names(model))
-    position = {pid: i for i, pid in enumerate(_plain_ids(model, optim))}
+def _set_plain(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, sd_type: StateDictType,
+               optim_param_names: Sequence[str] | None) -> None:
+    """By name; ID-keyed state without recorded or given names maps onto this optimizer's own param
+    groups, position by position, as torch's ``load_state_dict`` does."""
+    live = plain_names(model, optim)
+    osd = keyed_by_name(osd, optim_param_names,
+                        lambda: positional_names(osd.get("param_groups", []), live, "optim_param_names"))
+    names = [name for group_names in live for name in group_names]
+    position = {name: i for i, name in enumerate(names)}
+    hyper = match_param_groups(osd["param_groups"], optim, [[name] for name in names])
     g = resolve_group()
-    chunks = {(pid, k): v for pid, s in osd["state"].items() for k, v in s.items() if isinstance(v, ShardedTensor)}
+    chunks = {(name, k): v for name, entry in osd["state"].items() for k, v in entry.items()
+              if isinstance(v, ShardedTensor)}
     whole = assemble_chunks(chunks, g.rank, g.world_size, g.pg)
-    state = {position[pid]: {k: whole.get((pid, k), v) for k, v in s.items()} for pid, s in osd["state"].items()}
-    groups_ = [{**pg, "params": [position[pid] for pid in pg["params"]]} for pg in osd["param_groups"]]
+    # State for parameters this optimizer does not hold is left out, as load_state does.
+    state = {position[name]: {k: whole.get((name, k), v) for k, v in entry.items()}
+             for name, entry in osd["state"].items() if name in position}
+    groups_ = [{**values, "params": list(range(start, start + len(pg["params"])))}
+               for values, pg, start in zip(hyper, optim.param_groups, _starts(optim))]
     optim.load_state_dict({"state": state, "param_groups": groups_})
