@@ -175,29 +175,27 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
     if optimizer is not None:
         init_optim_state(optimizer)
     scalars: list[tuple[dict, str, Any]] = []
-    seen: list[Saved] = []
+    hyper: list[dict] = []
 
     def build(manifest: Manifest) -> list[PieceRequest]:
         scalars.clear()  # a retry (after a concurrent overwrite) starts over
         saved = Saved.of(manifest, model, optimizer, optim_param_names)
-        seen[:] = [saved]
         requests = [PieceRequest(*saved.resolve("model", d.names, d.region), d.dest)
                     for i, (_, p) in enumerate(_params(model)) for d in _dests(model, i, p)]
         for name, buf in buffers(model).items():
             requests.append(PieceRequest(f"model.{name}", full_region(buf.shape), buf.detach()))
         if optimizer is not None:
             requests += _optim_requests(model, optimizer, saved, scalars)
+            # Checked here, before any data is read, so that a refusal leaves model and optimizer as they were.
+            hyper[:] = match_param_groups(saved.param_groups_by_name(), optimizer,
+                                          _optimizer_param_names(model, optimizer))
         return requests
 
     manifest = load_pieces(path, build, process_group=process_group, **load_kwargs)
     for state, key, value in scalars:
         state[key] = value
-    if optimizer is not None:
-        saved = seen[0]
-        names = _optimizer_param_names(model, optimizer)
-        for pg, hyper in zip(optimizer.param_groups, match_param_groups(saved.param_groups_by_name(), optimizer,
-                                                                        names)):
-            pg.update(hyper)
+    for pg, values in zip(optimizer.param_groups if optimizer is not None else [], hyper):
+        pg.update(values)
     return {k: v for k, v in manifest.tree.items() if k not in ("model", "optim") and not isinstance(v, TensorRef)}
 
 
@@ -216,10 +214,14 @@ def _optim_requests(model: nn.Module, optimizer: torch.optim.Optimizer, saved: S
         if not state:
             continue
         given = saved.optim_entry(names)
+        if not given:
+            raise IncompatibleCheckpointError(
+                f"the checkpoint holds no optim state for {names[0]!r}, which this optimizer keeps "
+                f"{sorted(state)} for: was it left out of the optimizer that saved it? Build this one without it")
         if set(given) != set(state):
             raise IncompatibleCheckpointError(
-                f"the checkpoint's optimizer state for {names[0]!r} holds {sorted(given) or 'nothing'}, this "
-                f"optimizer keeps {sorted(state)}: was it saved from a different kind of optimizer?")
+                f"the checkpoint's optimizer state for {names[0]!r} holds {sorted(given)}, this optimizer keeps "
+                f"{sorted(state)}: was it saved from a different kind of optimizer?")
         sharded = [k for k, v in state.items() if _per_param(v, param, given[k], saved.manifest)]
         for key in sharded:
             for d in _dests(model, i, state[key]):
