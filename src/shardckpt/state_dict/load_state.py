@@ -35,9 +35,10 @@ from shardckpt.storage.tree import TensorRef
 
 @dataclass(frozen=True)
 class Dest:
-    """A piece of this rank's memory: elements ``region`` of parameter ``names[0]`` (or an alias)."""
+    """A piece of this rank's memory: elements ``region`` of parameter ``names[0]`` (or an alias) of ``shape``."""
 
     names: tuple[str, ...]
+    shape: tuple[int, ...]
     region: FlatRange
     dest: torch.Tensor
 
@@ -54,14 +55,15 @@ def _dests(model: nn.Module, index: int, tensor: torch.Tensor) -> Iterator[Dest]
     or optimizer state shaped like it)."""
     if not is_sharded(model):
         names, p = _params(model)[index]
-        yield Dest(names, FlatRange(0, p.numel()), tensor.detach())
+        yield Dest(names, tuple(p.shape), FlatRange(0, p.numel()), tensor.detach())
         return
     group = groups(model)[index]
     layout, rank = group.layout, group.groups.shard_rank
     for j, name in enumerate(layout.names):
         region = held_region(layout, j, rank)
         if region is not None:
-            yield Dest((name,) + layout.aliases[j], region, shard_view(layout, tensor.detach(), j, rank))
+            yield Dest((name,) + layout.aliases[j], layout.shapes[j], region,
+                       shard_view(layout, tensor.detach(), j, rank))
 
 
 @dataclass
@@ -70,7 +72,7 @@ class Saved:
 
     manifest: Manifest
     id_names: dict[int, str] | None = None  # ID -> name (a FQN, or a LOCAL flat key); None: keyed by name
-    local: dict[str, tuple[str, int]] = field(default_factory=dict)  # fqn -> (flat key, offset), if LOCAL
+    local: dict[str, tuple[str, int, tuple]] = field(default_factory=dict)  # fqn -> (flat key, offset, shape)
     local_order: list[str] = field(default_factory=list)  # flat keys in layout order
 
     @classmethod
@@ -84,7 +86,7 @@ class Saved:
                 saved.local_order.append(key)
                 for j, names in enumerate(zip(layout.names, layout.aliases)):
                     for name in (names[0],) + tuple(names[1]):
-                        saved.local[name] = (key, layout.offsets[j])
+                        saved.local[name] = (key, layout.offsets[j], layout.shapes[j])
         optim = _tree(manifest, "optim")
         if optimizer is not None and isinstance(optim, dict) and key_type_of(optim) is OptimStateKeyType.PARAM_ID:
             groups = optim.get("param_groups") or []
@@ -112,19 +114,34 @@ class Saved:
         """How optimizer state names a parameter (or a LOCAL flat key): its ID or the name itself."""
         return self._id_of.get(key) if self.id_names is not None else key
 
-    def resolve(self, prefix: str, names: tuple[str, ...], region: FlatRange, suffix: str = "") -> tuple[str, Region]:
-        """The saved tensor and region holding ``region`` of parameter ``names[0]``."""
+    def resolve(self, prefix: str, names: tuple[str, ...], shape: tuple[int, ...], region: FlatRange,
+                suffix: str = "") -> tuple[str, Region]:
+        """The saved tensor and region holding ``region`` of parameter ``names[0]``, whose shape is ``shape``."""
         optim = prefix == "optim.state"
         for name in names:
             if name in self.local:
-                key, offset = self.local[name]
+                key, offset, saved_shape = self.local[name]
                 key = self._optim_key(key) if optim else key
-                return f"{prefix}.{key}{suffix}", FlatRange(offset + region.start, offset + region.stop)
-            key = self._optim_key(name) if optim else name
-            if f"{prefix}.{key}{suffix}" in self.manifest.tensors:
-                return f"{prefix}.{key}{suffix}", region
+                found, region = f"{prefix}.{key}{suffix}", FlatRange(offset + region.start, offset + region.stop)
+            else:
+                key = self._optim_key(name) if optim else name
+                found, saved_shape = f"{prefix}.{key}{suffix}", self.shape_of(f"{prefix}.{key}{suffix}")
+                if saved_shape is None:
+                    continue
+            if tuple(saved_shape) != tuple(shape):  # a region may fit a tensor of another shape: refuse that
+                raise IncompatibleCheckpointError(f"the checkpoint's {found!r} is {names[0]!r} of shape "
+                                                  f"{list(saved_shape)}, this model's has shape {list(shape)}")
+            return found, region
         raise IncompatibleCheckpointError(f"the checkpoint holds no {prefix.split('.')[0]} state for {names[0]!r}"
                                           f"{suffix and f' ({suffix[1:]})'}")
+
+    def shape_of(self, tensor: str) -> tuple[int, ...] | None:
+        entry = self.manifest.tensors.get(tensor)
+        return None if entry is None else tuple(entry.shape)
+
+    def stored_flat(self, names: tuple[str, ...]) -> bool:
+        """Whether the checkpoint holds this parameter inside a LOCAL flat tensor."""
+        return any(name in self.local for name in names)
 
     def optim_entry(self, names: tuple[str, ...]) -> dict:
         """The saved optimizer state of parameter ``names[0]`` (tensors as TensorRef); {} if none."""
@@ -146,7 +163,7 @@ class Saved:
                         raise IncompatibleCheckpointError(f"the checkpoint's param groups list parameter ID {p!r}, "
                                                           "which the IDs' names do not cover")
                     p = self.id_names[p]
-                names.extend([n for n, (k, _) in self.local.items() if k == p] if p in self.local_order else [p])
+                names.extend([n for n, (k, _, _) in self.local.items() if k == p] if p in self.local_order else [p])
             out.append({**pg, "params": names})
         return out
 
@@ -180,7 +197,7 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
     def build(manifest: Manifest) -> list[PieceRequest]:
         scalars.clear()  # a retry (after a concurrent overwrite) starts over
         saved = Saved.of(manifest, model, optimizer, optim_param_names)
-        requests = [PieceRequest(*saved.resolve("model", d.names, d.region), d.dest)
+        requests = [PieceRequest(*saved.resolve("model", d.names, d.shape, d.region), d.dest)
                     for i, (_, p) in enumerate(_params(model)) for d in _dests(model, i, p)]
         for name, buf in buffers(model).items():
             requests.append(PieceRequest(f"model.{name}", full_region(buf.shape), buf.detach()))
@@ -222,10 +239,11 @@ def _optim_requests(model: nn.Module, optimizer: torch.optim.Optimizer, saved: S
             raise IncompatibleCheckpointError(
                 f"the checkpoint's optimizer state for {names[0]!r} holds {sorted(given)}, this optimizer keeps "
                 f"{sorted(state)}: was it saved from a different kind of optimizer?")
-        sharded = [k for k, v in state.items() if _per_param(v, param, given[k], saved.manifest)]
+        sharded = [k for k, v in state.items() if _per_param(v, param, names, given[k], saved)]
         for key in sharded:
             for d in _dests(model, i, state[key]):
-                requests.append(PieceRequest(*saved.resolve("optim.state", d.names, d.region, f".{key}"), d.dest))
+                requests.append(PieceRequest(*saved.resolve("optim.state", d.names, d.shape, d.region, f".{key}"),
+                                             d.dest))
         for key in [k for k in state if k not in sharded]:
             value = given[key]
             if isinstance(value, TensorRef):
@@ -241,11 +259,14 @@ def _optim_requests(model: nn.Module, optimizer: torch.optim.Optimizer, saved: S
     return requests
 
 
-def _per_param(value: Any, param: torch.Tensor, saved: Any, manifest: Manifest) -> bool:
+def _per_param(value: Any, param: torch.Tensor, names: tuple[str, ...], saved_value: Any, saved: Saved) -> bool:
     """Whether optimizer state ``value`` of ``param`` (a parameter or a flat shard) is per-parameter, read
     piece by piece, rather than a scalar such as ``step``, read whole. A 0-d parameter's per-parameter
     state is 0-d like ``step``: a saved 0-d tensor is its whole value either way, but a LOCAL checkpoint
     holds it inside its flat group's tensor, to be read at the member's offset."""
     if not torch.is_tensor(value) or value.shape != param.shape:
         return False
-    return value.dim() > 0 or (isinstance(saved, TensorRef) and tuple(manifest.tensors[saved.name].shape) != ())
+    if value.dim() > 0:
+        return True
+    return saved.stored_flat(names) and isinstance(saved_value, TensorRef) and \
+        saved.shape_of(saved_value.name) != ()
