@@ -48,7 +48,7 @@ def shard(
     groups = collectives.resolve_groups(strategy, process_group, device)
     mp = mixed_precision or MixedPrecision()
     prefixes = unit_prefixes(module, wrap)
-    # The unsharded parameter order: optimizer state keyed by parameter ID refers to it.
+    # The unsharded parameter order: get_state_dict numbers optimizer IDs by it.
     param_names = tuple(name for name, _ in module.named_parameters())
     members = assign_parameters(module, prefixes)
     units = []

@@ -81,7 +81,7 @@ class ShardState:
     def __init__(self, root: nn.Module, units: list[Unit], groups: list[FlatGroup], param_names: tuple[str, ...],
                  strategy: ShardingStrategy, mixed_precision: MixedPrecision | None) -> None:
         self.root, self.units, self.groups = root, units, groups
-        # The unsharded model's named_parameters() order (optimizer state keyed by ID refers to it).
+        # The unsharded model's named_parameters() order (get_state_dict numbers optimizer IDs by it).
         self.param_names = param_names
         self.strategy, self.mixed_precision = strategy, mixed_precision
         self.sync_grads = True

@@ -20,7 +20,9 @@ class StateDictType(enum.Enum):
 
 class OptimStateKeyType(enum.Enum):
     """How optimizer state is keyed: by parameter name (FQN, stable across wrapping and world size) or by
-    parameter ID (the plain ``torch.optim`` layout, IDs in the unsharded model's parameter order)."""
+    parameter ID (the plain ``torch.optim`` layout). torch numbers IDs in the order of the optimizer's own
+    param groups; ``get_state_dict`` numbers them in the unsharded model's ``named_parameters()`` order and
+    records each group's names as ``param_names``, so that its IDs never depend on a guess."""
 
     PARAM_NAME = "PARAM_NAME"
     PARAM_ID = "PARAM_ID"
