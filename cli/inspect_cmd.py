@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options
+
 from shardckpt.checkpoint.describe import describe
 
 EPILOG = """examples:
@@ -15,8 +17,9 @@ EPILOG = """examples:
 def register(sub) -> None:
     p = sub.add_parser("inspect", help="show a checkpoint's tensors, sizes and checksums",
                        description="Show format, world size, state-dict type, total bytes and one row per tensor.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=EPILOG + "\n" + STORAGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", help="checkpoint directory or fsspec URL")
+    add_storage_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (tensors: name, dtype, shape, ...)")
     p.set_defaults(run=run)
 
@@ -30,7 +33,7 @@ def _size(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    info = describe(args.path)
+    info = describe(args.path, storage_options=storage_options(args))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

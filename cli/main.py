@@ -5,8 +5,9 @@ import argparse
 import os
 import sys
 
-from shardckpt import __version__
 from shardckpt.cli import demo_cmd, inspect_cmd, verify_cmd
+
+from shardckpt import __version__
 from shardckpt.errors import CheckpointError
 
 SUBCOMMANDS = (inspect_cmd, verify_cmd, demo_cmd)
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except CheckpointError as e:
+    except (CheckpointError, argparse.ArgumentTypeError) as e:
         print(f"shardckpt {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # e.g. `shardckpt inspect X --json | head`: the reader left, not an error

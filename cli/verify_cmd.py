@@ -5,8 +5,10 @@ import argparse
 import json
 import sys
 
-from shardckpt.checkpoint.verify import verify
+from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options
 from shardckpt.cli.progress import Progress
+
+from shardckpt.checkpoint.verify import verify
 from shardckpt.errors import CorruptCheckpointError
 
 EPILOG = """checks: the manifest's own checksum (format v2 on); every data file present with its recorded
@@ -23,8 +25,9 @@ def register(sub) -> None:
     p = sub.add_parser("verify", help="check that a checkpoint is complete and uncorrupted",
                        description="Read every byte of a checkpoint and check it against its checksums. "
                                    "Exit 0 when sound, 1 when not (each bad tensor and file is named).",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=EPILOG + "\n" + STORAGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", help="checkpoint directory or fsspec URL")
+    add_storage_options(p)
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--threads", type=int, default=4, help="parallel reads (default 4)")
@@ -34,7 +37,8 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     progress = Progress("verify", quiet=args.quiet)
     try:
-        report = verify(args.path, io_threads=args.threads, progress=progress)
+        report = verify(args.path, storage_options=storage_options(args), io_threads=args.threads,
+                        progress=progress)
     except CorruptCheckpointError as e:
         progress.close()
         print(f"FAILED {args.path}: {e}", file=sys.stderr)

@@ -66,3 +66,21 @@ def test_bad_usage_exits_2():
     with pytest.raises(SystemExit) as e:
         main(["frobnicate"])
     assert e.value.code == 2
+
+
+def test_storage_options_parse_json_values_and_dotted_keys():
+    from shardckpt.cli.main import build_parser
+    from shardckpt.cli.options import storage_options
+
+    args = build_parser().parse_args(["verify", "s3://b/c", "-o", "endpoint_url=http://127.0.0.1:9000", "-o",
+                                      "anon=true", "--storage-option", "client_kwargs.region_name=eu-west-1"])
+    assert storage_options(args) == {"endpoint_url": "http://127.0.0.1:9000", "anon": True,
+                                     "client_kwargs": {"region_name": "eu-west-1"}}
+    assert storage_options(build_parser().parse_args(["inspect", "/x"])) is None
+
+
+@pytest.mark.parametrize("bad", ["novalue", "=x", "a=1,a.b=2"])
+def test_bad_storage_option_exits_2(ckpt, bad, capsys):
+    argv = ["inspect", ckpt] + [x for item in bad.split(",") for x in ("-o", item)]
+    assert main(argv) == 2
+    assert "--storage-option" in capsys.readouterr().err

@@ -75,3 +75,17 @@ def test_the_loopback_guard_is_active():
             s.connect(("169.254.169.254", 80))
     finally:
         s.close()
+
+
+def test_cli_reaches_a_custom_endpoint_with_storage_options(s3_bucket, capsys):
+    from shardckpt.cli.main import main
+
+    server, bucket = s3_bucket
+    url = f"s3://{bucket}/cli"
+    shardckpt.save(reference(), url, storage_options=server.options())
+    opts = ["-o", f"endpoint_url={server.endpoint}", "-o", "key=testing", "-o", "secret=testing",
+            "-o", "client_kwargs.region_name=us-east-1"]
+    assert main(["verify", url, "--quiet", *opts]) == 0
+    assert capsys.readouterr().out.startswith(f"OK {url}")
+    assert main(["inspect", url, "--json", *opts]) == 0
+    assert '"model.cube"' in capsys.readouterr().out
