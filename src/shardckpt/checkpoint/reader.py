@@ -1,22 +1,23 @@
 """Executing a read plan: fetch the chunk indexes needed, then ranged-read chunk bytes on a thread pool.
 
-When a read covers a whole chunk that lands contiguously in a CPU target of the same dtype, the bytes
-are read straight into the target's memory (no intermediate buffer) and checked against the chunk's
-CRC32C. Otherwise the read is widened to whole checksum blocks around the needed span (at most one
-extra partial block at each end), every block is checked, and the needed elements are copied piece by
-piece (any device, any dtype cast). No byte reaches a caller unchecked while ``verify`` is on.
+A read is widened to whole checksum blocks around the needed span (at most one extra partial block at
+each end) and every block is checked, so no byte reaches a caller unchecked while ``verify`` is on.
+When the needed elements land contiguously, in stored order, in a CPU target of the same dtype, they are
+read straight into the target's memory and only the widening goes to small side buffers; otherwise the
+span is read into a buffer and copied piece by piece (any device, any dtype cast).
 """
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from shardckpt.checkpoint.load_plan import ChunkRead
 from shardckpt.errors import CorruptCheckpointError
-from shardckpt.regions import strided_view
+from shardckpt.regions import StridedView, strided_view
 from shardckpt.storage.backend import Storage
-from shardckpt.storage.checksum import crc32c
+from shardckpt.storage.checksum import SegmentedCRC, crc32c
 from shardckpt.storage.dtypes import itemsize
 from shardckpt.storage.index import ChunkRecord, parse_index
 from shardckpt.storage.manifest import FileEntry, Manifest
@@ -60,14 +61,29 @@ def chunk_record(storage: Storage, manifest: Manifest, indexes: dict[int, Index]
     return rec
 
 
+def _dense(view: StridedView, numel: int) -> bool:
+    """Whether ``view`` is elements ``[0, numel)`` of its buffer in order."""
+    if view.offset != 0 or math.prod(view.size) != numel:
+        return False
+    expected = 1
+    for size, stride in zip(reversed(view.size), reversed(view.stride)):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _direct_destination(read: ChunkRead) -> torch.Tensor | None:
-    """The target memory this whole chunk can be read into as is, if there is one."""
-    if len(read.copies) != 1 or read.lo != 0 or read.hi != read.region.numel:
+    """The target memory the chunk's elements ``[lo, hi)`` can be read into as stored, if there is one."""
+    if len(read.copies) != 1:
         return None
     piece, target = read.copies[0]
-    if piece != read.region or target.flat.device.type != "cpu" or target.flat.dtype != read.entry.dtype:
+    if target.flat.device.type != "cpu" or target.flat.dtype != read.entry.dtype:
         return None
-    view = view_of(target.flat, strided_view(piece, target.region, read.entry.shape))
+    shape = read.entry.shape
+    if not _dense(strided_view(piece, read.region, shape, base=read.lo), read.hi - read.lo):
+        return None
+    view = view_of(target.flat, strided_view(piece, target.region, shape))
     return view if view.is_contiguous() else None
 
 
@@ -77,21 +93,19 @@ def _corrupt(storage: Storage, manifest: Manifest, read: ChunkRead, what: str) -
                                   "`shardckpt verify`")
 
 
-def _check_chunk(storage: Storage, manifest: Manifest, read: ChunkRead, rec: ChunkRecord, data) -> None:
-    got = crc32c(data)
-    if got != rec.crc32c:
-        raise _corrupt(storage, manifest, read, f"fails its checksum (stored {rec.crc32c:08x}, read {got:08x})")
-
-
-def _check_blocks(storage: Storage, manifest: Manifest, read: ChunkRead, rec: ChunkRecord, data, start: int) -> None:
-    """``data`` holds the chunk's stored bytes from ``start`` (a block boundary) to a block boundary or its end."""
+def _check_blocks(storage: Storage, manifest: Manifest, read: ChunkRead, rec: ChunkRecord, parts: list,
+                  start: int, stop: int) -> None:
+    """``parts`` hold the chunk's stored bytes ``[start, stop)``, whole blocks, in order: check each block."""
     b = rec.block_size
-    for k, lo in enumerate(range(0, len(data), b), start // b):
-        got = crc32c(data[lo:lo + b])
+    first = start // b
+    crcs = SegmentedCRC(min(b, stop - lo) for lo in range(start, stop, b))
+    for part in parts:
+        crcs.feed(part)
+    for k, got in enumerate(crcs.crcs, first):
         if got != rec.blocks[k]:
-            at = rec.offset + start + lo
+            at = rec.offset + k * b
             raise _corrupt(storage, manifest, read, f"fails its checksum in file bytes [{at}, "
-                                                    f"{at + min(b, len(data) - lo)}) (block {k}: stored "
+                                                    f"{at + min(b, rec.length - k * b)}) (block {k}: stored "
                                                     f"{rec.blocks[k]:08x}, read {got:08x})")
 
 
@@ -103,25 +117,27 @@ def _check_bool(storage: Storage, manifest: Manifest, read: ChunkRead, data) -> 
 def execute_read(storage: Storage, manifest: Manifest, read: ChunkRead, rec: ChunkRecord, verify: bool) -> None:
     path = manifest.files[read.file].path
     size = itemsize(read.entry.dtype)
+    lo, hi = read.lo * size, read.hi * size
+    start, stop = rec.block_bounds(lo, hi) if verify else (lo, hi)
     direct = _direct_destination(read)
     if direct is not None:
-        out = as_bytes(direct).numpy()
-        storage.read_into(path, rec.offset, memoryview(out))
-        if verify:
-            _check_chunk(storage, manifest, read, rec, out)
-        _check_bool(storage, manifest, read, out)
-        return
-    lo, hi = read.lo * size, read.hi * size
+        wanted = as_bytes(direct)
+        parts = [torch.empty(lo - start, dtype=torch.uint8), wanted, torch.empty(stop - hi, dtype=torch.uint8)]
+    else:
+        buf = torch.empty(stop - start, dtype=torch.uint8)
+        parts, wanted = [buf], buf[lo - start:hi - start]
+    pos = rec.offset + start
+    for part in parts:
+        if part.numel():
+            storage.read_into(path, pos, memoryview(part.numpy()))
+            pos += part.numel()
     if verify:
-        lo, hi = rec.block_bounds(lo, hi)
-    buf = torch.empty(hi - lo, dtype=torch.uint8)
-    storage.read_into(path, rec.offset + lo, memoryview(buf.numpy()))
-    if verify:
-        _check_blocks(storage, manifest, read, rec, buf.numpy(), lo)
-    wanted = buf[read.lo * size - lo:read.hi * size - lo]
-    if (read.lo * size - lo) % size:  # a block size that is not a multiple of the item size (another writer's)
-        wanted = wanted.clone()
+        _check_blocks(storage, manifest, read, rec, [p.numpy() for p in parts], start, stop)
     _check_bool(storage, manifest, read, wanted.numpy())
+    if direct is not None:
+        return
+    if (lo - start) % size:  # a block size that is not a multiple of the item size (another writer's)
+        wanted = wanted.clone()
     src_all = from_bytes(wanted, read.entry.dtype, (read.hi - read.lo,))
     shape = read.entry.shape
     for piece, target in read.copies:

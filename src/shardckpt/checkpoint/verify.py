@@ -13,14 +13,14 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 from shardckpt.checkpoint.load import read_manifest
 from shardckpt.checkpoint.reader import Index, check_data_file, read_index
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.regions import contiguous_runs
 from shardckpt.storage.backend import Storage, open_storage
-from shardckpt.storage.checksum import combine_block_crcs, crc32c, runs_crc_term
+from shardckpt.storage.checksum import SegmentedCRC, combine_block_crcs, runs_crc_term
 from shardckpt.storage.dtypes import itemsize
 from shardckpt.storage.index import ChunkRecord
 from shardckpt.storage.manifest import Manifest, TensorEntry, chunks_of
@@ -53,26 +53,6 @@ class VerifyReport:
         return not self.problems
 
 
-class _Splitter:
-    """CRC32C of consecutive segments of a byte stream fed piece by piece (segment lengths given in order)."""
-
-    def __init__(self, lengths: Iterable[int]):
-        self._lengths: Iterator[int] = iter(lengths)
-        self._left = next(self._lengths, 0)
-        self._crc = 0
-        self.crcs: list[int] = []
-
-    def feed(self, data: memoryview) -> None:
-        pos = 0
-        while pos < len(data) and self._left:
-            take = min(self._left, len(data) - pos)
-            self._crc = crc32c(data[pos:pos + take], self._crc)
-            pos, self._left = pos + take, self._left - take
-            if not self._left:
-                self.crcs.append(self._crc)
-                self._crc, self._left = 0, next(self._lengths, 0)
-
-
 def _block_lengths(rec: ChunkRecord) -> Iterator[int]:
     for lo in range(0, rec.length, rec.block_size):
         yield min(rec.block_size, rec.length - lo)
@@ -83,9 +63,9 @@ def _scan_chunk(storage: Storage, path: str, rec: ChunkRecord, entry: TensorEntr
     """Problems found in one chunk's bytes, and (if none) its term of the tensor checksum."""
     size = itemsize(entry.dtype)
     runs = list(contiguous_runs(region, entry.shape))
-    blocks = _Splitter(_block_lengths(rec))
+    blocks = SegmentedCRC(_block_lengths(rec))
     # A box chunk is several runs of the tensor's bytes: one CRC per run for the tensor checksum.
-    run_crcs = _Splitter(n * size for _, _, n in runs) if len(runs) > 1 else None
+    run_crcs = SegmentedCRC(n * size for _, _, n in runs) if len(runs) > 1 else None
     buf = bytearray(min(READ_SIZE, rec.length))
     for lo in range(0, rec.length, READ_SIZE):
         view = memoryview(buf)[:min(READ_SIZE, rec.length - lo)]

@@ -8,6 +8,7 @@ piece contributes a term on its own, in any order, so ranks combine their terms 
 from __future__ import annotations
 
 import functools
+from typing import Iterable, Iterator
 
 import crc32c as _crc32c
 
@@ -79,6 +80,28 @@ def runs_crc_term(runs: list[tuple[int, int, int]], run_crcs: list[int], itemsiz
     for (start, _, n), run_crc in zip(runs, run_crcs):
         term ^= tensor_crc_term(run_crc, total - (start + n) * itemsize)
     return term
+
+
+class SegmentedCRC:
+    """CRC32C of consecutive segments of a byte stream fed piece by piece (segment lengths given in order),
+    e.g. the checksum blocks of a chunk read into several buffers."""
+
+    def __init__(self, lengths: Iterable[int]):
+        self._lengths: Iterator[int] = iter(lengths)
+        self._left = next(self._lengths, 0)
+        self._crc = 0
+        self.crcs: list[int] = []
+
+    def feed(self, data) -> None:
+        data = memoryview(data).cast("B")
+        pos = 0
+        while pos < len(data) and self._left:
+            take = min(self._left, len(data) - pos)
+            self._crc = crc32c(data[pos:pos + take], self._crc)
+            pos, self._left = pos + take, self._left - take
+            if not self._left:
+                self.crcs.append(self._crc)
+                self._crc, self._left = 0, next(self._lengths, 0)
 
 
 @functools.lru_cache(maxsize=4)

@@ -21,8 +21,9 @@ from shardckpt.storage.validate import (
 
 INDEX_FORMAT_NAME = "shardckpt-index"
 CODECS = ("raw",)
-# 1 MiB: a partial read costs at most two extra MiB per chunk (<1% of a resharding load of large
-# tensors, measured in benchmarks/bench_reshard_load.py), and the index grows by ~11 bytes per MiB.
+# 1 MiB: a partial read checks at most two extra partial blocks per chunk (2% more bytes in the ws 2 -> 3
+# load of benchmarks/bench_reshard_load.py, where 256 KiB and 1 MiB load in the same time and 4 MiB is
+# slower), and the index grows by ~13 bytes per MiB of data (46 at 256 KiB).
 BLOCK_SIZE = 1 << 20
 MAX_BLOCK_SIZE = 1 << 31
 
