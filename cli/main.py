@@ -7,7 +7,7 @@ import sys
 
 from shardckpt.cli import demo_cmd, inspect_cmd, verify_cmd
 
-from shardckpt import __version__
+from shardckpt._version import __version__
 from shardckpt.errors import CheckpointError
 
 SUBCOMMANDS = (inspect_cmd, verify_cmd, demo_cmd)

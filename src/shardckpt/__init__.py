@@ -1,6 +1,7 @@
 """shardckpt: distributed checkpoints and state-dict conversion for sharded PyTorch models."""
 from __future__ import annotations
 
+from shardckpt._version import __version__
 from shardckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -10,8 +11,6 @@ from shardckpt.errors import (
     ShardingError,
     UnsupportedValueError,
 )
-
-__version__ = "0.1.0"
 
 from shardckpt.checkpoint.load import load, load_full
 from shardckpt.checkpoint.save import save

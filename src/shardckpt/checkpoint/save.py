@@ -13,6 +13,7 @@ import os
 import uuid
 from typing import Any
 
+from shardckpt._version import __version__
 from shardckpt.checkpoint.collect import is_tensor_like, local_pieces
 from shardckpt.checkpoint.group import Failure, Group, attempt, raise_failures, resolve_group
 from shardckpt.checkpoint.save_plan import PieceInfo, SavePlan, WriteTask, make_save_plan
@@ -137,8 +138,6 @@ def _commit(storage: Storage, plan: SavePlan, results: list, encoded_tree: Any, 
     if files:
         storage.sync_dir(data_dir(generation))
     previous = _previous_generation(storage)
-    from shardckpt import __version__
-
     manifest = Manifest(world_size=world_size, generation=generation, tree=None, tensors=tensors, files=files,
                         metadata=metadata or {}, created_by=f"shardckpt {__version__}")
     storage.put_atomic(MANIFEST_NAME, manifest.to_bytes(encoded_tree))

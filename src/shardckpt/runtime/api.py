@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import dataclasses
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -217,23 +218,39 @@ class ShardedModule:
 
     def state_dict(self, *, keep_vars: bool = False, **kwargs: Any) -> dict[str, Any]:
         """The model state of the type ``shardckpt.state_dict_type`` sets (FULL outside it); collective."""
-        from shardckpt.state_dict.api import module_state_dict_setting
-        from shardckpt.state_dict.model_state import get_model_state
-
         if kwargs.get("destination") is not None or kwargs.get("prefix"):
             raise ShardingError("state_dict() of a sharded model takes no destination or prefix; call it on the "
                                 "root returned by shard()")
-        return get_model_state(self, *module_state_dict_setting(self))
+        return _module_state_handlers().get(self)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load model state of the type ``shardckpt.state_dict_type`` sets (FULL outside it); collective."""
-        from shardckpt.state_dict.api import module_state_dict_setting
-        from shardckpt.state_dict.model_state import set_model_state
-
         if assign:
             raise ShardingError("load_state_dict(assign=True) cannot replace the flat shards of a sharded model")
-        missing, unexpected = set_model_state(self, state_dict, *module_state_dict_setting(self), strict=strict)
+        missing, unexpected = _module_state_handlers().set(self, state_dict, strict)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleStateHandlers:
+    """What a sharded module's own ``state_dict()``/``load_state_dict()`` do. The runtime knows nothing of
+    state-dict types: ``shardckpt.state_dict`` installs its handlers when imported (the one-way seam)."""
+
+    get: Callable[[nn.Module], dict[str, Any]]
+    set: Callable[[nn.Module, dict[str, Any], bool], tuple[list[str], list[str]]]
+
+
+_HANDLERS: list[ModuleStateHandlers] = []
+
+
+def register_module_state_handlers(handlers: ModuleStateHandlers) -> None:
+    _HANDLERS[:] = [handlers]
+
+
+def _module_state_handlers() -> ModuleStateHandlers:
+    if not _HANDLERS:
+        raise ShardingError("no state-dict handlers are installed: import shardckpt (or shardckpt.state_dict)")
+    return _HANDLERS[0]
 
 
 _SHARDED_CLASSES: dict[type, type] = {}

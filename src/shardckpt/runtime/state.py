@@ -90,8 +90,6 @@ class ShardState:
         self._forward_order, self._backward_order = _Order(), _Order()
         self._recording = True
         self._callback_queued = False
-        # Owned by shardckpt.state_dict (its state_dict_type context); kept here so it is per model.
-        self.state_dict_setting: Any = None
 
     def install(self) -> None:
         for unit in self.units:

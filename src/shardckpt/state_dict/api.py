@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from shardckpt.checkpoint.save import save
+from shardckpt.runtime.api import ModuleStateHandlers
+from shardckpt.runtime.state import state_of
 from shardckpt.state_dict.model_state import get_model_state, rank0_only, set_model_state
 from shardckpt.state_dict.optim_state import get_optim_state, set_optim_state
 from shardckpt.state_dict.types import (
@@ -61,33 +64,45 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, st
         set_optim_state(model, optimizer, state_dict.get("optim", {}), type, config, optim_param_names)
 
 
+_SETTINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ShardState -> (type, config)
+
+
 @contextlib.contextmanager
 def state_dict_type(model: nn.Module, type: StateDictType, config: StateDictConfig | None = None) -> Iterator[None]:
     """Within the context, ``model.state_dict()`` and ``model.load_state_dict()`` of a sharded model use ``type``.
 
     Unlike FSDP1's, nothing is set on submodules, and the previous setting is restored on exit even when
-    the body raises.
+    the body raises. The setting is kept here, per sharded model, not in the runtime.
     """
-    from shardckpt.runtime.state import state_of
-
     state = state_of(model)
     if state is None:
         raise TypeError("state_dict_type() needs a model returned by shardckpt.runtime.shard()")
     config = resolve_config(type, config)
-    previous = getattr(state, "state_dict_setting", None)
-    state.state_dict_setting = (type, config)
+    previous = _SETTINGS.get(state)
+    _SETTINGS[state] = (type, config)
     try:
         yield
     finally:
-        state.state_dict_setting = previous
+        if previous is None:
+            del _SETTINGS[state]
+        else:
+            _SETTINGS[state] = previous
 
 
 def module_state_dict_setting(model: nn.Module) -> tuple[StateDictType, StateDictConfig]:
     """The (type, config) a sharded module's own ``state_dict()`` uses now."""
-    from shardckpt.runtime.state import state_of
+    return _SETTINGS.get(state_of(model)) or (DEFAULT_TYPE, resolve_config(DEFAULT_TYPE, None))
 
-    setting = getattr(state_of(model), "state_dict_setting", None)
-    return setting or (DEFAULT_TYPE, resolve_config(DEFAULT_TYPE, None))
+
+def _module_state_dict(model: nn.Module) -> dict[str, Any]:
+    return get_model_state(model, *module_state_dict_setting(model))
+
+
+def _module_load_state_dict(model: nn.Module, sd: dict[str, Any], strict: bool) -> tuple[list[str], list[str]]:
+    return set_model_state(model, sd, *module_state_dict_setting(model), strict=strict)
+
+
+MODULE_STATE_HANDLERS = ModuleStateHandlers(get=_module_state_dict, set=_module_load_state_dict)
 
 
 def save_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *,

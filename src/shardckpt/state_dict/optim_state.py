@@ -11,6 +11,7 @@ from torch import nn
 from shardckpt.checkpoint.group import attempt, raise_failures, resolve_group
 from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.runtime import FlatGroup, groups, is_sharded
+from shardckpt.runtime.state import state_of
 from shardckpt.sharded_tensor import ShardedTensor
 from shardckpt.state_dict.flat import local_key, scatter_members
 from shardckpt.state_dict.model_state import (
@@ -28,8 +29,6 @@ def unsharded_param_names(model: nn.Module) -> list[str]:
     IDs 0, 1, ... of a plain optimizer built over the unsharded model's ``parameters()`` in one group, and
     of the IDs ``get_state_dict(optim_key=PARAM_ID)`` gives (which also records them as ``param_names``)."""
     if is_sharded(model):
-        from shardckpt.runtime.state import state_of
-
         return list(state_of(model).param_names)
     return [name for name, _ in model.named_parameters()]
 

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from shardckpt.regions import Region, intersect, strided_view
+from shardckpt.regions import Region, dim0_chunk, full_region, intersect, strided_view
 from shardckpt.tensor_views import as_bytes, from_bytes, view_of
 
 
@@ -88,8 +88,6 @@ def exchange(moves: list[Move], rank: int, world: int, group: Any = None) -> Non
 
 def assemble_chunks(chunks: dict[str, Any], rank: int, world: int, group: Any = None) -> dict[str, torch.Tensor]:
     """Whole tensors on every rank from each rank's dim-0 ``ShardedTensor`` chunk (collective)."""
-    from shardckpt.regions import dim0_chunk, full_region
-
     out, moves = {}, []
     for name, value in chunks.items():
         shape = value.global_shape

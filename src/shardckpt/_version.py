@@ -1,0 +1,2 @@
+"""The package version, in a module of its own so that any layer can name its writer without importing the root."""
+__version__ = "0.1.0"

@@ -1,0 +1,92 @@
+"""The package map is a one-way street: each package imports only the layers below it, and no import
+cycle exists between packages, lazy (function-level) imports included. docs/architecture.md draws it."""
+from __future__ import annotations
+
+import ast
+import os
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "shardckpt")
+CLI = os.path.join(os.path.dirname(SRC), "..", "cli")
+
+BASE = {"_version", "errors", "regions", "tensor_views", "sharded_tensor"}
+# package -> what it may import besides itself (BASE modules import only each other).
+ALLOWED = {
+    "_version": set(),
+    "errors": set(),
+    "regions": set(),
+    "tensor_views": {"regions"},
+    "sharded_tensor": {"regions"},
+    "storage": BASE,
+    "formats": BASE | {"storage"},
+    "checkpoint": BASE | {"storage", "formats"},
+    "runtime": BASE,
+    "state_dict": BASE | {"storage", "formats", "checkpoint", "runtime"},
+    "demo_train": BASE | {"storage", "checkpoint", "runtime", "state_dict"},
+    "demo": BASE | {"storage", "checkpoint", "runtime", "state_dict", "demo_train"},
+    "cli": BASE | {"storage", "formats", "checkpoint", "runtime", "state_dict", "demo", "demo_train", "cli"},
+}
+
+
+def _unit(path: str, root: str) -> str:
+    rel = os.path.relpath(path, root).replace(os.sep, "/")
+    return rel.split("/")[0].removesuffix(".py")
+
+
+def _imports(path: str) -> set[str]:
+    """The shardckpt units a module imports, at any depth of the file (lazy imports count)."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "shardckpt":
+            # The root re-exports every layer: importing a name from it hides a dependency on all of them.
+            out.update(a.name if a.name in ALLOWED else "shardckpt (the package root)" for a in node.names)
+            continue
+        names = [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else \
+            [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "shardckpt" and len(parts) > 1:
+                out.add(parts[1])
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for root, unit_of in ((SRC, lambda p: _unit(p, SRC)), (CLI, lambda p: "cli")):
+        for folder, _, files in os.walk(root):
+            for name in files:
+                if name.endswith(".py") and not (root == SRC and folder == SRC and name == "__init__.py"):
+                    path = os.path.join(folder, name)
+                    unit = unit_of(path)
+                    graph.setdefault(unit, set()).update(_imports(path) - {unit})
+    return graph
+
+
+def test_every_package_imports_only_the_layers_below_it():
+    graph = _graph()
+    assert set(graph) <= set(ALLOWED), f"a new package needs its place in ALLOWED: {sorted(set(graph) - set(ALLOWED))}"
+    wrong = {unit: sorted(deps - ALLOWED[unit]) for unit, deps in graph.items() if deps - ALLOWED[unit]}
+    assert not wrong, f"imports against the one-way rule (see docs/architecture.md): {wrong}"
+
+
+def test_no_import_cycle_between_packages():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(unit: str, path: list[str]) -> None:
+        state[unit] = 1
+        for dep in sorted(graph.get(unit, ())):
+            if state.get(dep) == 1:
+                raise AssertionError(f"import cycle: {' -> '.join(path + [unit, dep])}")
+            if dep not in state:
+                visit(dep, path + [unit])
+        state[unit] = 2
+
+    for unit in sorted(graph):
+        if unit not in state:
+            visit(unit, [])
+
+
+def test_the_rule_is_not_vacuous():
+    graph = _graph()
+    assert "runtime" in graph["state_dict"] and "checkpoint" in graph["state_dict"] and "storage" in graph["checkpoint"]
