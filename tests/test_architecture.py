@@ -16,14 +16,16 @@ ALLOWED = {
     "regions": set(),
     "tensor_views": {"regions"},
     "sharded_tensor": {"regions"},
+    "dist": BASE,
     "storage": BASE,
     "formats": BASE | {"storage"},
-    "checkpoint": BASE | {"storage", "formats"},
+    "checkpoint": BASE | {"dist", "storage", "formats"},
     "runtime": BASE,
-    "state_dict": BASE | {"storage", "formats", "checkpoint", "runtime"},
-    "demo_train": BASE | {"storage", "checkpoint", "runtime", "state_dict"},
-    "demo": BASE | {"storage", "checkpoint", "runtime", "state_dict", "demo_train"},
-    "cli": BASE | {"storage", "formats", "checkpoint", "runtime", "state_dict", "demo", "demo_train", "cli"},
+    "state_dict": BASE | {"dist", "storage", "formats", "checkpoint", "runtime"},
+    "demo_train": BASE | {"dist", "storage", "checkpoint", "runtime", "state_dict"},
+    "demo": BASE | {"dist", "storage", "checkpoint", "runtime", "state_dict", "demo_train"},
+    "cli": BASE | {"dist", "storage", "formats", "checkpoint", "runtime", "state_dict", "demo", "demo_train",
+                   "cli"},
 }
 
 

@@ -57,3 +57,44 @@ def test_timeout_kills_and_next_call_recovers() -> None:
         run_ranks(2, _deadlock, timeout=3)
     assert "still running" in str(info.value) and "_deadlock" in str(info.value)
     assert run_ranks(2, _all_reduce_rank) == [[1.0, 2.0]] * 2
+
+
+def _fail_on_rank_1(kind: str) -> str:
+    import torch.distributed as dist
+
+    from shardckpt.dist import attempt, raise_failures, resolve_group
+
+    group = resolve_group()
+
+    def work() -> None:
+        if group.rank == 1:
+            raise {"value": ValueError, "key": KeyError}[kind]("bad thing")
+
+    try:
+        raise_failures(group.all_gather(attempt(group.rank, work)))
+    except Exception as e:  # noqa: BLE001 - the test inspects what every rank raised
+        return f"{type(e).__name__}|{e}|{' '.join(getattr(e, '__notes__', []))}|{dist.get_rank()}"
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["value", "key"])
+def test_a_failure_keeps_its_type_on_every_rank_and_names_the_rank(kind):
+    """dist.raise_failures: every rank raises the failing rank's exception as it was, noting which rank."""
+    results = run_ranks(2, _fail_on_rank_1, kind)
+    want = {"value": "ValueError", "key": "KeyError"}[kind]
+    for r in results:
+        name, message, notes, _ = r.split("|")
+        assert name == want and "bad thing" in message and "raised on rank 1" in notes
+
+
+def test_a_local_failure_is_raised_as_itself():
+    from shardckpt.dist import attempt, raise_failures
+
+    original = ValueError("x")
+
+    def work() -> None:
+        raise original
+
+    with pytest.raises(ValueError) as info:
+        raise_failures([attempt(0, work)])
+    assert info.value is original

@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
-from shardckpt.checkpoint.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
+from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
 from shardckpt.checkpoint.load_plan import Target, match, plan_reads
 from shardckpt.checkpoint.reader import check_data_file, execute_reads
 from shardckpt.checkpoint.save import DEFAULT_IO_THREADS

@@ -15,7 +15,7 @@ from typing import Any
 
 from shardckpt._version import __version__
 from shardckpt.checkpoint.collect import is_tensor_like, local_pieces
-from shardckpt.checkpoint.group import Failure, Group, attempt, raise_failures, resolve_group
+from shardckpt.dist.group import Failure, Group, attempt, raise_failures, resolve_group
 from shardckpt.checkpoint.save_plan import PieceInfo, SavePlan, WriteTask, make_save_plan
 from shardckpt.checkpoint.writer import RankResult, write_rank_files
 from shardckpt.errors import CheckpointError, CheckpointExistsError, UnsupportedValueError

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shardckpt.checkpoint.group import resolve_group
+from shardckpt.dist.group import resolve_group
 from shardckpt.regions import FlatRange, Region
 from shardckpt.runtime import FlatGroup, FlatLayout
 from shardckpt.runtime.build import FLAT_PARAM_NAMES

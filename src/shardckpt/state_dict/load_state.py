@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from shardckpt.checkpoint.load import PieceRequest, load_pieces
-from shardckpt.errors import IncompatibleCheckpointError
+from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError, ShardingError
 from shardckpt.regions import FlatRange, Region, full_region
 from shardckpt.runtime import FlatLayout, groups, is_sharded
 from shardckpt.state_dict.flat import LAYOUTS_KEY, held_region, shard_view
@@ -82,7 +82,11 @@ class Saved:
         layouts = _tree(manifest, "model", LAYOUTS_KEY)
         if isinstance(layouts, dict):
             for key, doc in layouts.items():
-                layout = FlatLayout.from_dict(doc)
+                try:
+                    layout = FlatLayout.from_dict(doc)
+                except ShardingError as e:
+                    raise CorruptCheckpointError(f"the checkpoint's model.{LAYOUTS_KEY}.{key} is not a valid flat "
+                                                 f"layout: {e}") from None
                 saved.local_order.append(key)
                 for j, names in enumerate(zip(layout.names, layout.aliases)):
                     for name in (names[0],) + tuple(names[1]):

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardckpt.checkpoint.group import attempt, raise_failures, resolve_group
+from shardckpt.dist.group import attempt, raise_failures, resolve_group
 from shardckpt.errors import IncompatibleCheckpointError, key_mismatch
 from shardckpt.regions import FlatRange, dim0_chunk, full_region
 from shardckpt.runtime import FlatGroup, groups, is_sharded

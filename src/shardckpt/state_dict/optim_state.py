@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from shardckpt.checkpoint.group import attempt, raise_failures, resolve_group
+from shardckpt.dist.group import attempt, raise_failures, resolve_group
 from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.runtime import FlatGroup, groups, is_sharded
 from shardckpt.runtime.state import state_of

@@ -1,4 +1,4 @@
-"""The few object collectives save and load need, over a torch process group or a world of one."""
+"""The object collectives save, load and the state-dict layer need, over a torch process group or a world of one."""
 from __future__ import annotations
 
 import pickle
@@ -90,11 +90,14 @@ def attempt(rank: int, fn: Callable[[], T]) -> T | Failure:
 
 
 def raise_failures(results: list[Any]) -> None:
-    """Re-raise the first rank's failure on every rank (same exception class when it is ours)."""
+    """Re-raise the first rank's failure on every rank, as the exception it was (same type and message),
+    with a note naming the rank, and the original traceback when it crossed from another process."""
     failures = [r for r in results if isinstance(r, Failure)]
     if not failures:
         return
     first = failures[0]
-    if isinstance(first.error, CheckpointError):
-        raise first.error
-    raise CheckpointError(f"rank {first.rank} failed:\n{first.text}") from first.error
+    error = first.error
+    note = f"shardckpt: raised on rank {first.rank}"
+    if hasattr(error, "add_note") and note not in getattr(error, "__notes__", ()):  # Python >= 3.11
+        error.add_note(note if error.__traceback__ is not None else f"{note}:\n{first.text}")
+    raise error
