@@ -14,11 +14,11 @@ from torch import nn
 import shardckpt
 from shardckpt import IncompatibleCheckpointError, OptimStateKeyType, StateDictType
 from shardckpt.runtime import groups, shard
-from shardckpt.state_dict.convert import layouts_of, merge
+from shardckpt.state_dict.merge_split import layouts_of, merge
 from tests._dist import run_ranks
 from tests.runtime import _model
 from tests.state_dict._train import new_run, steps
-from tests.state_dict.test_convert import _equal
+from tests.state_dict.test_merge_split import _equal
 
 ID, NAME = OptimStateKeyType.PARAM_ID, OptimStateKeyType.PARAM_NAME
 FULL, SHARDED, LOCAL = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT

@@ -12,9 +12,9 @@ import shardckpt
 from shardckpt import IncompatibleCheckpointError, ShardedTensor, StateDictType
 from shardckpt.runtime import shard
 from shardckpt.runtime.layout import build_layout
-from shardckpt.state_dict.convert import layouts_of, merge, split
+from shardckpt.state_dict.merge_split import layouts_of, merge, split
 from tests._dist import run_ranks
-from tests.state_dict.test_convert import _equal
+from tests.state_dict.test_merge_split import _equal
 
 TYPES = tuple(StateDictType)
 FULL, SHARDED, LOCAL = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT
