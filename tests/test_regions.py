@@ -14,8 +14,10 @@ from shardckpt.regions import (
     Box,
     FlatRange,
     canonical,
+    check_tiling,
     dim0_chunk,
     even_flat_shard,
+    flat_bounds,
     intersect,
     local_span,
     strided_view,
@@ -110,3 +112,55 @@ def test_contiguous_runs_list_a_regions_elements_in_order(data):
         got.extend(range(start, start + length))
         local += length
     assert got == elements(region, shape).tolist()
+
+
+@st.composite
+def _region_lists(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
+    numel = math.prod(shape)
+    regions = []
+    for _ in range(draw(st.integers(1, 6))):
+        if draw(st.booleans()):
+            a = draw(st.integers(0, numel - 1))
+            regions.append(FlatRange(a, draw(st.integers(a + 1, numel))))
+        else:
+            offsets = tuple(draw(st.integers(0, s - 1)) for s in shape)
+            regions.append(Box(offsets, tuple(draw(st.integers(1, s - o)) for s, o in zip(shape, offsets))))
+    return shape, regions
+
+
+@settings(max_examples=400, deadline=None)
+@given(_region_lists())
+def test_check_tiling_agrees_with_counting_every_element(case):
+    """check_tiling (sort for flat ranges, a sweep for boxes) against brute force: every element once."""
+    shape, regions = case
+    counts = [0] * math.prod(shape)
+    for r in regions:
+        lo, hi = flat_bounds(r, shape)
+        for i in range(lo, hi):
+            if intersect(r, FlatRange(i, i + 1), shape):
+                counts[i] += 1
+    tiles = all(c == 1 for c in counts)
+    try:
+        check_tiling(regions, shape)
+        verdict = True
+    except ValueError:
+        verdict = False
+    assert verdict == tiles, (shape, regions, counts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple), st.data())
+def test_check_tiling_accepts_real_tilings_and_refuses_a_moved_piece(shape, data):
+    """Tilings cut along one dim (dim-0 or column blocks, as ranks hold them) pass; moving a piece breaks them."""
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, shape[dim] - 1), max_size=3)) if shape[dim] > 1 else []))
+    edges = [0] + cuts + [shape[dim]]
+    boxes = [Box(tuple(a if d == dim else 0 for d in range(len(shape))),
+                 tuple(b - a if d == dim else s for d, s in enumerate(shape))) for a, b in zip(edges, edges[1:])]
+    check_tiling(boxes, shape)
+    if len(boxes) > 1:
+        moved = boxes[:-1] + [Box(boxes[0].offsets, boxes[-1].sizes)] if boxes[-1].sizes[dim] <= boxes[0].sizes[dim] \
+            else [Box(boxes[-1].offsets, boxes[0].sizes)] + boxes[1:]
+        with pytest.raises(ValueError):
+            check_tiling(moved, shape)

@@ -12,6 +12,7 @@ module plans that and never touches data (no I/O, no torch.distributed).
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from dataclasses import dataclass
@@ -207,18 +208,39 @@ def intersect(a: Region, b: Region, shape: Sequence[int]) -> list[Region]:
 
 
 def check_tiling(regions: Sequence[Region], shape: Sequence[int]) -> None:
-    """Raise ValueError unless ``regions`` cover every element of the tensor exactly once."""
+    """Raise ValueError unless ``regions`` cover every element of the tensor exactly once.
+
+    With the sizes summing to the tensor's, a tiling is a set of pairwise disjoint regions. Flat ranges
+    are checked by sorting; any mix with boxes by a sweep along the dim where the boxes' offsets differ
+    most, comparing only boxes whose extents along it overlap (linear for dim-0 or column tilings,
+    never all pairs of a hostile list)."""
     shape = tuple(shape)
     held, total = sum(r.numel for r in regions), math.prod(shape)
     if held != total:
         raise ValueError(f"chunks hold {held} elements, the tensor has {total}")
     ordered = sorted((canonical(r, shape) for r in regions if r.numel), key=lambda r: flat_bounds(r, shape))
     if all(isinstance(r, FlatRange) for r in ordered):
-        overlap = any(a.stop > b.start for a, b in zip(ordered, ordered[1:]))
-    else:
-        overlap = any(intersect(a, b, shape) for i, a in enumerate(ordered) for b in ordered[i + 1:])
-    if overlap:
+        if any(a.stop > b.start for a, b in zip(ordered, ordered[1:])):
+            raise ValueError("chunks overlap")
+        return
+    boxes = [b for r in ordered for b in ([r] if isinstance(r, Box) else _flat_to_boxes(r, shape))]
+    if _boxes_overlap(boxes):
         raise ValueError("chunks overlap")
+
+
+def _boxes_overlap(boxes: list[Box]) -> bool:
+    if not boxes or not boxes[0].offsets:
+        return len(boxes) > 1
+    dim = max(range(len(boxes[0].offsets)), key=lambda d: len({b.offsets[d] for b in boxes}))
+    active: list[tuple[int, int]] = []  # heap of (end along dim, index into boxes)
+    for i in sorted(range(len(boxes)), key=lambda i: boxes[i].offsets[dim]):
+        box = boxes[i]
+        while active and active[0][0] <= box.offsets[dim]:
+            heapq.heappop(active)
+        if any(_box_intersection(boxes[j], box) is not None for _, j in active):
+            return True
+        heapq.heappush(active, (box.offsets[dim] + box.sizes[dim], i))
+    return False
 
 
 def local_index(flat: int, within: Region, shape: Sequence[int]) -> int:

@@ -174,6 +174,8 @@ MANIFEST_EDITS = {
     "tagged object with an extra key": _set(["tree", "step"], {"$float": "nan", "x": 1}),
     "two leaves named alike": _set(["tree", "model.tiny"], 5),
     "tensor not named by its path": lambda doc: _rename_tensor(doc, "model.tiny", "model.small"),
+    "tree not an object": lambda doc: dict(doc, tree=5, tensors={}),
+    "$dict of plain string keys": _set(["tree", "meta"], {"$dict": [["a", 1]]}),
     "regular chunks count 2**40 in one file": _set(TINY, {"dtype": "float32", "shape": [2 ** 40], "crc32c": 0,
                                                          "chunks": {"size": 1, "count": 2 ** 40,
                                                                     "files": {"first": 0, "step": 0}}}),
@@ -205,6 +207,7 @@ RAW_EDITS = {
     "deeply nested": lambda raw, doc: b"[" * 200_000 + b"]" * 200_000,
     "deeply nested tree": lambda raw, doc: raw.replace(b'"step":10', b'"step":' + b'{"a":' * 5000 + b"1" + b"}" * 5000),
     "NaN as a size": lambda raw, doc: raw.replace(b'"size":%d' % doc["files"][0]["size"], b'"size":NaN', 1),
+    "a non-finite number (1e400)": lambda raw, doc: raw.replace(b'"step":10', b'"step":1e400', 1),
     "a 5000-digit integer": lambda raw, doc: raw.replace(b'"size":%d' % doc["files"][0]["size"],
                                                         b'"size":' + b"9" * 5000, 1),
 }

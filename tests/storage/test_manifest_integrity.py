@@ -194,3 +194,37 @@ def test_dollar_keys_and_scalar_keys_round_trip(tmp_path):
     state = {"d": {"$ref": 1, "x": 2}, "k": {None: 1, True: 2, 3: 3, 1.5: 4, "s": 5, float("inf"): 6}}
     shardckpt.save(state, str(tmp_path / "ckpt"))
     assert shardckpt.load_full(str(tmp_path / "ckpt")) == state
+
+
+@pytest.mark.timeout(60)
+def test_a_chunk_count_the_indexes_cannot_hold_is_refused_before_any_per_chunk_work(tmp_path):
+    """Review finding: one-byte chunks, as many as the data file has bytes, cost verify ~2.5 KB of memory
+    per chunk before any index row was checked. Each chunk needs an index row, so the count is bounded."""
+    path = str(tmp_path / "ckpt")
+    shardckpt.save({"w": torch.zeros(200_000, dtype=torch.uint8)}, path, files_per_rank=1)
+    _rewrite(path, lambda doc: doc["tensors"]["w"].update(
+        chunks={"size": 1, "count": 200_000, "files": {"first": 0, "step": 0}}))
+    for call in (lambda: shardckpt.load_full(path), lambda: verify(path)):
+        with pytest.raises(CorruptCheckpointError, match="indexes hold at most"):
+            call()
+
+
+def test_conjugated_and_negated_views_save_and_load_their_values(tmp_path):
+    path = str(tmp_path / "ckpt")
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    shardckpt.save({"c": z.conj(), "n": torch._neg_view(torch.tensor([1.5, -2.0]))}, path)
+    full = shardckpt.load_full(path)
+    assert torch.equal(full["c"], z.conj().resolve_conj()) and torch.equal(full["n"], torch.tensor([-1.5, 2.0]))
+    target = {"c": torch.zeros(2, dtype=torch.complex64).conj(), "n": torch._neg_view(torch.zeros(2))}
+    shardckpt.load(target, path)
+    assert torch.equal(target["c"].resolve_conj(), z.conj().resolve_conj())
+    assert torch.equal(target["n"].resolve_neg(), torch.tensor([-1.5, 2.0]))
+
+
+def test_a_one_element_view_with_a_stride_saves_and_loads_in_place(tmp_path):
+    path = str(tmp_path / "ckpt")
+    base = torch.arange(4.0)
+    shardckpt.save({"t": base[::2][1:]}, path)  # shape (1,), stride (2,)
+    into = torch.zeros(4)
+    shardckpt.load({"t": into[::2][1:]}, path)
+    assert torch.equal(into, torch.tensor([0.0, 0.0, 2.0, 0.0]))

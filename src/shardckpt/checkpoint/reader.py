@@ -78,7 +78,8 @@ def _direct_destination(read: ChunkRead) -> torch.Tensor | None:
     if len(read.copies) != 1:
         return None
     piece, target = read.copies[0]
-    if target.flat.device.type != "cpu" or target.flat.dtype != read.entry.dtype:
+    if target.flat.device.type != "cpu" or target.flat.dtype != read.entry.dtype or \
+            target.flat.is_conj() or target.flat.is_neg():  # lazily conjugated/negated views: copy_ resolves them
         return None
     shape = read.entry.shape
     if not _dense(strided_view(piece, read.region, shape, base=read.lo), read.hi - read.lo):

@@ -29,7 +29,7 @@ class RankResult:
 
 def _host_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU uint8 view of ``t`` (copied only when it is on a device or not contiguous)."""
-    t = t.detach()
+    t = t.detach().resolve_conj().resolve_neg()  # the values, not a lazily conjugated/negated view of them
     if t.device.type != "cpu":
         t = t.to("cpu")
     return as_bytes(t.contiguous())

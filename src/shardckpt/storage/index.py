@@ -26,6 +26,7 @@ CODECS = ("raw",)
 # slower), and the index grows by ~13 bytes per MiB of data (46 at 256 KiB).
 BLOCK_SIZE = 1 << 20
 MAX_BLOCK_SIZE = 1 << 31
+MIN_ROW_BYTES = 16  # no row is shorter: ["",0,0,1,0,"raw"] is 18 bytes, and v2 adds its block CRCs
 
 
 @dataclass(frozen=True)

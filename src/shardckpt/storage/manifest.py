@@ -19,6 +19,7 @@ from shardckpt.regions import Region
 from shardckpt.storage.checksum import crc32c
 from shardckpt.storage.chunks import Chunks, chunks_from_json
 from shardckpt.storage.dtypes import dtype_from_name, dtype_name, itemsize
+from shardckpt.storage.index import MIN_ROW_BYTES
 from shardckpt.storage.tree import TensorRef, decode, leaves, path_name
 from shardckpt.storage.validate import (
     MAX_NUMEL,
@@ -155,7 +156,9 @@ def _manifest_from_doc(doc: dict, version: int, where: str) -> Manifest:
     stored = sum(f.size for f in files)
     tensors = {name: _tensor_from_json(name, t, files, stored, strict, f"{where} tensor {name!r}")
                for name, t in tensors_doc.items()}
-    tree = decode(get_field(doc, "tree", where), where)
+    if not isinstance(doc.get("tree"), dict):
+        raise CorruptCheckpointError(f"{where}: 'tree' must be an object (a state dict)")
+    tree = decode(doc["tree"], where)
     _check_tree(tree, tensors, strict, where)
     metadata = doc.get("metadata", {})
     if not isinstance(metadata, dict):
@@ -202,9 +205,16 @@ def _tensor_from_json(name: str, obj: Any, files: list[FileEntry], stored: int, 
     # O(1) bound first: no loop may run over a count of chunks that the files' bytes could not back.
     if entry.nbytes > stored:
         raise CorruptCheckpointError(f"{where}: claims {entry.nbytes} bytes, all data files hold {stored}")
-    held = sum(files[f].size for f in entry.chunks.files_used())
+    used = entry.chunks.files_used()
+    held = sum(files[f].size for f in used)
     if entry.nbytes > held:
         raise CorruptCheckpointError(f"{where}: claims {entry.nbytes} bytes, its data files hold {held}")
+    # Every chunk has a row of at least MIN_ROW_BYTES in its file's index: a count the indexes cannot
+    # hold is refused before any per-chunk work (which costs memory per chunk, not per byte).
+    rows = sum(files[f].index_size for f in used) // MIN_ROW_BYTES
+    if len(entry.chunks) > rows:
+        raise CorruptCheckpointError(f"{where}: claims {len(entry.chunks)} chunks, its files' indexes hold at most "
+                                     f"{rows} rows")
     return entry
 
 

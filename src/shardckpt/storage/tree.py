@@ -142,6 +142,9 @@ def _decode(data: Any, where: str) -> Any:
     if isinstance(data, (list,)):
         return [_decode(v, where) for v in data]
     if not isinstance(data, dict):
+        if isinstance(data, float) and not math.isfinite(data):  # e.g. 1e400: must be written {"$float": "inf"}
+            raise CorruptCheckpointError(f"{where}: the number {data!r} is not finite; non-finite floats are "
+                                         '{"$float": ...}')
         if isinstance(data, (float,) + _SCALARS):
             return data
         raise CorruptCheckpointError(f"{where}: unexpected value {data!r} in the state-dict tree")
@@ -171,4 +174,6 @@ def _decode_pairs(pairs: list, where: str) -> dict:
         if key in out:  # Python equality: 1, 1.0 and true are one key, so the saved dict cannot have held both
             raise CorruptCheckpointError(f"{where}: $dict keys {key!r} collide")
         out[key] = _decode(pair[1], where)
+    if all(isinstance(k, str) and not k.startswith("$") for k in out):
+        raise CorruptCheckpointError(f"{where}: a $dict whose keys are all plain strings must be a JSON object")
     return out
