@@ -25,6 +25,7 @@ from shardckpt.regions import flat_bounds, intersect
 from shardckpt.tensor_views import as_bytes
 from tests._dist import run_ranks
 from tests.checkpoint.cases import shard
+from tests.state_dict._train import load_state_refused, save_local_state
 from tests.storage._util import index_rows
 
 ROWS, COLS = 2048, 512  # 4 MiB of float32: four 1 MiB blocks
@@ -160,27 +161,11 @@ def test_resharding_loads_detect_a_flip_at_every_world_size(tmp_path, save_kind,
         assert all("checksum" in m for m in messages)
 
 
-def _save_local_state(path: str) -> None:
-    from tests.state_dict._train import new_run
-
-    model, optim = new_run()
-    shardckpt.save_state(model, optim, path, type=shardckpt.StateDictType.LOCAL_STATE_DICT)
-
-
-def _load_state_expect_corrupt(path: str) -> str:
-    from tests.state_dict._train import new_run
-
-    model, optim = new_run()
-    with pytest.raises(CorruptCheckpointError, match="checksum") as info:
-        shardckpt.load_state(model, optim, path)
-    return str(info.value)
-
-
 def test_load_state_at_a_new_world_size_detects_a_flip(tmp_path):
     """load_state reads slices of saved flat shards (partial reads): a flipped byte in any of them is caught."""
     path = str(tmp_path / "ckpt")
-    run_ranks(2, _save_local_state, path)
+    run_ranks(2, save_local_state, path)
     index = sorted(glob.glob(os.path.join(path, "data-*", "*.index.json")))[0]
     name, chunk, _, length, *_ = max(index_rows(open(index, "rb").read()), key=lambda r: r[3])
     _flip(path, name, length // 2, chunk)
-    run_ranks(3, _load_state_expect_corrupt, path)
+    run_ranks(3, load_state_refused, path, CorruptCheckpointError, "checksum")

@@ -21,6 +21,22 @@ def new_run(strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD, process_gr
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
+def save_local_state(path: str) -> None:
+    """A fresh run's LOCAL checkpoint (model + optimizer), collectively."""
+    model, optim = new_run()
+    shardckpt.save_state(model, optim, path, type=StateDictType.LOCAL_STATE_DICT)
+
+
+def load_state_refused(path: str, error: type, match: str) -> str:
+    """``load_state`` into a fresh run raises ``error`` matching ``match`` on this rank; its message."""
+    import pytest
+
+    model, optim = new_run()
+    with pytest.raises(error, match=match) as info:
+        shardckpt.load_state(model, optim, path)
+    return str(info.value)
+
+
 def steps(model, optim, batches) -> list[float]:
     """AdamW steps on this rank's slice of each global batch; the global mean loss of each step."""
     rank, world = dist.get_rank(), dist.get_world_size()

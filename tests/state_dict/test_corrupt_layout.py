@@ -6,29 +6,16 @@ import os
 
 import pytest
 
-import shardckpt
 from shardckpt import CorruptCheckpointError
 from tests._dist import run_ranks
-from tests.state_dict._train import new_run
+from tests.state_dict._train import load_state_refused, save_local_state
 from tests.storage._util import manifest_doc, sealed
-
-
-def _save_local(path: str) -> None:
-    model, optim = new_run()
-    shardckpt.save_state(model, optim, path, type=shardckpt.StateDictType.LOCAL_STATE_DICT)
-
-
-def _load_expect_corrupt(path: str) -> str:
-    model, optim = new_run()
-    with pytest.raises(CorruptCheckpointError, match="_flat_layouts") as info:
-        shardckpt.load_state(model, optim, path)
-    return str(info.value)
 
 
 @pytest.mark.parametrize("damage", ["offsets not ints", "layout not an object"])
 def test_a_broken_saved_layout_is_a_corrupt_checkpoint(tmp_path, damage):
     path = str(tmp_path / "ckpt")
-    run_ranks(2, _save_local, path)
+    run_ranks(2, save_local_state, path)
     manifest = os.path.join(path, "manifest.json")
     doc = manifest_doc(open(manifest, "rb").read())
     layouts = doc["tree"]["model"]["_flat_layouts"]
@@ -39,4 +26,4 @@ def test_a_broken_saved_layout_is_a_corrupt_checkpoint(tmp_path, damage):
         layouts[key] = [1, 2, 3]
     with open(manifest, "wb") as f:
         f.write(sealed(doc))
-    run_ranks(2, _load_expect_corrupt, path)
+    run_ranks(2, load_state_refused, path, CorruptCheckpointError, "_flat_layouts")

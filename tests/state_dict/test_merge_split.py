@@ -48,16 +48,20 @@ def _equal(a, b, where: str) -> None:
         assert a == b, (where, a, b)
 
 
-def test_merge_and_split_match_the_ranks():
-    per_rank = run_ranks(3, _every_type)
+def assert_merge_split_match_ranks(per_rank: list[dict]) -> None:
+    """Every type merged from all ranks equals FULL, and split to every type equals each rank's own."""
     full = per_rank[0][FULL]
     layouts = layouts_of(per_rank[0][LOCAL]["model"])
     for src in TYPES:
         merged = merge([r[src] for r in per_rank], src)
         _equal(merged, full, f"merge({src.name})")
         for dst in TYPES:
-            for rank, state in enumerate(split(merged, dst, 3, layouts)):
+            for rank, state in enumerate(split(merged, dst, len(per_rank), layouts)):
                 _equal(state, per_rank[rank][dst], f"{src.name} -> {dst.name} rank {rank}")
+
+
+def test_merge_and_split_match_the_ranks():
+    assert_merge_split_match_ranks(run_ranks(3, _every_type))
 
 
 def test_local_converts_to_another_world_size_offline():

@@ -12,9 +12,9 @@ import shardckpt
 from shardckpt import IncompatibleCheckpointError, ShardedTensor, StateDictType
 from shardckpt.runtime import shard
 from shardckpt.runtime.layout import build_layout
-from shardckpt.state_dict.merge_split import layouts_of, merge, split
+from shardckpt.state_dict.merge_split import split
 from tests._dist import run_ranks
-from tests.state_dict.test_merge_split import _equal
+from tests.state_dict.test_merge_split import _equal, assert_merge_split_match_ranks
 
 TYPES = tuple(StateDictType)
 FULL, SHARDED, LOCAL = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT
@@ -104,14 +104,7 @@ def _every_type(scalar_first: bool) -> dict:
 @pytest.mark.parametrize("scalar_first", [True, False], ids=["0d-first", "0d-last"])
 def test_offline_conversions_keep_0d_state_per_parameter(scalar_first):
     per_rank = run_ranks(2, _every_type, scalar_first)
-    full = per_rank[0][FULL]
-    layouts = layouts_of(per_rank[0][LOCAL]["model"])
-    for src in TYPES:
-        merged = merge([r[src] for r in per_rank], src)
-        _equal(merged, full, f"merge({src.name})")
-        for dst in TYPES:
-            for rank, state in enumerate(split(merged, dst, 2, layouts)):
-                _equal(state, per_rank[rank][dst], f"{src.name} -> {dst.name} rank {rank}")
+    assert_merge_split_match_ranks(per_rank)
     # A plain model's SHARDED optimizer state shards 0-d per-parameter state as the runtime does; step stays plain.
     name = "s" if scalar_first else "gain.s"
     for rank in range(2):
