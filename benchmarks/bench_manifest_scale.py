@@ -45,9 +45,9 @@ from _common import median, verdict
 from shardckpt.checkpoint.load_plan import Target, match, plan_reads
 from shardckpt.regions import Box, dim0_chunk
 from shardckpt.sharded_tensor import ShardedTensor
-from shardckpt.storage.chunks import compact_chunks
-from shardckpt.storage.manifest import FileEntry, Manifest, TensorEntry, parse_manifest
-from shardckpt.storage.tree import encode, leaves, path_name
+from shardckpt.format.chunks import compact_chunks
+from shardckpt.format.manifest import FileEntry, Manifest, TensorEntry, parse_manifest
+from shardckpt.format.tree import encode, leaves, path_name
 
 MIB = 1 << 20
 MANIFEST_LIMIT = 16 * MIB

@@ -9,6 +9,7 @@ from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_opt
 from shardckpt.cli.progress import Progress
 
 from shardckpt.checkpoint.verify import verify
+from shardckpt.io import DEFAULT_IO_THREADS
 from shardckpt.errors import CorruptCheckpointError
 
 EPILOG = """checks: the manifest's own checksum (format v2 on); every data file present with its recorded
@@ -30,7 +31,8 @@ def register(sub) -> None:
     add_storage_options(p)
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--threads", type=int, default=4, help="parallel reads (default 4)")
+    p.add_argument("--threads", type=int, default=DEFAULT_IO_THREADS,
+                   help=f"parallel reads (default {DEFAULT_IO_THREADS})")
     p.set_defaults(run=run)
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import os
 import random
 
-from shardckpt.storage.checksum import crc32c, crc32c_combine, tensor_crc_term
+from shardckpt.format.checksum import crc32c, crc32c_combine, tensor_crc_term
 
 
 def test_combine_matches_crc_of_concatenation():

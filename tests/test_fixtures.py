@@ -11,8 +11,8 @@ import torch.distributed as dist
 import shardckpt
 from shardckpt.checkpoint.describe import describe
 from shardckpt.checkpoint.verify import verify
-from shardckpt.storage.checksum import crc32c
-from shardckpt.storage.manifest import FORMAT_VERSION
+from shardckpt.format.checksum import crc32c
+from shardckpt.format.manifest import FORMAT_VERSION
 from shardckpt.tensor_views import as_bytes
 from tests._dist import run_ranks
 

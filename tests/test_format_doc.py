@@ -9,7 +9,7 @@ import torch
 
 import shardckpt
 from shardckpt.checkpoint import save as save_module
-from shardckpt.storage.checksum import crc32c, crc32c_shift
+from shardckpt.format.checksum import crc32c, crc32c_shift
 
 FORMAT_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "FORMAT.md")
 GENERATION = "0123456789abcdef"

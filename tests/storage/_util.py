@@ -51,6 +51,6 @@ def manifest_doc(data: bytes) -> dict:
 
 def sealed(doc: dict) -> bytes:
     """Manifest bytes with a valid checksum: edits made this way test validation, not the checksum."""
-    from shardckpt.storage.manifest import seal
+    from shardckpt.format.manifest import seal
 
     return seal(json.dumps(doc, separators=(",", ":")).encode())

@@ -12,8 +12,8 @@ import pytest
 
 import shardckpt
 from shardckpt import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
-from shardckpt.storage.checksum import crc32c
-from shardckpt.storage.manifest import seal
+from shardckpt.format.checksum import crc32c
+from shardckpt.format.manifest import seal
 from tests.checkpoint.cases import reference
 from tests.storage._util import assert_tree_equal, manifest_doc, sealed, zeros_like_tree
 

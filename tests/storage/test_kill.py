@@ -220,7 +220,7 @@ class _OverwriteAfterManifestRead:
     commits an overwrite (and removes the generation the reader is about to read). Deterministic."""
 
     def __init__(self, path: Path, new_state: dict):
-        from shardckpt.storage.backend import LocalStorage
+        from shardckpt.io import LocalStorage
 
         self.original = LocalStorage.read_bytes
         self.path, self.new_state, self.fired, self.busy = path, new_state, 0, False
@@ -239,7 +239,7 @@ class _OverwriteAfterManifestRead:
 
 @pytest.fixture
 def interleaved(monkeypatch, tmp_path):
-    from shardckpt.storage.backend import LocalStorage
+    from shardckpt.io import LocalStorage
     from tests.checkpoint.cases import reference
 
     path = tmp_path / "ckpt"

@@ -15,8 +15,8 @@ import shardckpt
 from shardckpt import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 from shardckpt.checkpoint.verify import verify
 from shardckpt.cli.main import main
-from shardckpt.storage.manifest import seal
-from shardckpt.storage.tree import MAX_DEPTH
+from shardckpt.format.manifest import seal
+from shardckpt.format.tree import MAX_DEPTH
 from tests.storage._util import assert_tree_equal, manifest_doc, sealed
 
 FIXTURE_V1 = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),

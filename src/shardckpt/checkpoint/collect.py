@@ -10,7 +10,7 @@ import torch
 from shardckpt.errors import UnsupportedValueError
 from shardckpt.regions import Box, FlatRange, Region, canonical, full_region
 from shardckpt.sharded_tensor import ShardedTensor
-from shardckpt.storage.tree import Path, leaves, path_name
+from shardckpt.format.tree import Path, leaves, path_name
 
 try:
     from torch.distributed.tensor import DTensor

@@ -5,9 +5,9 @@ import os
 
 from shardckpt.checkpoint.load import read_manifest
 from shardckpt.checkpoint.reader import read_index
-from shardckpt.storage.backend import open_storage
-from shardckpt.storage.dtypes import dtype_name
-from shardckpt.storage.manifest import FORMAT_NAME
+from shardckpt.io import open_storage
+from shardckpt.format.dtypes import dtype_name
+from shardckpt.format.manifest import FORMAT_NAME
 
 
 def describe(path: str | os.PathLike, *, storage_options: dict | None = None) -> dict:

@@ -10,12 +10,11 @@ import torch
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
 from shardckpt.checkpoint.load_plan import Target, match, plan_reads
 from shardckpt.checkpoint.reader import check_data_file, execute_reads
-from shardckpt.checkpoint.save import DEFAULT_IO_THREADS
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.regions import Region, check_region
-from shardckpt.storage.backend import Storage, open_storage
-from shardckpt.storage.manifest import MANIFEST_NAME, Manifest, parse_manifest
-from shardckpt.storage.tree import TensorRef, leaves, path_name, set_at
+from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage
+from shardckpt.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from shardckpt.format.tree import TensorRef, leaves, path_name, set_at
 
 T = TypeVar("T")
 _ATTEMPTS = 5  # a concurrent overwrite can remove the data a reader is on; it then reloads the new checkpoint

@@ -9,9 +9,9 @@ import torch
 from shardckpt.checkpoint.collect import is_tensor_like, to_piece
 from shardckpt.errors import IncompatibleCheckpointError, key_mismatch
 from shardckpt.regions import FlatRange, Region, canonical, flat_bounds, intersect, local_span
-from shardckpt.storage.chunks import RegularChunks
-from shardckpt.storage.manifest import Manifest, TensorEntry
-from shardckpt.storage.tree import Path, TensorRef, leaves, path_name
+from shardckpt.format.chunks import RegularChunks
+from shardckpt.format.manifest import Manifest, TensorEntry
+from shardckpt.format.tree import Path, TensorRef, leaves, path_name
 
 
 @dataclass

@@ -16,11 +16,11 @@ import torch
 from shardckpt.checkpoint.load_plan import ChunkRead
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.regions import StridedView, strided_view
-from shardckpt.storage.backend import Storage
-from shardckpt.storage.checksum import SegmentedCRC, crc32c
-from shardckpt.storage.dtypes import itemsize
-from shardckpt.storage.index import ChunkRecord, parse_index
-from shardckpt.storage.manifest import FileEntry, Manifest
+from shardckpt.io import Storage
+from shardckpt.format.checksum import SegmentedCRC, crc32c
+from shardckpt.format.dtypes import itemsize
+from shardckpt.format.index import ChunkRecord, parse_index
+from shardckpt.format.manifest import FileEntry, Manifest
 from shardckpt.tensor_views import as_bytes, from_bytes, view_of
 
 Index = dict[tuple[str, int], ChunkRecord]

@@ -19,12 +19,11 @@ from shardckpt.dist.group import Failure, Group, attempt, raise_failures, resolv
 from shardckpt.checkpoint.save_plan import PieceInfo, SavePlan, WriteTask, make_save_plan
 from shardckpt.checkpoint.writer import RankResult, write_rank_files
 from shardckpt.errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
-from shardckpt.storage.backend import Storage, open_storage
-from shardckpt.storage.manifest import MANIFEST_NAME, Manifest, TensorEntry, parse_manifest
-from shardckpt.storage.dtypes import DTYPES
-from shardckpt.storage.tree import check_savable_depth, encode, leaves, path_name
+from shardckpt.io import Storage, open_storage
+from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorEntry, parse_manifest
+from shardckpt.format.dtypes import DTYPES
+from shardckpt.format.tree import check_savable_depth, encode, leaves, path_name
 
-DEFAULT_IO_THREADS = 4  # parallel reads on load
 DEFAULT_FILES_PER_RANK = 2  # data files each rank writes in parallel on save
 
 

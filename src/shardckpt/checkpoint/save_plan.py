@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from shardckpt.checkpoint.collect import LocalPiece, region_from_key, region_key
 from shardckpt.errors import CheckpointError
 from shardckpt.regions import Region, check_tiling, flat_bounds, full_region
-from shardckpt.storage.dtypes import DTYPES, dtype_name, itemsize
-from shardckpt.storage.chunks import Chunks, compact_chunks
+from shardckpt.format.dtypes import DTYPES, dtype_name, itemsize
+from shardckpt.format.chunks import Chunks, compact_chunks
 
 
 @dataclass(frozen=True)

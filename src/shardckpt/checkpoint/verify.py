@@ -19,11 +19,11 @@ from shardckpt.checkpoint.load import read_manifest
 from shardckpt.checkpoint.reader import Index, check_data_file, read_index
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.regions import contiguous_runs
-from shardckpt.storage.backend import Storage, open_storage
-from shardckpt.storage.checksum import SegmentedCRC, combine_block_crcs, runs_crc_term
-from shardckpt.storage.dtypes import itemsize
-from shardckpt.storage.index import ChunkRecord
-from shardckpt.storage.manifest import Manifest, TensorEntry, chunks_of
+from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage
+from shardckpt.format.checksum import SegmentedCRC, combine_block_crcs, runs_crc_term
+from shardckpt.format.dtypes import itemsize
+from shardckpt.format.index import ChunkRecord
+from shardckpt.format.manifest import Manifest, TensorEntry, chunks_of
 
 READ_SIZE = 16 << 20  # bytes read at a time when checksumming a chunk
 
@@ -110,7 +110,7 @@ def _sized_files(storage: Storage, manifest: Manifest, report: VerifyReport) -> 
     return good
 
 
-def verify(path: str | os.PathLike, *, storage_options: dict | None = None, io_threads: int = 4,
+def verify(path: str | os.PathLike, *, storage_options: dict | None = None, io_threads: int = DEFAULT_IO_THREADS,
            progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check everything about the checkpoint at ``path``; problems are collected, not raised.
 

@@ -11,10 +11,11 @@ import torch
 from shardckpt.checkpoint.collect import LocalPiece
 from shardckpt.checkpoint.save_plan import WriteTask
 from shardckpt.regions import contiguous_runs
-from shardckpt.storage.backend import Storage
-from shardckpt.storage.checksum import combine_block_crcs, crc32c, runs_crc_term
-from shardckpt.storage.index import BLOCK_SIZE, ChunkRecord, index_to_bytes
-from shardckpt.storage.manifest import FORMAT_VERSION, FileEntry
+from shardckpt.io import Storage
+from shardckpt.format.codecs import RAW
+from shardckpt.format.checksum import combine_block_crcs, crc32c, runs_crc_term
+from shardckpt.format.index import BLOCK_SIZE, ChunkRecord, index_to_bytes
+from shardckpt.format.manifest import FORMAT_VERSION, FileEntry
 from shardckpt.tensor_views import as_bytes
 
 ALIGN = 64  # chunk offsets are aligned so that a memory map of the file gives aligned tensors
@@ -36,7 +37,7 @@ def _host_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _crc_term(piece: LocalPiece, crc: int, raw: torch.Tensor) -> int:
-    """This chunk's term of the tensor checksum (see storage.checksum): box chunks have one run per row."""
+    """This chunk's term of the tensor checksum (see format.checksum): box chunks have one run per row."""
     size = piece.data.element_size()
     runs = list(contiguous_runs(piece.region, piece.shape))
     if len(runs) == 1:
@@ -57,11 +58,11 @@ def _write_chunk(writer, piece: LocalPiece) -> tuple[ChunkRecord, int]:
     step = max(WRITE_SIZE // block, 1) * block  # writes end on block boundaries
     blocks = []
     for lo in range(0, len(data), step):
-        piece_bytes = data[lo:lo + step]
+        piece_bytes = RAW.encode(data[lo:lo + step])  # raw: blocks are stored as they are, so `step` at once
         blocks.extend(crc32c(piece_bytes[k:k + block]) for k in range(0, len(piece_bytes), block))
         writer.write(piece_bytes)
     crc = combine_block_crcs(blocks, len(data), block)
-    return ChunkRecord(0, len(data), crc, "raw", block, tuple(blocks)), _crc_term(piece, crc, raw)
+    return ChunkRecord(0, len(data), crc, RAW.name, block, tuple(blocks)), _crc_term(piece, crc, raw)
 
 
 def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: list[WriteTask],

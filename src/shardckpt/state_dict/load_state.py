@@ -29,8 +29,8 @@ from shardckpt.state_dict.optim_state import (
 from shardckpt.state_dict.param_ids import positional_names, resolve_id_names, unknown_ids
 from shardckpt.state_dict.rekey import key_type_of
 from shardckpt.state_dict.types import OptimStateKeyType
-from shardckpt.storage.manifest import Manifest
-from shardckpt.storage.tree import TensorRef
+from shardckpt.format.manifest import Manifest
+from shardckpt.format.tree import TensorRef
 
 
 @dataclass(frozen=True)

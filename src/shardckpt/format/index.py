@@ -9,7 +9,8 @@ import json
 from dataclasses import dataclass
 
 from shardckpt.errors import CorruptCheckpointError
-from shardckpt.storage.validate import (
+from shardckpt.format.codecs import codec_named
+from shardckpt.format.validate import (
     MAX_NUMEL,
     check_fields,
     get_field,
@@ -20,7 +21,6 @@ from shardckpt.storage.validate import (
 )
 
 INDEX_FORMAT_NAME = "shardckpt-index"
-CODECS = ("raw",)
 # 1 MiB: a partial read checks at most two extra partial blocks per chunk (2% more bytes in the ws 2 -> 3
 # load of benchmarks/bench_reshard_load.py, where 256 KiB and 1 MiB load in the same time and 4 MiB is
 # slower), and the index grows by ~13 bytes per MiB of data (46 at 256 KiB).
@@ -65,8 +65,7 @@ def _record(row, version: int, block_size: int, file_size: int, where: str) -> t
     i = get_int(row[1], f"{at} chunk number", 0, MAX_NUMEL)
     offset, length = get_int(row[2], f"{at} offset"), get_int(row[3], f"{at} length", 1)
     crc = get_int(row[4], f"{at} crc32c", 0, 0xFFFFFFFF)
-    if row[5] not in CODECS:
-        raise CorruptCheckpointError(f"{where}: tensor {name!r} chunk {i}: unknown codec {str(row[5])[:40]!r}")
+    codec_named(row[5], f"{where}: tensor {name!r} chunk {i}")
     if offset + length > file_size:
         raise CorruptCheckpointError(f"{where}: tensor {name!r} chunk {i} runs past the end of the data file "
                                      f"({offset}+{length} > {file_size} bytes)")

@@ -16,12 +16,12 @@ import torch
 
 from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.regions import Region
-from shardckpt.storage.checksum import crc32c
-from shardckpt.storage.chunks import Chunks, RegularChunks, chunks_from_json
-from shardckpt.storage.dtypes import dtype_from_name, dtype_name, itemsize
-from shardckpt.storage.index import MIN_ROW_BYTES
-from shardckpt.storage.tree import TensorRef, decode, leaves, path_name
-from shardckpt.storage.validate import (
+from shardckpt.format.checksum import crc32c
+from shardckpt.format.chunks import Chunks, RegularChunks, chunks_from_json
+from shardckpt.format.dtypes import dtype_from_name, dtype_name, itemsize
+from shardckpt.format.index import MIN_ROW_BYTES
+from shardckpt.format.tree import TensorRef, decode, leaves, path_name
+from shardckpt.format.validate import (
     MAX_NUMEL,
     check_fields,
     check_relative_path,

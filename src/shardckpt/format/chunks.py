@@ -18,7 +18,7 @@ from shardckpt.regions import (
     check_region,
     check_tiling,
 )
-from shardckpt.storage.validate import (
+from shardckpt.format.validate import (
     MAX_NUMEL,
     check_fields,
     get_field,

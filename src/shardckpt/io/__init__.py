@@ -1,0 +1,34 @@
+"""Where checkpoint bytes live: the byte-I/O protocol (``protocol.py``), local disk (``local.py``, the
+fast path) and any fsspec URL (``remote.py``)."""
+from __future__ import annotations
+
+import os
+
+from shardckpt.errors import CheckpointError
+from shardckpt.io.local import LocalStorage
+from shardckpt.io.protocol import FileWriter, Storage
+from shardckpt.io.remote import FsspecStorage
+
+__all__ = ["DEFAULT_IO_THREADS", "FileWriter", "FsspecStorage", "LocalStorage", "Storage", "open_storage"]
+
+DEFAULT_IO_THREADS = 4  # concurrent reads per rank (load, verify)
+
+
+def open_storage(path: str | os.PathLike, storage_options: dict | None = None) -> Storage:
+    """Local paths (and ``file://``) get the fast local backend; other URLs go through fsspec.
+
+    ``storage_options`` go to the fsspec filesystem (e.g. ``{"endpoint_url": ...}`` for s3fs).
+    """
+    path = os.fspath(path)
+    if "://" not in path:
+        return LocalStorage(path)
+    if path.startswith("file://"):
+        return LocalStorage(path[len("file://"):])
+    try:
+        import fsspec
+        fs, root = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    except ImportError as e:
+        hint = "pip install 'shardckpt[s3]'" if path.startswith(("s3://", "s3a://")) else "pip install the fsspec backend"
+        raise CheckpointError(f"cannot open {path}: {e}. Install the backend: {hint}") from e
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return FsspecStorage(fs, root, protocol)

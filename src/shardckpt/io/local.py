@@ -1,0 +1,123 @@
+"""Local disk: pread/pwrite straight into and out of tensor memory, fsync, rename for the commit."""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+from shardckpt.errors import CorruptCheckpointError
+from shardckpt.io.protocol import MAX_IO, missing
+
+
+class _LocalWriter:
+    positional = True
+
+    def __init__(self, path: str):
+        self._path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._pos = 0
+
+    def write(self, data: memoryview) -> None:
+        self.pwrite(data, self._pos)
+        self._pos += data.nbytes
+
+    def pwrite(self, data: memoryview, offset: int) -> None:
+        data = data.cast("B")
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._fd, data[done:done + MAX_IO], offset + done)
+
+    def close(self) -> None:
+        try:
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+
+
+class LocalStorage:
+    """A directory on local disk."""
+
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        self._pinned: dict[str, int] = {}
+
+    def url(self, path: str) -> str:
+        return os.path.join(self.root, path)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self.url(path))
+
+    def read_bytes(self, path: str) -> bytes:
+        try:
+            with open(self.url(path), "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise missing(self.url(path), e) from e
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        url = self.url(path)
+        out = out.cast("B")
+        pinned = self._pinned.get(path)
+        try:
+            fd = os.open(url, os.O_RDONLY) if pinned is None else pinned
+        except OSError as e:
+            raise missing(url, e) from e
+        try:
+            done = 0
+            while done < len(out):
+                n = os.preadv(fd, [out[done:done + MAX_IO]], offset + done)
+                if n == 0:
+                    raise CorruptCheckpointError(f"{url}: file is truncated (wanted bytes up to "
+                                                 f"{offset + len(out)}, it ends at {offset + done})")
+                done += n
+        finally:
+            if pinned is None:
+                os.close(fd)
+
+    def pin(self, paths: list[str]) -> None:
+        for path in paths:
+            if path not in self._pinned:
+                try:
+                    self._pinned[path] = os.open(self.url(path), os.O_RDONLY)
+                except OSError as e:
+                    raise missing(self.url(path), e) from e
+
+    def release(self) -> None:
+        for fd in self._pinned.values():
+            os.close(fd)
+        self._pinned.clear()
+
+    def file_size(self, path: str) -> int:
+        try:
+            return os.stat(self.url(path)).st_size
+        except OSError as e:
+            raise missing(self.url(path), e) from e
+
+    def open_writer(self, path: str) -> _LocalWriter:
+        os.makedirs(os.path.dirname(self.url(path)), exist_ok=True)
+        return _LocalWriter(self.url(path))
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        """Write to a temporary name, fsync, rename over ``path``, fsync the directory."""
+        os.makedirs(self.root, exist_ok=True)
+        tmp = self.url(f"{path}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            writer = _LocalWriter(tmp)
+            writer.write(memoryview(data))
+            writer.close()
+            os.replace(tmp, self.url(path))
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        self.sync_dir(os.path.dirname(path))
+
+    def remove_dir(self, path: str) -> None:
+        shutil.rmtree(self.url(path), ignore_errors=True)
+
+    def sync_dir(self, path: str) -> None:
+        fd = os.open(self.url(path) if path else self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

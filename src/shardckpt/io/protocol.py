@@ -1,0 +1,72 @@
+"""The byte-I/O protocol: everything the format and checkpoint layers need from where bytes live.
+
+It is narrow on purpose, so that a new place (another object store, a conditional put for commits,
+multipart uploads) is one class: ranged reads into caller buffers, a streaming file writer, one atomic
+whole-object put (the commit), existence and size checks, pinning for readers, deletion. Nothing relies
+on rename except the local commit, where rename is atomic. Errors: a missing or short file raises
+``CorruptCheckpointError`` naming its URL (``missing``).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from shardckpt.errors import CorruptCheckpointError
+
+MAX_IO = 1 << 30  # bytes per read/write syscall; Linux caps one call just below 2 GiB
+
+
+class FileWriter(Protocol):
+    positional: bool
+    """True: ``pwrite`` from several threads at once; False: ``write`` in order only (object uploads)."""
+
+    def write(self, data: memoryview) -> None:
+        """Append ``data`` at the end of what was written."""
+
+    def pwrite(self, data: memoryview, offset: int) -> None:
+        """Write ``data`` at ``offset`` (only where ``positional``)."""
+
+    def close(self) -> None:
+        """Make the file durable (fsync on local disk, upload completes on object stores) and close it."""
+
+
+class Storage(Protocol):
+    root: str
+    """The checkpoint directory or URL prefix; every ``path`` below is relative to it (``/``-separated)."""
+
+    def url(self, path: str) -> str:
+        """The absolute path or URL of ``path``, for messages."""
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists now, never from a cache (the manifest's existence is the commit point)."""
+
+    def read_bytes(self, path: str) -> bytes:
+        """The whole file."""
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` exactly with the file's bytes from ``offset``; a short file is corrupt."""
+
+    def pin(self, paths: list[str]) -> None:
+        """Keep these files readable until ``release`` even if a concurrent overwrite deletes them (local disk:
+        open descriptors outlive an unlink; elsewhere a no-op, and readers retry)."""
+
+    def release(self) -> None:
+        """End every ``pin``."""
+
+    def file_size(self, path: str) -> int:
+        """The file's size in bytes, never from a cache."""
+
+    def open_writer(self, path: str) -> FileWriter:
+        """A new file at ``path`` (parents created where the store has directories), replacing any old one."""
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        """Write a whole small file so that readers see the old one or the new one, never a part."""
+
+    def remove_dir(self, path: str) -> None:
+        """Delete ``path`` and everything under it; a missing one is not an error."""
+
+    def sync_dir(self, path: str) -> None:
+        """Make the directory's entries durable (local fsync) and drop listing caches (fsspec)."""
+
+
+def missing(url: str, e: BaseException) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{url}: file missing or unreadable ({e.__class__.__name__}: {e})")

@@ -1,0 +1,92 @@
+"""Any fsspec filesystem (s3://, memory://, ...). Object stores get whole-object puts (atomic) and ranged
+GETs; no renames."""
+from __future__ import annotations
+
+import posixpath
+
+from shardckpt.errors import CorruptCheckpointError
+from shardckpt.io.protocol import missing
+
+
+class _FsspecWriter:
+    positional = False
+
+    def __init__(self, fs, url: str):
+        self._file = fs.open(url, "wb")
+
+    def write(self, data: memoryview) -> None:
+        self._file.write(data.cast("B"))
+
+    def pwrite(self, data: memoryview, offset: int) -> None:
+        raise NotImplementedError("object stores take sequential writes only")
+
+    def close(self) -> None:
+        self._file.close()  # an object store's upload completes (and is durable) on close
+
+
+class FsspecStorage:
+    """Any fsspec filesystem. Object stores get whole-object puts (atomic) and ranged GETs; no renames."""
+
+    def __init__(self, fs, root: str, protocol: str):
+        self.fs, self.root, self._protocol = fs, root.rstrip("/"), protocol
+
+    def url(self, path: str) -> str:
+        return posixpath.join(self.root, path) if path else self.root
+
+    def _display(self, path: str) -> str:
+        return f"{self._protocol}://{self.url(path)}" if "://" not in self.root else self.url(path)
+
+    def exists(self, path: str) -> bool:
+        # Never answer from a listing cache: the manifest's existence is the commit point.
+        self.fs.invalidate_cache(posixpath.dirname(self.url(path)))
+        return self.fs.exists(self.url(path))
+
+    def read_bytes(self, path: str) -> bytes:
+        try:
+            return self.fs.cat_file(self.url(path))
+        except (OSError, KeyError) as e:
+            raise missing(self._display(path), e) from e
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        out = out.cast("B")
+        try:
+            data = self.fs.cat_file(self.url(path), start=offset, end=offset + len(out))
+        except (OSError, KeyError) as e:
+            raise missing(self._display(path), e) from e
+        if len(data) != len(out):
+            raise CorruptCheckpointError(f"{self._display(path)}: file is truncated (wanted {len(out)} bytes at "
+                                         f"offset {offset}, got {len(data)})")
+        out[:] = data
+
+    def pin(self, paths: list[str]) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def file_size(self, path: str) -> int:
+        self.fs.invalidate_cache(posixpath.dirname(self.url(path)))
+        try:
+            return int(self.fs.size(self.url(path)))
+        except (OSError, KeyError) as e:
+            raise missing(self._display(path), e) from e
+
+    def open_writer(self, path: str) -> _FsspecWriter:
+        parent = posixpath.dirname(self.url(path))
+        if parent and self._protocol not in ("s3", "s3a", "gs", "gcs", "az", "abfs"):
+            self.fs.makedirs(parent, exist_ok=True)
+        return _FsspecWriter(self.fs, self.url(path))
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        # A single PUT of a whole object is atomic on object stores and on memory://.
+        self.fs.pipe_file(self.url(path), data)
+
+    def remove_dir(self, path: str) -> None:
+        try:
+            self.fs.rm(self.url(path), recursive=True)
+        except (FileNotFoundError, KeyError):
+            pass
+        self.fs.invalidate_cache()
+
+    def sync_dir(self, path: str) -> None:
+        self.fs.invalidate_cache()
