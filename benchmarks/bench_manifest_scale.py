@@ -14,12 +14,13 @@ file r. The manifest is built as ``save`` builds it (``compact_chunks`` over the
 
 Planning at 768 ranks, timed two ways for every rank in turn (one process, sequentially):
 
-- ``plan_reads``: ``Target`` objects for the rank's dim-0 chunk (a ``Box``, as ``ShardedTensor.dim0_chunk``
-  gives) of every tensor, with a shared empty placeholder tensor as ``dest``/``flat`` (``plan_reads``
-  reads only ``entry`` and ``region``), then ``plan_reads``. Target construction is timed separately.
+- ``plan_reads``: planned ``Target`` objects (``formats.native.plan``) for the rank's dim-0 chunk (a ``Box``,
+  as ``ShardedTensor.dim0_chunk`` gives) of every tensor, with a shared empty placeholder tensor as ``flat``
+  (``plan_reads`` reads only ``entry`` and ``region``), then ``plan_reads``. Target construction is timed
+  separately.
 - ``match + plan_reads``: the real load path minus I/O: a state dict of ``ShardedTensor``s over ``meta``
-  tensors (building it is timed separately, it is the caller's), ``load_plan.match`` (manifest tree vs
-  state dict, targets) and ``plan_reads``.
+  tensors (building it is timed separately, it is the caller's), ``checkpoint.match`` (manifest tree vs
+  state dict: read requests), the requests checked into targets, and ``plan_reads``.
 
 ``--save-plan`` also times rank 0's save planning (``make_save_plan`` over 1024 ranks' ``PieceInfo`` lists).
 
@@ -42,7 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 from _common import median, verdict
 
-from shardckpt.checkpoint.load_plan import Target, match, plan_reads
+from shardckpt.checkpoint.match import match
+from shardckpt.formats.native.plan import Target, plan_reads, target_of
 from shardckpt.regions import Box, dim0_chunk
 from shardckpt.sharded_tensor import ShardedTensor
 from shardckpt.format.chunks import compact_chunks
@@ -163,7 +165,7 @@ def plan_direct(manifest: Manifest, rank: int, world: int, placeholder: torch.Te
     for name, entry in manifest.tensors.items():
         region = _box_chunk(entry.shape, rank, world)
         if region.numel:
-            targets.append(Target(name, entry, region, placeholder, placeholder, staged=False))
+            targets.append(Target(entry, region, placeholder))
     t1 = time.perf_counter()
     reads = plan_reads(targets)
     t2 = time.perf_counter()
@@ -181,7 +183,7 @@ def meta_state_dict(params: dict, step_tensors: bool, rank: int, world: int) -> 
 
 def plan_via_match(manifest: Manifest, sd: dict) -> tuple[float, float, int]:
     t0 = time.perf_counter()
-    targets, _ = match(manifest, sd, strict=True)
+    targets = [target_of(manifest, r, "bench") for r in match(manifest, sd, strict=True).requests]
     t1 = time.perf_counter()
     reads = plan_reads(targets)
     t2 = time.perf_counter()

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 import shardckpt
 from shardckpt import Box, CorruptCheckpointError, FlatRange, ShardedTensor
 from shardckpt.checkpoint import writer
-from shardckpt.checkpoint.load import PieceRequest, load_pieces
+from shardckpt.checkpoint.load import load_pieces
+from shardckpt.formats.api import ReadRequest
 from shardckpt.checkpoint.verify import verify
 from shardckpt.regions import flat_bounds, intersect
 from shardckpt.tensor_views import as_bytes
@@ -62,7 +63,7 @@ def test_partial_load_over_a_flipped_byte_raises(tmp_path):
         shardckpt.load({"w": _rows(full, 1024, 1536)}, path)
     # A flat range starting mid-row, as a FSDP flat shard would ask: also refused.
     with pytest.raises(CorruptCheckpointError, match="'w'"):
-        load_pieces(path, lambda m: [PieceRequest("w", FlatRange(1199 * COLS + 7, 1201 * COLS + 3),
+        load_pieces(path, lambda m: [ReadRequest("w", FlatRange(1199 * COLS + 7, 1201 * COLS + 3),
                                                   torch.empty(2 * COLS - 4))])
     # Rows in other blocks load exactly.
     for lo, hi in ((0, 512), (1536, 2048)):

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import os
 
-from shardckpt.checkpoint.load import read_manifest
-from shardckpt.checkpoint.reader import read_index
 from shardckpt.io import open_storage
 from shardckpt.format.dtypes import dtype_name
 from shardckpt.format.manifest import FORMAT_NAME
+from shardckpt.formats.native import read_manifest
+from shardckpt.formats.native.reader import read_index
 
 
 def describe(path: str | os.PathLike, *, storage_options: dict | None = None) -> dict:

@@ -2,29 +2,22 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
-from shardckpt.checkpoint.load_plan import Target, match, plan_reads
-from shardckpt.checkpoint.reader import check_data_file, execute_reads
-from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
-from shardckpt.regions import Region, check_region
-from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage
+from shardckpt.checkpoint.match import match
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from shardckpt.format.tree import TensorRef, leaves, path_name, set_at
+from shardckpt.formats.api import ReadRequest
+from shardckpt.formats.native import NativeReader, read_manifest
+from shardckpt.formats.native.reader import check_data_file
+from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage
 
 T = TypeVar("T")
 _ATTEMPTS = 5  # a concurrent overwrite can remove the data a reader is on; it then reloads the new checkpoint
-
-
-def read_manifest(storage: Storage) -> Manifest:
-    url = storage.url(MANIFEST_NAME)
-    if not storage.exists(MANIFEST_NAME):
-        raise CheckpointNotFoundError(f"{url}: no committed checkpoint here (no {MANIFEST_NAME})")
-    return parse_manifest(storage.read_bytes(MANIFEST_NAME), url)
 
 
 def load(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None, strict: bool = True,
@@ -57,16 +50,7 @@ def _with_retries(group: Group, storage: Storage, work: Callable[[Storage, Manif
         raise_failures(outcomes)
 
 
-@dataclass(frozen=True)
-class PieceRequest:
-    """Fill ``dest`` (contiguous) with ``region`` of the saved tensor named ``tensor``."""
-
-    tensor: str
-    region: Region
-    dest: torch.Tensor
-
-
-def load_pieces(path: str | os.PathLike, build: Callable[[Manifest], list[PieceRequest]], *,
+def load_pieces(path: str | os.PathLike, build: Callable[[Manifest], list[ReadRequest]], *,
                 process_group: Any = None, verify_checksums: bool = True, io_threads: int = DEFAULT_IO_THREADS,
                 storage_options: dict | None = None) -> Manifest:
     """Collective, lower-level ``load``: ``build`` turns the committed manifest into explicit requests.
@@ -75,27 +59,10 @@ def load_pieces(path: str | os.PathLike, build: Callable[[Manifest], list[PieceR
     straight from a checkpoint of any type. Returns the manifest (for its plain values). Dtypes are cast.
     """
     def work(storage: Storage, manifest: Manifest) -> Manifest:
-        targets = [_request_target(manifest, storage, r) for r in build(manifest)]
-        execute_reads(storage, manifest, plan_reads(targets), io_threads, verify_checksums)
+        NativeReader(storage, manifest, io_threads=io_threads, verify=verify_checksums).read(build(manifest))
         return manifest
 
     return _with_retries(resolve_group(process_group), open_storage(path, storage_options), work)
-
-
-def _request_target(manifest: Manifest, storage: Storage, request: PieceRequest) -> Target:
-    entry = manifest.tensors.get(request.tensor)
-    if entry is None:
-        raise IncompatibleCheckpointError(f"{storage.url(MANIFEST_NAME)}: the checkpoint has no tensor "
-                                          f"{request.tensor!r}")
-    try:
-        check_region(request.region, entry.shape)
-    except ValueError as e:
-        raise IncompatibleCheckpointError(f"tensor {request.tensor!r}: {e}") from None
-    if request.dest.numel() != request.region.numel or not request.dest.is_contiguous():
-        raise ValueError(f"destination for {request.tensor!r} must be contiguous with {request.region.numel} "
-                         "elements")
-    dest = request.dest.detach()
-    return Target(request.tensor, entry, request.region, dest, dest.reshape(-1), staged=False)
 
 
 def _shared_manifest(group: Group, storage: Storage) -> Manifest:
@@ -120,13 +87,10 @@ def _generation_changed(group: Group, storage: Storage, manifest: Manifest) -> b
 
 def _load_into(state_dict: dict, storage: Storage, manifest: Manifest, strict: bool, verify: bool,
                io_threads: int) -> None:
-    targets, values = match(manifest, state_dict, strict)
-    execute_reads(storage, manifest, plan_reads(targets), io_threads, verify)
-    with torch.no_grad():
-        for target in targets:
-            if target.staged:
-                target.dest.copy_(target.flat.view(target.dest.shape))
-    for value_path, value in values:
+    matched = match(manifest, state_dict, strict)
+    NativeReader(storage, manifest, io_threads=io_threads, verify=verify).read(matched.requests)
+    matched.write_back()
+    for value_path, value in matched.values:
         set_at(state_dict, value_path, value)
 
 

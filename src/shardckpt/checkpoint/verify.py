@@ -15,8 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from shardckpt.checkpoint.load import read_manifest
-from shardckpt.checkpoint.reader import Index, check_data_file, read_index
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.regions import contiguous_runs
 from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage
@@ -24,6 +22,8 @@ from shardckpt.format.checksum import SegmentedCRC, combine_block_crcs, runs_crc
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.index import ChunkRecord
 from shardckpt.format.manifest import Manifest, TensorEntry, chunks_of
+from shardckpt.formats.native import read_manifest
+from shardckpt.formats.native.reader import Index, block_problem, check_data_file, read_index, record_problem
 
 READ_SIZE = 16 << 20  # bytes read at a time when checksumming a chunk
 
@@ -74,9 +74,7 @@ def _scan_chunk(storage: Storage, path: str, rec: ChunkRecord, entry: TensorEntr
         if run_crcs is not None:
             run_crcs.feed(view)
         tick(len(view))
-    problems = [f"fails its checksum in file bytes [{rec.offset + k * rec.block_size}, "
-                f"{rec.offset + min((k + 1) * rec.block_size, rec.length)}) (block {k}: stored {want:08x}, read "
-                f"{got:08x})" for k, (want, got) in enumerate(zip(rec.blocks, blocks.crcs)) if want != got]
+    problems = [block_problem(rec, k, got) for k, (want, got) in enumerate(zip(rec.blocks, blocks.crcs)) if want != got]
     if problems:
         return problems, None
     crc = combine_block_crcs(blocks.crcs, rec.length, rec.block_size)
@@ -150,12 +148,9 @@ def verify(path: str | os.PathLike, *, storage_options: dict | None = None, io_t
         if index is None:
             return entry.name, None  # the file's problem is already reported
         rec = index.get((entry.name, i))
-        if rec is None:
-            report.problems.append(Problem(entry.name, file, f"chunk {i} is missing from the index"))
-            return entry.name, None
-        if rec.length != region.numel * itemsize(entry.dtype):
-            report.problems.append(Problem(entry.name, file, f"chunk {i} has {rec.length} bytes, its region needs "
-                                                              f"{region.numel * itemsize(entry.dtype)}"))
+        problem = record_problem(rec, entry, region)
+        if problem:
+            report.problems.append(Problem(entry.name, file, f"chunk {i} {problem}"))
             return entry.name, None
         try:
             problems, term = _scan_chunk(storage, manifest.files[f].path, rec, entry, region, tick)

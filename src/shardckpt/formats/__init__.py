@@ -1,0 +1,1 @@
+"""Readers of checkpoint formats behind one interface (``api.CheckpointReader``); shardckpt's own first."""

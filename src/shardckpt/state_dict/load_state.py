@@ -12,12 +12,12 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from shardckpt.checkpoint.load import PieceRequest, load_pieces
+from shardckpt.checkpoint.load import load_pieces
 from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError, ShardingError
 from shardckpt.regions import FlatRange, Region, full_region
 from shardckpt.runtime import FlatLayout, groups, is_sharded
@@ -31,16 +31,12 @@ from shardckpt.state_dict.rekey import key_type_of
 from shardckpt.state_dict.types import OptimStateKeyType
 from shardckpt.format.manifest import Manifest
 from shardckpt.format.tree import TensorRef
+from shardckpt.formats.api import ReadRequest
 
 
-@dataclass(frozen=True)
-class Dest:
-    """A piece of this rank's memory: elements ``region`` of parameter ``names[0]`` (or an alias) of ``shape``."""
-
-    names: tuple[str, ...]
-    shape: tuple[int, ...]
-    region: FlatRange
-    dest: torch.Tensor
+# Where the checkpoint holds elements ``region`` of parameter ``names[0]`` (or an alias) of ``shape``:
+# (saved tensor, region of it). ``Saved.resolve`` with the prefix and suffix bound.
+Resolve = Callable[[tuple[str, ...], tuple[int, ...], FlatRange], tuple[str, Region]]
 
 
 def _params(model: nn.Module) -> list[tuple[tuple[str, ...], torch.Tensor]]:
@@ -50,20 +46,20 @@ def _params(model: nn.Module) -> list[tuple[tuple[str, ...], torch.Tensor]]:
     return [((name,), p) for name, p in model.named_parameters()]
 
 
-def _dests(model: nn.Module, index: int, tensor: torch.Tensor) -> Iterator[Dest]:
-    """What this rank holds of each member of parameter ``index``, inside ``tensor`` (the parameter itself,
-    or optimizer state shaped like it)."""
+def _requests(model: nn.Module, index: int, tensor: torch.Tensor, resolve: Resolve) -> Iterator[ReadRequest]:
+    """Reads filling what this rank holds of each member of parameter ``index``, inside ``tensor`` (the
+    parameter itself, or optimizer state shaped like it)."""
     if not is_sharded(model):
         names, p = _params(model)[index]
-        yield Dest(names, tuple(p.shape), FlatRange(0, p.numel()), tensor.detach())
+        yield ReadRequest(*resolve(names, tuple(p.shape), FlatRange(0, p.numel())), tensor.detach())
         return
     group = groups(model)[index]
     layout, rank = group.layout, group.groups.shard_rank
     for j, name in enumerate(layout.names):
         region = held_region(layout, j, rank)
         if region is not None:
-            yield Dest((name,) + layout.aliases[j], layout.shapes[j], region,
-                       shard_view(layout, tensor.detach(), j, rank))
+            yield ReadRequest(*resolve((name,) + layout.aliases[j], layout.shapes[j], region),
+                              shard_view(layout, tensor.detach(), j, rank))
 
 
 @dataclass
@@ -198,13 +194,13 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
     scalars: list[tuple[dict, str, Any]] = []
     hyper: list[dict] = []
 
-    def build(manifest: Manifest) -> list[PieceRequest]:
+    def build(manifest: Manifest) -> list[ReadRequest]:
         scalars.clear()  # a retry (after a concurrent overwrite) starts over
         saved = Saved.of(manifest, model, optimizer, optim_param_names)
-        requests = [PieceRequest(*saved.resolve("model", d.names, d.shape, d.region), d.dest)
-                    for i, (_, p) in enumerate(_params(model)) for d in _dests(model, i, p)]
+        resolve = functools.partial(saved.resolve, "model")
+        requests = [r for i, (_, p) in enumerate(_params(model)) for r in _requests(model, i, p, resolve)]
         for name, buf in buffers(model).items():
-            requests.append(PieceRequest(f"model.{name}", full_region(buf.shape), buf.detach()))
+            requests.append(ReadRequest(f"model.{name}", full_region(buf.shape), buf.detach()))
         if optimizer is not None:
             requests += _optim_requests(model, optimizer, saved, scalars)
             # Checked here, before any data is read, so that a refusal leaves model and optimizer as they were.
@@ -227,7 +223,7 @@ def _optimizer_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -
 
 
 def _optim_requests(model: nn.Module, optimizer: torch.optim.Optimizer, saved: Saved,
-                    scalars: list) -> list[PieceRequest]:
+                    scalars: list) -> list[ReadRequest]:
     """Requests for every sharded optimizer state slice; scalar entries go to ``scalars`` for afterwards."""
     requests = []
     for i, (names, param) in enumerate(_params(model)):
@@ -245,9 +241,8 @@ def _optim_requests(model: nn.Module, optimizer: torch.optim.Optimizer, saved: S
                 f"{sorted(state)}: was it saved from a different kind of optimizer?")
         sharded = [k for k, v in state.items() if _per_param(v, param, names, given[k], saved)]
         for key in sharded:
-            for d in _dests(model, i, state[key]):
-                requests.append(PieceRequest(*saved.resolve("optim.state", d.names, d.shape, d.region, f".{key}"),
-                                             d.dest))
+            resolve = functools.partial(saved.resolve, "optim.state", suffix=f".{key}")
+            requests.extend(_requests(model, i, state[key], resolve))
         for key in [k for k in state if k not in sharded]:
             value = given[key]
             if isinstance(value, TensorRef):
@@ -257,7 +252,7 @@ def _optim_requests(model: nn.Module, optimizer: torch.optim.Optimizer, saved: S
                         f"the checkpoint's {value.name!r} has shape {list(entry.shape)}, this optimizer keeps "
                         f"{key!r} of {names[0]!r} with shape {list(state[key].shape)}")
                 temp = torch.empty(entry.shape, dtype=entry.dtype, device=getattr(state[key], "device", "cpu"))
-                requests.append(PieceRequest(value.name, full_region(entry.shape), temp))
+                requests.append(ReadRequest(value.name, full_region(entry.shape), temp))
                 value = temp
             scalars.append((state, key, value))
     return requests

@@ -13,14 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from shardckpt.checkpoint.load_plan import ChunkRead
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.regions import StridedView, strided_view
 from shardckpt.io import Storage
 from shardckpt.format.checksum import SegmentedCRC, crc32c
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.index import ChunkRecord, parse_index
-from shardckpt.format.manifest import FileEntry, Manifest
+from shardckpt.format.manifest import FileEntry, Manifest, TensorEntry
+from shardckpt.formats.native.plan import ChunkRead
 from shardckpt.tensor_views import as_bytes, from_bytes, view_of
 
 Index = dict[tuple[str, int], ChunkRecord]
@@ -49,15 +49,28 @@ def read_indexes(storage: Storage, manifest: Manifest, files: set[int], pool: Th
     return dict(zip(ordered, pool.map(lambda f: read_index(storage, manifest.files[f], manifest.version), ordered)))
 
 
-def chunk_record(storage: Storage, manifest: Manifest, indexes: dict[int, Index], read: ChunkRead) -> ChunkRecord:
-    file = manifest.files[read.file]
-    rec = indexes[read.file].get((read.entry.name, read.chunk))
-    where = f"{storage.url(file.path)}: tensor {read.entry.name!r} chunk {read.chunk}"
+def record_problem(rec: ChunkRecord | None, entry: TensorEntry, region) -> str | None:
+    """What is wrong with a chunk's index record, given the region the manifest says it holds."""
     if rec is None:
-        raise CorruptCheckpointError(f"{where} is missing from the file's index")
-    if rec.length != read.region.numel * itemsize(read.entry.dtype):
-        raise CorruptCheckpointError(f"{where} has {rec.length} bytes, its region needs "
-                                     f"{read.region.numel * itemsize(read.entry.dtype)}")
+        return "is missing from the file's index"
+    if rec.length != region.numel * itemsize(entry.dtype):
+        return f"has {rec.length} bytes, its region needs {region.numel * itemsize(entry.dtype)}"
+    return None
+
+
+def block_problem(rec: ChunkRecord, k: int, got: int) -> str:
+    """A failed block checksum, naming the block's byte range in the data file."""
+    at = rec.offset + k * rec.block_size
+    return (f"fails its checksum in file bytes [{at}, {at + min(rec.block_size, rec.length - k * rec.block_size)}) "
+            f"(block {k}: stored {rec.blocks[k]:08x}, read {got:08x})")
+
+
+def chunk_record(storage: Storage, manifest: Manifest, indexes: dict[int, Index], read: ChunkRead) -> ChunkRecord:
+    rec = indexes[read.file].get((read.entry.name, read.chunk))
+    problem = record_problem(rec, read.entry, read.region)
+    if problem:
+        raise CorruptCheckpointError(f"{storage.url(manifest.files[read.file].path)}: tensor {read.entry.name!r} "
+                                     f"chunk {read.chunk} {problem}")
     return rec
 
 
@@ -104,10 +117,7 @@ def _check_blocks(storage: Storage, manifest: Manifest, read: ChunkRead, rec: Ch
         crcs.feed(part)
     for k, got in enumerate(crcs.crcs, first):
         if got != rec.blocks[k]:
-            at = rec.offset + k * b
-            raise _corrupt(storage, manifest, read, f"fails its checksum in file bytes [{at}, "
-                                                    f"{at + min(b, rec.length - k * b)}) (block {k}: stored "
-                                                    f"{rec.blocks[k]:08x}, read {got:08x})")
+            raise _corrupt(storage, manifest, read, block_problem(rec, k, got))
 
 
 def _check_bool(storage: Storage, manifest: Manifest, read: ChunkRead, data) -> None:

@@ -1,0 +1,52 @@
+"""The one read interface every checkpoint format is read through, and the one read request.
+
+A reader presents a checkpoint as logical tensors by name (dtype, shape, the checksum where the format
+keeps one) and a tree of plain values, and fills caller buffers from any region of any tensor. It reads
+nothing the caller did not ask for. shardckpt's own format (``formats/native``) is the first
+implementation; readers of foreign formats (torch DCP, ``torch.save``, safetensors, ZeRO) come next.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from shardckpt.regions import Region
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    crc32c: int | None  # of the whole tensor's bytes in row-major order (FORMAT.md); None: not stored
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """Fill ``dest`` with ``region`` of the saved tensor named ``tensor``.
+
+    ``dest`` is contiguous and holds the region's elements in the region's local order (row-major
+    within a box; a flat range in order), on any device; a dtype other than the saved one is cast.
+    This is the whole read vocabulary: ``load``, ``load_full``, ``load_state`` and the offline tools
+    all turn what they want into such requests.
+    """
+
+    tensor: str
+    region: Region
+    dest: torch.Tensor
+
+
+@runtime_checkable
+class CheckpointReader(Protocol):
+    def tensors(self) -> Mapping[str, TensorInfo]:
+        """Every tensor the checkpoint holds, by name."""
+
+    def tree(self) -> Any:
+        """The saved nesting: dicts and lists, with plain values and ``TensorRef`` leaves for tensors."""
+
+    def read(self, requests: Sequence[ReadRequest]) -> None:
+        """Fill every request's ``dest``; every byte is checked where the format stores checksums.
+
+        Bad requests (unknown tensor, region outside it, wrong ``dest`` size) raise before any read."""

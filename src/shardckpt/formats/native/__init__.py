@@ -1,0 +1,42 @@
+"""shardckpt's own format (FORMAT.md) behind the read interface: a committed manifest and its data files.
+
+``plan`` turns read requests into chunk reads (pure); ``reader`` executes them (indexes, ranged reads,
+block checksums). The collective side (every rank on the same generation, retries after a concurrent
+overwrite) is ``checkpoint.load``'s.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from shardckpt.errors import CheckpointNotFoundError
+from shardckpt.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from shardckpt.formats.api import ReadRequest, TensorInfo
+from shardckpt.formats.native.plan import plan_reads, target_of
+from shardckpt.formats.native.reader import execute_reads
+from shardckpt.io import DEFAULT_IO_THREADS, Storage
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    url = storage.url(MANIFEST_NAME)
+    if not storage.exists(MANIFEST_NAME):
+        raise CheckpointNotFoundError(f"{url}: no committed checkpoint here (no {MANIFEST_NAME})")
+    return parse_manifest(storage.read_bytes(MANIFEST_NAME), url)
+
+
+class NativeReader:
+    """A ``CheckpointReader`` over one committed generation (``manifest``) of a shardckpt checkpoint."""
+
+    def __init__(self, storage: Storage, manifest: Manifest, *, io_threads: int = DEFAULT_IO_THREADS,
+                 verify: bool = True):
+        self.storage, self.manifest, self.io_threads, self.verify = storage, manifest, io_threads, verify
+
+    def tensors(self) -> Mapping[str, TensorInfo]:
+        return {name: TensorInfo(name, e.dtype, e.shape, e.crc32c) for name, e in self.manifest.tensors.items()}
+
+    def tree(self) -> Any:
+        return self.manifest.tree
+
+    def read(self, requests: Sequence[ReadRequest]) -> None:
+        where = self.storage.url(MANIFEST_NAME)
+        targets = [target_of(self.manifest, r, where) for r in requests]
+        execute_reads(self.storage, self.manifest, plan_reads(targets), self.io_threads, self.verify)

@@ -1,0 +1,104 @@
+"""Planning reads of shardckpt's format (pure): which bytes of which stored chunk each request needs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shardckpt.errors import IncompatibleCheckpointError
+from shardckpt.format.chunks import RegularChunks
+from shardckpt.format.manifest import Manifest, TensorEntry
+from shardckpt.formats.api import ReadRequest
+from shardckpt.regions import FlatRange, Region, canonical, check_region, flat_bounds, intersect, local_span
+
+
+@dataclass
+class Target:
+    """A checked request: ``flat`` is its ``dest`` as 1-D, holding ``region`` of ``entry``'s tensor."""
+
+    entry: TensorEntry
+    region: Region
+    flat: torch.Tensor
+
+    def __post_init__(self) -> None:
+        # Once here rather than per chunk: a dim-0 chunk becomes a flat range, the fast case of planning.
+        self.region = canonical(self.region, self.entry.shape)
+
+
+@dataclass
+class ChunkRead:
+    """Elements ``[lo, hi)`` of one stored chunk, and the pieces of targets they fill."""
+
+    entry: TensorEntry
+    chunk: int
+    file: int
+    region: Region
+    lo: int
+    hi: int
+    copies: list[tuple[Region, Target]] = field(default_factory=list)
+
+
+def target_of(manifest: Manifest, request: ReadRequest, where: str) -> Target:
+    """The request checked against the manifest (``where`` names the checkpoint in errors)."""
+    entry = manifest.tensors.get(request.tensor)
+    if entry is None:
+        raise IncompatibleCheckpointError(f"{where}: the checkpoint has no tensor {request.tensor!r}")
+    try:
+        check_region(request.region, entry.shape)
+    except ValueError as e:
+        raise IncompatibleCheckpointError(f"tensor {request.tensor!r}: {e}") from None
+    if request.dest.numel() != request.region.numel or not request.dest.is_contiguous():
+        raise ValueError(f"destination for {request.tensor!r} must be contiguous with {request.region.numel} "
+                         "elements")
+    return Target(entry, request.region, request.dest.detach().reshape(-1))
+
+
+def plan_reads(targets: list[Target]) -> list[ChunkRead]:
+    """For each stored chunk some target overlaps: the element span to read and the pieces to copy."""
+    reads: dict[tuple[str, int], ChunkRead] = {}
+    for target in targets:
+        if isinstance(target.region, FlatRange) and isinstance(target.entry.chunks, RegularChunks):
+            _plan_flat_regular(target, reads)
+        else:
+            _plan_general(target, reads)
+    return list(reads.values())
+
+
+def _read_for(reads: dict, entry: TensorEntry, i: int, region: Region) -> ChunkRead:
+    read = reads.get((entry.name, i))
+    if read is None:
+        read = reads[(entry.name, i)] = ChunkRead(entry, i, entry.chunks.file(i), region, region.numel, 0)
+    return read
+
+
+def _plan_flat_regular(target: Target, reads: dict) -> None:
+    """A flat range against regular flat chunks (the FSDP case at scale): integer arithmetic only."""
+    entry, (lo, hi) = target.entry, (target.region.start, target.region.stop)
+    size, numel = entry.chunks.size, entry.numel
+    for i in entry.chunks.overlapping(lo, hi):
+        start, stop = i * size, min((i + 1) * size, numel)
+        a, b = max(lo, start), min(hi, stop)
+        if a >= b:
+            continue
+        read = reads.get((entry.name, i))
+        if read is None:
+            read = reads[(entry.name, i)] = ChunkRead(entry, i, entry.chunks.file(i), FlatRange(start, stop),
+                                                      a - start, b - start)
+        else:
+            read.lo, read.hi = min(read.lo, a - start), max(read.hi, b - start)
+        read.copies.append((target.region if (a, b) == (lo, hi) else FlatRange(a, b), target))
+
+
+def _plan_general(target: Target, reads: dict) -> None:
+    entry = target.entry
+    lo, hi = flat_bounds(target.region, entry.shape)
+    for i in entry.chunks.overlapping(lo, hi):
+        region = entry.chunks.region(i, entry.numel)
+        pieces = intersect(region, target.region, entry.shape)
+        if not pieces:
+            continue
+        read = _read_for(reads, entry, i, region)
+        for piece in pieces:
+            a, b = local_span(piece, region, entry.shape)
+            read.lo, read.hi = min(read.lo, a), max(read.hi, b)
+            read.copies.append((piece, target))
