@@ -21,7 +21,7 @@ ALLOWED = {
     "format": BASE,
     "formats": BASE | {"io", "format"},
     "checkpoint": BASE | {"dist", "io", "format", "formats"},
-    "runtime": BASE,
+    "runtime": BASE | {"dist"},
     "state_dict": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime"},
     "demo_train": BASE | {"dist", "io", "format", "checkpoint", "runtime", "state_dict"},
     "demo": BASE | {"dist", "io", "format", "checkpoint", "runtime", "state_dict", "demo_train"},

@@ -12,13 +12,13 @@ import time
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardckpt.checkpoint.describe import describe
 from shardckpt.checkpoint.load import load, load_full
 from shardckpt.checkpoint.save import save
 from shardckpt.checkpoint.verify import verify
+from shardckpt.dist.world import host_store, joined
 from shardckpt.sharded_tensor import ShardedTensor
 
 
@@ -45,13 +45,8 @@ def _sharded(full: dict[str, torch.Tensor], rank: int, world: int) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, job: Callable, args: tuple) -> None:
-    store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
+    with joined(rank, world, port):  # leaves after every rank is done
         job(rank, world, *args)
-        dist.barrier()  # nobody tears the group down while a peer still finishes its last collective
-    finally:
-        dist.destroy_process_group()
 
 
 def _save_job(rank: int, world: int, path: str, shape: tuple) -> None:
@@ -71,7 +66,7 @@ def _load_job(rank: int, world: int, path: str, shape: tuple) -> None:
 def _spawn(world: int, job: Callable, *args) -> None:
     """Run ``job(rank, world, *args)`` on ``world`` gloo processes. The parent hosts the rendezvous store on a
     port the OS picks, so no free-port guess can race with another process."""
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
+    store = host_store(world)
     mp.spawn(_worker, args=(world, store.port, job, args), nprocs=world, join=True)
 
 

@@ -11,10 +11,10 @@ import json
 import os
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardckpt.dist import collectives
 from shardckpt.runtime import shard
 from shardckpt.state_dict import StateDictType, load_state, save_state
 
@@ -77,7 +77,7 @@ def train_job(rank: int, world: int, first: int, last: int, resume: str | None, 
         loss.backward()
         optim.step()
         mean = loss.detach().clone()
-        dist.all_reduce(mean)
+        collectives.all_reduce(mean, collectives.world())
         losses.append(float(mean) / world)
     if save_to:
         save_state(model, optim, save_to, type=StateDictType.LOCAL_STATE_DICT, extra={"step": last})

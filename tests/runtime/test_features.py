@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from shardckpt import runtime
-from shardckpt.runtime import MixedPrecision, ShardingStrategy, collectives
+from shardckpt.dist import collectives
+from shardckpt.runtime import MixedPrecision, ShardingStrategy
 from tests._dist import run_ranks
 from tests.runtime import _helpers, _model
 from tests.runtime._model import Block

@@ -8,11 +8,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from shardckpt.dist import collectives
 from shardckpt.errors import ShardingError
-from shardckpt.runtime import collectives
 from shardckpt.runtime.build import FLAT_PARAM_NAMES, WrapPolicy, assign_parameters, build_groups, unit_prefixes
 from shardckpt.runtime.config import MixedPrecision, ShardingStrategy
 from shardckpt.runtime.flat_group import FlatGroup
+from shardckpt.runtime.process_groups import resolve_groups
 from shardckpt.runtime.state import ShardState, Unit, register, sharded_root_of, state_of
 
 
@@ -46,7 +47,7 @@ def shard(
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise ShardingError(f"mixed_precision must be a MixedPrecision, got {mixed_precision!r}")
     device = _check_device(module, device)
-    groups = collectives.resolve_groups(strategy, process_group, device)
+    groups = resolve_groups(strategy, process_group, device)
     mp = mixed_precision or MixedPrecision()
     prefixes = unit_prefixes(module, wrap)
     # The unsharded parameter order: get_state_dict numbers optimizer IDs by it.

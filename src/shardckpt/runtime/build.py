@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from shardckpt.errors import ShardingError
-from shardckpt.runtime.collectives import Groups
 from shardckpt.runtime.flat_group import FlatGroup, Member
 from shardckpt.runtime.layout import build_layout
+from shardckpt.runtime.process_groups import Groups
 
 WrapPolicy = Union[tuple, Callable[[nn.Module], bool], None]
 FLAT_PARAM_NAMES = {True: "_flat_param", False: "_frozen_flat_param"}

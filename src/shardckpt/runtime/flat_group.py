@@ -7,9 +7,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from shardckpt.runtime import collectives
-from shardckpt.runtime.collectives import Groups, Handle
+from shardckpt.dist import collectives
+from shardckpt.dist.collectives import Handle
 from shardckpt.runtime.layout import FlatLayout
+from shardckpt.runtime.process_groups import Groups
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
+from shardckpt.dist import collectives
 from shardckpt.dist.group import resolve_group
 from shardckpt.regions import FlatRange, Region
 from shardckpt.runtime import FlatGroup, FlatLayout
 from shardckpt.runtime.build import FLAT_PARAM_NAMES
-from shardckpt.runtime.collectives import Groups
+from shardckpt.runtime.process_groups import Groups
 from shardckpt.state_dict.redistribute import Move, exchange
 
 LAYOUTS_KEY = "_flat_layouts"  # in a LOCAL model state dict: {local key: FlatLayout.to_dict()}
@@ -89,7 +89,7 @@ def rank0_shard_rank(groups: Groups) -> int | None:
     ``copy_to_replicas``."""
     if groups.shard is None:
         return 0 if resolve_group().rank == 0 else None
-    return dist.get_group_rank(groups.shard, 0) if 0 in dist.get_process_group_ranks(groups.shard) else None
+    return collectives.group_rank(groups.shard, 0) if 0 in collectives.group_ranks(groups.shard) else None
 
 
 def replica_source(groups: Groups) -> int:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 
+from shardckpt.dist import collectives
 from shardckpt.regions import Region, dim0_chunk, full_region, intersect, strided_view
 from shardckpt.tensor_views import as_bytes, from_bytes, view_of
 
@@ -75,7 +75,7 @@ def exchange(moves: list[Move], rank: int, world: int, group: Any = None) -> Non
     send = torch.cat([b.to(device) for parts in outgoing for b in parts]) if sum(send_sizes) else \
         torch.empty(0, dtype=torch.uint8, device=device)
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+    collectives.all_to_all_single(recv, send, recv_sizes, send_sizes, group)
     pos = 0
     for parts in incoming:
         for move, piece in parts:
