@@ -1,28 +1,45 @@
-"""``shardckpt.save``: plan on rank 0, every rank writes its own file, rank 0 commits the manifest last.
+"""``shardckpt.save`` in three steps: ``stage`` (host buffers), ``plan`` (who writes what), ``persist``
+(write, checksum, commit). ``save`` is the three run one after the other; each is public and callable on
+its own, so that an async save is ``stage`` in the caller's thread and ``persist`` in the background:
 
-Commit protocol: each save writes a new generation directory ``data-<generation>/``. Only after every
-rank's data and index files are durable does rank 0 write ``manifest.json`` in one atomic step
-(rename on local disk, a single PUT on object stores). The manifest is the checkpoint: a crash before
-it leaves the previous checkpoint untouched; an overwrite removes the previous generation's data only
-after the new manifest is committed.
+    staged = stage(state_dict, copy=True)        # local: device-to-host; the caller may go on afterwards
+    planned = plan(staged, path)                 # collective: rank 0 plans, every rank gets its tasks
+    future = executor.submit(persist, staged, planned)   # collective: write, gather, rank 0 commits
+    ...
+    future.result()                              # raises on every rank if any rank failed
+
+``stage`` (``checkpoint/stage.py``) is local and never raises: its error travels in the ``Staged`` and
+``plan`` raises it on every rank. ``plan`` and ``persist`` are collectives over the same process group,
+called on every rank in the same order; each raises on every rank when any rank fails (``dist.group``'s
+``attempt``/``raise_failures``), after every rank has run the same collectives, so the group stays in
+step. ``plan`` does no I/O beyond looking for an existing manifest; a plan that is never persisted leaves
+nothing behind. Collectives from a background ``persist`` must not interleave with others on the same
+group: give ``plan`` a group the training loop does not use (e.g. a gloo ``new_group``).
+
+Commit protocol (``persist``): each save writes a new generation directory ``data-<generation>/``. Only
+after every rank's data and index files are durable does rank 0 write ``manifest.json`` in one atomic step
+(rename on local disk, a single PUT on object stores). The manifest is the checkpoint: a crash before it
+leaves the previous checkpoint untouched; a failed persist removes its generation's directory; an
+overwrite removes the previous generation's data only after the new manifest is committed.
 """
 from __future__ import annotations
 
-import json
 import os
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from shardckpt._version import __version__
-from shardckpt.checkpoint.collect import is_tensor_like, local_pieces
-from shardckpt.dist.group import Failure, Group, attempt, raise_failures, resolve_group
-from shardckpt.checkpoint.save_plan import PieceInfo, SavePlan, WriteTask, make_save_plan
+from shardckpt.checkpoint.save_plan import SavePlan, WriteTask, make_save_plan
+from shardckpt.checkpoint.stage import Staged, stage
 from shardckpt.checkpoint.writer import RankResult, write_rank_files
-from shardckpt.errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
-from shardckpt.io import Storage, open_storage
-from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorEntry, parse_manifest
+from shardckpt.dist.group import Failure, Group, attempt, raise_failures, resolve_group
+from shardckpt.errors import CheckpointError, CheckpointExistsError
 from shardckpt.format.dtypes import DTYPES
-from shardckpt.format.tree import check_savable_depth, encode, leaves, path_name
+from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorEntry, parse_manifest
+from shardckpt.io import Storage, open_storage
+
+__all__ = ["save", "stage", "plan", "persist", "Staged", "Planned", "DEFAULT_FILES_PER_RANK"]
 
 DEFAULT_FILES_PER_RANK = 2  # data files each rank writes in parallel on save
 
@@ -38,56 +55,80 @@ def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
     JSON-able dict stored in the manifest. A committed checkpoint at ``path`` is replaced only with
     ``overwrite=True``; readers then see the complete old or the complete new checkpoint. Each rank writes
     ``files_per_rank`` data files in parallel (rank 0's value counts).
+
+    The same as ``persist(staged, plan(staged, path, ...))`` with ``staged = stage(state_dict, ...)``.
     """
+    staged = stage(state_dict, process_group=process_group, metadata=metadata)
+    planned = plan(staged, path, process_group=process_group, overwrite=overwrite, files_per_rank=files_per_rank,
+                   storage_options=storage_options)
+    persist(staged, planned)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """This rank's part of a save plan: where its files go and which chunks it writes.
+
+    ``save_plan`` (the whole plan: every tensor's chunks and writers) is on rank 0 only, which commits."""
+
+    group: Group
+    storage: Storage
+    generation: str
+    tasks: list[WriteTask]
+    files_per_rank: int
+    save_plan: SavePlan | None
+
+    @property
+    def data_dir(self) -> str:
+        return data_dir(self.generation)
+
+
+def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
+         files_per_rank: int = DEFAULT_FILES_PER_RANK, storage_options: dict | None = None) -> Planned:
+    """Save step 2 of 3 (collective): rank 0 gathers every rank's piece infos, checks them, refuses an
+    existing checkpoint unless ``overwrite``, and sends each rank its write tasks. Raises on every rank if
+    any rank failed to stage or to open ``path``, or if planning failed. Writes nothing."""
     group = resolve_group(process_group)
-    storage = open_storage(path, storage_options)
-    prepared = attempt(group.rank, lambda: _prepare(state_dict, metadata, group))
-    gathered = group.gather(prepared if isinstance(prepared, Failure) else prepared[1])
-    plan = _plan_on_coordinator(group, storage, gathered, overwrite, files_per_rank) if group.is_coordinator else None
-    mine = group.scatter(_per_rank(plan, group.world_size) if group.is_coordinator else None)
-    raise_failures([prepared, mine])
-    pieces, _, encoded_tree = prepared
+
+    def local() -> Storage:
+        if staged.rank != group.rank:
+            raise ValueError(f"this Staged was staged as rank {staged.rank}, but this is rank {group.rank} of "
+                             "the process group given to plan(); stage and plan with the same group")
+        return open_storage(path, storage_options)
+
+    storage = staged.failure or attempt(group.rank, local)
+    gathered = group.gather(storage if isinstance(storage, Failure) else staged.infos)
+    whole = None
+    if group.is_coordinator:
+        whole = storage if isinstance(storage, Failure) else \
+            _plan_on_coordinator(storage, gathered, overwrite, files_per_rank)
+    mine = group.scatter(_per_rank(whole, group.world_size) if group.is_coordinator else None)
+    raise_failures([storage, mine])
     generation, tasks, per_rank = mine
-    result = attempt(group.rank, lambda: _write(storage, generation, group.rank, tasks, pieces, per_rank))
+    return Planned(group, storage, generation, tasks, per_rank, whole if group.is_coordinator else None)
+
+
+def persist(staged: Staged, planned: Planned) -> None:
+    """Save step 3 of 3 (collective, on ``planned``'s group): every rank writes its data and index files
+    from ``staged``'s host buffers (block checksums computed as they are written) and makes them durable;
+    rank 0 gathers the results and commits the manifest last. Raises on every rank if any rank failed; the
+    failed generation's files are then removed and a previous checkpoint stays as it was. Call it once
+    per ``Planned``; it may run in a background thread (see the module docstring)."""
+    group = planned.group
+    result = attempt(group.rank, lambda: _write(planned, staged))
     results = group.gather(result)
     outcome = None
     if group.is_coordinator:
-        outcome = attempt(0, lambda: _commit(storage, plan, results, encoded_tree, group.world_size, metadata))
+        outcome = attempt(0, lambda: _commit(planned, results, staged))
     raise_failures([group.broadcast(outcome)])
 
 
-def _prepare(state_dict: dict, metadata: dict | None, group: Group) -> tuple[dict, list[PieceInfo], Any]:
-    check_savable_depth(state_dict)
-    _check_unique_names(state_dict)
-    pieces = local_pieces(state_dict)
-    by_name = {p.name: p for p in pieces}
-    encoded = encode(state_dict, is_tensor_like) if group.is_coordinator else None
-    if metadata is not None:
-        try:
-            json.dumps(metadata, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise UnsupportedValueError(f"save(metadata=...) must be JSON-able: {e}") from None
-    return by_name, [PieceInfo.of(p) for p in pieces], encoded
-
-
-def _check_unique_names(state_dict: dict) -> None:
-    """Loads match entries by their keys joined with '.', so two entries may not share that name."""
-    seen: set[str] = set()
-    for leaf_path, _ in leaves(state_dict, is_tensor_like):
-        name = path_name(leaf_path)
-        if name in seen:
-            raise UnsupportedValueError(f"two state-dict entries are both named {name!r} once their keys are "
-                                        "joined with '.' (e.g. a key 'a.b' beside 'a' -> 'b'); rename one")
-        seen.add(name)
-
-
-def _plan_on_coordinator(group: Group, storage: Storage, gathered: list, overwrite: bool,
+def _plan_on_coordinator(storage: Storage, gathered: list, overwrite: bool,
                          files_per_rank: int) -> SavePlan | Failure:
     failures = [g for g in gathered if isinstance(g, Failure)]
     if failures:
         return failures[0]
 
-    def plan() -> SavePlan:
+    def make() -> SavePlan:
         if not overwrite and storage.exists(MANIFEST_NAME):
             raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: a checkpoint already exists; pass "
                                         "overwrite=True to replace it")
@@ -95,30 +136,28 @@ def _plan_on_coordinator(group: Group, storage: Storage, gathered: list, overwri
             raise ValueError(f"files_per_rank must be an int in 1..64, got {files_per_rank!r}")
         return make_save_plan(gathered, uuid.uuid4().hex[:16], files_per_rank)
 
-    return attempt(0, plan)
+    return attempt(0, make)
 
 
-def _per_rank(plan: SavePlan | Failure, world_size: int) -> list:
-    if isinstance(plan, Failure):
-        return [plan] * world_size
-    return [(plan.generation, plan.tasks[r], plan.files_per_rank) for r in range(world_size)]
+def _per_rank(whole: SavePlan | Failure, world_size: int) -> list:
+    if isinstance(whole, Failure):
+        return [whole] * world_size
+    return [(whole.generation, whole.tasks[r], whole.files_per_rank) for r in range(world_size)]
 
 
 def data_dir(generation: str) -> str:
     return f"data-{generation}"
 
 
-def _write(storage: Storage, generation: str, rank: int, tasks: list[WriteTask], pieces: dict,
-           files_per_rank: int) -> RankResult | None:
-    if not tasks:
+def _write(planned: Planned, staged: Staged) -> RankResult | None:
+    if not planned.tasks:
         return None
-    return write_rank_files(storage, f"{data_dir(generation)}/rank-{rank:05d}", tasks, pieces,
-                            files_per_rank)
+    base = f"{planned.data_dir}/rank-{planned.group.rank:05d}"
+    return write_rank_files(planned.storage, base, planned.tasks, staged.pieces, planned.files_per_rank)
 
 
-def _commit(storage: Storage, plan: SavePlan, results: list, encoded_tree: Any, world_size: int,
-            metadata: dict | None) -> None:
-    generation = plan.generation
+def _commit(planned: Planned, results: list, staged: Staged) -> None:
+    storage, save_plan, generation = planned.storage, planned.save_plan, planned.generation
     failures = [r for r in results if isinstance(r, Failure)]
     if failures:
         storage.remove_dir(data_dir(generation))
@@ -129,7 +168,7 @@ def _commit(storage: Storage, plan: SavePlan, results: list, encoded_tree: Any, 
             first_file[rank] = len(files)
             files.extend(result.files)
     tensors = {}
-    for name, tp in plan.tensors.items():
+    for name, tp in save_plan.tensors.items():
         crc = 0
         for result in results:
             crc ^= result.crc_terms.get(name, 0) if result is not None else 0
@@ -137,9 +176,9 @@ def _commit(storage: Storage, plan: SavePlan, results: list, encoded_tree: Any, 
     if files:
         storage.sync_dir(data_dir(generation))
     previous = _previous_generation(storage)
-    manifest = Manifest(world_size=world_size, generation=generation, tree=None, tensors=tensors, files=files,
-                        metadata=metadata or {}, created_by=f"shardckpt {__version__}")
-    storage.put_atomic(MANIFEST_NAME, manifest.to_bytes(encoded_tree))
+    manifest = Manifest(world_size=planned.group.world_size, generation=generation, tree=None, tensors=tensors,
+                        files=files, metadata=staged.metadata or {}, created_by=f"shardckpt {__version__}")
+    storage.put_atomic(MANIFEST_NAME, manifest.to_bytes(staged.tree))
     if previous is not None and previous != generation:
         storage.remove_dir(data_dir(previous))
 

@@ -1,4 +1,9 @@
-"""Writing one rank's data files: stage each chunk's bytes, checksum them, write them, make them durable."""
+"""Writing one rank's data files from staged host buffers: checksum each block, write it, make the files durable.
+
+The pieces come from ``checkpoint.stage`` (their ``data`` is already a contiguous CPU tensor: this module
+copies nothing to the host). Each block's CRC32C is computed just before the block is written, while its
+bytes are in cache; a call to the storage writer covers ``WRITE_SIZE`` bytes (whole blocks).
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -28,12 +33,13 @@ class RankResult:
     crc_terms: dict[str, int]  # per tensor: XOR of this rank's chunks' checksum terms
 
 
-def _host_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU uint8 view of ``t`` (copied only when it is on a device or not contiguous)."""
-    t = t.detach().resolve_conj().resolve_neg()  # the values, not a lazily conjugated/negated view of them
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    return as_bytes(t.contiguous())
+def _staged_bytes(piece: LocalPiece) -> torch.Tensor:
+    """The piece's staged bytes: a flat uint8 view of its host tensor (see ``checkpoint.stage``)."""
+    t = piece.data
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        raise ValueError(f"{piece.name!r} is not staged: its data must be a contiguous CPU tensor without "
+                         "conj/neg bits (checkpoint.stage.stage makes them)")
+    return as_bytes(t)
 
 
 def _crc_term(piece: LocalPiece, crc: int, raw: torch.Tensor) -> int:
@@ -52,7 +58,7 @@ def _write_chunk(writer, piece: LocalPiece) -> tuple[ChunkRecord, int]:
     """Stream one chunk, each block checksummed just before it is written (while it is in cache).
 
     Returns the record (offset 0: the caller places it) and the chunk's term of the tensor checksum."""
-    raw = _host_bytes(piece.data)
+    raw = _staged_bytes(piece)
     data = memoryview(raw.numpy())
     block = BLOCK_SIZE  # read at call time: tests shrink it to get many blocks from small tensors
     step = max(WRITE_SIZE // block, 1) * block  # writes end on block boundaries
@@ -67,7 +73,9 @@ def _write_chunk(writer, piece: LocalPiece) -> tuple[ChunkRecord, int]:
 
 def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: list[WriteTask],
                     pieces: dict[str, LocalPiece]) -> tuple[FileEntry, dict[str, int]]:
-    """Write the tasks' chunks in order (offsets aligned) and the file's index; both durable on return."""
+    """Write the tasks' chunks in order (offsets aligned) and the file's index; both durable on return.
+
+    ``pieces``: staged pieces by name (``Staged.pieces``)."""
     records: dict[tuple[str, int], ChunkRecord] = {}
     terms: dict[str, int] = {}
     writer, pos = storage.open_writer(data_path), 0

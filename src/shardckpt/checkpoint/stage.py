@@ -1,0 +1,138 @@
+"""Save step 1 of 3, ``stage``: what this rank will write, already on the host (local: no collectives, no I/O).
+
+``stage`` turns a state dict into a ``Staged``: each tensor piece this rank may write as a contiguous CPU
+tensor with its conjugate/negative bits resolved (its bytes are what goes into the data file), the
+encoded tree of plain values (on rank 0, which commits it) and the metadata. ``plan`` and ``persist``
+(``checkpoint/save.py``) then decide where the bytes go and write them; nothing after ``stage`` reads the
+caller's state dict.
+
+Copies, and what a ``Staged`` aliases:
+
+- A CPU tensor that is already contiguous (and has no conj/neg bit) is *not* copied: its buffer is a view
+  of the caller's tensor, so a save costs no extra memory and no memcpy. Such a snapshot aliases the
+  caller's tensors: they must not be modified until ``persist`` returns. ``copy=True`` asks for a real
+  snapshot (one host copy of each such tensor), after which the caller may change them at once (what a
+  background ``persist`` of CPU tensors needs).
+- A device tensor is copied to (pageable) host memory, and a non-contiguous or lazily conjugated/negated
+  CPU tensor is copied into a contiguous one: those buffers never alias the caller's tensors.
+- Plain values (the tree) and the metadata are snapshots (encoded / deep-copied here).
+
+Every tensor piece this rank holds is staged, except replicas that another rank stores (a DTensor's
+non-owner replica): which rank stores a plain (replicated) tensor is decided later, by ``plan``, so every
+rank stages its plain tensors. For device tensors the whole of this rank's share is on the host at once.
+
+``stage`` does not raise: a rank that raised here would leave the others waiting in ``plan``'s
+collectives. Its error is kept in ``Staged.failure`` and ``plan`` raises it on every rank.
+"""
+from __future__ import annotations
+
+import copy as copy_module
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardckpt.checkpoint.collect import LocalPiece, is_tensor_like, local_pieces
+from shardckpt.checkpoint.save_plan import PieceInfo
+from shardckpt.dist.group import Failure, attempt, resolve_group
+from shardckpt.errors import UnsupportedValueError
+from shardckpt.format.tree import check_savable_depth, encode, leaves, path_name
+from shardckpt.tensor_views import as_bytes
+
+
+@dataclass(frozen=True)
+class Staged:
+    """One rank's snapshot of a state dict, ready for ``plan`` and ``persist``.
+
+    ``pieces``: by name, what this rank may write; each ``data`` is a contiguous CPU tensor (see the module
+    docstring for when it aliases the caller's tensor). ``infos``: what ``plan`` tells rank 0 about every
+    tensor leaf. ``tree``: the encoded tree of plain values (rank 0 only; None elsewhere). ``aliased``: the
+    names whose buffer is a view of the caller's tensor (empty with ``copy=True``). ``failure``: this rank's
+    staging error, raised on every rank by ``plan``.
+    """
+
+    rank: int
+    pieces: dict[str, LocalPiece]
+    infos: list[PieceInfo]
+    tree: Any
+    metadata: dict | None
+    aliased: frozenset[str]
+    failure: Failure | None = None
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The bytes that will be written for ``name``: a flat uint8 view of its staged tensor (no copy)."""
+        return as_bytes(self.pieces[name].data)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data staged on this rank."""
+        return sum(p.data.nbytes for p in self.pieces.values())
+
+
+def stage(state_dict: dict, *, process_group: Any = None, metadata: dict | None = None,
+          copy: bool = False) -> Staged:
+    """Stage this rank's part of ``state_dict`` on the host (save step 1 of 3; local, no collectives).
+
+    ``process_group`` only tells this rank its place (rank 0 encodes the tree); it must be the group later
+    given to ``plan``. ``metadata``: a JSON-able dict for the manifest (rank 0's is stored). ``copy``: also
+    copy CPU tensors that could be shared (contiguous ones), so that the caller may modify them before
+    ``persist`` returns. Errors are returned in ``Staged.failure`` (``plan`` raises them on every rank).
+    """
+    group = resolve_group(process_group)
+    staged = attempt(group.rank, lambda: _stage(state_dict, group.rank, group.is_coordinator, metadata, copy))
+    if isinstance(staged, Failure):
+        return Staged(group.rank, {}, [], None, None, frozenset(), staged)
+    return staged
+
+
+def _stage(state_dict: dict, rank: int, coordinator: bool, metadata: dict | None, copy: bool) -> Staged:
+    check_savable_depth(state_dict)
+    _check_unique_names(state_dict)
+    pieces = local_pieces(state_dict)
+    infos = [PieceInfo.of(p) for p in pieces]
+    tree = encode(state_dict, is_tensor_like) if coordinator else None
+    if metadata is not None:
+        try:
+            json.dumps(metadata, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise UnsupportedValueError(f"save(metadata=...) must be JSON-able: {e}") from None
+        metadata = copy_module.deepcopy(metadata)
+    host: dict[str, LocalPiece] = {}
+    aliased = set()
+    for piece in pieces:
+        if not piece.owner:  # a replica another rank stores: never written from here
+            continue
+        data, shares = host_tensor(piece.data, copy)
+        host[piece.name] = LocalPiece(piece.name, piece.path, data, piece.shape, piece.region, piece.replicated,
+                                      piece.owner)
+        if shares:
+            aliased.add(piece.name)
+    return Staged(rank, host, infos, tree, metadata, frozenset(aliased))
+
+
+def host_tensor(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, bool]:
+    """``t``'s values as a contiguous CPU tensor without conj/neg bits, and whether it shares ``t``'s memory.
+
+    Copied only when ``t`` is on a device, not contiguous, lazily conjugated/negated, or ``copy`` is set."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        out.copy_(t.resolve_conj().resolve_neg())  # one copy, into a contiguous host tensor
+        return out, False
+    out = t.resolve_conj().resolve_neg().contiguous()  # each a no-op unless it has to copy
+    shares = out.numel() > 0 and out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    if shares and copy:
+        out, shares = out.clone(memory_format=torch.contiguous_format), False
+    return out, shares
+
+
+def _check_unique_names(state_dict: dict) -> None:
+    """Loads match entries by their keys joined with '.', so two entries may not share that name."""
+    seen: set[str] = set()
+    for leaf_path, _ in leaves(state_dict, is_tensor_like):
+        name = path_name(leaf_path)
+        if name in seen:
+            raise UnsupportedValueError(f"two state-dict entries are both named {name!r} once their keys are "
+                                        "joined with '.' (e.g. a key 'a.b' beside 'a' -> 'b'); rename one")
+        seen.add(name)
