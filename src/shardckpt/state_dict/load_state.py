@@ -26,6 +26,7 @@ from shardckpt.state_dict.model_state import buffers
 from shardckpt.state_dict.optim_state import (
     _by_param, init_optim_state, match_param_groups, plain_names, unsharded_param_names,
 )
+from shardckpt.state_dict.per_param import shaped_like
 from shardckpt.state_dict.param_ids import positional_names, resolve_id_names, unknown_ids
 from shardckpt.state_dict.rekey import key_type_of
 from shardckpt.state_dict.types import OptimStateKeyType
@@ -263,7 +264,7 @@ def _per_param(value: Any, param: torch.Tensor, names: tuple[str, ...], saved_va
     piece by piece, rather than a scalar such as ``step``, read whole. A 0-d parameter's per-parameter
     state is 0-d like ``step``: a saved 0-d tensor is its whole value either way, but a LOCAL checkpoint
     holds it inside its flat group's tensor, to be read at the member's offset."""
-    if not torch.is_tensor(value) or value.shape != param.shape:
+    if not shaped_like(value, param.shape):
         return False
     if value.dim() > 0:
         return True

@@ -18,7 +18,7 @@ from shardckpt.state_dict.model_state import (
     LOCAL, SHARDED, _group_state, _set_local, fill_replicas, local_value, member_regions, member_source, rank0_only,
 )
 from shardckpt.state_dict.param_ids import NOT_HYPER, hyper_parameters, positional_names
-from shardckpt.state_dict.per_param import is_per_param, per_param_keys
+from shardckpt.state_dict.per_param import is_per_param, per_param_keys, shaped_like
 from shardckpt.state_dict.redistribute import assemble_chunks
 from shardckpt.state_dict.rekey import keyed_by_name, rekey_optim_state_dict
 from shardckpt.state_dict.types import OptimStateKeyType, StateDictConfig, StateDictType
@@ -35,8 +35,7 @@ def unsharded_param_names(model: nn.Module) -> list[str]:
 
 def _flat_keys(state: dict, group: FlatGroup) -> list[str]:
     """State entries shaped like the flat shard: they are sharded like the parameter itself."""
-    return [k for k, v in state.items()
-            if torch.is_tensor(v) and v.dim() == 1 and v.numel() == group.layout.shard_numel]
+    return [k for k, v in state.items() if shaped_like(v, (group.layout.shard_numel,))]
 
 
 def _by_param(model: nn.Module, optim: torch.optim.Optimizer) -> list[FlatGroup]:

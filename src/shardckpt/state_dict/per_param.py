@@ -15,13 +15,18 @@ from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.sharded_tensor import ShardedTensor
 
 
+def shaped_like(value: Any, shape: tuple[int, ...]) -> bool:
+    """Whether ``value`` is a tensor of exactly ``shape``: the one test of "sharded like its parameter"."""
+    return torch.is_tensor(value) and tuple(value.shape) == tuple(shape)
+
+
 def per_param_keys(entries: Iterable[tuple[tuple[int, ...], dict]]) -> set:
     """The keys some parameter of 1+ dimensions holds with its own shape (or that are ShardedTensors),
     over ``(parameter shape, state entry)`` pairs."""
     keys = set()
     for shape, entry in entries:
         for k, v in entry.items():
-            if isinstance(v, ShardedTensor) or (shape and torch.is_tensor(v) and tuple(v.shape) == tuple(shape)):
+            if isinstance(v, ShardedTensor) or (shape and shaped_like(v, shape)):
                 keys.add(k)
     return keys
 
@@ -30,7 +35,7 @@ def is_per_param(key: Any, value: Any, shape: tuple[int, ...], keys: set, name: 
     """Whether ``value`` (state ``key`` of the parameter ``name`` of ``shape``) is per-parameter, given the
     ``per_param_keys`` of the whole state. ``strict``: refuse when nothing can tell (every parameter with
     tensor state is 0-d) instead of treating 0-d state as scalars."""
-    if not torch.is_tensor(value) or tuple(value.shape) != tuple(shape):
+    if not shaped_like(value, shape):
         return False
     if shape or key in keys:
         return True
