@@ -1,0 +1,169 @@
+"""Which format a path holds, and its reader: ``open_reader(path)`` for a local path or any fsspec URL.
+
+The formats are tried in the order of two tables, each row a description (for the error that lists what was
+looked for) and a function that returns a reader, or ``None`` when the place does not hold its format:
+
+- ``DIRECTORY_DETECTORS`` look at the path as a directory (or URL prefix): shardckpt's own format
+  (``manifest.json``), then a Hugging Face safetensors directory (``model.safetensors.index.json``, or exactly
+  one ``*.safetensors`` file). A torch DCP detector (a directory with a ``.metadata`` file) goes in this table,
+  before safetensors, when its reader exists.
+- ``FILE_DETECTORS`` look at the path as one file: a safetensors file (by its ``.safetensors`` name, or by its
+  first bytes: an 8-byte header length that fits in the file, then ``{``), then a ``torch.save`` file (the zip
+  magic, or a pickle's protocol marker; local files only, see ``formats/torch_save.py``).
+
+A detector that recognises its format but finds it damaged raises (``CorruptCheckpointError`` and kin) rather
+than passing the path on: a broken safetensors file is reported as one, not as an unknown format. Anything
+unrecognised raises ``CheckpointNotFoundError``, listing the formats looked for.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Callable
+
+from shardckpt.errors import CheckpointNotFoundError
+from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.formats.api import CheckpointReader
+from shardckpt.formats.native import NativeReader, read_manifest
+from shardckpt.formats.safetensors import (
+    INDEX_NAME, MAX_HEADER_SIZE, SUFFIX, SafetensorsReader, is_directory, list_files, split_path,
+)
+from shardckpt.formats.torch_save import TorchSaveReader, is_torch_save
+from shardckpt.io import DEFAULT_IO_THREADS, LocalStorage, Storage, open_storage
+
+HEAD_BYTES = 16  # what the file detectors see of a file's beginning
+
+
+@dataclass
+class Place:
+    """What the detectors look at: ``path`` as a directory (``storage``) and, when it is a file, its bytes.
+
+    Everything is looked up lazily and at most once, so a detector pays only for what it asks.
+    """
+
+    path: str
+    storage_options: dict | None = None
+    io_threads: int = DEFAULT_IO_THREADS
+    verify: bool = True
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def _memo(self, key: str, make: Callable):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    @property
+    def storage(self) -> Storage:
+        """The path as a directory or URL prefix."""
+        return self._memo("storage", lambda: open_storage(self.path, self.storage_options))
+
+    @property
+    def is_dir(self) -> bool:
+        return self._memo("is_dir", lambda: is_directory(self.storage))
+
+    @property
+    def parent(self) -> tuple[Storage, str]:
+        """The storage of the path's directory, and the path's name in it."""
+        def make():
+            parent, name = split_path(self.path)
+            return open_storage(parent, self.storage_options), name
+        return self._memo("parent", make)
+
+    @property
+    def file_size(self) -> int | None:
+        """The size of the path as a file; None when it is a directory or missing."""
+        def make():
+            if self.is_dir:
+                return None
+            storage, name = self.parent
+            if isinstance(storage, LocalStorage):
+                return os.path.getsize(storage.url(name)) if os.path.isfile(storage.url(name)) else None
+            return storage.file_size(name) if name and storage.exists(name) else None
+        return self._memo("file_size", make)
+
+    @property
+    def head(self) -> bytes:
+        """The file's first ``HEAD_BYTES`` bytes (fewer for a shorter file; none for a directory)."""
+        def make():
+            size = self.file_size
+            if not size:
+                return b""
+            storage, name = self.parent
+            buf = bytearray(min(size, HEAD_BYTES))
+            storage.read_into(name, 0, memoryview(buf))
+            return bytes(buf)
+        return self._memo("head", make)
+
+
+Detector = Callable[[Place], "CheckpointReader | None"]
+
+
+def _native(place: Place) -> CheckpointReader | None:
+    storage = place.storage
+    if not storage.exists(MANIFEST_NAME):
+        return None
+    return NativeReader(storage, read_manifest(storage), io_threads=place.io_threads, verify=place.verify)
+
+
+def _safetensors_directory(place: Place) -> CheckpointReader | None:
+    storage = place.storage
+    if storage.exists(INDEX_NAME):
+        return SafetensorsReader.from_directory(storage, io_threads=place.io_threads)
+    if not place.is_dir or not any(n.endswith(SUFFIX) for n in list_files(storage)):
+        return None
+    return SafetensorsReader.from_directory(storage, io_threads=place.io_threads)  # several files: it says so
+
+
+def _looks_like_safetensors(head: bytes, size: int) -> bool:
+    if len(head) < 9:
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    return 2 <= n <= MAX_HEADER_SIZE and 8 + n <= size and head[8:9] == b"{"
+
+
+def _safetensors_file(place: Place) -> CheckpointReader | None:
+    size = place.file_size
+    if size is None:
+        return None
+    storage, name = place.parent
+    if not name.endswith(SUFFIX) and not _looks_like_safetensors(place.head, size):
+        return None
+    return SafetensorsReader.from_file(storage, name, io_threads=place.io_threads)
+
+
+def _torch_save(place: Place) -> CheckpointReader | None:
+    if place.file_size is None or not is_torch_save(place.head):
+        return None
+    return TorchSaveReader(place.path)  # a URL: it raises, saying to copy the file to local disk
+
+
+# (what is looked for, the detector), tried in order.
+DIRECTORY_DETECTORS: list[tuple[str, Detector]] = [
+    (f"a shardckpt checkpoint (a directory with {MANIFEST_NAME})", _native),
+    # The torch DCP reader adds its row here: ("a torch DCP checkpoint (a directory with .metadata)", _dcp).
+    (f"a safetensors directory ({INDEX_NAME}, or exactly one *{SUFFIX} file)", _safetensors_directory),
+]
+FILE_DETECTORS: list[tuple[str, Detector]] = [
+    (f"a safetensors file (*{SUFFIX})", _safetensors_file),
+    ("a torch.save file (zip archive or pickle)", _torch_save),
+]
+
+
+def open_reader(path: str | os.PathLike, *, storage_options: dict | None = None,
+                io_threads: int = DEFAULT_IO_THREADS, verify: bool = True) -> CheckpointReader:
+    """The reader for whatever checkpoint ``path`` (a local path or fsspec URL) holds.
+
+    ``storage_options`` go to fsspec; ``io_threads`` bounds concurrent reads; ``verify`` (check stored
+    checksums) matters for formats that store them (shardckpt's own). Raises ``CheckpointNotFoundError``
+    when no format is recognised, and the format's own errors when a recognised one is damaged.
+    """
+    place = Place(os.fspath(path), storage_options, io_threads, verify)
+    for _, detect in DIRECTORY_DETECTORS + FILE_DETECTORS:
+        reader = detect(place)
+        if reader is not None:
+            return reader
+    looked = "; ".join(what for what, _ in DIRECTORY_DETECTORS + FILE_DETECTORS)
+    there = "nothing readable is there" if not place.is_dir and place.file_size is None else \
+        "it holds no checkpoint format shardckpt reads"
+    raise CheckpointNotFoundError(f"{place.path}: {there}. Looked for: {looked}")

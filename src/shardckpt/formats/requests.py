@@ -1,0 +1,50 @@
+"""Checking read requests against a reader's tensors, shared by the readers of foreign formats.
+
+The errors and messages are those of ``formats/native/plan.target_of``: an unknown tensor or a region outside
+the tensor is an ``IncompatibleCheckpointError`` (the checkpoint does not hold what was asked for); a
+destination that is not contiguous or has the wrong number of elements is the caller's ``ValueError``.
+A reader checks every request of a ``read`` call (``check_requests``) before it reads a single byte.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from shardckpt.errors import IncompatibleCheckpointError
+from shardckpt.formats.api import ReadRequest, TensorInfo
+from shardckpt.regions import Region, check_region
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request found sound: ``flat`` is its ``dest`` as a 1-D view holding ``region`` of ``info``'s tensor."""
+
+    info: TensorInfo
+    region: Region
+    flat: torch.Tensor
+
+
+def check_request(infos: Mapping[str, TensorInfo], request: ReadRequest, where: str) -> CheckedRequest:
+    """``request`` checked against ``infos`` (``where`` names the checkpoint in errors)."""
+    info = infos.get(request.tensor)
+    if info is None:
+        raise IncompatibleCheckpointError(f"{where}: the checkpoint has no tensor {request.tensor!r}")
+    try:
+        check_region(request.region, info.shape)
+    except ValueError as e:
+        raise IncompatibleCheckpointError(f"tensor {request.tensor!r}: {e}") from None
+    dest = request.dest
+    if not isinstance(dest, torch.Tensor):
+        raise ValueError(f"destination for {request.tensor!r} must be a torch.Tensor, got {type(dest).__name__}")
+    if dest.numel() != request.region.numel or not dest.is_contiguous():
+        raise ValueError(f"destination for {request.tensor!r} must be contiguous with {request.region.numel} "
+                         "elements")
+    return CheckedRequest(info, request.region, dest.detach().reshape(-1))
+
+
+def check_requests(infos: Mapping[str, TensorInfo], requests: Sequence[ReadRequest],
+                   where: str) -> list[CheckedRequest]:
+    """Every request checked, in order; the first bad one raises (nothing has been read by then)."""
+    return [check_request(infos, r, where) for r in requests]

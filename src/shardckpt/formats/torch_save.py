@@ -1,0 +1,167 @@
+"""``torch.save`` files behind the one read interface, loaded safely and memory-mapped.
+
+The file is loaded once, with ``torch.load(path, map_location="cpu", weights_only=True, mmap=True)``: torch's
+restricted unpickler admits tensors, plain containers and torch's own few types, nothing else, so a file
+that names any other class or callable (a pickle that would run code) is refused with a
+``CorruptCheckpointError`` naming the file, and nothing in it is executed. ``mmap`` keeps the tensors' bytes
+in the file: ``read`` copies just the requested region, so only the pages it touches are read from disk.
+Files in torch's legacy (pre-1.6, non-zip) format cannot be memory-mapped; they are loaded whole, still with
+``weights_only``.
+
+Only local files (and ``file://``) are read: ``torch.load`` needs a seekable local file to map. A URL is refused
+with a ``CheckpointError`` that says to copy the file to local disk first (downloading it here would read the
+whole file whatever the caller asks for).
+
+Tensors are named by their path in the loaded nesting, keys joined by ``.`` (``format.tree.path_name``: the
+``state_dict`` key for a flat state dict, ``"state.0.exp_avg"`` inside an optimizer's). ``tree()`` is the loaded
+nesting (dicts, lists, tuples) with every tensor replaced by ``TensorRef(name)`` and every other value kept as
+loaded; a file that holds a single tensor has the tree ``TensorRef("")``. ``crc32c`` is ``None``: torch.save
+stores no checksum.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from shardckpt.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
+from shardckpt.format.tree import MAX_DEPTH, TensorRef, depth_exceeds, path_name
+from shardckpt.formats.api import ReadRequest, TensorInfo
+from shardckpt.formats.requests import check_requests
+from shardckpt.regions import Box, FlatRange
+
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format since torch 1.6 (a zip archive)
+PICKLE_MAGIC = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # the legacy format: pickles, protocol 2+
+
+
+def is_torch_save(head: bytes) -> bool:
+    """Whether a file's first bytes look like a ``torch.save`` file (a zip archive or a pickle)."""
+    return head.startswith(ZIP_MAGIC) or head[:2] in PICKLE_MAGIC
+
+
+def local_path(path: str | os.PathLike) -> str:
+    """``path`` as a local file path; a URL other than ``file://`` raises ``CheckpointError``."""
+    path = os.fspath(path)
+    if path.startswith("file://"):
+        return path[len("file://"):]
+    if "://" in path:
+        raise CheckpointError(f"{path}: a torch.save file is read from local disk only (torch.load memory-maps "
+                              "it); copy it to a local file first")
+    return path
+
+
+def _boxes(lo: int, hi: int, shape: tuple[int, ...]):
+    """The flat range ``[lo, hi)`` of a row-major ``shape`` as consecutive boxes ``(offsets, sizes)``, in order."""
+    if lo >= hi:
+        return
+    if not shape:
+        yield (), ()
+        return
+    inner = 1
+    for s in shape[1:]:
+        inner *= s
+    first, last = lo // inner, (hi - 1) // inner
+    if first == last:
+        for off, size in _boxes(lo - first * inner, hi - first * inner, shape[1:]):
+            yield (first,) + off, (1,) + size
+        return
+    if lo % inner:
+        for off, size in _boxes(lo - first * inner, inner, shape[1:]):
+            yield (first,) + off, (1,) + size
+        first += 1
+    full = hi // inner
+    if full > first:
+        yield (first,) + (0,) * (len(shape) - 1), (full - first,) + tuple(shape[1:])
+    if hi % inner:
+        for off, size in _boxes(0, hi - full * inner, shape[1:]):
+            yield (full,) + off, (1,) + size
+
+
+class TorchSaveReader:
+    """A ``CheckpointReader`` over one ``torch.save`` file (see the module's docstring)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.path.abspath(local_path(path))
+        if not os.path.isfile(self.path):
+            raise CorruptCheckpointError(f"{self.path}: no such file")
+        with open(self.path, "rb") as f:
+            head = f.read(4)
+        try:
+            obj = torch.load(self.path, map_location="cpu", weights_only=True, mmap=head.startswith(ZIP_MAGIC))
+        except pickle.UnpicklingError as e:
+            raise CorruptCheckpointError(f"{self.path}: refused: torch.load(weights_only=True) found more than "
+                                         f"tensors and plain containers, and shardckpt never unpickles arbitrary "
+                                         f"objects ({str(e).splitlines()[0][:300] if str(e) else e!r})") from None
+        except Exception as e:  # a damaged or truncated archive: torch raises RuntimeError, EOFError, ...
+            raise CorruptCheckpointError(f"{self.path}: not a loadable torch.save file "
+                                         f"({e.__class__.__name__}: {str(e)[:300]})") from None
+        if depth_exceeds(obj):
+            raise CorruptCheckpointError(f"{self.path}: the saved object nests more than {MAX_DEPTH} levels deep")
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._tree = self._walk(obj, ())
+        self._infos = {n: TensorInfo(n, t.dtype, tuple(t.shape), None) for n, t in self._tensors.items()}
+
+    def _walk(self, obj: Any, path: tuple) -> Any:
+        if isinstance(obj, torch.Tensor):
+            name = path_name(path)
+            if obj.layout != torch.strided or obj.is_quantized or obj.is_nested:
+                raise IncompatibleCheckpointError(f"{self.path}: tensor {name!r} has layout {obj.layout}; only "
+                                                  "dense tensors are read")
+            if name in self._tensors:
+                raise IncompatibleCheckpointError(f"{self.path}: two tensors are both named {name!r} (keys joined "
+                                                  "by '.')")
+            self._tensors[name] = obj.detach()
+            return TensorRef(name)
+        if isinstance(obj, dict):
+            if not self._has_tensor(obj):
+                return obj
+            return {k: self._walk(v, path + (k,)) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            if not self._has_tensor(obj):
+                return obj
+            items = [self._walk(v, path + (i,)) for i, v in enumerate(obj)]
+            return items if isinstance(obj, list) else tuple(items)
+        return obj
+
+    @staticmethod
+    def _has_tensor(obj: Any) -> bool:
+        stack = [obj]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, torch.Tensor):
+                return True
+            if isinstance(node, dict):
+                stack.extend(node.values())
+            elif isinstance(node, (list, tuple)):
+                stack.extend(node)
+        return False
+
+    def tensors(self) -> Mapping[str, TensorInfo]:
+        return dict(self._infos)
+
+    def tree(self) -> Any:
+        return self._tree
+
+    def read(self, requests: Sequence[ReadRequest]) -> None:
+        checked = check_requests(self._infos, requests, self.path)
+        for c in checked:
+            src = self._tensors[c.info.name]
+            region = c.region
+            if isinstance(region, Box):
+                pieces = [(region.offsets, region.sizes)] if region.numel else []
+            else:
+                assert isinstance(region, FlatRange)
+                pieces = list(_boxes(region.start, region.stop, tuple(src.shape)))
+            pos = 0
+            for offsets, sizes in pieces:
+                n = 1
+                for s in sizes:
+                    n *= s
+                view = src[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+                if view.dtype == torch.bool and n and int(view.view(torch.uint8).max()) > 1:
+                    raise CorruptCheckpointError(f"{self.path}: tensor {c.info.name!r} holds a bool byte other "
+                                                 "than 0 or 1")
+                c.flat[pos:pos + n].view(sizes).copy_(view)
+                pos += n
