@@ -71,3 +71,20 @@ def test_bad_requests_are_refused_before_anything_is_read(saved, request_, error
     with pytest.raises(error, match=message):
         reader.read([ReadRequest("w", FlatRange(0, 3), good), request_])
     assert torch.equal(good, torch.full((3,), -1.0))  # the good request before it was not executed either
+
+
+def test_concurrent_reads_on_one_reader(saved):
+    """A read pins and releases the storage's files; reads from several threads must not unpin each other's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    state, reader = saved
+
+    def read_row(i: int) -> torch.Tensor:
+        out = torch.empty(10)
+        reader.read([ReadRequest("w", Box((i % 6, 0), (1, 10)), out)])
+        return out
+
+    with ThreadPoolExecutor(4) as pool:
+        rows = list(pool.map(read_row, range(48)))
+    for i, row in enumerate(rows):
+        assert torch.equal(row, state["w"][i % 6])
