@@ -27,10 +27,10 @@ from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.native import NativeReader, read_manifest
 from shardckpt.formats.safetensors import (
-    INDEX_NAME, MAX_HEADER_SIZE, SUFFIX, SafetensorsReader, is_directory, list_files, split_path,
+    INDEX_NAME, MAX_HEADER_SIZE, SUFFIX, SafetensorsReader,
 )
 from shardckpt.formats.torch_save import TorchSaveReader, is_torch_save
-from shardckpt.io import DEFAULT_IO_THREADS, LocalStorage, Storage, open_storage
+from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage, split_url
 
 HEAD_BYTES = 16  # what the file detectors see of a file's beginning
 
@@ -60,13 +60,13 @@ class Place:
 
     @property
     def is_dir(self) -> bool:
-        return self._memo("is_dir", lambda: is_directory(self.storage))
+        return self._memo("is_dir", lambda: self.storage.is_dir())
 
     @property
     def parent(self) -> tuple[Storage, str]:
         """The storage of the path's directory, and the path's name in it."""
         def make():
-            parent, name = split_path(self.path)
+            parent, name = split_url(self.path)
             return open_storage(parent, self.storage_options), name
         return self._memo("parent", make)
 
@@ -77,8 +77,6 @@ class Place:
             if self.is_dir:
                 return None
             storage, name = self.parent
-            if isinstance(storage, LocalStorage):
-                return os.path.getsize(storage.url(name)) if os.path.isfile(storage.url(name)) else None
             return storage.file_size(name) if name and storage.exists(name) else None
         return self._memo("file_size", make)
 
@@ -110,7 +108,7 @@ def _safetensors_directory(place: Place) -> CheckpointReader | None:
     storage = place.storage
     if storage.exists(INDEX_NAME):
         return SafetensorsReader.from_directory(storage, io_threads=place.io_threads)
-    if not place.is_dir or not any(n.endswith(SUFFIX) for n in list_files(storage)):
+    if not place.is_dir or not any(n.endswith(SUFFIX) for n in storage.list_files()):
         return None
     return SafetensorsReader.from_directory(storage, io_threads=place.io_threads)  # several files: it says so
 

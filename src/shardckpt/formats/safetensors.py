@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import posixpath
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +50,7 @@ from shardckpt.errors import (
 from shardckpt.format.tree import TensorRef
 from shardckpt.formats.api import ReadRequest, TensorInfo
 from shardckpt.formats.requests import CheckedRequest, check_requests
-from shardckpt.io import DEFAULT_IO_THREADS, LocalStorage, Storage, open_storage
+from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage, split_url
 from shardckpt.regions import contiguous_runs
 from shardckpt.tensor_views import as_bytes, from_bytes
 
@@ -207,47 +206,6 @@ def parse_index(data: bytes, where: str) -> tuple[dict[str, str], Any]:
 # Storage helpers (the Storage protocol has no listing yet)
 
 
-def split_path(path: str | os.PathLike) -> tuple[str, str]:
-    """A file's path or URL as (its directory, its name)."""
-    path = os.fspath(path)
-    if "://" in path and not path.startswith("file://"):
-        scheme, rest = path.split("://", 1)
-        parent, _, name = rest.rstrip("/").rpartition("/")
-        return f"{scheme}://{parent}", name
-    local = os.path.abspath(path[len("file://"):] if path.startswith("file://") else path)
-    return os.path.dirname(local), os.path.basename(local)
-
-
-def is_directory(storage: Storage) -> bool:
-    """Whether the storage's root is a directory (or, on an object store, a prefix with objects under it)."""
-    if isinstance(storage, LocalStorage):
-        return os.path.isdir(storage.root)
-    fs = getattr(storage, "fs", None)
-    if fs is None:
-        return False
-    try:
-        fs.invalidate_cache(storage.root)
-        return bool(fs.isdir(storage.root))
-    except (OSError, ValueError):
-        return False
-
-
-def list_files(storage: Storage) -> list[str]:
-    """Names of the files directly under the storage's root (sorted); none where it cannot be listed."""
-    try:
-        if isinstance(storage, LocalStorage):
-            with os.scandir(storage.root) as entries:
-                return sorted(e.name for e in entries if e.is_file())
-        fs = getattr(storage, "fs", None)
-        if fs is None:
-            return []
-        fs.invalidate_cache(storage.root)
-        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in fs.ls(storage.root, detail=True)
-                      if e.get("type") == "file")
-    except (OSError, ValueError):
-        return []
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The reader
 
@@ -366,7 +324,7 @@ class SafetensorsReader:
             weight_map, index_metadata = parse_index(storage.read_bytes(INDEX_NAME), where)
             return cls(storage, list(dict.fromkeys(weight_map.values())), weight_map=weight_map,
                        index_metadata=index_metadata, where=where, io_threads=io_threads)
-        found = [n for n in list_files(storage) if n.endswith(SUFFIX)]
+        found = [n for n in storage.list_files() if n.endswith(SUFFIX)]
         if len(found) != 1:
             some = f": {found[:5]}{' ...' if len(found) > 5 else ''}" if found else ""
             raise CheckpointNotFoundError(f"{storage.root}: no {INDEX_NAME}, and {len(found)} *{SUFFIX} files{some}; "
@@ -443,6 +401,6 @@ def open_safetensors(path: str | os.PathLike, storage_options: dict | None = Non
     """A ``.safetensors`` file, or a directory (index or one file), by local path or fsspec URL."""
     path = os.fspath(path)
     if path.rstrip("/").endswith(SUFFIX):
-        parent, name = split_path(path)
+        parent, name = split_url(path)
         return SafetensorsReader.from_file(open_storage(parent, storage_options), name, io_threads=io_threads)
     return SafetensorsReader.from_directory(open_storage(path, storage_options), io_threads=io_threads)

@@ -9,7 +9,7 @@ from shardckpt.io.local import LocalStorage
 from shardckpt.io.protocol import FileWriter, Storage
 from shardckpt.io.remote import FsspecStorage
 
-__all__ = ["DEFAULT_IO_THREADS", "FileWriter", "FsspecStorage", "LocalStorage", "Storage", "open_storage"]
+__all__ = ["DEFAULT_IO_THREADS", "FileWriter", "FsspecStorage", "LocalStorage", "Storage", "open_storage", "split_url"]
 
 DEFAULT_IO_THREADS = 4  # concurrent reads per rank (load, verify)
 
@@ -32,3 +32,14 @@ def open_storage(path: str | os.PathLike, storage_options: dict | None = None) -
         raise CheckpointError(f"cannot open {path}: {e}. Install the backend: {hint}") from e
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return FsspecStorage(fs, root, protocol)
+
+
+def split_url(path: str | os.PathLike) -> tuple[str, str]:
+    """A file's path or URL as (its directory, its name), each usable with ``open_storage``."""
+    path = os.fspath(path)
+    if "://" in path and not path.startswith("file://"):
+        scheme, rest = path.split("://", 1)
+        parent, _, name = rest.rstrip("/").rpartition("/")
+        return f"{scheme}://{parent}", name
+    local = os.path.abspath(path[len("file://"):] if path.startswith("file://") else path)
+    return os.path.dirname(local), os.path.basename(local)

@@ -87,6 +87,16 @@ class LocalStorage:
             os.close(fd)
         self._pinned.clear()
 
+    def is_dir(self, path: str = "") -> bool:
+        return os.path.isdir(self.url(path))
+
+    def list_files(self, path: str = "") -> list[str]:
+        try:
+            with os.scandir(self.url(path)) as entries:
+                return sorted(e.name for e in entries if e.is_file())
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
     def file_size(self, path: str) -> int:
         try:
             return os.stat(self.url(path)).st_size

@@ -2,7 +2,8 @@
 
 It is narrow on purpose, so that a new place (another object store, a conditional put for commits,
 multipart uploads) is one class: ranged reads into caller buffers, a streaming file writer, one atomic
-whole-object put (the commit), existence and size checks, pinning for readers, deletion. Nothing relies
+whole-object put (the commit), existence and size checks, listing (for format detection), pinning for
+readers, deletion. Nothing relies
 on rename except the local commit, where rename is atomic. Errors: a missing or short file raises
 ``CorruptCheckpointError`` naming its URL (``missing``).
 """
@@ -51,6 +52,12 @@ class Storage(Protocol):
 
     def release(self) -> None:
         """End every ``pin``."""
+
+    def is_dir(self, path: str = "") -> bool:
+        """Whether ``path`` (default: the root) is a directory, or on an object store a prefix with objects."""
+
+    def list_files(self, path: str = "") -> list[str]:
+        """Names of the files directly under ``path`` (default: the root), sorted; [] where there are none."""
 
     def file_size(self, path: str) -> int:
         """The file's size in bytes, never from a cache."""

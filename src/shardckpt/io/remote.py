@@ -64,6 +64,21 @@ class FsspecStorage:
     def release(self) -> None:
         pass
 
+    def is_dir(self, path: str = "") -> bool:
+        self.fs.invalidate_cache(self.url(path))
+        try:
+            return bool(self.fs.isdir(self.url(path)))
+        except (OSError, ValueError):
+            return False
+
+    def list_files(self, path: str = "") -> list[str]:
+        self.fs.invalidate_cache(self.url(path))
+        try:
+            entries = self.fs.ls(self.url(path), detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file")
+
     def file_size(self, path: str) -> int:
         self.fs.invalidate_cache(posixpath.dirname(self.url(path)))
         try:
