@@ -93,3 +93,15 @@ def test_no_import_cycle_between_packages():
 def test_the_rule_is_not_vacuous():
     graph = _graph()
     assert {"runtime", "checkpoint"} <= graph["state_dict"] and {"io", "format"} <= graph["checkpoint"]
+
+
+def test_every_package_is_installed():
+    """A wheel holds only the packages pyproject lists (an editable install hides a missing one)."""
+    import tomllib
+
+    with open(os.path.join(os.path.dirname(SRC), "..", "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    folders = [f for f, _, files in os.walk(SRC) if any(n.endswith(".py") for n in files)]
+    assert all(os.path.exists(os.path.join(f, "__init__.py")) for f in folders), "a package without __init__.py"
+    found = {"shardckpt." + os.path.relpath(f, SRC).replace(os.sep, ".") if f != SRC else "shardckpt" for f in folders}
+    assert found | {"shardckpt.cli"} == listed, "every folder of src/shardckpt needs an __init__.py and a line in pyproject"

@@ -322,3 +322,13 @@ def test_is_dcp_dir(written, tmp_path):
     assert not is_dcp_dir(open_storage(str(tmp_path)))
     with pytest.raises(CheckpointError, match="no torch DCP checkpoint"):
         DcpReader(open_storage(str(tmp_path)))
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "fsdp1"])
+def test_open_reader_detects_it(written, kind):
+    from shardckpt.formats.detect import open_reader
+
+    path, reference = written[kind]
+    reader = open_reader(path)
+    assert isinstance(reader, DcpReader)
+    assert set(reader.tensors()) == {k for k, v in _flat(reference).items() if torch.is_tensor(v)}

@@ -135,15 +135,23 @@ def test_a_recognised_but_broken_file_reports_the_damage(tmp_path):
 
 def test_the_detector_tables_take_a_new_format(tmp_path, monkeypatch):
     assert all(isinstance(what, str) and callable(fn) for what, fn in DIRECTORY_DETECTORS + FILE_DETECTORS)
-    (tmp_path / "dcp").mkdir()
-    (tmp_path / "dcp" / ".metadata").write_bytes(b"...")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "other.meta").write_bytes(b"...")
     sentinel = object()
 
-    def dcp(place):
-        return sentinel if place.storage.exists(".metadata") else None
+    def other(place):
+        return sentinel if place.storage.exists("other.meta") else None
 
-    monkeypatch.setattr(detect, "DIRECTORY_DETECTORS", [*DIRECTORY_DETECTORS[:1], ("a torch DCP checkpoint", dcp),
-                                                        *DIRECTORY_DETECTORS[1:]])
-    assert open_reader(tmp_path / "dcp") is sentinel
-    with pytest.raises(CheckpointNotFoundError, match="a torch DCP checkpoint"):
+    monkeypatch.setattr(detect, "DIRECTORY_DETECTORS", [*DIRECTORY_DETECTORS, ("another format", other)])
+    assert open_reader(tmp_path / "other") is sentinel
+    with pytest.raises(CheckpointNotFoundError, match="another format"):
+        open_reader(tmp_path / "nothing")
+
+
+def test_a_dcp_directory_is_detected(tmp_path):
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(CorruptCheckpointError, match=".metadata"):  # recognised as DCP, reported as damaged
+        open_reader(tmp_path / "dcp")
+    with pytest.raises(CheckpointNotFoundError, match="torch DCP"):
         open_reader(tmp_path / "nothing")

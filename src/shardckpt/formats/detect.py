@@ -5,8 +5,8 @@ looked for) and a function that returns a reader, or ``None`` when the place doe
 
 - ``DIRECTORY_DETECTORS`` look at the path as a directory (or URL prefix): shardckpt's own format
   (``manifest.json``), then a Hugging Face safetensors directory (``model.safetensors.index.json``, or exactly
-  one ``*.safetensors`` file). A torch DCP detector (a directory with a ``.metadata`` file) goes in this table,
-  before safetensors, when its reader exists.
+  one ``*.safetensors`` file), then a torch DCP directory (a ``.metadata`` file; after safetensors, so
+  that a Hugging Face directory written by DCP's HF writer is read as the safetensors it is).
 - ``FILE_DETECTORS`` look at the path as one file: a safetensors file (by its ``.safetensors`` name, or by its
   first bytes: an 8-byte header length that fits in the file, then ``{``), then a ``torch.save`` file (the zip
   magic, or a pickle's protocol marker; local files only, see ``formats/torch_save.py``).
@@ -25,6 +25,7 @@ from typing import Callable
 from shardckpt.errors import CheckpointNotFoundError
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.formats.api import CheckpointReader
+from shardckpt.formats.dcp import METADATA_NAME, DcpReader, is_dcp_dir
 from shardckpt.formats.native import NativeReader, read_manifest
 from shardckpt.formats.safetensors import (
     INDEX_NAME, MAX_HEADER_SIZE, SUFFIX, SafetensorsReader,
@@ -113,6 +114,12 @@ def _safetensors_directory(place: Place) -> CheckpointReader | None:
     return SafetensorsReader.from_directory(storage, io_threads=place.io_threads)  # several files: it says so
 
 
+def _dcp(place: Place) -> CheckpointReader | None:
+    if not is_dcp_dir(place.storage):
+        return None
+    return DcpReader(place.storage, io_threads=place.io_threads, verify=place.verify)
+
+
 def _looks_like_safetensors(head: bytes, size: int) -> bool:
     if len(head) < 9:
         return False
@@ -139,8 +146,8 @@ def _torch_save(place: Place) -> CheckpointReader | None:
 # (what is looked for, the detector), tried in order.
 DIRECTORY_DETECTORS: list[tuple[str, Detector]] = [
     (f"a shardckpt checkpoint (a directory with {MANIFEST_NAME})", _native),
-    # The torch DCP reader adds its row here: ("a torch DCP checkpoint (a directory with .metadata)", _dcp).
     (f"a safetensors directory ({INDEX_NAME}, or exactly one *{SUFFIX} file)", _safetensors_directory),
+    (f"a torch DCP checkpoint (a directory with {METADATA_NAME})", _dcp),
 ]
 FILE_DETECTORS: list[tuple[str, Detector]] = [
     (f"a safetensors file (*{SUFFIX})", _safetensors_file),
