@@ -1,0 +1,1 @@
+"""Offline tools over the read interface (``formats``): ``diff`` now; ``convert`` and ``export`` next."""

@@ -1,0 +1,167 @@
+"""``diff``: are two checkpoints, of any formats ``open_reader`` reads, the same? Tensor by tensor, plain values too.
+
+Tensors are compared by checksum where both sides store one for the same dtype and shape (no data is
+read then), otherwise by value, in slices of at most ``slice_bytes`` per side, so that memory stays bounded
+whatever the checkpoint's size. With ``atol = rtol = 0`` (the default) values must be equal bit for bit
+(NaN payloads and -0.0 count); with a tolerance, ``torch.isclose`` decides (NaN equals NaN). Tensors of
+different dtypes are compared as values of their promoted dtype, and the dtype difference is reported.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardckpt.format.tree import TensorRef, leaves, path_name
+from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
+from shardckpt.formats.detect import open_reader
+from shardckpt.regions import FlatRange
+from shardckpt.tensor_views import as_bytes
+
+SLICE_BYTES = 64 << 20  # per side and per read: the memory a comparison holds
+
+
+@dataclass(frozen=True)
+class Difference:
+    name: str
+    kind: str  # "only in A", "only in B", "shape", "dtype", "values", "plain value"
+    detail: str
+    max_abs_error: float | None = None
+
+
+@dataclass
+class DiffReport:
+    tensors: int = 0  # compared, in both
+    by_checksum: int = 0  # of them, settled by equal checksums without reading
+    bytes_read: int = 0  # tensor bytes read, both sides
+    plain_values: int = 0
+    differences: list[Difference] = field(default_factory=list)
+
+    @property
+    def equal(self) -> bool:
+        return not self.differences
+
+
+def diff(a: str | os.PathLike | CheckpointReader, b: str | os.PathLike | CheckpointReader, *, atol: float = 0.0,
+         rtol: float = 0.0, storage_options: dict | None = None, slice_bytes: int = SLICE_BYTES) -> DiffReport:
+    """Compare checkpoints ``a`` and ``b`` (paths, URLs or readers); differences are collected, not raised.
+
+    Unreadable input raises a ``CheckpointError`` subclass naming the file."""
+    if atol < 0 or rtol < 0 or not (math.isfinite(atol) and math.isfinite(rtol)):
+        raise ValueError("atol and rtol must be finite and >= 0")
+    ra, rb = (r if isinstance(r, CheckpointReader) else open_reader(r, storage_options=storage_options)
+              for r in (a, b))
+    report = DiffReport()
+    _diff_plain(ra.tree(), rb.tree(), report)
+    ta, tb = ra.tensors(), rb.tensors()
+    report.differences += [Difference(n, "only in A", _describe(ta[n])) for n in sorted(set(ta) - set(tb))]
+    report.differences += [Difference(n, "only in B", _describe(tb[n])) for n in sorted(set(tb) - set(ta))]
+    for name in sorted(set(ta) & set(tb)):
+        _diff_tensor(ra, rb, ta[name], tb[name], atol, rtol, slice_bytes, report)
+    return report
+
+
+def _describe(info: TensorInfo) -> str:
+    return f"{str(info.dtype).removeprefix('torch.')} {list(info.shape)}"
+
+
+def _plain_leaves(tree: Any) -> dict[str, Any]:
+    return {path_name(p): v for p, v in leaves(tree, lambda v: isinstance(v, TensorRef)) if not isinstance(v, TensorRef)}
+
+
+def _diff_plain(tree_a: Any, tree_b: Any, report: DiffReport) -> None:
+    pa, pb = _plain_leaves(tree_a), _plain_leaves(tree_b)
+    for name in sorted(set(pa) | set(pb)):
+        if name not in pb or name not in pa:
+            report.differences.append(Difference(name, "only in A" if name in pa else "only in B",
+                                                 f"plain value {_short(pa.get(name, pb.get(name)))}"))
+            continue
+        report.plain_values += 1
+        if not _same_plain(pa[name], pb[name]):
+            report.differences.append(Difference(name, "plain value", f"{_short(pa[name])} != {_short(pb[name])}"))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _same_plain(x: Any, y: Any) -> bool:
+    """Equality of plain values as formats store them: a tuple may come back as a list, NaN equals NaN."""
+    if torch.is_tensor(x) or torch.is_tensor(y):
+        return torch.is_tensor(x) and torch.is_tensor(y) and x.dtype == y.dtype and x.shape == y.shape and \
+            torch.equal(_bits(x.reshape(-1)), _bits(y.reshape(-1)))
+    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+        return len(x) == len(y) and all(_same_plain(u, v) for u, v in zip(x, y))
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(_same_plain(x[k], y[k]) for k in x)
+    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
+        return True
+    return type(x) is type(y) and x == y
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, for a bit-for-bit comparison."""
+    return as_bytes(t.detach().cpu().resolve_conj().resolve_neg().contiguous())
+
+
+def _diff_tensor(ra: CheckpointReader, rb: CheckpointReader, ia: TensorInfo, ib: TensorInfo, atol: float,
+                 rtol: float, slice_bytes: int, report: DiffReport) -> None:
+    if tuple(ia.shape) != tuple(ib.shape):
+        report.differences.append(Difference(ia.name, "shape", f"{list(ia.shape)} != {list(ib.shape)}"))
+        return
+    report.tensors += 1
+    same_dtype = ia.dtype == ib.dtype
+    if not same_dtype:
+        report.differences.append(Difference(ia.name, "dtype", f"{ia.dtype} != {ib.dtype}"))
+    elif ia.crc32c is not None and ia.crc32c == ib.crc32c:  # the same bytes: equal under any tolerance
+        report.by_checksum += 1
+        return
+    dtype = ia.dtype if same_dtype else torch.promote_types(ia.dtype, ib.dtype)
+    exact = same_dtype and atol == rtol == 0
+    numel = math.prod(ia.shape)
+    step = max(1, slice_bytes // max(_itemsize(ia.dtype), _itemsize(ib.dtype)))
+    mismatched, worst, first = 0, 0.0, None
+    for lo in range(0, numel, step):
+        hi = min(numel, lo + step)
+        xa, xb = torch.empty(hi - lo, dtype=ia.dtype), torch.empty(hi - lo, dtype=ib.dtype)
+        ra.read([ReadRequest(ia.name, FlatRange(lo, hi), xa)])
+        rb.read([ReadRequest(ib.name, FlatRange(lo, hi), xb)])
+        report.bytes_read += xa.nbytes + xb.nbytes
+        xa, xb = xa.to(dtype), xb.to(dtype)
+        bad = _mismatches(xa, xb, exact, atol, rtol)
+        if bad.any():
+            mismatched += int(bad.sum())
+            first = lo + int(bad.nonzero()[0]) if first is None else first
+            worst = max(worst, _max_abs_error(xa[bad], xb[bad]))
+    if mismatched:
+        report.differences.append(Difference(
+            ia.name, "values", f"{mismatched} of {numel} elements differ (first at flat index {first}); max abs "
+                               f"error {worst:.6g}", worst))
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _mismatches(x: torch.Tensor, y: torch.Tensor, exact: bool, atol: float, rtol: float) -> torch.Tensor:
+    if exact:
+        size = x.element_size()
+        return (_bits(x).view(-1, size) != _bits(y).view(-1, size)).any(dim=1)
+    if x.dtype == torch.bool:
+        return x != y
+    return ~torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def _max_abs_error(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Largest |x - y| over differing elements: 0 for two NaNs (bits differ), inf for NaN against a number."""
+    if x.dtype == torch.bool:
+        return 1.0
+    wide = torch.complex128 if x.is_complex() else torch.float64
+    x, y = x.to(wide), y.to(wide)
+    d = (x - y).abs()
+    d[x.isnan() & y.isnan()] = 0
+    return float(torch.nan_to_num(d, nan=math.inf).max()) if d.numel() else 0.0

@@ -1,0 +1,118 @@
+"""``diff``: two checkpoints of any readable formats, tensor by tensor and plain value by plain value."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import shardckpt
+from shardckpt.cli.main import main
+from shardckpt.convert.diff import diff
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(40, 30, generator=g), "b": torch.randn(30, generator=g).to(torch.bfloat16),
+            "s": torch.tensor(1.5), "e": torch.empty(0, 4), "i": torch.arange(7, dtype=torch.int64)}
+
+
+def test_a_checkpoint_equals_itself_by_checksum_without_reading(tmp_path):
+    shardckpt.save({**_state(), "step": 3, "cfg": {"lr": float("nan"), "betas": (0.9, 0.99)}}, tmp_path / "a")
+    report = diff(tmp_path / "a", tmp_path / "a")
+    assert report.equal and report.tensors == 5 and report.by_checksum == 5 and report.bytes_read == 0
+    assert report.plain_values == 2  # step, and cfg as one plain subtree (NaN equals NaN)
+
+
+def test_the_same_state_in_another_format_is_equal(tmp_path):
+    state = _state()
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "m.safetensors")
+    torch.save(state, tmp_path / "m.pt")
+    shardckpt.save(state, tmp_path / "ck")
+    report = diff(tmp_path / "m.safetensors", tmp_path / "ck")
+    assert report.equal, report.differences
+    assert report.bytes_read == 2 * sum(t.nbytes for t in state.values())  # safetensors has no checksums
+    assert diff(tmp_path / "m.pt", tmp_path / "m.safetensors").equal
+
+
+@pytest.mark.parametrize("change, kind", [
+    (lambda s: s["w"].view(-1).__setitem__(17, s["w"].view(-1)[17] + 1e-3), "values"),
+    (lambda s: s["w"].view(-1).__setitem__(5, float("nan")), "values"),
+    (lambda s: s.__setitem__("s", torch.tensor(-1.5)), "values"),
+    (lambda s: s.__setitem__("b", s["b"].float()), "dtype"),
+    (lambda s: s.__setitem__("w", s["w"].reshape(30, 40)), "shape"),
+    (lambda s: s.pop("i"), "only in A"),
+    (lambda s: s.__setitem__("x", torch.zeros(1)), "only in B"),
+])
+def test_every_kind_of_difference_is_found(tmp_path, change, kind):
+    a = _state()
+    b = {k: v.clone() for k, v in a.items()}
+    change(b)
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    report = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    assert [d.kind for d in report.differences] == [kind]
+
+
+def test_bits_count_unless_a_tolerance_is_given(tmp_path):
+    a = _state()
+    b = {k: v.clone() for k, v in a.items()}
+    b["w"][3, 4] += 1e-6
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    exact = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    (d,) = exact.differences
+    assert d.name == "w" and "1 of 1200" in d.detail and "flat index 94" in d.detail
+    assert d.max_abs_error == pytest.approx(1e-6, rel=0.2)
+    assert diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", atol=1e-5).equal
+    zero = {"z": torch.zeros(3)}
+    save_file(zero, tmp_path / "z.safetensors")
+    save_file({"z": -torch.zeros(3)}, tmp_path / "nz.safetensors")
+    assert not diff(tmp_path / "z.safetensors", tmp_path / "nz.safetensors").equal  # -0.0 has other bits
+    assert diff(tmp_path / "z.safetensors", tmp_path / "nz.safetensors", rtol=1e-9).equal
+
+
+def test_plain_values_are_compared(tmp_path):
+    shardckpt.save({"w": torch.ones(2), "step": 3, "name": "run"}, tmp_path / "a")
+    shardckpt.save({"w": torch.ones(2), "step": 4, "name": "run", "extra": None}, tmp_path / "b")
+    report = diff(tmp_path / "a", tmp_path / "b")
+    assert sorted((d.name, d.kind) for d in report.differences) == [("extra", "only in B"), ("step", "plain value")]
+
+
+def test_memory_is_bounded_by_the_slice(tmp_path, monkeypatch):
+    a = {"w": torch.randn(1000, 100)}
+    save_file(a, tmp_path / "a.safetensors")
+    save_file({"w": a["w"].clone()}, tmp_path / "b.safetensors")
+    from shardckpt.formats.safetensors import SafetensorsReader
+    sizes = []
+    real = SafetensorsReader.read
+
+    def spy(self, requests):
+        sizes.extend(r.dest.nbytes for r in requests)
+        return real(self, requests)
+
+    monkeypatch.setattr(SafetensorsReader, "read", spy)
+    assert diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", slice_bytes=4096).equal
+    assert max(sizes) <= 4096 and sum(sizes) == 2 * a["w"].nbytes
+
+
+def test_cli_exit_codes_and_json(tmp_path, capsys):
+    save_file({"w": torch.ones(3)}, tmp_path / "a.safetensors")
+    save_file({"w": torch.tensor([1.0, 2.0, 1.0])}, tmp_path / "b.safetensors")
+    assert main(["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "a.safetensors")]) == 0
+    assert capsys.readouterr().out.startswith("equal:")
+    assert main(["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]) == 1
+    assert "w: values: 1 of 3 elements differ" in capsys.readouterr().out
+    assert main(["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["equal"] is False and doc["differences"][0]["max_abs_error"] == 1.0
+    (tmp_path / "junk").write_text("not a checkpoint")
+    assert main(["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "junk")]) == 2
+    assert "junk" in capsys.readouterr().err
+
+
+def test_bad_tolerances_are_refused(tmp_path):
+    save_file({"w": torch.ones(3)}, tmp_path / "a.safetensors")
+    with pytest.raises(ValueError):
+        diff(tmp_path / "a.safetensors", tmp_path / "a.safetensors", atol=-1)
