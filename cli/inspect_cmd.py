@@ -1,4 +1,5 @@
-"""``shardckpt inspect PATH``: what a checkpoint holds, from its manifest."""
+"""``shardckpt inspect PATH``: what a checkpoint holds: shardckpt's own format from its manifest; a safetensors
+file or directory, a torch DCP directory or a ``torch.save`` file as its tensors by name and its plain values."""
 from __future__ import annotations
 
 import argparse
@@ -7,18 +8,22 @@ import json
 from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options
 
 from shardckpt.checkpoint.describe import describe
+from shardckpt.format.manifest import FORMAT_NAME
 
 EPILOG = """examples:
   shardckpt inspect /ckpt/step-1000
+  shardckpt inspect ./Llama-3-8B            (safetensors; also torch DCP directories and torch.save files)
   shardckpt inspect s3://bucket/run/step-1000 --json | jq '.tensors[] | select(.dtype == "bfloat16")'
 """
 
 
 def register(sub) -> None:
     p = sub.add_parser("inspect", help="show a checkpoint's tensors, sizes and checksums",
-                       description="Show format, world size, state-dict type, total bytes and one row per tensor.",
+                       description="Show format, world size, state-dict type, total bytes and one row per tensor. "
+                                   "Also reads safetensors files and directories, torch DCP directories and "
+                                   "torch.save files (format, tensors, bytes, plain values).",
                        epilog=EPILOG + "\n" + STORAGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", help="checkpoint directory or fsspec URL")
+    p.add_argument("path", help="checkpoint directory, file or fsspec URL")
     add_storage_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (tensors: name, dtype, shape, ...)")
     p.set_defaults(run=run)
@@ -37,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
+    if info["format"] != FORMAT_NAME:
+        return _print_foreign(info)
     print(f"{info['path']}: {info['format']} v{info['version']} ({info['created_by']}), world size "
           f"{info['world_size']}, state dict type {info['state_dict_type'] or '-'}, {len(info['tensors'])} tensors, "
           f"{_size(info['total_bytes'])} in {info['files']} files")
@@ -45,10 +52,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"  format v{info['version']}: no manifest checksum, one checksum per whole chunk (a partial read "
               "checks its whole chunk)")
-    rows = [(t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", _size(t["bytes"]), t["crc32c"])
-            for t in info["tensors"]]
+    _print_tensors(info["tensors"])
+    return 0
+
+
+def _print_tensors(tensors: list[dict]) -> None:
+    rows = [(t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", _size(t["bytes"]),
+             t["crc32c"] or "-") for t in tensors]
     header = ("name", "dtype", "shape", "bytes", "crc32c")
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def _print_foreign(info: dict) -> int:
+    """A checkpoint of another format: what it is, then its tensors (the logical model), then its plain values."""
+    print(f"{info['path']}: {info['description']}, {len(info['tensors'])} tensors, {_size(info['total_bytes'])}")
+    if all(t["crc32c"] is None for t in info["tensors"]):
+        print(f"  {info['format']} stores no per-tensor checksum")
+    _print_tensors(info["tensors"])
+    values = ", ".join(v or "(the whole checkpoint)" for v in info["values"])
+    print(f"plain values: {values or 'none'}")
     return 0

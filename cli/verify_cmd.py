@@ -8,6 +8,7 @@ import sys
 from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options
 from shardckpt.cli.progress import Progress
 
+from shardckpt.checkpoint.describe import foreign_format
 from shardckpt.checkpoint.verify import verify
 from shardckpt.io import DEFAULT_IO_THREADS
 from shardckpt.errors import CorruptCheckpointError
@@ -37,6 +38,11 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    other = foreign_format(args.path, storage_options=storage_options(args))
+    if other is not None:
+        print(f"shardckpt verify: error: {args.path}: {other}, not a shardckpt checkpoint; verify checks shardckpt "
+              "checkpoints against the checksums they store (`shardckpt inspect` lists this one)", file=sys.stderr)
+        return 2
     progress = Progress("verify", quiet=args.quiet)
     try:
         report = verify(args.path, storage_options=storage_options(args), io_threads=args.threads,

@@ -84,3 +84,69 @@ def test_bad_storage_option_exits_2(ckpt, bad, capsys):
     argv = ["inspect", ckpt] + [x for item in bad.split(",") for x in ("-o", item)]
     assert main(argv) == 2
     assert "--storage-option" in capsys.readouterr().err
+
+
+# Other formats: inspect lists them as logical tensors; verify refuses them (it checks shardckpt's checksums).
+
+@pytest.fixture
+def foreign(tmp_path):
+    """One checkpoint of each foreign format, the same two tensors and a plain value."""
+    import warnings
+
+    import safetensors.torch
+    import torch.distributed.checkpoint as dcp
+
+    w, b = torch.randn(64, 8), torch.zeros(8, dtype=torch.bfloat16)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    safetensors.torch.save_file({"model.w": w}, str(hf / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+    safetensors.torch.save_file({"model.b": b}, str(hf / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.w": "model-00001-of-00002.safetensors", "model.b": "model-00002-of-00002.safetensors"}}))
+    safetensors.torch.save_file({"model.w": w, "model.b": b}, str(tmp_path / "one.safetensors"))
+    torch.save({"model": {"w": w, "b": b}, "step": 3}, str(tmp_path / "state.pt"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP says it assumes a single process
+        dcp.save({"model": {"w": w, "b": b}, "step": 3}, checkpoint_id=str(tmp_path / "dcp"))
+    return {"hf": str(hf), "file": str(tmp_path / "one.safetensors"), "torch.save": str(tmp_path / "state.pt"),
+            "dcp": str(tmp_path / "dcp")}
+
+
+@pytest.mark.parametrize("kind, title, values", [
+    ("hf", "safetensors (Hugging Face directory, 2 files), 2 tensors", "__metadata__"),
+    ("file", "safetensors, 2 tensors", "none"),
+    ("torch.save", "torch.save, 2 tensors", "step"),
+    ("dcp", "torch DCP (1 data file), 2 tensors", "step"),
+])
+def test_inspect_a_foreign_format_lists_its_tensors(foreign, kind, title, values, capsys):
+    assert main(["inspect", foreign[kind]]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{foreign[kind]}: {title}, 2.0 KiB"
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith("model.")}
+    assert rows == {"model.w": ["model.w", "float32", "64x8", "2.0", "KiB", "-"],
+                    "model.b": ["model.b", "bfloat16", "8", "16", "B", "-"]}
+    assert lines[-1] == f"plain values: {values}"
+
+
+@pytest.mark.parametrize("kind, fmt", [("hf", "safetensors"), ("torch.save", "torch.save"), ("dcp", "torch DCP")])
+def test_inspect_json_of_a_foreign_format(foreign, kind, fmt, capsys):
+    assert main(["inspect", foreign[kind], "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["format"] == fmt and info["path"] == foreign[kind]
+    assert {(t["name"], t["dtype"], tuple(t["shape"]), t["bytes"], t["crc32c"]) for t in info["tensors"]} == {
+        ("model.w", "float32", (64, 8), 64 * 8 * 4, None), ("model.b", "bfloat16", (8,), 16, None)}
+    assert info["total_bytes"] == 64 * 8 * 4 + 8 * 2
+    assert info["values"] == (["__metadata__"] if kind == "hf" else ["step"])
+
+
+@pytest.mark.parametrize("kind", ["hf", "file", "torch.save", "dcp"])
+def test_verify_refuses_a_foreign_format_with_exit_2(foreign, kind, capsys):
+    assert main(["verify", foreign[kind], "--quiet"]) == 2
+    captured = capsys.readouterr()
+    assert "verify checks shardckpt checkpoints" in captured.err and foreign[kind] in captured.err
+    assert captured.out == ""
+
+
+def test_inspect_of_nothing_readable_exits_2(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "Looked for" in capsys.readouterr().err

@@ -1,21 +1,77 @@
-"""``describe``: what a checkpoint holds, from its manifest (and the first chunk index, for the block size)."""
+"""``describe``: what a checkpoint holds. shardckpt's own format from its manifest (and the first chunk index,
+for the block size); the other formats ``formats.detect.open_reader`` reads from their reader's listing."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from shardckpt.io import open_storage
+from shardckpt.errors import CheckpointNotFoundError
+from shardckpt.io import Storage, open_storage
 from shardckpt.format.dtypes import dtype_name
-from shardckpt.format.manifest import FORMAT_NAME
-from shardckpt.formats.native import read_manifest
+from shardckpt.format.manifest import FORMAT_NAME, MANIFEST_NAME
+from shardckpt.format.tree import TensorRef, leaves, path_name
+from shardckpt.formats.api import CheckpointReader
+from shardckpt.formats.detect import open_reader
+from shardckpt.formats.native import NativeReader, read_manifest
 from shardckpt.formats.native.reader import read_index
+
+# Each reader's format, by the reader's class name (the readers carry no name of their own).
+FORMAT_NAMES = {"NativeReader": FORMAT_NAME, "SafetensorsReader": "safetensors", "DcpReader": "torch DCP",
+                "TorchSaveReader": "torch.save"}
+
+
+def format_name(reader: CheckpointReader) -> str:
+    """The short name of the format ``reader`` reads (``"safetensors"``, ``"torch DCP"``, ...)."""
+    name = type(reader).__name__
+    return FORMAT_NAMES.get(name, name.removesuffix("Reader") or name)
+
+
+def format_description(reader: CheckpointReader, storage: Storage) -> tuple[str, int | None]:
+    """The format as a person reads it, e.g. ``"safetensors (Hugging Face directory, 3 files)"``, and the
+    number of files it spans where the reader says (``storage``: the checkpoint's path as a directory)."""
+    name = format_name(reader)
+    if name == "safetensors":
+        files = len(getattr(reader, "headers", None) or ()) or None
+        if storage.is_dir():
+            return f"{name} (Hugging Face directory, {_count(files, 'file')})", files
+        return name, files
+    if name == "torch DCP":
+        files = getattr(getattr(reader, "layout", None), "files", None)
+        files = len(files) if files is not None else None
+        return (f"{name} ({_count(files, 'data file')})" if files is not None else name), files
+    if name == "torch.save":
+        return name, 1
+    return name, None
+
+
+def _count(n: int | None, what: str) -> str:
+    return f"{n if n is not None else '?'} {what}{'' if n == 1 else 's'}"
+
+
+def foreign_format(path: str | os.PathLike, *, storage_options: dict | None = None) -> str | None:
+    """The description of the format at ``path`` when it holds a checkpoint of a format other than
+    shardckpt's own; ``None`` when it holds shardckpt's format or nothing recognised."""
+    storage = open_storage(path, storage_options)
+    if storage.exists(MANIFEST_NAME):
+        return None
+    try:
+        reader = open_reader(path, storage_options=storage_options, verify=False)
+    except CheckpointNotFoundError:
+        return None
+    return None if isinstance(reader, NativeReader) else format_description(reader, storage)[0]
 
 
 def describe(path: str | os.PathLike, *, storage_options: dict | None = None) -> dict:
     """A JSON-able summary: format, world size, state-dict type, total bytes, and one entry per tensor.
 
     ``block_size`` is the checksum block size of the first data file's chunks (format v2 on; ``None`` for
-    v1, whose partial reads are checked by reading whole chunks)."""
+    v1, whose partial reads are checked by reading whole chunks). Another format (see ``describe_reader``)
+    has ``format``, ``description``, ``files``, ``total_bytes``, ``tensors`` and ``values`` only."""
     storage = open_storage(path, storage_options)
+    if not storage.exists(MANIFEST_NAME):
+        reader = open_reader(path, storage_options=storage_options, verify=False)
+        if not isinstance(reader, NativeReader):  # (a native one: a manifest committed since; the path below)
+            return describe_reader(reader, path, storage)
     manifest = read_manifest(storage)
     block_size = None
     if manifest.version >= 2 and manifest.files:
@@ -37,3 +93,31 @@ def describe(path: str | os.PathLike, *, storage_options: dict | None = None) ->
         "metadata": manifest.metadata,
         "tensors": tensors,
     }
+
+
+def describe_reader(reader: CheckpointReader, path: str | os.PathLike, storage: Storage) -> dict:
+    """The summary of a checkpoint of another format: its name, its tensors by name (dtype, shape, bytes, the
+    checksum where the format keeps one, else ``None``), the total, and the dotted names of its plain values
+    (each tensor-free subtree once, e.g. ``optim.param_groups``)."""
+    description, files = format_description(reader, storage)
+    tensors = []
+    for t in reader.tensors().values():
+        nbytes = t.dtype.itemsize
+        for d in t.shape:
+            nbytes *= d
+        tensors.append({"name": t.name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                        "bytes": nbytes, "crc32c": None if t.crc32c is None else f"{t.crc32c:08x}"})
+    values = [path_name(p) for p, leaf in leaves(reader.tree(), _is_ref) if not isinstance(leaf, TensorRef)]
+    return {
+        "path": os.fspath(path),
+        "format": format_name(reader),
+        "description": description,
+        "files": files,
+        "total_bytes": sum(t["bytes"] for t in tensors),
+        "tensors": tensors,
+        "values": values,
+    }
+
+
+def _is_ref(value: Any) -> bool:
+    return isinstance(value, TensorRef)

@@ -1,4 +1,5 @@
-"""``shardckpt.load`` (in place, any world size) and ``load_full`` (a plain full state dict, one process)."""
+"""``shardckpt.load`` (in place, any world size) and ``load_full`` (a plain full state dict, one process, any
+format ``formats.detect.open_reader`` reads; the foreign ones through ``checkpoint.load_any``)."""
 from __future__ import annotations
 
 import os
@@ -7,11 +8,13 @@ from typing import Any, Callable, Iterable, TypeVar
 import torch
 
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
+from shardckpt.checkpoint.load_any import load_reader
 from shardckpt.checkpoint.match import match
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from shardckpt.format.tree import TensorRef, leaves, path_name, set_at
 from shardckpt.formats.api import ReadRequest
+from shardckpt.formats.detect import open_reader
 from shardckpt.formats.native import NativeReader, read_manifest
 from shardckpt.formats.native.reader import check_data_file
 from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage
@@ -96,11 +99,22 @@ def _load_into(state_dict: dict, storage: Storage, manifest: Manifest, strict: b
 
 def load_full(path: str | os.PathLike, keys: Iterable[str] | None = None, *, verify_checksums: bool = True,
               io_threads: int = DEFAULT_IO_THREADS, storage_options: dict | None = None) -> dict:
-    """Read any shardckpt checkpoint as a plain nested state dict of full CPU tensors, in this process alone.
+    """Read a checkpoint as a plain nested state dict of full CPU tensors, in this process alone.
 
-    ``keys`` restricts it to entries whose dotted name equals a key or starts with ``key + "."``
-    (e.g. ``["model"]``); the result keeps the saved nesting.
+    ``path`` (a local path or fsspec URL) holds any format ``formats.detect.open_reader`` reads: shardckpt's
+    own (retried after a concurrent overwrite, the data files checked before anything is allocated), a
+    safetensors file or Hugging Face directory, a torch DCP directory, or a ``torch.save`` file (read by
+    ``checkpoint.load_any.load_reader``: the tree with full tensors of the stored dtypes, plain values and
+    containers as the reader gives them; a ``torch.save`` file of a list or of one tensor gives that).
+    ``keys`` restricts it to entries whose dotted name equals a key or starts with ``key + "."`` (e.g.
+    ``["model"]``); the result keeps the saved nesting. ``verify_checksums`` checks the checksums a format
+    stores (shardckpt's CRC32Cs, the CRC-32 of DCP's archives).
     """
+    storage = open_storage(path, storage_options)
+    if not storage.exists(MANIFEST_NAME):
+        reader = open_reader(path, storage_options=storage_options, io_threads=io_threads, verify=verify_checksums)
+        if not isinstance(reader, NativeReader):  # (a native one: a manifest committed since; the path below)
+            return load_reader(reader, keys, where=os.fspath(path))
     prefixes = None if keys is None else tuple(keys)
 
     def wanted(name: str) -> bool:
@@ -119,7 +133,7 @@ def load_full(path: str | os.PathLike, keys: Iterable[str] | None = None, *, ver
         _load_into(out, storage, manifest, strict=False, verify=verify_checksums, io_threads=io_threads)
         return out
 
-    return _with_retries(resolve_group(LOCAL), open_storage(path, storage_options), work)
+    return _with_retries(resolve_group(LOCAL), storage, work)
 
 
 def _check_files_before_allocating(storage: Storage, manifest: Manifest, leaves_: list) -> None:
