@@ -76,18 +76,11 @@ class Saved:
     def of(cls, manifest: Manifest, model: nn.Module, optimizer: torch.optim.Optimizer | None,
            optim_param_names: Sequence[str] | None) -> Saved:
         saved = cls(manifest)
-        layouts = _tree(manifest, "model", LAYOUTS_KEY)
-        if isinstance(layouts, dict):
-            for key, doc in layouts.items():
-                try:
-                    layout = FlatLayout.from_dict(doc)
-                except ShardingError as e:
-                    raise CorruptCheckpointError(f"the checkpoint's model.{LAYOUTS_KEY}.{key} is not a valid flat "
-                                                 f"layout: {e}") from None
-                saved.local_order.append(key)
-                for j, names in enumerate(zip(layout.names, layout.aliases)):
-                    for name in (names[0],) + tuple(names[1]):
-                        saved.local[name] = (key, layout.offsets[j], layout.shapes[j])
+        for key, layout in stored_layouts(manifest.tree).items():
+            saved.local_order.append(key)
+            for j, names in enumerate(zip(layout.names, layout.aliases)):
+                for name in (names[0],) + tuple(names[1]):
+                    saved.local[name] = (key, layout.offsets[j], layout.shapes[j])
         optim = _tree(manifest, "optim")
         if optimizer is not None and isinstance(optim, dict) and key_type_of(optim) is OptimStateKeyType.PARAM_ID:
             groups = optim.get("param_groups") or []
@@ -167,6 +160,21 @@ class Saved:
                 names.extend([n for n, (k, _, _) in self.local.items() if k == p] if p in self.local_order else [p])
             out.append({**pg, "params": names})
         return out
+
+
+def stored_layouts(tree: Any) -> dict[str, FlatLayout]:
+    """The flat layouts a LOCAL checkpoint's tree stores (``model._flat_layouts``), by flat key, in stored
+    order; {} when it stores none. One that is not a valid layout is a ``CorruptCheckpointError`` naming it."""
+    model = tree.get("model") if isinstance(tree, dict) else None
+    docs = model.get(LAYOUTS_KEY) if isinstance(model, dict) else None
+    layouts = {}
+    for key, doc in (docs.items() if isinstance(docs, dict) else ()):
+        try:
+            layouts[key] = FlatLayout.from_dict(doc)
+        except ShardingError as e:
+            raise CorruptCheckpointError(f"the checkpoint's model.{LAYOUTS_KEY}.{key} is not a valid flat "
+                                         f"layout: {e}") from None
+    return layouts
 
 
 def _tree(manifest: Manifest, *path: str) -> Any:
