@@ -42,15 +42,15 @@ def _is_ref(value: Any) -> bool:
     return isinstance(value, TensorRef)
 
 
-def _pick(node: Any, path: tuple, wanted: Callable[[str], bool]) -> Any:
+def pick(node: Any, path: tuple, wanted: Callable[[str], bool]) -> Any:
     """``node`` with only the selected leaves (``format.tree.leaves``' leaves), or ``_SKIP`` if none is."""
     is_container = isinstance(node, (dict, list, tuple))
     if not is_container or (path and not contains(node, _is_ref)):
         return node if wanted(path_name(path)) else _SKIP
     if isinstance(node, dict):
-        kept: Any = {k: v for k, child in node.items() if (v := _pick(child, path + (k,), wanted)) is not _SKIP}
+        kept: Any = {k: v for k, child in node.items() if (v := pick(child, path + (k,), wanted)) is not _SKIP}
     else:
-        picked = {i: v for i, child in enumerate(node) if (v := _pick(child, path + (i,), wanted)) is not _SKIP}
+        picked = {i: v for i, child in enumerate(node) if (v := pick(child, path + (i,), wanted)) is not _SKIP}
         kept = [picked.get(i) for i in range(max(picked) + 1 if picked else 0)]
         kept = tuple(kept) if isinstance(node, tuple) else kept
     return _SKIP if path and not kept else kept
@@ -128,7 +128,7 @@ def load_reader(reader: CheckpointReader, keys: Iterable[str] | None = None, *, 
     tree is a lone tensor). ``where`` names the checkpoint in errors.
     """
     tree = reader.tree()
-    picked = _pick(tree, (), wanted_keys(keys))
+    picked = pick(tree, (), wanted_keys(keys))
     if picked is _SKIP:  # a lone tensor (a torch.save file of one tensor) that ``keys`` leaves out
         return {}
     infos = reader.tensors()

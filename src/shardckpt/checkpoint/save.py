@@ -157,7 +157,15 @@ def _write(planned: Planned, staged: Staged) -> RankResult | None:
 
 
 def _commit(planned: Planned, results: list, staged: Staged) -> None:
-    storage, save_plan, generation = planned.storage, planned.save_plan, planned.generation
+    commit(planned.storage, planned.save_plan, planned.generation, results, planned.group.world_size, staged.tree,
+           staged.metadata)
+
+
+def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list, world_size: int,
+           encoded_tree: Any, metadata: dict | None) -> None:
+    """Commit ``generation`` from every (possibly virtual) rank's write results: the manifest, written last
+    and atomically, then the replaced generation's data removed. A failed rank's result removes this
+    generation's files and raises."""
     failures = [r for r in results if isinstance(r, Failure)]
     if failures:
         storage.remove_dir(data_dir(generation))
@@ -176,9 +184,9 @@ def _commit(planned: Planned, results: list, staged: Staged) -> None:
     if files:
         storage.sync_dir(data_dir(generation))
     previous = _previous_generation(storage)
-    manifest = Manifest(world_size=planned.group.world_size, generation=generation, tree=None, tensors=tensors,
-                        files=files, metadata=staged.metadata or {}, created_by=f"shardckpt {__version__}")
-    storage.put_atomic(MANIFEST_NAME, manifest.to_bytes(staged.tree))
+    manifest = Manifest(world_size=world_size, generation=generation, tree=None, tensors=tensors,
+                        files=files, metadata=metadata or {}, created_by=f"shardckpt {__version__}")
+    storage.put_atomic(MANIFEST_NAME, manifest.to_bytes(encoded_tree))
     if previous is not None and previous != generation:
         storage.remove_dir(data_dir(previous))
 

@@ -88,7 +88,7 @@ def stage(state_dict: dict, *, process_group: Any = None, metadata: dict | None 
 
 def _stage(state_dict: dict, rank: int, coordinator: bool, metadata: dict | None, copy: bool) -> Staged:
     check_savable_depth(state_dict)
-    _check_unique_names(state_dict)
+    check_unique_names(state_dict)
     pieces = local_pieces(state_dict)
     infos = [PieceInfo.of(p) for p in pieces]
     tree = encode(state_dict, is_tensor_like) if coordinator else None
@@ -127,7 +127,7 @@ def host_tensor(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, bool
     return out, shares
 
 
-def _check_unique_names(state_dict: dict) -> None:
+def check_unique_names(state_dict: dict) -> None:
     """Loads match entries by their keys joined with '.', so two entries may not share that name."""
     seen: set[str] = set()
     for leaf_path, _ in leaves(state_dict, is_tensor_like):

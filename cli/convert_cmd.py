@@ -1,0 +1,73 @@
+"""``shardckpt convert SRC DST``: any readable checkpoint as a shardckpt checkpoint of another world size or type."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options
+from shardckpt.cli.progress import Progress
+
+from shardckpt.convert.convert import TYPES, convert
+
+EPILOG = """sources: shardckpt checkpoints of any type and world size (LOCAL ones through their flat layouts),
+torch DCP directories, safetensors files or Hugging Face directories, torch.save files. The output is a
+shardckpt checkpoint, committed atomically at the end: until then nothing at DST loads or verifies.
+Memory holds a few chunks at a time, whatever the checkpoint's size.
+
+examples:
+  shardckpt convert /ckpt/step-1000 /ckpt/step-1000-ws8 --world-size 8
+  shardckpt convert /ckpt/local-step-1000 /export/full --type full --world-size 1 --only model
+  shardckpt convert /dcp/step-500 s3://bucket/step-500 --world-size 4 -o endpoint_url=http://127.0.0.1:9000
+"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("convert", help="convert a checkpoint to another world size, type or dtype",
+                       description="Write SRC (any readable format) as a shardckpt checkpoint at DST.",
+                       epilog=EPILOG + "\n" + STORAGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="source checkpoint, file or fsspec URL")
+    p.add_argument("dst", help="destination directory or fsspec URL")
+    p.add_argument("--world-size", type=_positive, help="output world size (default: the source's, 1 for other formats)")
+    p.add_argument("--type", choices=TYPES, help="output state-dict type (default: the source's)")
+    p.add_argument("--dtype", help="cast floating-point tensors, e.g. bfloat16")
+    p.add_argument("--only", nargs="+", default=(), metavar="PREFIX", help="keep only these dotted-name prefixes")
+    p.add_argument("--exclude", nargs="+", default=(), metavar="PREFIX", help="leave out these prefixes")
+    p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_storage_options(p)
+    p.set_defaults(run=run)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise argparse.ArgumentTypeError(f"--dtype {name!r}: expected a floating-point torch dtype, e.g. bfloat16")
+    return dtype
+
+
+def run(args: argparse.Namespace) -> int:
+    options = storage_options(args)
+    progress = Progress("convert", quiet=args.quiet)
+    try:
+        report = convert(args.src, args.dst, world_size=args.world_size, type=args.type, dtype=_dtype(args.dtype),
+                         only=args.only, exclude=args.exclude, overwrite=args.overwrite, storage_options=options,
+                         dst_storage_options=options, progress=progress)
+    finally:
+        progress.close()
+    if not args.quiet:
+        print(f"{args.dst}: {report.type} checkpoint at world size {report.world_size}, {report.tensors} tensors, "
+              f"{report.bytes_written} bytes")
+    return 0

@@ -1,0 +1,226 @@
+"""``convert``: any checkpoint ``open_reader`` reads, written as a shardckpt checkpoint of another world size
+or state-dict type, offline, in one process, without holding the model in memory.
+
+The source is read through the read interface; a LOCAL shardckpt checkpoint through its flat layouts
+(``state_dict.logical``), so its parameters and optimizer state appear by name, padding never shows. The
+output is planned as ``world_size`` ranks would save it (``checkpoint.save_plan``) and written rank by rank:
+each chunk is read from the source, cast if asked, checksummed and written as it goes, then dropped, so
+memory holds a few chunks at a time (``files_per_rank`` writers, one chunk each), whatever the size. The
+manifest is committed last, atomically: until then nothing at the destination loads or verifies, and a
+committed checkpoint there is replaced only with ``overwrite``.
+
+Output types: FULL stores every tensor whole; SHARDED stores every tensor of one or more dimensions as
+``world_size`` dim-0 chunks (``torch.chunk`` semantics, as ``get_state_dict(type=SHARDED)`` gives them)
+and 0-d tensors whole. A FULL source converted to ``world_size > 1`` becomes SHARDED.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+
+from shardckpt.checkpoint.collect import LocalPiece
+from shardckpt.checkpoint.load_any import pick, wanted_keys
+from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
+from shardckpt.checkpoint.save_plan import PieceInfo, make_save_plan
+from shardckpt.checkpoint.stage import check_unique_names
+from shardckpt.checkpoint.writer import write_rank_files
+from shardckpt.errors import CheckpointExistsError, IncompatibleCheckpointError
+from shardckpt.format.dtypes import itemsize
+from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.format.tree import TensorRef, check_savable_depth, encode, leaves, path_name
+from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
+from shardckpt.formats.detect import open_reader
+from shardckpt.io import open_storage
+from shardckpt.regions import Region, dim0_chunk, full_region
+from shardckpt.state_dict.logical import is_local, logical_view
+
+TYPES = ("full", "sharded")  # output types; LOCAL output (re-derived flat layouts) is not written yet
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    world_size: int
+    type: str
+    tensors: int
+    bytes_written: int  # tensor bytes, as stored
+
+
+@dataclass(frozen=True)
+class _Output:
+    """One output tensor: its name in the output, where its values come from, its stored dtype and shape."""
+
+    name: str
+    path: tuple
+    source: TensorInfo
+    dtype: torch.dtype
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int | None = None,
+            type: str | None = None, dtype: torch.dtype | None = None, only: Sequence[str] = (),
+            exclude: Sequence[str] = (), overwrite: bool = False, files_per_rank: int = DEFAULT_FILES_PER_RANK,
+            param_names: Sequence[str] | None = None, storage_options: dict | None = None,
+            dst_storage_options: dict | None = None,
+            progress: Callable[[int, int], None] | None = None) -> ConvertReport:
+    """Convert the checkpoint at ``src`` (any readable format) into a shardckpt checkpoint at ``dst``.
+
+    ``world_size``: of the output (default: the source's, 1 for formats that have none). ``type``: "full"
+    or "sharded" (default: the source's; FULL at ``world_size > 1`` becomes SHARDED). ``dtype``: cast
+    floating-point tensors to it. ``only`` / ``exclude``: dotted-name prefixes of the entries to keep /
+    leave out. ``param_names``: for a LOCAL source, the unsharded model's parameter names in order (they
+    number optimizer IDs as the job's FULL state dict would; see ``state_dict.logical``).
+    ``progress(done_bytes, total_bytes)`` is called as tensors are written.
+    """
+    base = open_reader(src, storage_options=storage_options)
+    metadata = dict(getattr(getattr(base, "manifest", None), "metadata", None) or {})
+    source_world = getattr(getattr(base, "manifest", None), "world_size", 1)
+    source_type = "local" if is_local(base.tree()) else metadata.get("state_dict_type", "full")
+    reader = logical_view(base, param_names=param_names)
+    world = _world_size(world_size, source_world)
+    out_type = _output_type(type, source_type, world)
+    tree, outputs = _select(reader, only, exclude, dtype)
+    storage = open_storage(dst, dst_storage_options)
+    if not overwrite and storage.exists(MANIFEST_NAME):
+        raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: a checkpoint already exists; pass "
+                                    "overwrite=True (--overwrite) to replace it")
+    ranks = [[_piece(o, out_type, r, world) for o in outputs] for r in range(world)]
+    plan = make_save_plan([[PieceInfo.of(p) for p in pieces] for pieces in ranks], uuid.uuid4().hex[:16],
+                          files_per_rank)
+    tick = _Progress(sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in outputs), progress)
+    results = []
+    try:
+        for r in range(world):
+            if not plan.tasks[r]:
+                results.append(None)
+                continue
+            pieces = _ReadOnDemand(reader, {p.name: p for p in ranks[r]}, {o.name: o for o in outputs},
+                                   tick)
+            results.append(write_rank_files(storage, f"{data_dir(plan.generation)}/rank-{r:05d}", plan.tasks[r],
+                                            pieces, files_per_rank))
+    except BaseException:
+        storage.remove_dir(data_dir(plan.generation))
+        raise
+    metadata.update({"state_dict_type": out_type})
+    commit(storage, plan, plan.generation, results, world, encode(tree, _is_output_tensor), metadata)
+    return ConvertReport(world, out_type, len(outputs), tick.total)
+
+
+def _world_size(asked: int | None, source: int) -> int:
+    world = source if asked is None else asked
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"world_size must be a positive int, got {asked!r}")
+    return world
+
+
+def _output_type(asked: str | None, source: str, world: int) -> str:
+    if asked is None:
+        if source == "local":
+            raise IncompatibleCheckpointError(
+                "the source is a LOCAL checkpoint; writing LOCAL output (flat layouts re-derived at the new "
+                "world size) is not supported yet: pass type='sharded' or 'full' (--type)")
+        asked = "sharded" if source == "full" and world > 1 else source
+    if asked not in TYPES:
+        raise ValueError(f"type must be one of {TYPES} (LOCAL output is not supported yet), got {asked!r}")
+    return asked
+
+
+class _OutputTensor:
+    """A tensor leaf of the output tree (encoded as a reference by its path)."""
+
+
+def _is_output_tensor(value: Any) -> bool:
+    return isinstance(value, _OutputTensor)
+
+
+def _select(reader: CheckpointReader, only: Sequence[str], exclude: Sequence[str],
+            dtype: torch.dtype | None) -> tuple[Any, list[_Output]]:
+    """The output tree (tensor leaves as markers) and its tensors, after ``only``/``exclude`` and the cast."""
+    keep, drop = wanted_keys(only or None), wanted_keys(exclude) if exclude else (lambda name: False)
+    tree = pick(reader.tree(), (), lambda name: keep(name) and not drop(name))
+    if tree is None or not isinstance(tree, dict):
+        tree = {}
+    infos = reader.tensors()
+    outputs = []
+    for path, leaf in leaves(tree, lambda v: isinstance(v, TensorRef)):
+        if isinstance(leaf, TensorRef):
+            info = infos[leaf.name]
+            cast = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+            outputs.append(_Output(path_name(path), path, info, cast))
+    marked = _mark(tree)
+    check_savable_depth(marked)
+    check_unique_names(_as_tensors(marked, outputs))
+    return marked, outputs
+
+
+def _mark(node: Any) -> Any:
+    if isinstance(node, TensorRef):
+        return _OutputTensor()
+    if isinstance(node, dict):
+        return {k: _mark(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        items = [_mark(v) for v in node]
+        return tuple(items) if isinstance(node, tuple) else items
+    return node
+
+
+def _as_tensors(tree: Any, outputs: list[_Output]) -> Any:
+    """The tree with meta tensors at the tensor leaves (for the save-side name checks)."""
+    if _is_output_tensor(tree):
+        return torch.empty(0, device="meta")
+    if isinstance(tree, dict):
+        return {k: _as_tensors(v, outputs) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_as_tensors(v, outputs) for v in tree]
+    return tree
+
+
+def _piece(output: _Output, out_type: str, rank: int, world: int) -> LocalPiece:
+    """What virtual rank ``rank`` of ``world`` holds of ``output`` (data: a meta tensor until it is written)."""
+    shape = tuple(output.source.shape)
+    if out_type == "sharded" and shape:
+        region: Region = dim0_chunk(shape, rank, world)
+        replicated = False
+    else:
+        region, replicated = full_region(shape), True
+    data = torch.empty(region.numel, dtype=output.dtype, device="meta")
+    return LocalPiece(output.name, output.path, data, shape, region, replicated=replicated, owner=True)
+
+
+class _ReadOnDemand(Mapping[str, LocalPiece]):
+    """A rank's pieces, each read from the source (and cast) only when the writer asks for it."""
+
+    def __init__(self, reader: CheckpointReader, pieces: dict[str, LocalPiece], outputs: dict[str, _Output],
+                 tick: Callable[[int], None]):
+        self.reader, self.pieces, self.outputs, self.tick = reader, pieces, outputs, tick
+
+    def __getitem__(self, name: str) -> LocalPiece:
+        piece, output = self.pieces[name], self.outputs[name]
+        data = torch.empty(piece.region.numel, dtype=output.source.dtype)
+        self.reader.read([ReadRequest(output.source.name, piece.region, data)])
+        data = data.to(output.dtype)
+        self.tick(data.nbytes)
+        return LocalPiece(name, piece.path, data, piece.shape, piece.region, piece.replicated, piece.owner)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.pieces)
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+
+class _Progress:
+    """Bytes written so far, from the writer threads."""
+
+    def __init__(self, total: int, report: Callable[[int, int], None] | None):
+        self.total, self.report, self.done, self.lock = total, report, 0, threading.Lock()
+
+    def __call__(self, n: int) -> None:
+        with self.lock:
+            self.done += n
+            if self.report is not None:
+                self.report(self.done, self.total)

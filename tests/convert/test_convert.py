@@ -1,0 +1,170 @@
+"""``convert``: any readable checkpoint to a shardckpt checkpoint of another world size or type, offline,
+checked bit for bit against the source with ``diff`` and by loading the result."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import shardckpt
+from shardckpt import CheckpointExistsError, IncompatibleCheckpointError, StateDictType
+from shardckpt.checkpoint.verify import verify
+from shardckpt.cli.main import main
+from shardckpt.convert.convert import convert
+from shardckpt.convert.diff import diff
+from shardckpt.formats.native import read_manifest
+from shardckpt.io import open_storage
+from shardckpt.state_dict import OptimStateKeyType, unsharded_param_names
+from tests._dist import run_ranks
+from tests.state_dict._train import STEPS_BEFORE, assert_same_state, full_state, new_run, steps
+from tests.runtime import _model
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {"model": {"w": torch.randn(10, 3, generator=g), "b": torch.randn(3, generator=g).to(torch.bfloat16),
+                      "s": torch.tensor(2.0), "e": torch.empty(0, 4), "i": torch.arange(5)},
+            "optim": {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(10, 3, generator=g)}},
+                      "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w"]}]},
+            "step": 5}
+
+
+def _manifest(path):
+    return read_manifest(open_storage(path))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_full_to_sharded_at_every_world_size_is_exact(tmp_path, world):
+    shardckpt.save(_state(), tmp_path / "src", metadata={"state_dict_type": "full", "optim_key": "param_name"})
+    report = convert(tmp_path / "src", tmp_path / "dst", world_size=world)
+    assert report.type == ("sharded" if world > 1 else "full") and report.tensors == 7
+    assert verify(tmp_path / "dst").ok
+    assert diff(tmp_path / "src", tmp_path / "dst").equal  # by checksum: the bytes are the source's
+    manifest = _manifest(tmp_path / "dst")
+    assert manifest.world_size == world
+    assert manifest.metadata == {"state_dict_type": report.type, "optim_key": "param_name"}
+    assert len(manifest.tensors["model.w"].chunks) == world  # dim-0 chunks, one per rank (10 rows)
+    assert len(manifest.tensors["model.s"].chunks) == 1  # a 0-d tensor is stored whole
+    back = convert(tmp_path / "dst", tmp_path / "back", world_size=1, type="full")
+    assert back.type == "full" and diff(tmp_path / "src", tmp_path / "back").equal
+
+
+def test_cast_and_selection(tmp_path):
+    shardckpt.save(_state(), tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "dst", dtype=torch.bfloat16, only=["model"], exclude=["model.e"])
+    out = shardckpt.load_full(tmp_path / "dst")
+    assert set(out) == {"model"} and set(out["model"]) == {"w", "b", "s", "i"}
+    assert out["model"]["w"].dtype == torch.bfloat16 and torch.equal(out["model"]["w"], _state()["model"]["w"].bfloat16())
+    assert out["model"]["i"].dtype == torch.int64  # only floating-point tensors are cast
+    report = diff(tmp_path / "src", tmp_path / "dst", rtol=1e-2)
+    assert {d.kind for d in report.differences} == {"dtype", "only in A"}  # the values agree within bf16
+
+
+def test_a_committed_destination_is_kept_unless_overwrite(tmp_path):
+    shardckpt.save(_state(), tmp_path / "src")
+    shardckpt.save({"old": torch.ones(2)}, tmp_path / "dst")
+    with pytest.raises(CheckpointExistsError):
+        convert(tmp_path / "src", tmp_path / "dst", world_size=2)
+    assert set(shardckpt.load_full(tmp_path / "dst")) == {"old"}
+    convert(tmp_path / "src", tmp_path / "dst", world_size=2, overwrite=True)
+    assert diff(tmp_path / "src", tmp_path / "dst").equal
+    assert [n for n in os.listdir(tmp_path / "dst") if n.startswith("data-")] == \
+        [f"data-{_manifest(tmp_path / 'dst').generation}"]  # the replaced generation is gone
+
+
+def test_a_failure_mid_way_commits_nothing_and_leaves_the_old_checkpoint(tmp_path, monkeypatch):
+    shardckpt.save(_state(), tmp_path / "src")
+    shardckpt.save({"old": torch.ones(2)}, tmp_path / "dst")
+    from shardckpt.formats.native import NativeReader
+    real, calls = NativeReader.read, []
+
+    def failing(self, requests):
+        calls.append(1)
+        if len(calls) == 4:
+            raise OSError("disk gone")
+        return real(self, requests)
+
+    monkeypatch.setattr(NativeReader, "read", failing)
+    with pytest.raises(OSError, match="disk gone"):
+        convert(tmp_path / "src", tmp_path / "dst", world_size=2, overwrite=True)
+    monkeypatch.undo()
+    assert set(shardckpt.load_full(tmp_path / "dst")) == {"old"} and verify(tmp_path / "dst").ok
+    assert len([n for n in os.listdir(tmp_path / "dst") if n.startswith("data-")]) == 1  # its files removed
+
+
+def test_foreign_sources(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    flat = {"a.weight": torch.randn(7, 5), "a.bias": torch.randn(5).half(), "n": torch.tensor(1)}
+    (tmp_path / "hf").mkdir()
+    save_file({"a.weight": flat["a.weight"]}, tmp_path / "hf" / "model-00001-of-00002.safetensors")
+    save_file({"a.bias": flat["a.bias"], "n": flat["n"]}, tmp_path / "hf" / "model-00002-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00002.safetensors",
+                                            "a.bias": "model-00002-of-00002.safetensors",
+                                            "n": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    convert(tmp_path / "hf", tmp_path / "from-hf", world_size=3)
+    assert diff(tmp_path / "hf", tmp_path / "from-hf").equal and verify(tmp_path / "from-hf").ok
+    assert _manifest(tmp_path / "from-hf").metadata["state_dict_type"] == "sharded"
+
+    with pytest.warns(UserWarning):
+        dcp.save({"model": dict(flat), "step": 4}, checkpoint_id=str(tmp_path / "dcp"))
+    convert(tmp_path / "dcp", tmp_path / "from-dcp", world_size=2)
+    assert diff(tmp_path / "dcp", tmp_path / "from-dcp").equal
+    out = shardckpt.load_full(tmp_path / "from-dcp")
+    assert out["step"] == 4 and torch.equal(out["model"]["a.weight"], flat["a.weight"])
+
+
+def _train_and_save(root: str) -> tuple[list[str], dict]:
+    model, optim = new_run()
+    steps(model, optim, _model.make_batches(STEPS_BEFORE))
+    for key in OptimStateKeyType:
+        for sd_type in (StateDictType.LOCAL_STATE_DICT, StateDictType.FULL_STATE_DICT):
+            shardckpt.save_state(model, optim, f"{root}/{sd_type.name}-{key.name}", type=sd_type, optim_key=key)
+    return unsharded_param_names(model), full_state(model, optim)
+
+
+def _load_at(path: str) -> dict:
+    model, optim = new_run()
+    shardckpt.load_state(model, optim, path)
+    return full_state(model, optim)
+
+
+@pytest.fixture(scope="module")
+def runtime_local(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("runtime"))
+    names, state = run_ranks(2, _train_and_save, root)[0]
+    return root, names, state
+
+
+@pytest.mark.parametrize("key", list(OptimStateKeyType), ids=lambda k: k.name)
+def test_a_runtime_local_checkpoint_converts_to_the_jobs_full_one(runtime_local, tmp_path, key):
+    root, names, _ = runtime_local
+    local, full = f"{root}/LOCAL_STATE_DICT-{key.name}", f"{root}/FULL_STATE_DICT-{key.name}"
+    with pytest.raises(IncompatibleCheckpointError, match="LOCAL output"):
+        convert(local, tmp_path / "x")
+    convert(local, tmp_path / "full", type="full", world_size=1, param_names=names)
+    report = diff(tmp_path / "full", full)
+    assert report.equal and report.tensors > 0, report.differences[:5]
+
+
+def test_a_runtime_local_checkpoint_converted_to_sharded_at_3_resumes_exactly(runtime_local, tmp_path):
+    root, names, state = runtime_local
+    local = f"{root}/LOCAL_STATE_DICT-{OptimStateKeyType.PARAM_NAME.name}"
+    convert(local, tmp_path / "ws3", type="sharded", world_size=3, param_names=names)
+    assert _manifest(tmp_path / "ws3").world_size == 3
+    assert_same_state(run_ranks(3, _load_at, str(tmp_path / "ws3"))[0], state, "LOCAL ws2 -> SHARDED ws3")
+
+
+def test_cli(tmp_path, capsys):
+    shardckpt.save(_state(), tmp_path / "src")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--world-size", "2", "--quiet"]) == 0
+    assert diff(tmp_path / "src", tmp_path / "dst").equal
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst")]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "bf"), "--dtype", "bfloat16", "--only", "model",
+                 "--quiet"]) == 0
+    assert shardckpt.load_full(tmp_path / "bf")["model"]["w"].dtype == torch.bfloat16
