@@ -1,6 +1,6 @@
-"""Checking read requests against a reader's tensors, shared by the readers of foreign formats.
+"""Checking read requests against a reader's tensors, shared by every reader.
 
-The errors and messages are those of ``formats/native/plan.target_of``: an unknown tensor or a region outside
+An unknown tensor or a region outside
 the tensor is an ``IncompatibleCheckpointError`` (the checkpoint does not hold what was asked for); a
 destination that is not contiguous or has the wrong number of elements is the caller's ``ValueError``.
 A reader checks every request of a ``read`` call (``check_requests``) before it reads a single byte.
@@ -27,7 +27,8 @@ class CheckedRequest:
 
 
 def check_request(infos: Mapping[str, TensorInfo], request: ReadRequest, where: str) -> CheckedRequest:
-    """``request`` checked against ``infos`` (``where`` names the checkpoint in errors)."""
+    """``request`` checked against ``infos`` (``where`` names the checkpoint in errors). An info is anything
+    with the tensor's ``shape`` (shardckpt's own reader passes its manifest entries)."""
     info = infos.get(request.tensor)
     if info is None:
         raise IncompatibleCheckpointError(f"{where}: the checkpoint has no tensor {request.tensor!r}")

@@ -5,11 +5,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.format.chunks import RegularChunks
 from shardckpt.format.manifest import Manifest, TensorEntry
 from shardckpt.formats.api import ReadRequest
-from shardckpt.regions import FlatRange, Region, canonical, check_region, flat_bounds, intersect, local_span
+from shardckpt.formats.requests import check_request
+from shardckpt.regions import FlatRange, Region, canonical, flat_bounds, intersect, local_span
 
 
 @dataclass
@@ -40,17 +40,8 @@ class ChunkRead:
 
 def target_of(manifest: Manifest, request: ReadRequest, where: str) -> Target:
     """The request checked against the manifest (``where`` names the checkpoint in errors)."""
-    entry = manifest.tensors.get(request.tensor)
-    if entry is None:
-        raise IncompatibleCheckpointError(f"{where}: the checkpoint has no tensor {request.tensor!r}")
-    try:
-        check_region(request.region, entry.shape)
-    except ValueError as e:
-        raise IncompatibleCheckpointError(f"tensor {request.tensor!r}: {e}") from None
-    if request.dest.numel() != request.region.numel or not request.dest.is_contiguous():
-        raise ValueError(f"destination for {request.tensor!r} must be contiguous with {request.region.numel} "
-                         "elements")
-    return Target(entry, request.region, request.dest.detach().reshape(-1))
+    checked = check_request(manifest.tensors, request, where)
+    return Target(checked.info, checked.region, checked.flat)
 
 
 def plan_reads(targets: list[Target]) -> list[ChunkRead]:
