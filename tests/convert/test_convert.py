@@ -168,3 +168,18 @@ def test_cli(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "src"), str(tmp_path / "bf"), "--dtype", "bfloat16", "--only", "model",
                  "--quiet"]) == 0
     assert shardckpt.load_full(tmp_path / "bf")["model"]["w"].dtype == torch.bfloat16
+
+
+def test_sources_that_are_not_a_dict_or_select_nothing_are_refused(tmp_path):
+    from shardckpt import UnsupportedValueError
+
+    torch.save([torch.ones(2)], tmp_path / "list.pt")
+    with pytest.raises(UnsupportedValueError, match="list at its root"):
+        convert(tmp_path / "list.pt", tmp_path / "a")
+    torch.save({"w": torch.ones(2), "dtype": torch.float16}, tmp_path / "odd.pt")
+    with pytest.raises(UnsupportedValueError, match="'dtype'"):
+        convert(tmp_path / "odd.pt", tmp_path / "b")
+    shardckpt.save(_state(), tmp_path / "src")
+    with pytest.raises(ValueError, match="nothing to convert"):
+        convert(tmp_path / "src", tmp_path / "c", only=["nope"])
+    assert not any((tmp_path / d).exists() and os.listdir(tmp_path / d) for d in ("a", "b", "c"))

@@ -30,7 +30,7 @@ from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
 from shardckpt.checkpoint.save_plan import PieceInfo, make_save_plan
 from shardckpt.checkpoint.stage import check_unique_names
 from shardckpt.checkpoint.writer import write_rank_files
-from shardckpt.errors import CheckpointExistsError, IncompatibleCheckpointError
+from shardckpt.errors import CheckpointExistsError, IncompatibleCheckpointError, UnsupportedValueError
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.format.tree import TensorRef, check_savable_depth, encode, leaves, path_name
@@ -83,7 +83,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     reader = logical_view(base, param_names=param_names)
     world = _world_size(world_size, source_world)
     out_type = _output_type(type, source_type, world)
-    tree, outputs = _select(reader, only, exclude, dtype)
+    encoded_tree, outputs = _select(reader, only, exclude, dtype)
     storage = open_storage(dst, dst_storage_options)
     if not overwrite and storage.exists(MANIFEST_NAME):
         raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: a checkpoint already exists; pass "
@@ -106,7 +106,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
         storage.remove_dir(data_dir(plan.generation))
         raise
     metadata.update({"state_dict_type": out_type})
-    commit(storage, plan, plan.generation, results, world, encode(tree, _is_output_tensor), metadata)
+    commit(storage, plan, plan.generation, results, world, encoded_tree, metadata)
     return ConvertReport(world, out_type, len(outputs), tick.total)
 
 
@@ -139,11 +139,16 @@ def _is_output_tensor(value: Any) -> bool:
 
 def _select(reader: CheckpointReader, only: Sequence[str], exclude: Sequence[str],
             dtype: torch.dtype | None) -> tuple[Any, list[_Output]]:
-    """The output tree (tensor leaves as markers) and its tensors, after ``only``/``exclude`` and the cast."""
+    """The encoded output tree and its tensors, after ``only``/``exclude`` and the cast; checked as ``save``
+    checks a state dict (depth, unique names, plain values it can store) before anything is written."""
+    source = reader.tree()
+    if not isinstance(source, dict):
+        raise UnsupportedValueError(f"the source holds a {type(source).__name__} at its root; a shardckpt checkpoint "
+                                    "holds a dict (save it as {'name': value} first)")
     keep, drop = wanted_keys(only or None), wanted_keys(exclude) if exclude else (lambda name: False)
-    tree = pick(reader.tree(), (), lambda name: keep(name) and not drop(name))
-    if tree is None or not isinstance(tree, dict):
-        tree = {}
+    tree = pick(source, (), lambda name: keep(name) and not drop(name))
+    if not tree:
+        raise ValueError(f"nothing to convert: only={list(only)} exclude={list(exclude)} leave no entry of the source")
     infos = reader.tensors()
     outputs = []
     for path, leaf in leaves(tree, lambda v: isinstance(v, TensorRef)):
@@ -153,8 +158,8 @@ def _select(reader: CheckpointReader, only: Sequence[str], exclude: Sequence[str
             outputs.append(_Output(path_name(path), path, info, cast))
     marked = _mark(tree)
     check_savable_depth(marked)
-    check_unique_names(_as_tensors(marked, outputs))
-    return marked, outputs
+    check_unique_names(_as_tensors(marked))
+    return encode(marked, _is_output_tensor), outputs
 
 
 def _mark(node: Any) -> Any:
@@ -168,14 +173,14 @@ def _mark(node: Any) -> Any:
     return node
 
 
-def _as_tensors(tree: Any, outputs: list[_Output]) -> Any:
+def _as_tensors(tree: Any) -> Any:
     """The tree with meta tensors at the tensor leaves (for the save-side name checks)."""
     if _is_output_tensor(tree):
         return torch.empty(0, device="meta")
     if isinstance(tree, dict):
-        return {k: _as_tensors(v, outputs) for k, v in tree.items()}
+        return {k: _as_tensors(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return [_as_tensors(v, outputs) for v in tree]
+        return [_as_tensors(v) for v in tree]
     return tree
 
 
