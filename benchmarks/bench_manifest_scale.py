@@ -183,7 +183,7 @@ def meta_state_dict(params: dict, step_tensors: bool, rank: int, world: int) -> 
 
 def plan_via_match(manifest: Manifest, sd: dict) -> tuple[float, float, int]:
     t0 = time.perf_counter()
-    targets = [target_of(manifest, r, "bench") for r in match(manifest, sd, strict=True).requests]
+    targets = [target_of(manifest, r, "bench") for r in match(manifest.tree, manifest.tensors, sd, strict=True).requests]
     t1 = time.perf_counter()
     reads = plan_reads(targets)
     t2 = time.perf_counter()

@@ -8,12 +8,12 @@ from typing import Any, Callable, Iterable, TypeVar
 import torch
 
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
-from shardckpt.checkpoint.load_any import load_reader
+from shardckpt.checkpoint.load_any import load_reader, wanted_keys
 from shardckpt.checkpoint.match import match
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from shardckpt.format.tree import TensorRef, leaves, path_name, set_at
-from shardckpt.formats.api import ReadRequest
+from shardckpt.formats.api import CheckpointReader, ReadRequest
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.native import NativeReader, read_manifest
 from shardckpt.formats.native.reader import check_data_file
@@ -35,9 +35,25 @@ def load(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
     are cast. ``verify_checksums`` checks every byte read against its CRC32C (a whole chunk's, or those of
     the checksum blocks around a partial read).
     """
-    _with_retries(resolve_group(process_group), open_storage(path, storage_options),
-                  lambda storage, manifest: _load_into(state_dict, storage, manifest, strict, verify_checksums,
-                                                       io_threads))
+    group, storage = resolve_group(process_group), open_storage(path, storage_options)
+    if not _is_native(group, storage):
+        reader = attempt(group.rank, lambda: open_reader(path, storage_options=storage_options,
+                                                         io_threads=io_threads, verify=verify_checksums))
+        if not isinstance(reader, NativeReader):  # (a native one: a manifest committed since; the path below)
+            outcome = reader if isinstance(reader, Failure) else \
+                attempt(group.rank, lambda: _load_from(reader, state_dict, strict))
+            raise_failures(group.all_gather(outcome))
+            return
+    _with_retries(group, storage, lambda storage, manifest: _load_into(state_dict, storage, manifest, strict,
+                                                                       verify_checksums, io_threads))
+
+
+def _is_native(group: Group, storage: Storage) -> bool:
+    """Whether ``storage`` holds shardckpt's own format, as rank 0 sees it (every rank takes the same path)."""
+    mine = attempt(group.rank, lambda: storage.exists(MANIFEST_NAME)) if group.is_coordinator else None
+    seen = group.broadcast(mine)
+    raise_failures([seen])
+    return seen
 
 
 def _with_retries(group: Group, storage: Storage, work: Callable[[Storage, Manifest], T]) -> T:
@@ -90,8 +106,12 @@ def _generation_changed(group: Group, storage: Storage, manifest: Manifest) -> b
 
 def _load_into(state_dict: dict, storage: Storage, manifest: Manifest, strict: bool, verify: bool,
                io_threads: int) -> None:
-    matched = match(manifest, state_dict, strict)
-    NativeReader(storage, manifest, io_threads=io_threads, verify=verify).read(matched.requests)
+    _load_from(NativeReader(storage, manifest, io_threads=io_threads, verify=verify), state_dict, strict)
+
+
+def _load_from(reader: CheckpointReader, state_dict: dict, strict: bool) -> None:
+    matched = match(reader.tree(), reader.tensors(), state_dict, strict)
+    reader.read(matched.requests)
     matched.write_back()
     for value_path, value in matched.values:
         set_at(state_dict, value_path, value)
@@ -115,10 +135,7 @@ def load_full(path: str | os.PathLike, keys: Iterable[str] | None = None, *, ver
         reader = open_reader(path, storage_options=storage_options, io_threads=io_threads, verify=verify_checksums)
         if not isinstance(reader, NativeReader):  # (a native one: a manifest committed since; the path below)
             return load_reader(reader, keys, where=os.fspath(path))
-    prefixes = None if keys is None else tuple(keys)
-
-    def wanted(name: str) -> bool:
-        return prefixes is None or any(name == k or name.startswith(k + ".") for k in prefixes)
+    wanted = wanted_keys(keys)
 
     def work(storage: Storage, manifest: Manifest) -> dict:
         out: dict = {}

@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from shardckpt.checkpoint.collect import is_tensor_like, to_piece
 from shardckpt.errors import IncompatibleCheckpointError, key_mismatch
-from shardckpt.format.manifest import Manifest, TensorEntry
 from shardckpt.format.tree import Path, TensorRef, leaves, path_name
-from shardckpt.formats.api import ReadRequest
+from shardckpt.formats.api import ReadRequest, TensorInfo
 
 
 @dataclass
@@ -26,7 +25,7 @@ class Matched:
                 dest.copy_(copy.view(dest.shape))
 
 
-def _request(path: Path, value: Any, entry: TensorEntry, strict: bool, staged: list) -> ReadRequest:
+def _request(path: Path, value: Any, entry: TensorInfo, strict: bool, staged: list) -> ReadRequest:
     piece = to_piece(path, value)
     name = piece.name
     if piece.shape != entry.shape:
@@ -42,9 +41,12 @@ def _request(path: Path, value: Any, entry: TensorEntry, strict: bool, staged: l
     return ReadRequest(entry.name, piece.region, dest)
 
 
-def match(manifest: Manifest, state_dict: dict, strict: bool) -> Matched:
-    """Requests for the tensors and ``(path, saved value)`` for the plain values; strict raises on any mismatch."""
-    saved = {path_name(p): v for p, v in leaves(manifest.tree, lambda v: isinstance(v, TensorRef))}
+def match(tree: Any, tensors: Mapping[str, TensorInfo], state_dict: dict, strict: bool) -> Matched:
+    """Requests for the tensors and ``(path, saved value)`` for the plain values; strict raises on any mismatch.
+
+    ``tree`` and ``tensors`` are a reader's (``CheckpointReader.tree()``/``tensors()``; for shardckpt's own
+    format the manifest's tree and entries, which have the same fields)."""
+    saved = {path_name(p): v for p, v in leaves(tree, lambda v: isinstance(v, TensorRef))}
     wanted = list(leaves(state_dict, is_tensor_like))
     names = {path_name(p) for p, _ in wanted}
     out, missing = Matched([], [], []), []
@@ -60,7 +62,7 @@ def match(manifest: Manifest, state_dict: dict, strict: bool) -> Matched:
                 f"{name!r}: the checkpoint holds {kinds[not isinstance(stored, TensorRef)]}, the state dict "
                 f"{kinds[not is_tensor_like(value)]}")
         if isinstance(stored, TensorRef):
-            out.requests.append(_request(path, value, manifest.tensors[stored.name], strict, out.staged))
+            out.requests.append(_request(path, value, tensors[stored.name], strict, out.staged))
         else:
             out.values.append((path, stored))
     unexpected = sorted(set(saved) - names)
