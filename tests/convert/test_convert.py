@@ -3,6 +3,7 @@ checked bit for bit against the source with ``diff`` and by loading the result."
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -15,11 +16,16 @@ from shardckpt.checkpoint.verify import verify
 from shardckpt.cli.main import main
 from shardckpt.convert.convert import convert
 from shardckpt.convert.diff import diff
+from shardckpt.formats.detect import open_reader
 from shardckpt.formats.native import read_manifest
 from shardckpt.io import open_storage
+from shardckpt.runtime import FlatLayout
 from shardckpt.state_dict import OptimStateKeyType, unsharded_param_names
+from shardckpt.state_dict.flat import LAYOUTS_KEY
+from shardckpt.state_dict.logical import logical_view
 from tests._dist import run_ranks
-from tests.state_dict._train import STEPS_BEFORE, assert_same_state, full_state, new_run, steps
+from tests.state_dict._train import STEPS_AFTER, STEPS_BEFORE, assert_same_state, full_state, new_run, steps
+from tests.state_dict.test_resume import _resume
 from tests.runtime import _model
 
 
@@ -118,13 +124,16 @@ def test_foreign_sources(tmp_path):
     assert out["step"] == 4 and torch.equal(out["model"]["a.weight"], flat["a.weight"])
 
 
-def _train_and_save(root: str) -> tuple[list[str], dict]:
+def _train_and_save(root: str) -> tuple[list[str], dict, list[float]]:
+    """Train, save LOCAL and FULL (both optimizer keys), train on: names, the saved state, the later losses."""
     model, optim = new_run()
-    steps(model, optim, _model.make_batches(STEPS_BEFORE))
+    batches = _model.make_batches(STEPS_BEFORE + STEPS_AFTER)
+    steps(model, optim, batches[:STEPS_BEFORE])
     for key in OptimStateKeyType:
         for sd_type in (StateDictType.LOCAL_STATE_DICT, StateDictType.FULL_STATE_DICT):
             shardckpt.save_state(model, optim, f"{root}/{sd_type.name}-{key.name}", type=sd_type, optim_key=key)
-    return unsharded_param_names(model), full_state(model, optim)
+    state = full_state(model, optim)
+    return unsharded_param_names(model), state, steps(model, optim, batches[STEPS_BEFORE:])
 
 
 def _load_at(path: str) -> dict:
@@ -136,27 +145,88 @@ def _load_at(path: str) -> dict:
 @pytest.fixture(scope="module")
 def runtime_local(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("runtime"))
-    names, state = run_ranks(2, _train_and_save, root)[0]
-    return root, names, state
+    names, state, losses = run_ranks(2, _train_and_save, root)[0]
+    return root, names, state, losses
 
 
 @pytest.mark.parametrize("key", list(OptimStateKeyType), ids=lambda k: k.name)
 def test_a_runtime_local_checkpoint_converts_to_the_jobs_full_one(runtime_local, tmp_path, key):
-    root, names, _ = runtime_local
+    root, names, _, _ = runtime_local
     local, full = f"{root}/LOCAL_STATE_DICT-{key.name}", f"{root}/FULL_STATE_DICT-{key.name}"
-    with pytest.raises(IncompatibleCheckpointError, match="LOCAL output"):
-        convert(local, tmp_path / "x")
+    assert convert(local, tmp_path / "same").type == "local"  # the default for a LOCAL source: its own type
+    assert diff(tmp_path / "same", local).equal
     convert(local, tmp_path / "full", type="full", world_size=1, param_names=names)
     report = diff(tmp_path / "full", full)
     assert report.equal and report.tensors > 0, report.differences[:5]
 
 
 def test_a_runtime_local_checkpoint_converted_to_sharded_at_3_resumes_exactly(runtime_local, tmp_path):
-    root, names, state = runtime_local
+    root, names, state, _ = runtime_local
     local = f"{root}/LOCAL_STATE_DICT-{OptimStateKeyType.PARAM_NAME.name}"
     convert(local, tmp_path / "ws3", type="sharded", world_size=3, param_names=names)
     assert _manifest(tmp_path / "ws3").world_size == 3
     assert_same_state(run_ranks(3, _load_at, str(tmp_path / "ws3"))[0], state, "LOCAL ws2 -> SHARDED ws3")
+
+
+def _resume_local(path: str, key: OptimStateKeyType) -> dict:
+    """A fresh run at this world size resumed from LOCAL checkpoint ``path`` by ``load_state`` and by the in-memory
+    LOCAL route (its own LOCAL state dict, optimizer keyed by ``key``, filled by ``shardckpt.load`` with every key
+    matched, then set), each trained on: route -> (full state on rank 0, losses)."""
+    model, optim = new_run()
+    shardckpt.load_state(model, optim, path)
+    out = {"load_state": _resume(model, optim)}
+    model, optim = new_run()
+    sd = shardckpt.get_state_dict(model, optim, type=StateDictType.LOCAL_STATE_DICT, optim_key=key)
+    shardckpt.load(sd, path)
+    shardckpt.set_state_dict(model, optim, sd, type=StateDictType.LOCAL_STATE_DICT)
+    out["LOCAL state dict"] = _resume(model, optim)
+    return out
+
+
+@pytest.mark.parametrize("world", [3, 1, 4])
+@pytest.mark.parametrize("key", list(OptimStateKeyType), ids=lambda k: k.name)
+def test_a_runtime_local_checkpoint_converted_to_local_at_another_world_size_resumes(runtime_local, tmp_path, key,
+                                                                                       world):
+    root, names, state, losses = runtime_local
+    local, out = f"{root}/LOCAL_STATE_DICT-{key.name}", str(tmp_path / f"ws{world}")
+    report = convert(local, out, world_size=world)  # LOCAL by default for a LOCAL source
+    assert report.type == "local" and verify(out).ok
+    manifest, source = _manifest(out), _manifest(local)
+    assert manifest.world_size == world and manifest.metadata == {"state_dict_type": "local", "optim_key": key.value}
+    layouts = {k: FlatLayout.from_dict(v) for k, v in manifest.tree["model"][LAYOUTS_KEY].items()}
+    assert layouts.keys() == source.tree["model"][LAYOUTS_KEY].keys()
+    for k, layout in layouts.items():
+        assert layout.world_size == world and layout.padded_numel == layout.shard_numel * world
+        assert len(manifest.tensors[f"model.{k}"].chunks) == world  # one flat range per rank
+        assert manifest.tensors[f"model.{k}"].shape == (layout.padded_numel,)
+    assert manifest.tree["optim"] == source.tree["optim"]  # keys (name or ID) and param groups as stored
+    assert diff(logical_view(open_reader(out), param_names=names), f"{root}/FULL_STATE_DICT-{key.name}").equal
+    for route, (got, got_losses) in run_ranks(world, _resume_local, out, key, timeout=300)[0].items():
+        where = f"LOCAL ws2 -> LOCAL ws{world} ({key.name}), {route}"
+        assert_same_state(got, state, where)
+        assert all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) for a, b in zip(got_losses, losses)), \
+            (where, got_losses, losses)
+
+
+def test_local_output_needs_a_local_source(runtime_local, tmp_path, capsys):
+    root, _, _, _ = runtime_local
+    full = f"{root}/FULL_STATE_DICT-{OptimStateKeyType.PARAM_NAME.name}"
+    with pytest.raises(IncompatibleCheckpointError, match=r"flat layouts \(model._flat_layouts\).*LOCAL source"
+                                                          r".*type='sharded'"):
+        convert(full, tmp_path / "x", type="local", world_size=3)
+    assert main(["convert", full, str(tmp_path / "x"), "--type", "local", "--quiet"]) == 2
+    assert "LOCAL output needs the flat layouts" in capsys.readouterr().err
+    assert main(["convert", f"{root}/LOCAL_STATE_DICT-PARAM_ID", str(tmp_path / "w"), "--type", "local",
+                 "--world-size", "3", "--quiet"]) == 0
+    by_param = [logical_view(open_reader(p)) for p in (tmp_path / "w", f"{root}/LOCAL_STATE_DICT-PARAM_ID")]
+    assert _manifest(tmp_path / "w").world_size == 3 and diff(*by_param).equal
+    with pytest.raises(ValueError, match="dtype"):
+        convert(f"{root}/LOCAL_STATE_DICT-PARAM_NAME", tmp_path / "y", world_size=3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="leave out model._flat_layouts"):
+        convert(f"{root}/LOCAL_STATE_DICT-PARAM_NAME", tmp_path / "y", world_size=3, only=["optim"])
+    assert not os.path.exists(tmp_path / "x") or not os.listdir(tmp_path / "x")
+    report = convert(full, tmp_path / "z", world_size=3)  # the job's FULL checkpoint at another world size
+    assert report.type == "sharded" and diff(full, tmp_path / "z").equal
 
 
 def test_cli(tmp_path, capsys):

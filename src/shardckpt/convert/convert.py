@@ -11,7 +11,10 @@ committed checkpoint there is replaced only with ``overwrite``.
 
 Output types: FULL stores every tensor whole; SHARDED stores every tensor of one or more dimensions as
 ``world_size`` dim-0 chunks (``torch.chunk`` semantics, as ``get_state_dict(type=SHARDED)`` gives them)
-and 0-d tensors whole. A FULL source converted to ``world_size > 1`` becomes SHARDED.
+and 0-d tensors whole. A FULL source converted to ``world_size > 1`` becomes SHARDED. LOCAL output (from a
+LOCAL source only: it needs the source's flat layouts) is the checkpoint the job would have saved at
+``world_size`` ranks: flat layouts re-derived, each flat tensor assembled from its members
+(``convert.local_output``), everything else as stored.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
 from shardckpt.checkpoint.save_plan import PieceInfo, make_save_plan
 from shardckpt.checkpoint.stage import check_unique_names
 from shardckpt.checkpoint.writer import write_rank_files
-from shardckpt.errors import CheckpointExistsError, IncompatibleCheckpointError, UnsupportedValueError
+from shardckpt.convert.local_output import LocalAtWorldSize, no_layouts_error
+from shardckpt.errors import CheckpointExistsError, UnsupportedValueError
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.format.tree import TensorRef, check_savable_depth, encode, leaves, path_name
@@ -38,9 +42,13 @@ from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
 from shardckpt.formats.detect import open_reader
 from shardckpt.io import open_storage
 from shardckpt.regions import Region, dim0_chunk, full_region
+from shardckpt.state_dict.flat import LAYOUTS_KEY
 from shardckpt.state_dict.logical import is_local, logical_view
+from shardckpt.state_dict.types import StateDictType
 
-TYPES = ("full", "sharded")  # output types; LOCAL output (re-derived flat layouts) is not written yet
+TYPES = ("full", "sharded", "local")  # output types
+# save_state's metadata names the type by StateDictType value ("SHARDED_STATE_DICT"); convert's by TYPES
+_TYPE_NAMES = {t.value: t.name.removesuffix("_STATE_DICT").lower() for t in StateDictType}
 
 
 @dataclass(frozen=True)
@@ -69,26 +77,38 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             progress: Callable[[int, int], None] | None = None) -> ConvertReport:
     """Convert the checkpoint at ``src`` (any readable format) into a shardckpt checkpoint at ``dst``.
 
-    ``world_size``: of the output (default: the source's, 1 for formats that have none). ``type``: "full"
-    or "sharded" (default: the source's; FULL at ``world_size > 1`` becomes SHARDED). ``dtype``: cast
-    floating-point tensors to it. ``only`` / ``exclude``: dotted-name prefixes of the entries to keep /
-    leave out. ``param_names``: for a LOCAL source, the unsharded model's parameter names in order (they
-    number optimizer IDs as the job's FULL state dict would; see ``state_dict.logical``).
+    ``world_size``: of the output (default: the source's, 1 for formats that have none). ``type``: "full",
+    "sharded" or "local" (default: the source's; FULL at ``world_size > 1`` becomes SHARDED; "local" needs a
+    LOCAL source). ``dtype``: cast floating-point tensors to it (not for LOCAL output). ``only`` /
+    ``exclude``: dotted-name prefixes of the entries to keep / leave out (LOCAL output keeps the layouts).
+    ``param_names``: for a LOCAL source, the unsharded model's parameter names in order (they number
+    optimizer IDs as the job's FULL state dict would; see ``state_dict.logical``).
     ``progress(done_bytes, total_bytes)`` is called as tensors are written.
     """
     base = open_reader(src, storage_options=storage_options)
     metadata = dict(getattr(getattr(base, "manifest", None), "metadata", None) or {})
     source_world = getattr(getattr(base, "manifest", None), "world_size", 1)
-    source_type = "local" if is_local(base.tree()) else metadata.get("state_dict_type", "full")
-    reader = logical_view(base, param_names=param_names)
+    stored_type = metadata.get("state_dict_type", "full")
+    source_type = "local" if is_local(base.tree()) else _TYPE_NAMES.get(stored_type, stored_type)
     world = _world_size(world_size, source_world)
     out_type = _output_type(type, source_type, world)
+    if out_type == "local":
+        if source_type != "local":
+            raise no_layouts_error(str(src), source_type)
+        if dtype is not None:
+            raise ValueError("dtype: LOCAL output keeps the flat layouts' dtypes; cast with type='sharded' or 'full'")
+        reader: CheckpointReader = LocalAtWorldSize(base, world, str(src))
+    else:
+        reader = logical_view(base, param_names=param_names)
     encoded_tree, outputs = _select(reader, only, exclude, dtype)
+    if out_type == "local" and not is_local(encoded_tree):
+        raise ValueError(f"only={list(only)} exclude={list(exclude)} leave out model.{LAYOUTS_KEY}: LOCAL output "
+                         "keeps the flat layouts")
     storage = open_storage(dst, dst_storage_options)
     if not overwrite and storage.exists(MANIFEST_NAME):
         raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: a checkpoint already exists; pass "
                                     "overwrite=True (--overwrite) to replace it")
-    ranks = [[_piece(o, out_type, r, world) for o in outputs] for r in range(world)]
+    ranks = [[_piece(o, out_type, r, world, reader) for o in outputs] for r in range(world)]
     plan = make_save_plan([[PieceInfo.of(p) for p in pieces] for pieces in ranks], uuid.uuid4().hex[:16],
                           files_per_rank)
     tick = _Progress(sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in outputs), progress)
@@ -119,13 +139,9 @@ def _world_size(asked: int | None, source: int) -> int:
 
 def _output_type(asked: str | None, source: str, world: int) -> str:
     if asked is None:
-        if source == "local":
-            raise IncompatibleCheckpointError(
-                "the source is a LOCAL checkpoint; writing LOCAL output (flat layouts re-derived at the new "
-                "world size) is not supported yet: pass type='sharded' or 'full' (--type)")
         asked = "sharded" if source == "full" and world > 1 else source
     if asked not in TYPES:
-        raise ValueError(f"type must be one of {TYPES} (LOCAL output is not supported yet), got {asked!r}")
+        raise ValueError(f"type must be one of {TYPES}, got {asked!r}")
     return asked
 
 
@@ -184,11 +200,15 @@ def _as_tensors(tree: Any) -> Any:
     return tree
 
 
-def _piece(output: _Output, out_type: str, rank: int, world: int) -> LocalPiece:
+def _piece(output: _Output, out_type: str, rank: int, world: int, reader: CheckpointReader) -> LocalPiece:
     """What virtual rank ``rank`` of ``world`` holds of ``output`` (data: a meta tensor until it is written)."""
     shape = tuple(output.source.shape)
-    if out_type == "sharded" and shape:
-        region: Region = dim0_chunk(shape, rank, world)
+    flat = reader.piece_region(output.source.name, rank) if isinstance(reader, LocalAtWorldSize) else None
+    if flat is not None:  # LOCAL output: a flat tensor's shard range
+        region: Region = flat
+        replicated = False
+    elif out_type == "sharded" and shape:
+        region = dim0_chunk(shape, rank, world)
         replicated = False
     else:
         region, replicated = full_region(shape), True

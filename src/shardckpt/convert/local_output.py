@@ -1,0 +1,125 @@
+"""LOCAL output for ``convert``: a LOCAL checkpoint presented as the same job would have saved it at another
+world size, through the read interface, so that ``convert`` plans and writes it like any other output.
+
+A LOCAL checkpoint stores each flat group's flat tensor (model parameter, and every optimizer state tensor
+shaped like it) with its ``FlatLayout``. At world size M the layout is re-derived
+(``state_dict.merge_split._at_world_size``: the same members, offsets and dtype; padding for M equal
+shards), and each flat tensor takes the new layout's ``padded_numel``. A range of a new flat tensor is
+assembled from the members' elements, read from the stored flat tensor at the member's stored offset, and
+zeros for the alignment gaps and the tail padding, as the runtime keeps them. Every other stored tensor
+(buffers, scalars such as ``step``) and the rest of the tree (param groups, optimizer keys by name or ID)
+pass through unchanged: the flat keys and IDs do not depend on the world size.
+
+Output rank r holds ``layout.shard_range(r)`` of each flat tensor, as the runtime's LOCAL state dict at M
+ranks does (``piece_region``); every other tensor is stored whole.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from shardckpt.errors import IncompatibleCheckpointError
+from shardckpt.format.tree import TensorRef
+from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
+from shardckpt.formats.requests import check_requests
+from shardckpt.regions import FlatRange, contiguous_runs
+from shardckpt.runtime import FlatLayout
+from shardckpt.state_dict.flat import LAYOUTS_KEY
+from shardckpt.state_dict.load_state import stored_layouts
+from shardckpt.state_dict.logical import is_local, logical_view
+from shardckpt.state_dict.merge_split import _at_world_size
+from shardckpt.state_dict.param_ids import resolve_id_names
+from shardckpt.state_dict.rekey import key_type_of
+from shardckpt.state_dict.types import OptimStateKeyType
+
+
+def no_layouts_error(where: str, source_type: str) -> IncompatibleCheckpointError:
+    """Why a source without flat layouts cannot become LOCAL output, and what to pass instead."""
+    return IncompatibleCheckpointError(
+        f"{where}: LOCAL output needs the flat layouts (model.{LAYOUTS_KEY}) that only a LOCAL source stores, and "
+        f"this {source_type} source has none: convert a LOCAL checkpoint (saved with "
+        "type=StateDictType.LOCAL_STATE_DICT), or pass type='sharded' (--type sharded), which a runtime at any "
+        "world size loads with shardckpt.load_state")
+
+
+class LocalAtWorldSize:
+    """A ``CheckpointReader`` presenting LOCAL checkpoint ``base`` as it would be saved at ``world_size`` ranks."""
+
+    def __init__(self, base: CheckpointReader, world_size: int, where: str):
+        tree = base.tree()
+        if not is_local(tree):
+            raise no_layouts_error(where, "non-LOCAL")
+        logical_view(base)  # checks the layouts against the flat tensors (CorruptCheckpointError naming one)
+        self.base, self.where = base, where
+        stored = stored_layouts(tree)
+        self.layouts = {key: _at_world_size(layout, world_size) for key, layout in stored.items()}
+        infos = dict(base.tensors())
+        # stored flat tensor name -> (its stored layout, the re-derived one)
+        self.flat: dict[str, tuple[FlatLayout, FlatLayout]] = {
+            name: (stored[key], self.layouts[key]) for name, key in _flat_tensors(tree, infos, stored).items()}
+        self._infos = {name: TensorInfo(name, info.dtype, (self.flat[name][1].padded_numel,), None)
+                       if name in self.flat else info for name, info in infos.items()}
+        self._tree = copy.deepcopy(tree)
+        self._tree["model"][LAYOUTS_KEY] = {key: layout.to_dict() for key, layout in self.layouts.items()}
+
+    def tensors(self) -> Mapping[str, TensorInfo]:
+        return self._infos
+
+    def tree(self) -> Any:
+        return self._tree
+
+    def piece_region(self, name: str, rank: int) -> FlatRange | None:
+        """The flat range output rank ``rank`` holds of flat tensor ``name``; None for a tensor stored whole."""
+        if name not in self.flat:
+            return None
+        return FlatRange(*self.flat[name][1].shard_range(rank))
+
+    def read(self, requests: Sequence[ReadRequest]) -> None:
+        checked = check_requests(self._infos, requests, self.where)
+        out: list[ReadRequest] = []
+        for request, c in zip(requests, checked):
+            if request.tensor not in self.flat:
+                out.append(request)
+                continue
+            stored, new = self.flat[request.tensor]
+            c.flat.zero_()  # alignment gaps and tail padding
+            for start, local, count in contiguous_runs(request.region, (new.padded_numel,)):
+                out += _member_reads(request.tensor, stored, new, start, start + count, c.flat[local:local + count])
+        if out:
+            self.base.read(out)
+
+
+def _member_reads(name: str, stored: FlatLayout, new: FlatLayout, start: int, stop: int,
+                  dest: torch.Tensor) -> list[ReadRequest]:
+    """Reads filling ``dest`` (new flat elements [start, stop)) with the members' elements it covers."""
+    reads = []
+    for j, numel in enumerate(new.numels):
+        a, b = max(start, new.offsets[j]), min(stop, new.offsets[j] + numel)
+        if a < b:
+            at = stored.offsets[j] + a - new.offsets[j]
+            reads.append(ReadRequest(name, FlatRange(at, at + b - a), dest[a - start:b - start]))
+    return reads
+
+
+def _flat_tensors(tree: dict, infos: Mapping[str, TensorInfo], layouts: dict[str, FlatLayout]) -> dict[str, str]:
+    """Stored tensor name -> flat key, for every flat tensor: the model's flat parameters and the optimizer
+    state shaped like them (state keyed by flat key, or by ID: the IDs' recorded names, else layout order)."""
+    model = tree["model"]
+    out = {model[key].name: key for key in layouts if isinstance(model.get(key), TensorRef)}
+    optim = tree.get("optim")
+    state = optim.get("state") if isinstance(optim, dict) else None
+    if not isinstance(state, dict):
+        return out
+    groups = optim.get("param_groups") or []
+    by_id = key_type_of({"state": state, "param_groups": groups}) is OptimStateKeyType.PARAM_ID
+    id_names = resolve_id_names(groups, None, lambda: dict(enumerate(layouts))) if by_id else {}
+    for k, entry in state.items():
+        key = id_names.get(k) if by_id else k
+        if key not in layouts or not isinstance(entry, dict):
+            continue
+        for value in entry.values():
+            if isinstance(value, TensorRef) and tuple(infos[value.name].shape) == (layouts[key].padded_numel,):
+                out[value.name] = key
+    return out
