@@ -44,14 +44,15 @@ def _manifest(path):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_full_to_sharded_at_every_world_size_is_exact(tmp_path, world):
-    shardckpt.save(_state(), tmp_path / "src", metadata={"state_dict_type": "full", "optim_key": "param_name"})
+    shardckpt.save(_state(), tmp_path / "src",
+                   metadata={"state_dict_type": "FULL_STATE_DICT", "optim_key": "PARAM_NAME"})
     report = convert(tmp_path / "src", tmp_path / "dst", world_size=world)
     assert report.type == ("sharded" if world > 1 else "full") and report.tensors == 7
     assert verify(tmp_path / "dst").ok
     assert diff(tmp_path / "src", tmp_path / "dst").equal  # by checksum: the bytes are the source's
     manifest = _manifest(tmp_path / "dst")
     assert manifest.world_size == world
-    assert manifest.metadata == {"state_dict_type": report.type, "optim_key": "param_name"}
+    assert manifest.metadata == {"state_dict_type": f"{report.type.upper()}_STATE_DICT", "optim_key": "PARAM_NAME"}
     assert len(manifest.tensors["model.w"].chunks) == world  # dim-0 chunks, one per rank (10 rows)
     assert len(manifest.tensors["model.s"].chunks) == 1  # a 0-d tensor is stored whole
     back = convert(tmp_path / "dst", tmp_path / "back", world_size=1, type="full")
@@ -114,7 +115,7 @@ def test_foreign_sources(tmp_path):
     (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
     convert(tmp_path / "hf", tmp_path / "from-hf", world_size=3)
     assert diff(tmp_path / "hf", tmp_path / "from-hf").equal and verify(tmp_path / "from-hf").ok
-    assert _manifest(tmp_path / "from-hf").metadata["state_dict_type"] == "sharded"
+    assert _manifest(tmp_path / "from-hf").metadata["state_dict_type"] == "SHARDED_STATE_DICT"
 
     with pytest.warns(UserWarning):
         dcp.save({"model": dict(flat), "step": 4}, checkpoint_id=str(tmp_path / "dcp"))
@@ -192,7 +193,7 @@ def test_a_runtime_local_checkpoint_converted_to_local_at_another_world_size_res
     report = convert(local, out, world_size=world)  # LOCAL by default for a LOCAL source
     assert report.type == "local" and verify(out).ok
     manifest, source = _manifest(out), _manifest(local)
-    assert manifest.world_size == world and manifest.metadata == {"state_dict_type": "local", "optim_key": key.value}
+    assert manifest.world_size == world and manifest.metadata == {"state_dict_type": "LOCAL_STATE_DICT", "optim_key": key.value}
     layouts = {k: FlatLayout.from_dict(v) for k, v in manifest.tree["model"][LAYOUTS_KEY].items()}
     assert layouts.keys() == source.tree["model"][LAYOUTS_KEY].keys()
     for k, layout in layouts.items():

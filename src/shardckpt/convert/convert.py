@@ -48,7 +48,8 @@ from shardckpt.state_dict.types import StateDictType
 
 TYPES = ("full", "sharded", "local")  # output types
 # save_state's metadata names the type by StateDictType value ("SHARDED_STATE_DICT"); convert's by TYPES
-_TYPE_NAMES = {t.value: t.name.removesuffix("_STATE_DICT").lower() for t in StateDictType}
+_TYPE_NAMES = {t.value: t.name.removesuffix("_STATE_DICT").lower() for t in StateDictType}  # as stored -> TYPES
+_STORED_TYPES = {name: value for value, name in _TYPE_NAMES.items()}  # TYPES -> as save_state stores it
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     except BaseException:
         storage.remove_dir(data_dir(plan.generation))
         raise
-    metadata.update({"state_dict_type": out_type})
+    metadata.update({"state_dict_type": _STORED_TYPES[out_type]})
     commit(storage, plan, plan.generation, results, world, encoded_tree, metadata)
     return ConvertReport(world, out_type, len(outputs), tick.total)
 
