@@ -156,9 +156,10 @@ def test_a_runtime_local_checkpoint_converts_to_the_jobs_full_one(runtime_local,
     local, full = f"{root}/LOCAL_STATE_DICT-{key.name}", f"{root}/FULL_STATE_DICT-{key.name}"
     assert convert(local, tmp_path / "same").type == "local"  # the default for a LOCAL source: its own type
     assert diff(tmp_path / "same", local).equal
-    convert(local, tmp_path / "full", type="full", world_size=1, param_names=names)
+    convert(local, tmp_path / "full", type="full", world_size=1)  # the parameter order save_state recorded
     report = diff(tmp_path / "full", full)
     assert report.equal and report.tensors > 0, report.differences[:5]
+    assert "param_names" not in _manifest(tmp_path / "full").metadata
 
 
 def test_a_runtime_local_checkpoint_converted_to_sharded_at_3_resumes_exactly(runtime_local, tmp_path):
@@ -193,7 +194,8 @@ def test_a_runtime_local_checkpoint_converted_to_local_at_another_world_size_res
     report = convert(local, out, world_size=world)  # LOCAL by default for a LOCAL source
     assert report.type == "local" and verify(out).ok
     manifest, source = _manifest(out), _manifest(local)
-    assert manifest.world_size == world and manifest.metadata == {"state_dict_type": "LOCAL_STATE_DICT", "optim_key": key.value}
+    assert manifest.world_size == world
+    assert manifest.metadata == {"state_dict_type": "LOCAL_STATE_DICT", "optim_key": key.value, "param_names": names}
     layouts = {k: FlatLayout.from_dict(v) for k, v in manifest.tree["model"][LAYOUTS_KEY].items()}
     assert layouts.keys() == source.tree["model"][LAYOUTS_KEY].keys()
     for k, layout in layouts.items():

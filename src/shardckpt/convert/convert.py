@@ -34,7 +34,7 @@ from shardckpt.checkpoint.save_plan import PieceInfo, make_save_plan
 from shardckpt.checkpoint.stage import check_unique_names
 from shardckpt.checkpoint.writer import write_rank_files
 from shardckpt.convert.local_output import LocalAtWorldSize, no_layouts_error
-from shardckpt.errors import CheckpointExistsError, UnsupportedValueError
+from shardckpt.errors import CheckpointExistsError, CorruptCheckpointError, UnsupportedValueError
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.format.tree import TensorRef, check_savable_depth, encode, leaves, path_name
@@ -100,7 +100,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             raise ValueError("dtype: LOCAL output keeps the flat layouts' dtypes; cast with type='sharded' or 'full'")
         reader: CheckpointReader = LocalAtWorldSize(base, world, str(src))
     else:
-        reader = logical_view(base, param_names=param_names)
+        reader = logical_view(base, param_names=param_names or _recorded_names(metadata))
+        metadata.pop("param_names", None)  # a FULL or SHARDED output has no flat layouts to go with them
     encoded_tree, outputs = _select(reader, only, exclude, dtype)
     if out_type == "local" and not is_local(encoded_tree):
         raise ValueError(f"only={list(only)} exclude={list(exclude)} leave out model.{LAYOUTS_KEY}: LOCAL output "
@@ -129,6 +130,16 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     metadata.update({"state_dict_type": _STORED_TYPES[out_type]})
     commit(storage, plan, plan.generation, results, world, encoded_tree, metadata)
     return ConvertReport(world, out_type, len(outputs), tick.total)
+
+
+def _recorded_names(metadata: dict) -> list[str] | None:
+    """The parameter order ``save_state`` records for LOCAL state (older checkpoints have none)."""
+    names = metadata.get("param_names")
+    if names is None:
+        return None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CorruptCheckpointError("the checkpoint's metadata.param_names is not a list of parameter names")
+    return names
 
 
 def _world_size(asked: int | None, source: int) -> int:

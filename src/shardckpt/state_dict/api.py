@@ -13,7 +13,7 @@ from shardckpt.checkpoint.save import save
 from shardckpt.runtime.api import ModuleStateHandlers
 from shardckpt.runtime.state import state_of
 from shardckpt.state_dict.model_state import get_model_state, rank0_only, set_model_state
-from shardckpt.state_dict.optim_state import get_optim_state, set_optim_state
+from shardckpt.state_dict.optim_state import get_optim_state, set_optim_state, unsharded_param_names
 from shardckpt.state_dict.types import (
     OptimStateKeyType,
     StateDictConfig,
@@ -112,9 +112,13 @@ def save_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
     """Save model (and optimizer) state of ``type`` to ``path``; ``load_state`` reads it at any world size.
 
     ``extra`` adds plain entries (e.g. ``{"step": 1000}``). The manifest's metadata records the type and
-    the optimizer key type.
+    the optimizer key type, and for LOCAL state the unsharded model's parameter names in order
+    (``param_names``), which the flat layouts alone do not give: offline tools number optimizer IDs and
+    list param groups as the job's FULL state dict does with them.
     """
     sd = get_state_dict(model, optimizer, type=type, config=config, optim_key=optim_key)
     sd.update(extra or {})
     metadata = {"state_dict_type": type.value, "optim_key": optim_key.value}
+    if type is StateDictType.LOCAL_STATE_DICT:
+        metadata["param_names"] = unsharded_param_names(model)
     save(sd, path, metadata=metadata, **save_kwargs)
