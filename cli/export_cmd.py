@@ -1,0 +1,69 @@
+"""``shardckpt export SRC DST``: the model weights of any readable checkpoint as Hugging Face style safetensors."""
+from __future__ import annotations
+
+import argparse
+import time
+
+from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options
+from shardckpt.cli.progress import Progress
+
+from shardckpt.convert.export import DEFAULT_MAX_SHARD_SIZE, cast_dtype, export, parse_size
+
+EPILOG = """sources: shardckpt checkpoints of any type and world size (LOCAL ones by parameter name), torch DCP
+directories, safetensors files or Hugging Face directories, torch.save files. Exported: the `model` entry of a
+training checkpoint (names relative to it), else every tensor outside `optim`/`optimizer`; --only picks other
+entries. Wrapper prefixes `module.` and `_orig_mod.` are removed; tied weights (LOCAL) are written once.
+Output: model.safetensors, or model-0000i-of-0000N.safetensors and model.safetensors.index.json (written last),
+streamed in slices of at most 64 MiB, whatever the model's size.
+
+examples:
+  shardckpt export /ckpt/step-1000 /export/step-1000 --dtype bfloat16
+  shardckpt export /ckpt/step-1000 s3://bucket/model --max-shard-size 2GB -o endpoint_url=http://127.0.0.1:9000
+  shardckpt export /dcp/step-500 /export/ema --only ema --strip-prefix ema.
+"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export", help="export the model weights as Hugging Face style safetensors",
+                       description="Write the model weights of SRC (any readable format) as safetensors files in DST.",
+                       epilog=EPILOG + "\n" + STORAGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="source checkpoint, file or fsspec URL")
+    p.add_argument("dst", help="destination directory or fsspec URL")
+    p.add_argument("--dtype", default="keep", type=_usage_error(cast_dtype),
+                   help="bfloat16, float16, float32 or keep (default): cast floating-point tensors")
+    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, type=_usage_error(parse_size), metavar="SIZE",
+                   help="tensor bytes per file at most, e.g. 5GB (default), 500MiB")
+    p.add_argument("--only", nargs="+", default=None, metavar="PREFIX",
+                   help="export these dotted-name prefixes instead of the model weights")
+    p.add_argument("--strip-prefix", metavar="P", help="remove this prefix from the exported names")
+    p.add_argument("--overwrite", action="store_true", help="replace an export at DST")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
+    add_storage_options(p)
+    p.set_defaults(run=run)
+
+
+def _usage_error(parse):
+    """``parse`` as an argparse type: its ``ValueError`` becomes a usage error (exit 2) with its message."""
+    def parse_argument(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse_argument
+
+
+def run(args: argparse.Namespace) -> int:
+    options = storage_options(args)
+    progress = Progress("export", quiet=args.quiet)
+    start = time.monotonic()
+    try:
+        report = export(args.src, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size, only=args.only,
+                        strip_prefix=args.strip_prefix, overwrite=args.overwrite, storage_options=options,
+                        dst_storage_options=options, progress=progress)
+    finally:
+        progress.close()
+    if not args.quiet:
+        tied = f", {len(report.tied)} tied left out" if report.tied else ""
+        print(f"{args.dst}: {len(report.files)} file{'s' if len(report.files) > 1 else ''}, {report.tensors} tensors"
+              f"{tied}, {report.total_size} bytes, dtype {report.dtype}, {time.monotonic() - start:.1f} s")
+    return 0

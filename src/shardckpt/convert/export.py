@@ -1,0 +1,467 @@
+"""``export``: the model weights of any checkpoint ``open_reader`` reads, written as Hugging Face style
+safetensors, streamed: memory holds one slice buffer (and one for the cast), whatever the model's size.
+
+**What is exported.** By default the model weights only:
+
+- a training checkpoint's ``model`` entry (``{"model": {...}, "optim": {...}, ...}``), named relative to it
+  (``model.layer.weight`` -> ``layer.weight``);
+- a checkpoint without a ``model`` entry (a plain state dict, a safetensors directory, ...): every tensor
+  except those under a top-level ``optim`` or ``optimizer`` entry.
+
+``only`` (dotted-name prefixes, ``checkpoint.load_any.wanted_keys``) picks other entries instead; their
+names are then the full dotted names. ``strip_prefix`` is removed from the front of every name that has it,
+and then the wrapper prefixes ``module.`` (DDP, leading only) and ``_orig_mod.`` (``torch.compile``, as a
+leading prefix or a name component anywhere) are removed. A selection that keeps no tensor raises
+``NoModelWeightsError``, listing the top-level entries that hold tensors (what ``only`` could pick).
+
+A LOCAL shardckpt checkpoint is read through ``state_dict.logical.logical_view``, so its parameters appear by
+name, padding never shows. **Tied weights** are written once, under the first name (the one
+``named_parameters()`` keeps), as transformers expects: it re-ties the others on load. Tied means: the
+logical view presents the names as aliases of one member (LOCAL), or the checkpoint's tree refers to one
+stored tensor under two names. Other formats store tied weights as separate tensors (a FULL or SHARDED
+shardckpt checkpoint, DCP, ``torch.save`` after loading): whether two of them shared storage in the job is
+not knowable from the files, and both are written.
+
+**Output** (the huggingface_hub convention): ``model.safetensors`` when all tensors fit in one shard of
+``max_shard_size`` bytes (tensor bytes; headers not counted), else ``model-0000i-of-0000N.safetensors`` and
+``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``). The
+number of shards is the fewest the limit allows (tensors kept in source order, never split), and the shards
+are balanced: a tensor goes to the shard its middle byte falls in when the bytes are cut into that many
+equal parts (``plan_shards``). A tensor larger than the limit gets a shard of its own. Every file's
+``__metadata__`` is ``{"format": "pt", "source": <src as given>}``.
+
+**Streaming.** A file's header is computed from shapes and dtypes before any data is read (JSON, padded with
+spaces to a multiple of 8 bytes, as safetensors writes it); then the 8-byte header length, the header, and
+each tensor's bytes in order, read from the source in slices of at most ``slice_bytes`` (64 MiB) as
+``ReadRequest``s of flat ranges into one reused buffer, cast into a second one. What a reader holds to fill a
+slice is its own: shardckpt's reader reads the slice widened to whole checksum blocks; the torch DCP reader,
+when it verifies (``verify=True``, the default), reads and checks a whole DCP chunk (one rank's piece of the
+tensor) for every slice of it, so memory then holds one chunk and a chunk larger than a slice is read once
+per slice; ``verify=False`` reads DCP's raw chunks by the slice, unchecked.
+
+**Commit.** On local disk every file is written under a temporary name and renamed into place once all are
+written, the index (sharded case) last. On object stores (no rename) the data files are written at their
+names and the index is written last, so a directory without its index (sharded) or without
+``model.safetensors`` (one file) is visibly incomplete. An export already at ``dst`` (``model.safetensors``,
+the index or ``model-*-of-*.safetensors``) raises ``CheckpointExistsError`` unless ``overwrite``; with it, the
+old files the new export does not replace are removed (locally at the commit; on object stores before
+writing). A failure removes what this export wrote. The byte-I/O protocol has no rename, delete or abort
+of one file yet: this module does them itself (``_rename``, ``_remove``, ``_abandon``) until it has.
+
+**dtype**: ``"keep"`` or one of bfloat16 / float16 / float32 (names or torch dtypes): floating-point tensors
+are cast, integer and bool tensors kept.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from shardckpt.checkpoint.load_any import wanted_keys
+from shardckpt.errors import CheckpointExistsError, IncompatibleCheckpointError, UnsupportedValueError
+from shardckpt.format.tree import TensorRef, leaves, path_name
+from shardckpt.formats.api import CheckpointReader, ReadRequest
+from shardckpt.formats.detect import open_reader
+from shardckpt.formats.safetensors import DTYPE_NAMES, INDEX_NAME, METADATA_KEY
+from shardckpt.io import FileWriter, LocalStorage, Storage, open_storage
+from shardckpt.regions import FlatRange
+from shardckpt.state_dict.logical import LogicalView, logical_view
+from shardckpt.tensor_views import as_bytes, from_bytes
+
+SINGLE_FILE = "model.safetensors"
+SHARD_FILE = "model-{index:05d}-of-{count:05d}.safetensors"
+_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # bytes, huggingface_hub's default ("5GB")
+SLICE_BYTES = 64 << 20  # bytes per read from the source at most: the memory an export holds (twice, with a cast)
+WRAPPERS = ("module.", "_orig_mod.")
+OPTIMIZER_ENTRIES = ("optim", "optimizer")
+CASTS: dict[str, torch.dtype | None] = {
+    "keep": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+    "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32,
+    "float": torch.float32,
+}
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class NoModelWeightsError(IncompatibleCheckpointError):
+    """The selection (the model weights by default, or ``only``) keeps no tensor of the source."""
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    files: tuple[str, ...]  # the data files written, in order
+    tensors: int
+    total_size: int  # tensor bytes written, as the index's metadata.total_size says
+    dtype: str  # "keep" or the cast's name
+    tied: dict[str, str] = field(default_factory=dict)  # a name left out -> the name written for it
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """One output tensor: its output name, the source tensor it is read from, the dtypes and shape."""
+
+    name: str
+    source: str
+    source_dtype: torch.dtype
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch.dtype = "keep",
+           max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, only: Sequence[str] | None = None,
+           strip_prefix: str | None = None, overwrite: bool = False, storage_options: dict | None = None,
+           dst_storage_options: dict | None = None, progress: Callable[[int, int], None] | None = None,
+           slice_bytes: int = SLICE_BYTES, verify: bool = True) -> ExportReport:
+    """Export the model weights of ``src`` (any readable checkpoint) as safetensors files in directory ``dst``.
+
+    See the module's docstring for what is selected, how names are formed, the files and the commit.
+    ``max_shard_size``: bytes (an int, or a string such as ``"5GB"``, ``"500MiB"``). ``storage_options`` /
+    ``dst_storage_options``: fsspec options of the source / destination. ``progress(done_bytes, total_bytes)``
+    is called as tensor bytes are written. ``slice_bytes``: the most bytes one read from the source fills.
+    ``verify``: check the checksums the source stores (see the module's docstring for its cost on DCP).
+    Nothing is read before the selection, dtypes and sizes are checked; nothing is written before the
+    destination is checked.
+    """
+    cast = cast_dtype(dtype)
+    limit = parse_size(max_shard_size)
+    if not isinstance(slice_bytes, int) or slice_bytes < 1:
+        raise ValueError(f"slice_bytes must be a positive int, got {slice_bytes!r}")
+    reader = logical_view(open_reader(src, storage_options=storage_options, verify=verify))
+    tensors, tied = select(reader, only, strip_prefix, cast)
+    shards = plan_shards([t.nbytes for t in tensors], limit)
+    names = [SINGLE_FILE] if len(shards) == 1 else \
+        [SHARD_FILE.format(index=i + 1, count=len(shards)) for i in range(len(shards))]
+    metadata = {"format": "pt", "source": os.fspath(src)}
+    files = [(name, [tensors[i] for i in shard]) for name, shard in zip(names, shards)]
+    headers = [header_bytes(members, metadata) for _, members in files]
+    storage = open_storage(dst, dst_storage_options)
+    old = existing_export(storage)
+    if old and not overwrite:
+        raise CheckpointExistsError(f"{storage.url(old[0])}: an export already exists at {storage.root} "
+                                    f"({len(old)} files); pass overwrite=True (--overwrite) to replace it")
+    local = isinstance(storage, LocalStorage)
+    stale = [n for n in old if n not in names or n == INDEX_NAME]
+    if not local:  # no rename: the old export goes first, so that no mix of old and new looks complete
+        for name in sorted(stale, key=lambda n: n != INDEX_NAME):
+            _remove(storage, name)
+    total = sum(t.nbytes for t in tensors)
+    done = [0]
+
+    def tick(n: int) -> None:
+        done[0] += n
+        if progress is not None:
+            progress(done[0], total)
+
+    token = uuid.uuid4().hex[:12]
+    written: list[str] = []  # what this export has put at dst so far (temporary names locally)
+    try:
+        buffers = _Buffers(tensors, slice_bytes)
+        for (name, members), header in zip(files, headers):
+            target = f"{name}.export-tmp-{token}" if local else name
+            written.append(target)
+            _write_file(storage, target, header, members, reader, buffers, tick)
+        if local:
+            for name in sorted(stale, key=lambda n: n != INDEX_NAME):  # the old index first
+                _remove(storage, name)
+            for (name, _), target in zip(files, written):
+                _rename(storage, target, name)
+            written = list(names)
+            storage.sync_dir("")
+        if len(files) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {t.name: name for name, members in files for t in members}}
+            storage.put_atomic(INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+    except BaseException:
+        for name in written:
+            _remove(storage, name)
+        raise
+    return ExportReport(tuple(names), len(tensors), total, "keep" if cast is None else _dtype_name(cast), tied)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Options
+
+
+def cast_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """The dtype floating-point tensors are cast to (None: keep), from a name (``CASTS``) or a torch dtype."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype):
+        if dtype in set(v for v in CASTS.values() if v is not None):
+            return dtype
+    elif isinstance(dtype, str) and dtype.removeprefix("torch.").lower() in CASTS:
+        return CASTS[dtype.removeprefix("torch.").lower()]
+    raise ValueError(f"dtype {dtype!r}: expected one of keep, bfloat16, float16, float32 (or bf16, fp16, fp32)")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string such as ``"5GB"`` (10**9), ``"500MiB"`` (2**20 * 500), ``"1.5GB"``."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    elif isinstance(size, str):
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", size)
+        unit = m.group(2).lower() if m else None
+        if unit not in _SIZE_UNITS:
+            raise ValueError(f"size {size!r}: expected a number of bytes with an optional unit (KB, MB, GB, TB; "
+                             "KiB, MiB, GiB, TiB), e.g. 5GB")
+        value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    else:
+        raise ValueError(f"size {size!r}: expected an int or a string such as '5GB'")
+    if value < 1:
+        raise ValueError(f"size {size!r}: must be at least 1 byte")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Selection (pure over the reader's tree and tensor list)
+
+
+def select(reader: CheckpointReader, only: Sequence[str] | None, strip_prefix: str | None,
+           cast: torch.dtype | None) -> tuple[list[_Tensor], dict[str, str]]:
+    """The output tensors in source order, and the tied names left out (see the module's docstring)."""
+    tree = reader.tree()
+    refs = [(path, leaf) for path, leaf in leaves(tree, lambda v: isinstance(v, TensorRef))
+            if isinstance(leaf, TensorRef)]
+    if only is not None:
+        if isinstance(only, str):
+            only = [only]
+        keep = wanted_keys(only)
+        chosen = [(path_name(p), leaf) for p, leaf in refs if keep(path_name(p))]
+        what = f"only={list(only)} selects no tensor"
+    elif isinstance(tree, dict) and isinstance(tree.get("model"), dict):
+        chosen = [(path_name(p[1:]), leaf) for p, leaf in refs if p and p[0] == "model"]
+        what = "its 'model' entry holds no tensor"
+    else:
+        chosen = [(path_name(p), leaf) for p, leaf in refs if not (p and p[0] in OPTIMIZER_ENTRIES)]
+        what = "it holds no model weights (no 'model' entry, and no tensor outside its optimizer state)"
+    if not chosen:
+        raise NoModelWeightsError(f"nothing to export: {what}. {_what_only_could_pick(refs)}")
+    infos = reader.tensors()
+    out: list[_Tensor] = []
+    first_of: dict[Any, str] = {}  # a stored source -> the output name written for it
+    by_name: dict[str, str] = {}  # output name -> the source name it came from
+    tied: dict[str, str] = {}
+    for name, ref in chosen:
+        name = strip_wrappers(name.removeprefix(strip_prefix) if strip_prefix else name)
+        key = _storage_key(reader, ref.name)
+        if key in first_of:
+            tied[name] = first_of[key]
+            continue
+        if not name or name == METADATA_KEY:
+            raise UnsupportedValueError(f"tensor {ref.name!r} would be named {name!r} in the export, which "
+                                        "safetensors cannot hold")
+        if name in by_name:
+            raise IncompatibleCheckpointError(f"tensors {by_name[name]!r} and {ref.name!r} both become {name!r} "
+                                              "in the export (after removing prefixes); pick one with only=")
+        info = infos[ref.name]
+        dtype = cast if cast is not None and info.dtype.is_floating_point else info.dtype
+        if dtype not in DTYPE_NAMES:
+            raise UnsupportedValueError(f"tensor {ref.name!r} is {info.dtype}, which safetensors has no dtype for")
+        first_of[key], by_name[name] = name, ref.name
+        out.append(_Tensor(name, ref.name, info.dtype, dtype, tuple(info.shape)))
+    return out, tied
+
+
+def strip_wrappers(name: str) -> str:
+    """``name`` without leading ``module.`` / ``_orig_mod.`` prefixes and ``_orig_mod`` components."""
+    while name.startswith(WRAPPERS):
+        name = name[len(next(w for w in WRAPPERS if name.startswith(w))):]
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def _storage_key(reader: CheckpointReader, name: str) -> Any:
+    """What identifies the stored bytes of tensor ``name``: two names with one key are tied."""
+    return reader.source(name) if isinstance(reader, LogicalView) else name
+
+
+def _what_only_could_pick(refs: list[tuple[tuple, TensorRef]]) -> str:
+    counts: dict[str, int] = {}
+    for path, _ in refs:
+        top = str(path[0]) if path else "(the root)"
+        counts[top] = counts.get(top, 0) + 1
+    if not counts:
+        return "The source holds no tensors at all."
+    shown = ", ".join(f"{k} ({n} tensor{'s' if n > 1 else ''})" for k, n in list(counts.items())[:20])
+    more = f" and {len(counts) - 20} more" if len(counts) > 20 else ""
+    return f"Top-level entries holding tensors, which only= (--only PREFIX) can pick: {shown}{more}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sharding and headers (pure)
+
+
+def _greedy(indices: Sequence[int], sizes: Sequence[int], cap: int) -> list[list[int]]:
+    """Contiguous packing: a new shard when the next tensor would take this one over ``cap``."""
+    shards: list[list[int]] = []
+    used = 0
+    for i in indices:
+        if not shards or used + sizes[i] > cap:
+            shards.append([])
+            used = 0
+        shards[-1].append(i)
+        used += sizes[i]
+    return shards
+
+
+def _balanced(indices: Sequence[int], sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Tensors none of which exceeds ``limit``, in the fewest contiguous shards of at most ``limit`` bytes
+    (greedy packing finds that count), balanced: each tensor goes to the shard its middle byte falls in
+    when the bytes are cut into equal parts; where that overfills a shard, greedy packing with the smallest
+    cap that keeps the count."""
+    count = len(_greedy(indices, sizes, limit))
+    total = sum(sizes[i] for i in indices)
+    if count <= 1:
+        return [list(indices)]
+    parts: list[list[int]] = [[] for _ in range(count)]
+    start = 0
+    for i in indices:
+        parts[min(count - 1, (2 * start + sizes[i]) * count // (2 * total))].append(i)
+        start += sizes[i]
+    parts = [p for p in parts if p]
+    if all(sum(sizes[i] for i in p) <= limit for p in parts):
+        return parts
+    lo, hi = max(sizes[i] for i in indices), limit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(_greedy(indices, sizes, mid)) <= count:
+            hi = mid
+        else:
+            lo = mid + 1
+    return _greedy(indices, sizes, hi)
+
+
+def plan_shards(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Tensor indices per shard, in order: a tensor over ``limit`` bytes alone; the runs of tensors between
+    such ones in the fewest shards of at most ``limit`` bytes, balanced (``_balanced``)."""
+    shards: list[list[int]] = []
+    run: list[int] = []
+    for i, size in enumerate(sizes):
+        if size > limit:
+            if run:
+                shards += _balanced(run, sizes, limit)
+            shards.append([i])
+            run = []
+        else:
+            run.append(i)
+    if run:
+        shards += _balanced(run, sizes, limit)
+    return shards
+
+
+def header_bytes(tensors: Sequence[_Tensor], metadata: dict[str, str]) -> bytes:
+    """The 8-byte little-endian header length and the JSON header, padded with spaces to a multiple of 8."""
+    obj: dict[str, Any] = {METADATA_KEY: metadata}
+    offset = 0
+    for t in tensors:
+        obj[t.name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                       "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(obj, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Writing
+
+
+class _Buffers:
+    """The two reused buffers: one slice as read from the source, one as cast for the output."""
+
+    def __init__(self, tensors: Sequence[_Tensor], slice_bytes: int):
+        self.slice_bytes = slice_bytes
+        need_read = need_cast = 0
+        for t in tensors:
+            n = min(t.numel, self.step(t))
+            need_read = max(need_read, n * t.source_dtype.itemsize)
+            if t.dtype != t.source_dtype:
+                need_cast = max(need_cast, n * t.dtype.itemsize)
+        self.read = torch.empty(need_read, dtype=torch.uint8)
+        self.cast = torch.empty(need_cast, dtype=torch.uint8)
+
+    def step(self, t: _Tensor) -> int:
+        """Elements per slice of ``t``: at most ``slice_bytes`` on either side of the cast (one at the least)."""
+        return max(1, self.slice_bytes // max(t.source_dtype.itemsize, t.dtype.itemsize))
+
+
+def _write_file(storage: Storage, path: str, header: bytes, tensors: Sequence[_Tensor], reader: CheckpointReader,
+                buffers: _Buffers, tick: Callable[[int], None]) -> None:
+    writer = storage.open_writer(path)
+    try:
+        writer.write(memoryview(header))
+        for t in tensors:
+            step = buffers.step(t)
+            for lo in range(0, t.numel, step):
+                n = min(step, t.numel - lo)
+                got = from_bytes(buffers.read[:n * t.source_dtype.itemsize], t.source_dtype, (n,))
+                reader.read([ReadRequest(t.source, FlatRange(lo, lo + n), got)])
+                if t.dtype != t.source_dtype:
+                    got = from_bytes(buffers.cast[:n * t.dtype.itemsize], t.dtype, (n,)).copy_(got)
+                writer.write(memoryview(as_bytes(got).numpy()))
+                tick(n * t.dtype.itemsize)
+    except BaseException:
+        _abandon(writer)
+        raise
+    writer.close()
+
+
+def _abandon(writer: FileWriter) -> None:
+    """Drop a file being written without completing it: an object store's upload is aborted, not completed
+    (fsspec files complete their upload when closed, even by the garbage collector)."""
+    file = getattr(writer, "_file", None)
+    if file is None:
+        try:
+            writer.close()  # local disk: the descriptor; the file is removed by the caller
+        except OSError:
+            pass
+        return
+    try:
+        discard = getattr(file, "discard", None)
+        if callable(discard):
+            discard()
+        file.closed = True
+    except Exception:  # noqa: BLE001 - best effort: the caller removes the file
+        pass
+
+
+def _rename(storage: Storage, old: str, new: str) -> None:
+    """Local disk only (the commit): rename ``old`` over ``new``."""
+    os.replace(storage.url(old), storage.url(new))
+
+
+def _remove(storage: Storage, name: str) -> None:
+    """Delete the file ``name``, if it is there."""
+    if isinstance(storage, LocalStorage):
+        try:
+            os.unlink(storage.url(name))
+        except FileNotFoundError:
+            pass
+    else:
+        storage.remove_dir(name)  # on an object store, a key and anything under it
+
+
+def existing_export(storage: Storage) -> list[str]:
+    """The export files at ``storage`` (the index first)."""
+    names = storage.list_files()
+    return sorted((n for n in names if n in (SINGLE_FILE, INDEX_NAME) or _SHARD_RE.fullmatch(n)),
+                  key=lambda n: (n != INDEX_NAME, n))

@@ -1,0 +1,362 @@
+"""``export``: model weights of any readable checkpoint as Hugging Face style safetensors, checked bit for bit
+against the source with ``safetensors`` itself (``load_file``, ``safe_open``)."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import uuid
+
+import fsspec
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load as load_bytes
+from safetensors.torch import load_file
+
+import shardckpt
+from shardckpt import CheckpointExistsError, CorruptCheckpointError, StateDictType
+from shardckpt.cli.main import main
+from shardckpt.convert.convert import convert
+from shardckpt.convert.export import (
+    INDEX_NAME, SINGLE_FILE, NoModelWeightsError, export, header_bytes, parse_size, plan_shards, strip_wrappers,
+)
+from shardckpt.formats.detect import open_reader
+from shardckpt.formats.native import NativeReader
+from shardckpt.io.remote import FsspecStorage
+from shardckpt.state_dict import unsharded_param_names
+from shardckpt.tensor_views import as_bytes
+from tests._dist import run_ranks
+from tests.runtime import _model
+from tests.state_dict._train import STEPS_BEFORE, full_state, new_run, steps
+
+
+def _model_state() -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {"w": torch.randn(10, 3, generator=g), "b": torch.randn(3, generator=g).to(torch.bfloat16),
+            "s": torch.tensor(2.0), "e": torch.empty(0, 4), "i": torch.arange(5),
+            "flag": torch.tensor([True, False, True]), "h": torch.randn(4, 5, generator=g).half()}
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(2)
+    return {"model": _model_state(),
+            "optim": {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(10, 3, generator=g)}},
+                      "param_groups": [{"lr": 0.1, "params": ["w"]}]},
+            "step": 5}
+
+
+def _files(dst) -> list[str]:
+    dst = str(dst)
+    if os.path.exists(os.path.join(dst, INDEX_NAME)):
+        with open(os.path.join(dst, INDEX_NAME)) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    return [SINGLE_FILE]
+
+
+def _exported(dst, source: str | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the export at ``dst``, each file checked with safetensors' own readers."""
+    out: dict[str, torch.Tensor] = {}
+    for name in _files(dst):
+        path = os.path.join(str(dst), name)
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+        assert n % 8 == 0, (path, n)
+        loaded = load_file(path)
+        with safe_open(path, "pt") as f:
+            assert set(f.keys()) == set(loaded)
+            meta = f.metadata()
+        assert meta["format"] == "pt" and (source is None or meta["source"] == source)
+        assert not set(loaded) & set(out), "a tensor in two files"
+        out.update(loaded)
+    return out
+
+
+def _same(got: dict, want: dict, dtype: torch.dtype | None = None) -> None:
+    """Bit for bit: ``want`` as is, or its floating-point tensors ``.to(dtype)``."""
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        v = v.to(dtype) if dtype is not None and v.is_floating_point() else v
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(as_bytes(got[k].contiguous()), as_bytes(v.contiguous())), k
+
+
+CASTS = [("keep", None), ("bfloat16", torch.bfloat16), ("float16", torch.float16), (torch.float32, torch.float32)]
+
+
+@pytest.mark.parametrize("dtype,cast", CASTS, ids=lambda x: str(x))
+def test_a_full_checkpoint_exports_its_model_weights(tmp_path, dtype, cast):
+    shardckpt.save(_state(), tmp_path / "src")
+    done: list[tuple[int, int]] = []
+    report = export(tmp_path / "src", tmp_path / "dst", dtype=dtype, progress=lambda d, t: done.append((d, t)))
+    assert done[-1] == (report.total_size, report.total_size)
+    assert report.files == (SINGLE_FILE,) and report.tensors == 7 and not report.tied
+    assert sorted(os.listdir(tmp_path / "dst")) == [SINGLE_FILE]
+    got = _exported(tmp_path / "dst", source=str(tmp_path / "src"))
+    _same(got, _model_state(), cast)
+    assert got["i"].dtype == torch.int64 and got["flag"].dtype == torch.bool  # only floating point is cast
+    assert report.total_size == sum(t.nbytes for t in got.values())
+
+
+def _save_sharded(path: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = _state()
+    state["model"] = {k: shardckpt.ShardedTensor.from_full(v, rank, world) if v.dim() and v.numel() else v
+                      for k, v in state["model"].items()}
+    shardckpt.save(state, path, metadata={"state_dict_type": "sharded"})
+
+
+@pytest.mark.parametrize("dtype,cast", CASTS[:2], ids=lambda x: str(x))
+def test_a_sharded_checkpoint_saved_at_ws2_exports_the_full_tensors(tmp_path, dtype, cast):
+    run_ranks(2, _save_sharded, str(tmp_path / "src"))
+    export(tmp_path / "src", tmp_path / "dst", dtype=dtype, max_shard_size=100)
+    assert len(_files(tmp_path / "dst")) > 1
+    _same(_exported(tmp_path / "dst"), _model_state(), cast)
+
+
+def _train_and_save(root: str) -> tuple[dict | None, list[str]]:
+    model, optim = new_run()
+    steps(model, optim, _model.make_batches(STEPS_BEFORE))
+    shardckpt.save_state(model, optim, f"{root}/local", type=StateDictType.LOCAL_STATE_DICT)
+    shardckpt.save_state(model, optim, f"{root}/full", type=StateDictType.FULL_STATE_DICT)
+    state = full_state(model, optim)
+    return (state["model"] if state is not None else None), unsharded_param_names(model)
+
+
+@pytest.fixture(scope="module")
+def runtime_local(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("runtime"))
+    model, _ = run_ranks(2, _train_and_save, root)[0]
+    return root, model
+
+
+def test_a_runtime_local_checkpoint_exports_by_parameter_name_with_tied_weights_once(runtime_local, tmp_path):
+    root, model = runtime_local
+    assert "head.weight" in model and "tok.weight" in model  # the head is tied to the embedding
+    report = export(f"{root}/local", tmp_path / "local", dtype="bfloat16", max_shard_size=2000)
+    assert report.tied == {"head.weight": "tok.weight"}  # the first name is kept, as transformers expects
+    got = _exported(tmp_path / "local")
+    _same(got, {k: v for k, v in model.items() if k != "head.weight"}, torch.bfloat16)
+    assert len(_files(tmp_path / "local")) > 1
+    # A FULL checkpoint stores the tied weight under both names: that they were one is not knowable.
+    export(f"{root}/full", tmp_path / "full")
+    _same(_exported(tmp_path / "full"), model)
+
+
+def test_a_torch_dcp_directory_and_a_torch_save_file(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    with pytest.warns(UserWarning):
+        dcp.save(_state(), checkpoint_id=str(tmp_path / "dcp"))
+    export(tmp_path / "dcp", tmp_path / "from-dcp", dtype="bf16")
+    _same(_exported(tmp_path / "from-dcp"), _model_state(), torch.bfloat16)
+    export(tmp_path / "dcp", tmp_path / "from-dcp-unchecked", verify=False, slice_bytes=16)  # raw chunks by span
+    _same(_exported(tmp_path / "from-dcp-unchecked"), _model_state())
+
+    torch.save(_state(), tmp_path / "train.pt")
+    export(tmp_path / "train.pt", tmp_path / "from-pt")
+    _same(_exported(tmp_path / "from-pt", source=str(tmp_path / "train.pt")), _model_state())
+
+    # A plain state dict of a wrapped, compiled model: every tensor, the wrapper prefixes removed.
+    wrapped = {f"module._orig_mod.{k}": v for k, v in _model_state().items()}
+    torch.save(wrapped, tmp_path / "plain.pt")
+    export(tmp_path / "plain.pt", tmp_path / "from-plain")
+    _same(_exported(tmp_path / "from-plain"), _model_state())
+
+
+def test_only_and_strip_prefix_pick_other_entries(tmp_path):
+    state = _state()
+    state["ema"] = {"w": torch.ones(2, 2)}
+    shardckpt.save(state, tmp_path / "src")
+    export(tmp_path / "src", tmp_path / "ema", only=["ema"], strip_prefix="ema.")
+    _same(_exported(tmp_path / "ema"), {"w": torch.ones(2, 2)})
+    export(tmp_path / "src", tmp_path / "both", only=["ema", "model.w"])
+    _same(_exported(tmp_path / "both"), {"ema.w": torch.ones(2, 2), "model.w": _model_state()["w"]})
+
+
+def test_names_and_sizes():
+    assert strip_wrappers("module._orig_mod.layer.weight") == "layer.weight"
+    assert strip_wrappers("enc._orig_mod.layer.module.w") == "enc.layer.module.w"  # `module` inside is a name
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MiB") == 500 << 20 and parse_size(42) == 42
+    for bad in ("5XB", "", -1, "0"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_shards_are_balanced_never_split_and_oversized_tensors_alone():
+    sizes = [4] * 10
+    shards = plan_shards(sizes, 15)
+    assert len(shards) == 4 and [i for s in shards for i in s] == list(range(10))
+    totals = [sum(sizes[i] for i in s) for s in shards]
+    assert max(totals) <= 15 and max(totals) - min(totals) <= 4, totals  # greedy would leave [12, 12, 12, 4]
+    assert plan_shards([4, 100, 4, 4, 1, 0], 10) == [[0], [1], [2, 3, 4, 5]]
+    assert plan_shards([3, 3], 10) == [[0, 1]] and plan_shards([], 10) == []
+
+
+def test_sharded_output_index_limits_and_an_oversized_tensor(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    model = {f"layer{i}.w": torch.randn(5, 5, generator=g) for i in range(6)}  # 100 bytes each
+    model["big"] = torch.randn(100, generator=g)  # 400 bytes: over the limit
+    model["layer9.b"] = torch.randn(5, generator=g)
+    shardckpt.save({"model": model}, tmp_path / "src")
+    limit = 250
+    report = export(tmp_path / "src", tmp_path / "dst", max_shard_size=limit)
+    with open(tmp_path / "dst" / INDEX_NAME) as f:
+        index = json.load(f)
+    names = sorted(set(index["weight_map"].values()))
+    assert list(report.files) == names and len(names) == 5
+    assert names == [f"model-{i:05d}-of-00005.safetensors" for i in range(1, 6)]
+    assert sorted(os.listdir(tmp_path / "dst")) == sorted(names + [INDEX_NAME])  # no temporary files left
+    got = _exported(tmp_path / "dst")
+    _same(got, model)
+    assert sorted(index["weight_map"]) == sorted(model)
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in model.values()) == report.total_size
+    for name in names:
+        held = load_file(tmp_path / "dst" / name)
+        size = sum(v.nbytes for v in held.values())
+        assert size <= limit or list(held) == ["big"], (name, list(held))
+        assert all(index["weight_map"][k] == name for k in held)
+
+
+def test_reads_come_in_bounded_slices(tmp_path, monkeypatch):
+    big = torch.randn(10_000)  # 40 000 bytes
+    shardckpt.save({"model": {"big": big, "small": torch.arange(3)}}, tmp_path / "src")
+    seen: list[tuple[str, int]] = []
+    real = NativeReader.read
+
+    def spy(self, requests):
+        seen.extend((r.tensor, r.dest.nbytes) for r in requests)
+        return real(self, requests)
+
+    monkeypatch.setattr(NativeReader, "read", spy)
+    for dtype, cast in (("keep", None), ("bfloat16", torch.bfloat16)):
+        seen.clear()
+        export(tmp_path / "src", tmp_path / f"dst-{dtype}", dtype=dtype, slice_bytes=4096, overwrite=True)
+        assert max(n for _, n in seen) <= 4096
+        assert sum(1 for t, _ in seen if t == "model.big") == 10  # 40 000 bytes in 4 096-byte slices
+        _same(_exported(tmp_path / f"dst-{dtype}"), {"big": big, "small": torch.arange(3)}, cast)
+
+
+def _nothing_at(dst) -> None:
+    names = os.listdir(dst) if os.path.exists(dst) else []
+    assert INDEX_NAME not in names and SINGLE_FILE not in names and not names, names
+
+
+def test_failures_are_clear_and_leave_no_export(tmp_path, capsys):
+    shardckpt.save(_state(), tmp_path / "src")
+    with pytest.raises(ValueError, match="dtype 'int8'"):
+        export(tmp_path / "src", tmp_path / "a", dtype="int8")
+    _nothing_at(tmp_path / "a")
+
+    shardckpt.save({"optim": _state()["optim"], "step": 1}, tmp_path / "no-model")
+    with pytest.raises(NoModelWeightsError, match=r"no model weights.*only=.*optim \(2 tensors\)"):
+        export(tmp_path / "no-model", tmp_path / "b")
+    with pytest.raises(NoModelWeightsError, match=r"only=\['nothing'\] selects no tensor.*model \(7 tensors\)"):
+        export(tmp_path / "src", tmp_path / "b", only=["nothing"])
+    _nothing_at(tmp_path / "b")
+    assert main(["export", str(tmp_path / "no-model"), str(tmp_path / "b"), "--quiet"]) == 2
+    assert "--only" in capsys.readouterr().err
+
+
+def test_an_existing_export_is_kept_unless_overwrite(tmp_path, capsys):
+    shardckpt.save(_state(), tmp_path / "src")
+    export(tmp_path / "src", tmp_path / "dst", max_shard_size=100)
+    before = sorted(os.listdir(tmp_path / "dst"))
+    assert INDEX_NAME in before
+    with pytest.raises(CheckpointExistsError, match="overwrite"):
+        export(tmp_path / "src", tmp_path / "dst")
+    assert sorted(os.listdir(tmp_path / "dst")) == before
+    assert main(["export", str(tmp_path / "src"), str(tmp_path / "dst"), "--quiet"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    export(tmp_path / "src", tmp_path / "dst", overwrite=True, dtype="bfloat16")  # sharded -> one file
+    assert sorted(os.listdir(tmp_path / "dst")) == [SINGLE_FILE]  # the old shards and index are gone
+    _same(_exported(tmp_path / "dst"), _model_state(), torch.bfloat16)
+
+
+def test_a_corrupted_source_chunk_fails_and_leaves_nothing(tmp_path):
+    g = torch.Generator().manual_seed(4)
+    model = {f"l{i}": torch.randn(64, 64, generator=g) for i in range(3)}
+    shardckpt.save({"model": model}, tmp_path / "src")
+    data = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "src") for f in fs if "data-" in d]
+    victim = max(data, key=os.path.getsize)
+    with open(victim, "r+b") as f:
+        size = os.path.getsize(victim)
+        f.seek(size - 100)
+        byte = f.read(1)
+        f.seek(size - 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    for limit in (10**9, 20_000):  # one file; three shards (the damage is in a later one)
+        done: list[int] = []
+        with pytest.raises(CorruptCheckpointError):
+            export(tmp_path / "src", tmp_path / "dst", max_shard_size=limit, progress=lambda d, t: done.append(d))
+        assert done and done[-1] >= 2 * 64 * 64 * 4  # the tensors before the damage were written
+        _nothing_at(tmp_path / "dst")  # no index, no data files, no temporary files
+
+
+def test_a_failure_on_an_object_store_removes_what_was_written(tmp_path):
+    shardckpt.save(_state(), tmp_path / "src")
+
+    def interrupted(done: int, total: int) -> None:  # raised mid-file, after the first files are complete
+        if done > 150:
+            raise KeyboardInterrupt
+
+    url = f"memory://export-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(KeyboardInterrupt):
+        export(tmp_path / "src", url, max_shard_size=100, progress=interrupted)
+    fs = fsspec.filesystem("memory")
+    assert not fs.exists(url) or fs.ls(url, detail=False) == []
+
+
+def test_round_trip_through_convert(tmp_path):
+    shardckpt.save(_state(), tmp_path / "src")
+    export(tmp_path / "src", tmp_path / "one", max_shard_size=100)
+    convert(tmp_path / "one", tmp_path / "conv", world_size=2)  # the export as a source
+    export(tmp_path / "conv", tmp_path / "two", max_shard_size=100)
+    first, second = _exported(tmp_path / "one"), _exported(tmp_path / "two")
+    _same(second, first)
+    assert _files(tmp_path / "one") == _files(tmp_path / "two")
+
+
+def test_export_to_an_fsspec_memory_filesystem_writes_the_index_last(tmp_path, monkeypatch):
+    shardckpt.save(_state(), tmp_path / "src")
+    url = f"memory://export-{uuid.uuid4().hex[:8]}"
+    order: list[str] = []
+    real_writer, real_put = FsspecStorage.open_writer, FsspecStorage.put_atomic
+    monkeypatch.setattr(FsspecStorage, "open_writer", lambda self, p: order.append(p) or real_writer(self, p))
+    monkeypatch.setattr(FsspecStorage, "put_atomic", lambda self, p, d: order.append(p) or real_put(self, p, d))
+    report = export(tmp_path / "src", url, max_shard_size=100, dtype="float16")
+    assert order == list(report.files) + [INDEX_NAME] and len(report.files) > 1
+    fs = fsspec.filesystem("memory")
+    got = {}
+    for name in report.files:
+        got.update(load_bytes(fs.cat_file(f"{url}/{name}")))
+    _same(got, _model_state(), torch.float16)
+    reader = open_reader(url)  # and shardckpt reads it back as the safetensors directory it is
+    assert sorted(reader.tensors()) == sorted(_model_state())
+    single = f"memory://export-{uuid.uuid4().hex[:8]}"
+    export(tmp_path / "src", single)
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(single, detail=False)) == [SINGLE_FILE]
+    _same(load_bytes(fs.cat_file(f"{single}/{SINGLE_FILE}")), _model_state())
+
+
+def test_header_is_padded_to_8_bytes():
+    from shardckpt.convert.export import _Tensor
+
+    for n in range(1, 12):
+        raw = header_bytes([_Tensor("x" * n, "x", torch.float32, torch.float32, (2,))], {"format": "pt"})
+        (size,) = struct.unpack("<Q", raw[:8])
+        assert size % 8 == 0 and len(raw) == 8 + size and raw[8:9] == b"{"
+
+
+def test_cli(tmp_path, capsys):
+    shardckpt.save(_state(), tmp_path / "src")
+    assert main(["export", str(tmp_path / "src"), str(tmp_path / "dst"), "--dtype", "bfloat16",
+                 "--max-shard-size", "100B"]) == 0
+    out = capsys.readouterr().out
+    assert "files, 7 tensors" in out and "dtype bfloat16" in out, out
+    _same(_exported(tmp_path / "dst"), _model_state(), torch.bfloat16)
+    with pytest.raises(SystemExit) as exit_info:  # argparse refuses it: usage, exit 2
+        main(["export", str(tmp_path / "src"), str(tmp_path / "x"), "--dtype", "int8"])
+    assert exit_info.value.code == 2 and "dtype 'int8'" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x")
