@@ -37,7 +37,6 @@ import json
 import math
 import os
 import struct
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -271,7 +270,6 @@ class SafetensorsReader:
         self.storage, self.io_threads = storage, io_threads
         self.where = where or (storage.url(files[0]) if len(files) == 1 else storage.root)
         self.index_metadata = index_metadata
-        self._lock = threading.Lock()
         files = list(dict.fromkeys(files))
         named: dict[str, list[str]] = {}
         for tensor, file in (weight_map or {}).items():
@@ -350,17 +348,16 @@ class SafetensorsReader:
         if not jobs:
             return
         jobs.sort(key=lambda j: -j.dest.numel() * j.entry.dtype.itemsize)  # biggest first: a short tail
-        with self._lock:  # pin/release are per storage: one read call at a time
-            self.storage.pin(sorted({j.entry.file for j in jobs}))
-            try:
-                if len(jobs) == 1 or self.io_threads <= 1:
-                    for job in jobs:
-                        self._run(job)
-                else:
-                    with ThreadPoolExecutor(self.io_threads, thread_name_prefix="shardckpt-st-read") as pool:
-                        list(pool.map(self._run, jobs))
-            finally:
-                self.storage.release()
+        self.storage.pin(sorted({j.entry.file for j in jobs}))  # pins nest: concurrent reads are fine
+        try:
+            if len(jobs) == 1 or self.io_threads <= 1:
+                for job in jobs:
+                    self._run(job)
+            else:
+                with ThreadPoolExecutor(self.io_threads, thread_name_prefix="shardckpt-st-read") as pool:
+                    list(pool.map(self._run, jobs))
+        finally:
+            self.storage.release()
 
     def _jobs(self, c: CheckedRequest) -> list[_Job]:
         name = c.info.name

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import uuid
 
 from shardckpt.errors import CorruptCheckpointError
@@ -40,6 +41,8 @@ class LocalStorage:
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
         self._pinned: dict[str, int] = {}
+        self._pins = 0  # pin() calls not yet released: the descriptors close when the last one is
+        self._pin_lock = threading.Lock()
 
     def url(self, path: str) -> str:
         return os.path.join(self.root, path)
@@ -75,14 +78,24 @@ class LocalStorage:
                 os.close(fd)
 
     def pin(self, paths: list[str]) -> None:
-        for path in paths:
-            if path not in self._pinned:
-                try:
-                    self._pinned[path] = os.open(self.url(path), os.O_RDONLY)
-                except OSError as e:
-                    raise missing(self.url(path), e) from e
+        with self._pin_lock:
+            for path in paths:
+                if path not in self._pinned:
+                    try:
+                        self._pinned[path] = os.open(self.url(path), os.O_RDONLY)
+                    except OSError as e:
+                        if not self._pins:
+                            self._close_pinned()
+                        raise missing(self.url(path), e) from e
+            self._pins += 1
 
     def release(self) -> None:
+        with self._pin_lock:
+            self._pins = max(0, self._pins - 1)
+            if not self._pins:
+                self._close_pinned()
+
+    def _close_pinned(self) -> None:
         for fd in self._pinned.values():
             os.close(fd)
         self._pinned.clear()

@@ -48,10 +48,11 @@ class Storage(Protocol):
 
     def pin(self, paths: list[str]) -> None:
         """Keep these files readable until ``release`` even if a concurrent overwrite deletes them (local disk:
-        open descriptors outlive an unlink; elsewhere a no-op, and readers retry)."""
+        open descriptors outlive an unlink; elsewhere a no-op, and readers retry). Pins nest: concurrent
+        readers each pin and release, and the files stay pinned until the last release."""
 
     def release(self) -> None:
-        """End every ``pin``."""
+        """End one ``pin`` (the files are let go when no pin is left)."""
 
     def is_dir(self, path: str = "") -> bool:
         """Whether ``path`` (default: the root) is a directory, or on an object store a prefix with objects."""

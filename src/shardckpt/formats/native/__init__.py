@@ -6,7 +6,6 @@ overwrite) is ``checkpoint.load``'s.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, Mapping, Sequence
 
 from shardckpt.errors import CheckpointNotFoundError
@@ -30,7 +29,6 @@ class NativeReader:
     def __init__(self, storage: Storage, manifest: Manifest, *, io_threads: int = DEFAULT_IO_THREADS,
                  verify: bool = True):
         self.storage, self.manifest, self.io_threads, self.verify = storage, manifest, io_threads, verify
-        self._lock = threading.Lock()  # a read pins and releases the storage's files: one read at a time
 
     def tensors(self) -> Mapping[str, TensorInfo]:
         return {name: TensorInfo(name, e.dtype, e.shape, e.crc32c) for name, e in self.manifest.tensors.items()}
@@ -41,5 +39,4 @@ class NativeReader:
     def read(self, requests: Sequence[ReadRequest]) -> None:
         where = self.storage.url(MANIFEST_NAME)
         targets = [target_of(self.manifest, r, where) for r in requests]
-        with self._lock:
-            execute_reads(self.storage, self.manifest, plan_reads(targets), self.io_threads, self.verify)
+        execute_reads(self.storage, self.manifest, plan_reads(targets), self.io_threads, self.verify)
