@@ -18,6 +18,7 @@ LOCAL source only: it needs the source's flat layouts) is the checkpoint the job
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -27,7 +28,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from shardckpt.checkpoint.collect import LocalPiece
+from shardckpt.checkpoint.collect import LocalPiece, region_key
 from shardckpt.checkpoint.load_any import pick, wanted_keys
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
 from shardckpt.checkpoint.save_plan import PieceInfo, make_save_plan
@@ -35,7 +36,7 @@ from shardckpt.checkpoint.stage import check_unique_names
 from shardckpt.checkpoint.writer import write_rank_files
 from shardckpt.convert.local_output import LocalAtWorldSize, no_layouts_error
 from shardckpt.errors import CheckpointExistsError, CorruptCheckpointError, UnsupportedValueError
-from shardckpt.format.dtypes import itemsize
+from shardckpt.format.dtypes import dtype_name, itemsize
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.format.tree import TensorRef, check_savable_depth, encode, leaves, path_name
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
@@ -110,8 +111,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     if not overwrite and storage.exists(MANIFEST_NAME):
         raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: a checkpoint already exists; pass "
                                     "overwrite=True (--overwrite) to replace it")
-    ranks = [[_piece(o, out_type, r, world, reader) for o in outputs] for r in range(world)]
-    plan = make_save_plan([[PieceInfo.of(p) for p in pieces] for pieces in ranks], uuid.uuid4().hex[:16],
+    place = functools.partial(_placement, out_type=out_type, world=world, reader=reader)
+    plan = make_save_plan([[_info(o, *place(o, r)) for o in outputs] for r in range(world)], uuid.uuid4().hex[:16],
                           files_per_rank)
     tick = _Progress(sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in outputs), progress)
     results = []
@@ -120,8 +121,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             if not plan.tasks[r]:
                 results.append(None)
                 continue
-            pieces = _ReadOnDemand(reader, {p.name: p for p in ranks[r]}, {o.name: o for o in outputs},
-                                   tick)
+            pieces = _ReadOnDemand(reader, {o.name: o for o in outputs}, functools.partial(place, rank=r), tick)
             results.append(write_rank_files(storage, f"{data_dir(plan.generation)}/rank-{r:05d}", plan.tasks[r],
                                             pieces, files_per_rank))
     except BaseException:
@@ -212,42 +212,46 @@ def _as_tensors(tree: Any) -> Any:
     return tree
 
 
-def _piece(output: _Output, out_type: str, rank: int, world: int, reader: CheckpointReader) -> LocalPiece:
-    """What virtual rank ``rank`` of ``world`` holds of ``output`` (data: a meta tensor until it is written)."""
+def _placement(output: _Output, rank: int, *, out_type: str, world: int,
+               reader: CheckpointReader) -> tuple[Region, bool]:
+    """The region of ``output`` that virtual rank ``rank`` of ``world`` holds, and whether it is a replica."""
     shape = tuple(output.source.shape)
     flat = reader.piece_region(output.source.name, rank) if isinstance(reader, LocalAtWorldSize) else None
     if flat is not None:  # LOCAL output: a flat tensor's shard range
-        region: Region = flat
-        replicated = False
-    elif out_type == "sharded" and shape:
-        region = dim0_chunk(shape, rank, world)
-        replicated = False
-    else:
-        region, replicated = full_region(shape), True
-    data = torch.empty(region.numel, dtype=output.dtype, device="meta")
-    return LocalPiece(output.name, output.path, data, shape, region, replicated=replicated, owner=True)
+        return flat, False
+    if out_type == "sharded" and shape:
+        return dim0_chunk(shape, rank, world), False
+    return full_region(shape), True
+
+
+def _info(output: _Output, region: Region, replicated: bool) -> PieceInfo:
+    """What the planner needs of a piece (made directly: no tensor per rank and tensor while planning)."""
+    shape = tuple(output.source.shape)
+    return PieceInfo(output.name, dtype_name(output.dtype, output.name), shape, region_key(region, shape), replicated,
+                     owner=True)
 
 
 class _ReadOnDemand(Mapping[str, LocalPiece]):
     """A rank's pieces, each read from the source (and cast) only when the writer asks for it."""
 
-    def __init__(self, reader: CheckpointReader, pieces: dict[str, LocalPiece], outputs: dict[str, _Output],
-                 tick: Callable[[int], None]):
-        self.reader, self.pieces, self.outputs, self.tick = reader, pieces, outputs, tick
+    def __init__(self, reader: CheckpointReader, outputs: dict[str, _Output],
+                 place: Callable[[_Output], tuple[Region, bool]], tick: Callable[[int], None]):
+        self.reader, self.outputs, self.place, self.tick = reader, outputs, place, tick
 
     def __getitem__(self, name: str) -> LocalPiece:
-        piece, output = self.pieces[name], self.outputs[name]
-        data = torch.empty(piece.region.numel, dtype=output.source.dtype)
-        self.reader.read([ReadRequest(output.source.name, piece.region, data)])
+        output = self.outputs[name]
+        region, replicated = self.place(output)
+        data = torch.empty(region.numel, dtype=output.source.dtype)
+        self.reader.read([ReadRequest(output.source.name, region, data)])
         data = data.to(output.dtype)
         self.tick(data.nbytes)
-        return LocalPiece(name, piece.path, data, piece.shape, piece.region, piece.replicated, piece.owner)
+        return LocalPiece(name, output.path, data, tuple(output.source.shape), region, replicated, owner=True)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.pieces)
+        return iter(self.outputs)
 
     def __len__(self) -> int:
-        return len(self.pieces)
+        return len(self.outputs)
 
 
 class _Progress:
