@@ -29,8 +29,8 @@ Targets (issue 9): convert <= 1.5x the limit; torch's path >= 2.5x convert's tim
 ``--plan-70b``: only the planning ``convert`` does before writing, for a Llama-2-70B + AdamW SHARDED
 checkpoint saved by 1024 ranks converted to 768 (the model and manifest of ``bench_manifest_scale.py``):
 the manifest is built in memory and written alone to a scratch directory (no data files), then timed:
-``open_reader`` + ``logical_view`` + ``_select``, ``convert._info(_placement(...))`` for every output rank and
-tensor, and ``make_save_plan``; peak RSS sampled. Target: <= 10 s and <= 2 GiB.
+``open_reader`` + ``logical_view`` + ``_select``, then ``convert._plan`` (one entry per tensor, its chunks placed
+for every output rank, and ``save_plan.plan_placed``); peak RSS sampled. Target: <= 10 s and <= 2 GiB.
 
     python benchmarks/bench_convert.py --repeats 3 --json /tmp/bench/convert.json   # 2 GiB (~3 min)
     python benchmarks/bench_convert.py --quick                                       # ~0.25 GiB, 1 repeat
@@ -39,6 +39,7 @@ tensor, and ``make_save_plan``; peak RSS sampled. Target: <= 10 s and <= 2 GiB.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -333,8 +334,7 @@ def plan_70b(args) -> dict:
     import bench_manifest_scale as ms
 
     from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK
-    from shardckpt.checkpoint.save_plan import make_save_plan
-    from shardckpt.convert.convert import _info, _placement, _select
+    from shardckpt.convert.convert import _placement, _plan, _select
     from shardckpt.format.manifest import MANIFEST_NAME
     from shardckpt.format.tree import encode
     from shardckpt.formats.detect import open_reader
@@ -363,12 +363,10 @@ def plan_70b(args) -> dict:
         reader = logical_view(open_reader(scratch))
         _, outputs = _select(reader, (), (), None)
         t1 = time.perf_counter()
-        infos = [[_info(o, *_placement(o, r, out_type="sharded", world=world, reader=reader)) for o in outputs]
-                 for r in range(world)]
-        t3 = time.perf_counter()
-        plan = make_save_plan(infos, "0123456789abcdef", DEFAULT_FILES_PER_RANK)
+        place = functools.partial(_placement, out_type="sharded", world=world, reader=reader)
+        plan = _plan(outputs, place, world, DEFAULT_FILES_PER_RANK)
         t4 = time.perf_counter()
-        t.update(open_select_s=t1 - t0, piece_infos_s=t3 - t1, make_save_plan_s=t4 - t3,
+        t.update(open_select_s=t1 - t0, plan_s=t4 - t1,
                  total_s=t4 - t0, cpu_s=time.process_time() - c0, outputs=len(outputs),
                  tasks=sum(len(x) for x in plan.tasks))
         return t, plan
@@ -382,9 +380,8 @@ def plan_70b(args) -> dict:
         t.update(rss_before=rss.base, rss_peak=rss.peak, rss_delta=rss.delta)
         print(f"planning {t['outputs']} tensors x {world} ranks ({t['tasks']:,} write tasks): {t['total_s']:.2f} s "
               f"wall, {t['cpu_s']:.2f} s CPU [{verdict(t['total_s'] <= PLAN_LIMIT_S)} <= {PLAN_LIMIT_S:.0f} s]\n"
-              f"  open_reader + logical_view + _select {t['open_select_s']:.2f} s, piece infos x "
-              f"{t['outputs'] * world:,} {t['piece_infos_s']:.2f} s, make_save_plan "
-              f"{t['make_save_plan_s']:.2f} s\n"
+              f"  open_reader + logical_view + _select {t['open_select_s']:.2f} s, plan (placements of "
+              f"{t['outputs'] * world:,} chunks) {t['plan_s']:.2f} s\n"
               f"  peak RSS {t['rss_peak'] / MIB:.0f} MiB (before {t['rss_before'] / MIB:.0f} MiB, "
               f"+{t['rss_delta'] / MIB:.0f}"
               f" MiB) [{verdict(t['rss_peak'] <= PLAN_RSS)} <= {PLAN_RSS // MIB} MiB]", flush=True)

@@ -84,7 +84,6 @@ def make_save_plan(infos: list[list[PieceInfo]], generation: str, files_per_rank
             if info.name in replicated and info.name in pieces:
                 raise CheckpointError(f"cannot save {info.name!r}: it is a plain tensor on some ranks and sharded "
                                       "on others")
-    load = [0] * world
     for name, owned in pieces.items():
         plan = tensors[name]
         _check_shards(name, [r for _, r in owned], plan.shape)
@@ -92,10 +91,23 @@ def make_save_plan(infos: list[list[PieceInfo]], generation: str, files_per_rank
             if region.numel:
                 plan.regions.append(region)
                 plan.writers.append(rank)
-                load[rank] += region.numel * itemsize_of(plan.dtype)
+    return plan_placed(tensors, set(replicated), world, generation, files_per_rank)
+
+
+def plan_placed(tensors: dict[str, TensorPlan], replicated: set[str], world: int, generation: str,
+                files_per_rank: int) -> SavePlan:
+    """The plan once every sharded tensor's chunks are placed (``regions`` tiling it, in order, and their
+    ``writers``); the tensors named in ``replicated`` (no regions yet) are given one writer each. Callers
+    that place chunks themselves (an offline ``convert``, whose placements are tilings by construction)
+    call it directly, with one entry per tensor instead of one piece per rank and tensor."""
+    load = [0] * world
+    for plan in tensors.values():
+        size = itemsize_of(plan.dtype)
+        for rank, region in zip(plan.writers, plan.regions):
+            load[rank] += region.numel * size
     # Replicated tensors are stored once; spread them over ranks, biggest first, so ranks write in parallel.
-    for name in sorted(replicated, key=lambda n: (-_nbytes(replicated[n]), n)):
-        plan = replicated[name]
+    for name in sorted(replicated, key=lambda n: (-_nbytes(tensors[n]), n)):
+        plan = tensors[name]
         if math.prod(plan.shape):
             rank = min(range(world), key=lambda r: (load[r], r))
             plan.regions.append(full_region(plan.shape))

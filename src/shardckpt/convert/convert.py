@@ -28,10 +28,10 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from shardckpt.checkpoint.collect import LocalPiece, region_key
+from shardckpt.checkpoint.collect import LocalPiece
 from shardckpt.checkpoint.load_any import pick, wanted_keys
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
-from shardckpt.checkpoint.save_plan import PieceInfo, make_save_plan
+from shardckpt.checkpoint.save_plan import SavePlan, TensorPlan, plan_placed
 from shardckpt.checkpoint.stage import check_unique_names
 from shardckpt.checkpoint.writer import write_rank_files
 from shardckpt.convert.local_output import LocalAtWorldSize, no_layouts_error
@@ -112,8 +112,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
         raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: a checkpoint already exists; pass "
                                     "overwrite=True (--overwrite) to replace it")
     place = functools.partial(_placement, out_type=out_type, world=world, reader=reader)
-    plan = make_save_plan([[_info(o, *place(o, r)) for o in outputs] for r in range(world)], uuid.uuid4().hex[:16],
-                          files_per_rank)
+    plan = _plan(outputs, place, world, files_per_rank)
     tick = _Progress(sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in outputs), progress)
     results = []
     try:
@@ -224,11 +223,22 @@ def _placement(output: _Output, rank: int, *, out_type: str, world: int,
     return full_region(shape), True
 
 
-def _info(output: _Output, region: Region, replicated: bool) -> PieceInfo:
-    """What the planner needs of a piece (made directly: no tensor per rank and tensor while planning)."""
-    shape = tuple(output.source.shape)
-    return PieceInfo(output.name, dtype_name(output.dtype, output.name), shape, region_key(region, shape), replicated,
-                     owner=True)
+def _plan(outputs: list[_Output], place: Callable[..., tuple[Region, bool]], world: int,
+          files_per_rank: int) -> SavePlan:
+    """The save plan, one entry per tensor: its chunks are the placements of ranks 0..world-1 (tilings in
+    order by construction: dim-0 chunks, or a flat layout's shard ranges), a replica is written once."""
+    tensors, replicated = {}, set()
+    for o in outputs:
+        plan = tensors[o.name] = TensorPlan(dtype_name(o.dtype, o.name), tuple(o.source.shape))
+        for rank in range(world):
+            region, is_replica = place(o, rank)
+            if is_replica:
+                replicated.add(o.name)
+                break
+            if region.numel:
+                plan.regions.append(region)
+                plan.writers.append(rank)
+    return plan_placed(tensors, replicated, world, uuid.uuid4().hex[:16], files_per_rank)
 
 
 class _ReadOnDemand(Mapping[str, LocalPiece]):
