@@ -68,14 +68,14 @@ def _refs(node: Any) -> Iterable[str]:
             stack.extend(item)
 
 
-def _replace(node: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+def replace_refs(node: Any, tensors: Mapping[str, Any]) -> Any:
     if isinstance(node, TensorRef):
         return tensors[node.name]
     if not isinstance(node, (dict, list, tuple)) or not contains(node, _is_ref):
         return node  # a plain value, exactly as the reader gave it
     if isinstance(node, dict):
-        return {k: _replace(v, tensors) for k, v in node.items()}
-    items = [_replace(v, tensors) for v in node]
+        return {k: replace_refs(v, tensors) for k, v in node.items()}
+    items = [replace_refs(v, tensors) for v in node]
     return tuple(items) if isinstance(node, tuple) else items
 
 
@@ -140,4 +140,4 @@ def load_reader(reader: CheckpointReader, keys: Iterable[str] | None = None, *, 
     check_fits_in_memory([infos[n] for n in names], where)
     tensors = {n: torch.empty(infos[n].shape, dtype=infos[n].dtype) for n in names}
     reader.read([ReadRequest(n, Box((0,) * t.dim(), tuple(t.shape)), t) for n, t in tensors.items()])
-    return _replace(picked, tensors)
+    return replace_refs(picked, tensors)

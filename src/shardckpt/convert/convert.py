@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from shardckpt.checkpoint.collect import LocalPiece
-from shardckpt.checkpoint.load_any import pick, wanted_keys
+from shardckpt.checkpoint.load_any import pick, replace_refs, wanted_keys
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
 from shardckpt.checkpoint.save_plan import SavePlan, TensorPlan, plan_placed
 from shardckpt.checkpoint.stage import check_unique_names
@@ -183,21 +183,10 @@ def _select(reader: CheckpointReader, only: Sequence[str], exclude: Sequence[str
             info = infos[leaf.name]
             cast = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
             outputs.append(_Output(path_name(path), path, info, cast))
-    marked = _mark(tree)
+    marked = replace_refs(tree, dict.fromkeys((o.source.name for o in outputs), _OutputTensor()))
     check_savable_depth(marked)
     check_unique_names(_as_tensors(marked))
     return encode(marked, _is_output_tensor), outputs
-
-
-def _mark(node: Any) -> Any:
-    if isinstance(node, TensorRef):
-        return _OutputTensor()
-    if isinstance(node, dict):
-        return {k: _mark(v) for k, v in node.items()}
-    if isinstance(node, (list, tuple)):
-        items = [_mark(v) for v in node]
-        return tuple(items) if isinstance(node, tuple) else items
-    return node
 
 
 def _as_tensors(tree: Any) -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from shardckpt.format.dtypes import itemsize
 from shardckpt.format.tree import TensorRef, leaves, path_name
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
 from shardckpt.formats.detect import open_reader
@@ -123,7 +124,7 @@ def _diff_tensor(ra: CheckpointReader, rb: CheckpointReader, ia: TensorInfo, ib:
     dtype = ia.dtype if same_dtype else torch.promote_types(ia.dtype, ib.dtype)
     exact = same_dtype and atol == rtol == 0
     numel = math.prod(ia.shape)
-    step = max(1, slice_bytes // max(_itemsize(ia.dtype), _itemsize(ib.dtype)))
+    step = max(1, slice_bytes // max(itemsize(ia.dtype), itemsize(ib.dtype)))
     mismatched, worst, first = 0, 0.0, None
     for lo in range(0, numel, step):
         hi = min(numel, lo + step)
@@ -141,10 +142,6 @@ def _diff_tensor(ra: CheckpointReader, rb: CheckpointReader, ia: TensorInfo, ib:
         report.differences.append(Difference(
             ia.name, "values", f"{mismatched} of {numel} elements differ (first at flat index {first}); max abs "
                                f"error {worst:.6g}", worst))
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _mismatches(x: torch.Tensor, y: torch.Tensor, exact: bool, atol: float, rtol: float) -> torch.Tensor:
