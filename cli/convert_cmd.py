@@ -9,6 +9,7 @@ from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_opt
 from shardckpt.cli.progress import Progress
 
 from shardckpt.convert.convert import TYPES, convert
+from shardckpt.format.codecs import Compression
 
 EPILOG = """sources: shardckpt checkpoints of any type and world size (LOCAL ones through their flat layouts),
 torch DCP directories, safetensors files or Hugging Face directories, torch.save files. The output is a
@@ -18,6 +19,7 @@ Memory holds a few chunks at a time, whatever the checkpoint's size.
 examples:
   shardckpt convert /ckpt/step-1000 /ckpt/step-1000-ws8 --world-size 8
   shardckpt convert /ckpt/local-step-1000 /export/full --type full --world-size 1 --only model
+  shardckpt convert /ckpt/step-1000 /archive/step-1000 --compress zstd      (bf16 ~1.45x smaller)
   shardckpt convert /dcp/step-500 s3://bucket/step-500 --world-size 4 -o endpoint_url=http://127.0.0.1:9000
 """
 
@@ -33,6 +35,8 @@ def register(sub) -> None:
     p.add_argument("--dtype", help="cast floating-point tensors, e.g. bfloat16")
     p.add_argument("--only", nargs="+", default=(), metavar="PREFIX", help="keep only these dotted-name prefixes")
     p.add_argument("--exclude", nargs="+", default=(), metavar="PREFIX", help="leave out these prefixes")
+    p.add_argument("--compress", type=_compression, metavar="zstd[:LEVEL]",
+                   help="store chunks as zstd frames (floats split into byte planes first); default: raw")
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_storage_options(p)
@@ -47,6 +51,13 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _compression(spec: str) -> Compression | None:
+    try:
+        return Compression.parse(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -64,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = convert(args.src, args.dst, world_size=args.world_size, type=args.type, dtype=_dtype(args.dtype),
                          only=args.only, exclude=args.exclude, overwrite=args.overwrite, storage_options=options,
-                         dst_storage_options=options, progress=progress)
+                         dst_storage_options=options, compress=args.compress, progress=progress)
     finally:
         progress.close()
     if not args.quiet:

@@ -1,12 +1,27 @@
 """A deterministic reference state dict and ways to shard it, shared by save/load tests (runs in workers too)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from shardckpt import Box, ShardedTensor
 from shardckpt.tensor_views import as_bytes
 
 KINDS = ("dim0", "flat", "plain", "cols")
+
+
+@contextlib.contextmanager
+def block_size(n: int):
+    """Saves in this block write checksum blocks (and compressed frames) of ``n`` bytes."""
+    from shardckpt.checkpoint import writer
+
+    old = writer.BLOCK_SIZE
+    writer.BLOCK_SIZE = n
+    try:
+        yield
+    finally:
+        writer.BLOCK_SIZE = old
 
 
 def reference() -> dict:

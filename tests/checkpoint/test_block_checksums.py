@@ -5,7 +5,6 @@ a partial read widens to whole blocks around the wanted bytes and checks each of
 """
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
 import tempfile
@@ -18,14 +17,13 @@ from hypothesis import strategies as st
 
 import shardckpt
 from shardckpt import Box, CorruptCheckpointError, FlatRange, ShardedTensor
-from shardckpt.checkpoint import writer
 from shardckpt.checkpoint.load import load_pieces
 from shardckpt.formats.api import ReadRequest
 from shardckpt.checkpoint.verify import verify
 from shardckpt.regions import flat_bounds, intersect
 from shardckpt.tensor_views import as_bytes
 from tests._dist import run_ranks
-from tests.checkpoint.cases import shard
+from tests.checkpoint.cases import block_size, shard
 from tests.state_dict._train import load_state_refused, save_local_state
 from tests.storage._util import index_rows
 
@@ -77,16 +75,6 @@ def test_partial_load_over_a_flipped_byte_raises(tmp_path):
     assert f"file bytes [{chunk_at + block * mib}, {chunk_at + (block + 1) * mib}) (block {block}" in problem.message
 
 
-@contextlib.contextmanager
-def _block_size(n: int):
-    old = writer.BLOCK_SIZE
-    writer.BLOCK_SIZE = n
-    try:
-        yield
-    finally:
-        writer.BLOCK_SIZE = old
-
-
 DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float64)
 
 
@@ -115,7 +103,7 @@ def test_partial_loads_return_exact_data_or_raise(case):
     shape, dtype, block, flip, region = case
     full = (torch.arange(torch.Size(shape).numel(), dtype=torch.float64) * 1.37 - 5).to(dtype).reshape(shape)
     size = full.element_size()
-    with tempfile.TemporaryDirectory() as tmp, _block_size(block):
+    with tempfile.TemporaryDirectory() as tmp, block_size(block):
         path = os.path.join(tmp, "ckpt")
         shardckpt.save({"t": full}, path)
         _flip(path, "t", flip)

@@ -13,7 +13,7 @@ import pytest
 import shardckpt
 from shardckpt import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.format.checksum import crc32c
-from shardckpt.format.manifest import seal
+from shardckpt.format.manifest import FORMAT_VERSION, seal
 from tests.checkpoint.cases import reference
 from tests.storage._util import assert_tree_equal, manifest_doc, sealed, zeros_like_tree
 
@@ -23,10 +23,11 @@ MANIFEST = "manifest.json"
 class Ckpt:
     """A valid checkpoint at ``<tmp>/area/ckpt``, with bait files around it."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, compress: str | None = None):
         self.tmp = tmp
         self.dir = tmp / "area" / "ckpt"
-        shardckpt.save(reference(), str(self.dir), files_per_rank=1)  # one file: "the" file of the cases
+        # One file: "the" file of the cases.
+        shardckpt.save(reference(), str(self.dir), files_per_rank=1, compress=compress)
         self.raw = (self.dir / MANIFEST).read_bytes()
         self.doc = manifest_doc(self.raw)
         self.body = b"{" + self.raw[len(b'{"crc32c":"00000000",'):]  # the JSON without its checksum field
@@ -248,7 +249,7 @@ def test_hostile_manifest_text(ckpt, case):
     _check_rejected(ckpt, (str(ckpt.dir / MANIFEST),))
 
 
-@pytest.mark.parametrize("version", [3, 1000])
+@pytest.mark.parametrize("version", [FORMAT_VERSION + 1, 1000])
 def test_newer_format_version_is_incompatible(ckpt, version):
     doc = ckpt.doc_copy()
     doc["version"] = version
@@ -310,6 +311,45 @@ def test_hostile_index_recorded_in_manifest(ckpt, case):
     """An index whose size and CRC the (equally hostile) manifest vouches for: its content is still checked."""
     ckpt.write_index(INDEX_EDITS[case](ckpt))
     # The index or the data file it describes (with the tensor) may be named.
+    _check_rejected(ckpt, (str(ckpt.dir / ckpt.index_rel), str(ckpt.dir / ckpt.file["path"])))
+
+
+def _framed(ckpt: Ckpt) -> list:
+    """The first row of a compressed chunk (format v3: it has a frame table)."""
+    return next(row for row in ckpt.index_doc["chunks"] if row[7])
+
+
+def _frame_edit(ckpt: Ckpt, edit) -> dict:
+    return _index_edit_row(ckpt, _framed(ckpt)[0], lambda row: edit(copy.deepcopy(row)) or row)
+
+
+def _set_item(row: list, i: int, value) -> list:
+    row[i] = value
+    return row
+
+
+FRAME_EDITS = {
+    "frame table missing a frame": lambda c: _frame_edit(c, lambda r: _set_item(r, 7, [])),
+    "frame table with an extra frame": lambda c: _frame_edit(c, lambda r: _set_item(r, 7, r[7] * 2)),
+    "zero-length frame": lambda c: _frame_edit(c, lambda r: _set_item(r, 7, [0])),
+    "frame longer than its block": lambda c: _frame_edit(c, lambda r: _set_item(r, 7, [r[3] + 1])),
+    "frame table not a list": lambda c: _frame_edit(c, lambda r: _set_item(r, 7, {"0": 1})),
+    "frame length a float": lambda c: _frame_edit(c, lambda r: _set_item(r, 7, [float(r[7][0])])),
+    "raw codec with a frame table": lambda c: _frame_edit(c, lambda r: _set_item(r, 5, "raw")),
+    "zstd codec on byte planes": lambda c: _frame_edit(c, lambda r: _set_item(r, 5, "zstd" if r[5] != "zstd" else "zstd-planes")),
+    "frames shifted by one byte": lambda c: _frame_edit(c, lambda r: _set_item(r, 2, r[2] + 1)),
+    "frames past the end": lambda c: _frame_edit(c, lambda r: _set_item(r, 2, c.file["size"] - 2)),
+    "row of v2 width": lambda c: _frame_edit(c, lambda r: r[:7]),
+    "v2 index in a v3 checkpoint": lambda c: dict(c.index_doc, version=2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FRAME_EDITS))
+def test_hostile_frame_table(tmp_path, case):
+    """A compressed checkpoint's frame tables (format v3), vouched for by the manifest: still checked."""
+    ckpt = Ckpt(tmp_path, compress="zstd")
+    assert ckpt.doc["version"] == 3 and _framed(ckpt)
+    ckpt.write_index(FRAME_EDITS[case](ckpt))
     _check_rejected(ckpt, (str(ckpt.dir / ckpt.index_rel), str(ckpt.dir / ckpt.file["path"])))
 
 

@@ -3,12 +3,14 @@ for the block size); the other formats ``formats.detect.open_reader`` reads from
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shardckpt.errors import CheckpointNotFoundError
-from shardckpt.io import Storage, open_storage
+from shardckpt.format.codecs import RAW
+from shardckpt.format.manifest import COMPRESSED_VERSION, FORMAT_NAME, MANIFEST_NAME
+from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage
 from shardckpt.format.dtypes import dtype_name
-from shardckpt.format.manifest import FORMAT_NAME, MANIFEST_NAME
 from shardckpt.format.tree import TensorRef, leaves, path_name
 from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.detect import open_reader
@@ -62,7 +64,9 @@ def foreign_format(path: str | os.PathLike, *, storage_options: dict | None = No
 
 
 def describe(path: str | os.PathLike, *, storage_options: dict | None = None) -> dict:
-    """A JSON-able summary: format, world size, state-dict type, total bytes, and one entry per tensor.
+    """A JSON-able summary: format, world size, state-dict type, total (logical) and stored bytes, and one
+    entry per tensor, with its stored bytes and codecs (from every chunk index in format v3, which may
+    compress; before it every chunk is ``raw``, stored as its bytes).
 
     ``block_size`` is the checksum block size of the first data file's chunks (format v2 on; ``None`` for
     v1, whose partial reads are checked by reading whole chunks). Another format (see ``describe_reader``)
@@ -73,11 +77,16 @@ def describe(path: str | os.PathLike, *, storage_options: dict | None = None) ->
         if not isinstance(reader, NativeReader):  # (a native one: a manifest committed since; the path below)
             return describe_reader(reader, path, storage)
     manifest = read_manifest(storage)
-    block_size = None
+    block_size, stored = None, _StoredForm()
     if manifest.version >= 2 and manifest.files:
-        records = read_index(storage, manifest.files[0], manifest.version)
-        block_size = next((r.block_size for r in records.values()), None)
+        # Format v3 may compress: every index says how each chunk is stored. Before v3 all are raw.
+        files = range(len(manifest.files)) if manifest.version >= COMPRESSED_VERSION else [0]
+        with ThreadPoolExecutor(DEFAULT_IO_THREADS) as pool:
+            for records in pool.map(lambda f: read_index(storage, manifest.files[f], manifest.version), files):
+                block_size = block_size or next((r.block_size for r in records.values()), None)
+                stored.add(records)
     tensors = [{"name": t.name, "dtype": dtype_name(t.dtype, t.name), "shape": list(t.shape), "bytes": t.nbytes,
+                "stored_bytes": stored.bytes.get(t.name, t.nbytes), "codecs": sorted(stored.codecs.get(t.name, {RAW})),
                 "chunks": len(t.chunks), "crc32c": f"{t.crc32c:08x}"} for t in manifest.tensors.values()]
     return {
         "path": os.fspath(path),
@@ -89,10 +98,24 @@ def describe(path: str | os.PathLike, *, storage_options: dict | None = None) ->
         "world_size": manifest.world_size,
         "state_dict_type": manifest.metadata.get("state_dict_type"),
         "total_bytes": manifest.total_bytes,
+        "stored_bytes": sum(f.size for f in manifest.files),  # the data files, alignment padding included
         "files": len(manifest.files),
         "metadata": manifest.metadata,
         "tensors": tensors,
     }
+
+
+class _StoredForm:
+    """Per tensor: the stored bytes of its chunks and their codecs, from chunk indexes."""
+
+    def __init__(self):
+        self.bytes: dict[str, int] = {}
+        self.codecs: dict[str, set[str]] = {}
+
+    def add(self, records: dict) -> None:
+        for (name, _), rec in records.items():
+            self.bytes[name] = self.bytes.get(name, 0) + rec.stored_length
+            self.codecs.setdefault(name, set()).add(rec.codec)
 
 
 def describe_reader(reader: CheckpointReader, path: str | os.PathLike, storage: Storage) -> dict:

@@ -11,7 +11,7 @@ from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures,
 from shardckpt.checkpoint.load_any import load_reader, wanted_keys
 from shardckpt.checkpoint.match import match
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from shardckpt.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from shardckpt.format.manifest import MANIFEST_NAME, Manifest, min_stored_bytes, parse_manifest
 from shardckpt.format.tree import TensorRef, leaves, path_name, set_at
 from shardckpt.formats.api import CheckpointReader, ReadRequest
 from shardckpt.formats.detect import open_reader
@@ -161,7 +161,7 @@ def _check_files_before_allocating(storage: Storage, manifest: Manifest, leaves_
         check_data_file(storage, manifest.files[f])
     for entry in entries:
         held = sum(manifest.files[f].size for f in used[entry.name])
-        if entry.nbytes > held:
+        if min_stored_bytes(entry, manifest.version) > held:
             raise CorruptCheckpointError(f"{storage.url(MANIFEST_NAME)}: tensor {entry.name!r} claims "
                                          f"{entry.nbytes} bytes, its data files hold {held}")
 

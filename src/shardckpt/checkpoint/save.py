@@ -36,7 +36,8 @@ from shardckpt.checkpoint.writer import RankResult, write_rank_files
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures, resolve_group
 from shardckpt.errors import CheckpointError, CheckpointExistsError
 from shardckpt.format.dtypes import DTYPES
-from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorEntry, parse_manifest
+from shardckpt.format.codecs import Compression
+from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorEntry, parse_manifest, version_for
 from shardckpt.io import Storage, open_storage
 
 __all__ = ["save", "stage", "plan", "persist", "Staged", "Planned", "DEFAULT_FILES_PER_RANK"]
@@ -46,7 +47,7 @@ DEFAULT_FILES_PER_RANK = 2  # data files each rank writes in parallel on save
 
 def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
          metadata: dict | None = None, files_per_rank: int = DEFAULT_FILES_PER_RANK,
-         storage_options: dict | None = None) -> None:
+         storage_options: dict | None = None, compress: str | None = None) -> None:
     """Save a (nested) state dict as a checkpoint at ``path`` (a local path or an fsspec URL).
 
     Called collectively on every rank of ``process_group`` (default: the default group, or a world of one
@@ -54,13 +55,15 @@ def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
     once, by one rank), ``ShardedTensor``s, torch DTensors, or plain JSON-able values. ``metadata`` is a
     JSON-able dict stored in the manifest. A committed checkpoint at ``path`` is replaced only with
     ``overwrite=True``; readers then see the complete old or the complete new checkpoint. Each rank writes
-    ``files_per_rank`` data files in parallel (rank 0's value counts).
+    ``files_per_rank`` data files in parallel (rank 0's value counts). ``compress="zstd"`` (or
+    ``"zstd:LEVEL"``, -7..22; rank 0's value counts) stores each chunk as zstd frames, floating-point data
+    split into byte planes first; a chunk that does not shrink is stored raw. Loads need no option.
 
     The same as ``persist(staged, plan(staged, path, ...))`` with ``staged = stage(state_dict, ...)``.
     """
     staged = stage(state_dict, process_group=process_group, metadata=metadata)
     planned = plan(staged, path, process_group=process_group, overwrite=overwrite, files_per_rank=files_per_rank,
-                   storage_options=storage_options)
+                   storage_options=storage_options, compress=compress)
     persist(staged, planned)
 
 
@@ -75,6 +78,7 @@ class Planned:
     generation: str
     tasks: list[WriteTask]
     files_per_rank: int
+    compression: Compression | None
     save_plan: SavePlan | None
 
     @property
@@ -83,10 +87,12 @@ class Planned:
 
 
 def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
-         files_per_rank: int = DEFAULT_FILES_PER_RANK, storage_options: dict | None = None) -> Planned:
+         files_per_rank: int = DEFAULT_FILES_PER_RANK, storage_options: dict | None = None,
+         compress: str | None = None) -> Planned:
     """Save step 2 of 3 (collective): rank 0 gathers every rank's piece infos, checks them, refuses an
-    existing checkpoint unless ``overwrite``, and sends each rank its write tasks. Raises on every rank if
-    any rank failed to stage or to open ``path``, or if planning failed. Writes nothing."""
+    existing checkpoint unless ``overwrite``, and sends each rank its write tasks and the compression
+    (rank 0's ``files_per_rank`` and ``compress`` count). Raises on every rank if any rank failed to stage
+    or to open ``path``, or if planning failed. Writes nothing."""
     group = resolve_group(process_group)
 
     def local() -> Storage:
@@ -100,11 +106,12 @@ def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, 
     whole = None
     if group.is_coordinator:
         whole = storage if isinstance(storage, Failure) else \
-            _plan_on_coordinator(storage, gathered, overwrite, files_per_rank)
+            _plan_on_coordinator(storage, gathered, overwrite, files_per_rank, compress)
     mine = group.scatter(_per_rank(whole, group.world_size) if group.is_coordinator else None)
     raise_failures([storage, mine])
-    generation, tasks, per_rank = mine
-    return Planned(group, storage, generation, tasks, per_rank, whole if group.is_coordinator else None)
+    generation, tasks, per_rank, compression = mine
+    return Planned(group, storage, generation, tasks, per_rank, compression,
+                   whole if group.is_coordinator else None)
 
 
 def persist(staged: Staged, planned: Planned) -> None:
@@ -122,8 +129,8 @@ def persist(staged: Staged, planned: Planned) -> None:
     raise_failures([group.broadcast(outcome)])
 
 
-def _plan_on_coordinator(storage: Storage, gathered: list, overwrite: bool,
-                         files_per_rank: int) -> SavePlan | Failure:
+def _plan_on_coordinator(storage: Storage, gathered: list, overwrite: bool, files_per_rank: int,
+                         compress: str | None) -> SavePlan | Failure:
     failures = [g for g in gathered if isinstance(g, Failure)]
     if failures:
         return failures[0]
@@ -134,7 +141,7 @@ def _plan_on_coordinator(storage: Storage, gathered: list, overwrite: bool,
                                         "overwrite=True to replace it")
         if not isinstance(files_per_rank, int) or not 1 <= files_per_rank <= 64:
             raise ValueError(f"files_per_rank must be an int in 1..64, got {files_per_rank!r}")
-        return make_save_plan(gathered, uuid.uuid4().hex[:16], files_per_rank)
+        return make_save_plan(gathered, uuid.uuid4().hex[:16], files_per_rank, Compression.parse(compress))
 
     return attempt(0, make)
 
@@ -142,7 +149,7 @@ def _plan_on_coordinator(storage: Storage, gathered: list, overwrite: bool,
 def _per_rank(whole: SavePlan | Failure, world_size: int) -> list:
     if isinstance(whole, Failure):
         return [whole] * world_size
-    return [(whole.generation, whole.tasks[r], whole.files_per_rank) for r in range(world_size)]
+    return [(whole.generation, whole.tasks[r], whole.files_per_rank, whole.compression) for r in range(world_size)]
 
 
 def data_dir(generation: str) -> str:
@@ -153,7 +160,8 @@ def _write(planned: Planned, staged: Staged) -> RankResult | None:
     if not planned.tasks:
         return None
     base = f"{planned.data_dir}/rank-{planned.group.rank:05d}"
-    return write_rank_files(planned.storage, base, planned.tasks, staged.pieces, planned.files_per_rank)
+    return write_rank_files(planned.storage, base, planned.tasks, staged.pieces, planned.files_per_rank,
+                            planned.compression)
 
 
 def _commit(planned: Planned, results: list, staged: Staged) -> None:
@@ -185,7 +193,8 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
         storage.sync_dir(data_dir(generation))
     previous = _previous_generation(storage)
     manifest = Manifest(world_size=world_size, generation=generation, tree=None, tensors=tensors,
-                        files=files, metadata=metadata or {}, created_by=f"shardckpt {__version__}")
+                        files=files, metadata=metadata or {}, created_by=f"shardckpt {__version__}",
+                        version=version_for(save_plan.compression is not None))
     storage.put_atomic(MANIFEST_NAME, manifest.to_bytes(encoded_tree))
     if previous is not None and previous != generation:
         storage.remove_dir(data_dir(previous))

@@ -9,6 +9,7 @@ from shardckpt.errors import CheckpointError
 from shardckpt.regions import Region, check_tiling, flat_bounds, full_region
 from shardckpt.format.dtypes import DTYPES, dtype_name, itemsize
 from shardckpt.format.chunks import Chunks, compact_chunks
+from shardckpt.format.codecs import Compression
 
 
 @dataclass(frozen=True)
@@ -56,13 +57,15 @@ class SavePlan:
     tensors: dict[str, TensorPlan]
     tasks: list[list[WriteTask]]  # per rank
     files_per_rank: int
+    compression: Compression | None = None
 
     @property
     def writing_ranks(self) -> list[int]:
         return [r for r, tasks in enumerate(self.tasks) if tasks]
 
 
-def make_save_plan(infos: list[list[PieceInfo]], generation: str, files_per_rank: int = 2) -> SavePlan:
+def make_save_plan(infos: list[list[PieceInfo]], generation: str, files_per_rank: int = 2,
+                   compression: Compression | None = None) -> SavePlan:
     """Check that ranks agree on every tensor and that shards tile it; assign each chunk a writer."""
     world = len(infos)
     tensors: dict[str, TensorPlan] = {}
@@ -91,11 +94,11 @@ def make_save_plan(infos: list[list[PieceInfo]], generation: str, files_per_rank
             if region.numel:
                 plan.regions.append(region)
                 plan.writers.append(rank)
-    return plan_placed(tensors, set(replicated), world, generation, files_per_rank)
+    return plan_placed(tensors, set(replicated), world, generation, files_per_rank, compression)
 
 
 def plan_placed(tensors: dict[str, TensorPlan], replicated: set[str], world: int, generation: str,
-                files_per_rank: int) -> SavePlan:
+                files_per_rank: int, compression: Compression | None = None) -> SavePlan:
     """The plan once every sharded tensor's chunks are placed (``regions`` tiling it, in order, and their
     ``writers``); the tensors named in ``replicated`` (no regions yet) are given one writer each. Callers
     that place chunks themselves (an offline ``convert``, whose placements are tilings by construction)
@@ -118,7 +121,7 @@ def plan_placed(tensors: dict[str, TensorPlan], replicated: set[str], world: int
     for name, plan in tensors.items():
         for chunk, rank in enumerate(plan.writers):
             tasks[rank].append(WriteTask(name, chunk, plan.slot))
-    return SavePlan(generation, tensors, tasks, files_per_rank)
+    return SavePlan(generation, tensors, tasks, files_per_rank, compression)
 
 
 def _assign_slots(tensors: dict[str, TensorPlan], files_per_rank: int) -> None:

@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import numpy as np
+
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.regions import contiguous_runs
 from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage
@@ -23,7 +25,8 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.index import ChunkRecord
 from shardckpt.format.manifest import Manifest, TensorEntry, chunks_of
 from shardckpt.formats.native import read_manifest
-from shardckpt.formats.native.reader import Index, block_problem, check_data_file, read_index, record_problem
+from shardckpt.formats.native.frames import block_problem, read_span
+from shardckpt.formats.native.reader import Index, check_data_file, read_index, record_problem
 
 READ_SIZE = 16 << 20  # bytes read at a time when checksumming a chunk
 
@@ -59,17 +62,19 @@ def _block_lengths(rec: ChunkRecord) -> Iterator[int]:
 
 
 def _scan_chunk(storage: Storage, path: str, rec: ChunkRecord, entry: TensorEntry, region,
-                tick: Callable[[int], None]) -> tuple[list[str], int | None]:
-    """Problems found in one chunk's bytes, and (if none) its term of the tensor checksum."""
+                tick: Callable[[int], None], where: str) -> tuple[list[str], int | None]:
+    """Problems found in one chunk's bytes, and (if none) its term of the tensor checksum. A compressed
+    chunk is decoded (a frame that does not decode raises ``CorruptCheckpointError``)."""
     size = itemsize(entry.dtype)
     runs = list(contiguous_runs(region, entry.shape))
     blocks = SegmentedCRC(_block_lengths(rec))
     # A box chunk is several runs of the tensor's bytes: one CRC per run for the tensor checksum.
     run_crcs = SegmentedCRC(n * size for _, _, n in runs) if len(runs) > 1 else None
-    buf = bytearray(min(READ_SIZE, rec.length))
-    for lo in range(0, rec.length, READ_SIZE):
-        view = memoryview(buf)[:min(READ_SIZE, rec.length - lo)]
-        storage.read_into(path, rec.offset + lo, view)
+    step = max(READ_SIZE // rec.block_size, 1) * rec.block_size  # whole frames
+    buf = np.empty(min(step, rec.length), np.uint8)
+    for lo in range(0, rec.length, step):
+        view = buf[:min(step, rec.length - lo)]
+        read_span(storage, path, rec, lo, lo + len(view), [view], size, False, where)
         blocks.feed(view)
         if run_crcs is not None:
             run_crcs.feed(view)
@@ -153,9 +158,9 @@ def verify(path: str | os.PathLike, *, storage_options: dict | None = None, io_t
             report.problems.append(Problem(entry.name, file, f"chunk {i} {problem}"))
             return entry.name, None
         try:
-            problems, term = _scan_chunk(storage, manifest.files[f].path, rec, entry, region, tick)
-        except CorruptCheckpointError as e:
-            problems, term = [str(e)], None
+            problems, term = _scan_chunk(storage, manifest.files[f].path, rec, entry, region, tick, "")
+        except CorruptCheckpointError as e:  # a frame that does not decode
+            problems, term = [str(e).strip().removesuffix("; run `shardckpt verify`")], None
         report.problems.extend(Problem(entry.name, file, f"chunk {i} {p}") for p in problems)
         return entry.name, term
 

@@ -36,6 +36,7 @@ from shardckpt.checkpoint.stage import check_unique_names
 from shardckpt.checkpoint.writer import write_rank_files
 from shardckpt.convert.local_output import LocalAtWorldSize, no_layouts_error
 from shardckpt.errors import CheckpointExistsError, CorruptCheckpointError, UnsupportedValueError
+from shardckpt.format.codecs import Compression
 from shardckpt.format.dtypes import dtype_name, itemsize
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.format.tree import TensorRef, check_savable_depth, encode, leaves, path_name
@@ -75,7 +76,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             type: str | None = None, dtype: torch.dtype | None = None, only: Sequence[str] = (),
             exclude: Sequence[str] = (), overwrite: bool = False, files_per_rank: int = DEFAULT_FILES_PER_RANK,
             param_names: Sequence[str] | None = None, storage_options: dict | None = None,
-            dst_storage_options: dict | None = None,
+            dst_storage_options: dict | None = None, compress: str | None = None,
             progress: Callable[[int, int], None] | None = None) -> ConvertReport:
     """Convert the checkpoint at ``src`` (any readable format) into a shardckpt checkpoint at ``dst``.
 
@@ -84,9 +85,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     LOCAL source). ``dtype``: cast floating-point tensors to it (not for LOCAL output). ``only`` /
     ``exclude``: dotted-name prefixes of the entries to keep / leave out (LOCAL output keeps the layouts).
     ``param_names``: for a LOCAL source, the unsharded model's parameter names in order (they number
-    optimizer IDs as the job's FULL state dict would; see ``state_dict.logical``).
+    optimizer IDs as the job's FULL state dict would; see ``state_dict.logical``). ``compress``: as
+    ``shardckpt.save``'s (``"zstd"``, ``"zstd:LEVEL"``; default raw, whatever the source's codecs).
     ``progress(done_bytes, total_bytes)`` is called as tensors are written.
     """
+    compression = Compression.parse(compress)
     base = open_reader(src, storage_options=storage_options)
     metadata = dict(getattr(getattr(base, "manifest", None), "metadata", None) or {})
     source_world = getattr(getattr(base, "manifest", None), "world_size", 1)
@@ -112,7 +115,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
         raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: a checkpoint already exists; pass "
                                     "overwrite=True (--overwrite) to replace it")
     place = functools.partial(_placement, out_type=out_type, world=world, reader=reader)
-    plan = _plan(outputs, place, world, files_per_rank)
+    plan = _plan(outputs, place, world, files_per_rank, compression)
     tick = _Progress(sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in outputs), progress)
     results = []
     try:
@@ -122,7 +125,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
                 continue
             pieces = _ReadOnDemand(reader, {o.name: o for o in outputs}, functools.partial(place, rank=r), tick)
             results.append(write_rank_files(storage, f"{data_dir(plan.generation)}/rank-{r:05d}", plan.tasks[r],
-                                            pieces, files_per_rank))
+                                            pieces, files_per_rank, compression))
     except BaseException:
         storage.remove_dir(data_dir(plan.generation))
         raise
@@ -213,7 +216,7 @@ def _placement(output: _Output, rank: int, *, out_type: str, world: int,
 
 
 def _plan(outputs: list[_Output], place: Callable[..., tuple[Region, bool]], world: int,
-          files_per_rank: int) -> SavePlan:
+          files_per_rank: int, compression: Compression | None) -> SavePlan:
     """The save plan, one entry per tensor: its chunks are the placements of ranks 0..world-1 (tilings in
     order by construction: dim-0 chunks, or a flat layout's shard ranges), a replica is written once."""
     tensors, replicated = {}, set()
@@ -227,7 +230,7 @@ def _plan(outputs: list[_Output], place: Callable[..., tuple[Region, bool]], wor
             if region.numel:
                 plan.regions.append(region)
                 plan.writers.append(rank)
-    return plan_placed(tensors, replicated, world, uuid.uuid4().hex[:16], files_per_rank)
+    return plan_placed(tensors, replicated, world, uuid.uuid4().hex[:16], files_per_rank, compression)
 
 
 class _ReadOnDemand(Mapping[str, LocalPiece]):

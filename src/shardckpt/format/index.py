@@ -1,15 +1,19 @@
 """A data file's chunk index (``<data file>.index.json``): where each chunk sits, and its checksums.
 
 From format v2 every chunk also carries one CRC32C per ``block_size`` bytes of its stored bytes, so that
-a read of part of a chunk checks whole blocks around the wanted bytes instead of trusting them.
+a read of part of a chunk checks whole blocks around the wanted bytes instead of trusting them. Format v3
+adds compressed codecs: a chunk's ``length``, CRC and block CRCs are then of its logical (decoded) bytes,
+and a frame table gives the stored length of each block's frame (``format.codecs``).
 """
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
+from functools import cached_property
 
 from shardckpt.errors import CorruptCheckpointError
-from shardckpt.format.codecs import codec_named
+from shardckpt.format.codecs import RAW, codec_named
 from shardckpt.format.validate import (
     MAX_NUMEL,
     check_fields,
@@ -27,37 +31,52 @@ INDEX_FORMAT_NAME = "shardckpt-index"
 BLOCK_SIZE = 1 << 20
 MAX_BLOCK_SIZE = 1 << 31
 MIN_ROW_BYTES = 16  # no row is shorter: ["",0,0,1,0,"raw"] is 18 bytes, and v2 adds its block CRCs
+ROW_WIDTH = {1: 6, 2: 7, 3: 8}  # v2 adds block CRCs, v3 the frame table
 
 
 @dataclass(frozen=True)
 class ChunkRecord:
-    """Where one chunk's bytes sit in a data file, with the CRC32C of all of them and of each block.
+    """Where one chunk sits in a data file, with the CRC32C of all of its bytes and of each block.
 
-    A format v1 record has no block CRCs: it is treated as one block, the whole chunk.
+    ``length`` and the CRCs are of the chunk's logical bytes (for ``raw``, the stored bytes). A format v1
+    record has no block CRCs: it is treated as one block, the whole chunk.
     """
 
     offset: int
     length: int
-    crc32c: int  # of the stored bytes
+    crc32c: int
     codec: str
     block_size: int
-    blocks: tuple[int, ...]  # CRC32C of stored bytes [k*block_size, (k+1)*block_size), clipped to length
+    blocks: tuple[int, ...]  # CRC32C of logical bytes [k*block_size, (k+1)*block_size), clipped to length
+    frames: tuple[int, ...] = ()  # stored bytes of block k's frame; empty for raw
 
     def block_bounds(self, lo: int, hi: int) -> tuple[int, int]:
-        """The smallest run of whole blocks holding stored bytes ``[lo, hi)``, as byte bounds in the chunk."""
+        """The smallest run of whole blocks holding logical bytes ``[lo, hi)``, as byte bounds in the chunk."""
         b = self.block_size
         return lo // b * b, min(-(-hi // b) * b, self.length)
+
+    @property
+    def stored_length(self) -> int:
+        return self.frame_starts[-1] if self.frames else self.length
+
+    @cached_property
+    def frame_starts(self) -> tuple[int, ...]:
+        """Where each frame starts in the chunk's stored bytes, and (last) where the last one ends."""
+        return (0, *itertools.accumulate(self.frames))
 
 
 def index_to_bytes(records: dict[tuple[str, int], ChunkRecord], version: int, block_size: int) -> bytes:
     """The index of one data file; every record's blocks are ``block_size`` bytes (the last may be shorter)."""
-    rows = [[name, i, r.offset, r.length, r.crc32c, r.codec, list(r.blocks)] for (name, i), r in records.items()]
+    if version < 3 and any(r.frames for r in records.values()):
+        raise ValueError("compressed chunks need format version 3")
+    rows = [[name, i, r.offset, r.length, r.crc32c, r.codec, list(r.blocks)] + ([list(r.frames)] if version >= 3 else [])
+            for (name, i), r in records.items()]
     return json.dumps({"format": INDEX_FORMAT_NAME, "version": version, "block_size": block_size, "chunks": rows},
                       separators=(",", ":")).encode()
 
 
 def _record(row, version: int, block_size: int, file_size: int, where: str) -> tuple[str, int, ChunkRecord]:
-    width = 6 if version == 1 else 7
+    width = ROW_WIDTH.get(version, 8)
     if not (isinstance(row, list) and len(row) == width and isinstance(row[0], str)):
         raise CorruptCheckpointError(f"{where}: malformed chunk row {str(row)[:80]} (a row has {width} fields)")
     name = row[0]
@@ -65,18 +84,33 @@ def _record(row, version: int, block_size: int, file_size: int, where: str) -> t
     i = get_int(row[1], f"{at} chunk number", 0, MAX_NUMEL)
     offset, length = get_int(row[2], f"{at} offset"), get_int(row[3], f"{at} length", 1)
     crc = get_int(row[4], f"{at} crc32c", 0, 0xFFFFFFFF)
-    codec_named(row[5], f"{where}: tensor {name!r} chunk {i}")
-    if offset + length > file_size:
-        raise CorruptCheckpointError(f"{where}: tensor {name!r} chunk {i} runs past the end of the data file "
-                                     f"({offset}+{length} > {file_size} bytes)")
+    codec = codec_named(row[5], f"{where}: tensor {name!r} chunk {i}")
+    if version < 3 and codec != RAW:
+        raise CorruptCheckpointError(f"{where}: tensor {name!r} chunk {i}: codec {codec!r} needs format v3")
     if version == 1:
-        return name, i, ChunkRecord(offset, length, crc, row[5], length, (crc,))
-    blocks = row[6]
-    if not isinstance(blocks, list) or len(blocks) != -(-length // block_size):
-        raise CorruptCheckpointError(f"{where}: tensor {name!r} chunk {i}: expected one block CRC per "
-                                     f"{block_size} bytes of its {length}")
-    crcs = tuple(get_int(c, f"{at} block CRC", 0, 0xFFFFFFFF) for c in blocks)
-    return name, i, ChunkRecord(offset, length, crc, row[5], block_size, crcs)
+        rec = ChunkRecord(offset, length, crc, codec, length, (crc,))
+    else:
+        blocks = row[6]
+        if not isinstance(blocks, list) or len(blocks) != -(-length // block_size):
+            raise CorruptCheckpointError(f"{where}: tensor {name!r} chunk {i}: expected one block CRC per "
+                                         f"{block_size} bytes of its {length}")
+        crcs = tuple(get_int(c, f"{at} block CRC", 0, 0xFFFFFFFF) for c in blocks)
+        frames = _frames(row[7], codec, length, block_size, f"{where}: tensor {name!r} chunk {i}") if version >= 3 else ()
+        rec = ChunkRecord(offset, length, crc, codec, block_size, crcs, frames)
+    if offset + rec.stored_length > file_size:
+        raise CorruptCheckpointError(f"{where}: tensor {name!r} chunk {i} runs past the end of the data file "
+                                     f"({offset}+{rec.stored_length} > {file_size} bytes)")
+    return name, i, rec
+
+
+def _frames(table, codec: str, length: int, block_size: int, where: str) -> tuple[int, ...]:
+    """A v3 frame table: empty for ``raw``; else one stored length per block, in 1 .. the block's length."""
+    if not isinstance(table, list) or len(table) != (0 if codec == RAW else -(-length // block_size)):
+        raise CorruptCheckpointError(f"{where}: codec {codec!r} needs " +
+                                     ("an empty frame table" if codec == RAW else "one frame length per block"))
+    last = length - (len(table) - 1) * block_size
+    return tuple(get_int(n, f"{where} frame {k} length", 1, block_size if k < len(table) - 1 else last)
+                 for k, n in enumerate(table))
 
 
 def parse_index(data: bytes, version: int, file_size: int, where: str) -> dict[tuple[str, int], ChunkRecord]:

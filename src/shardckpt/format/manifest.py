@@ -18,6 +18,7 @@ from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.regions import Region
 from shardckpt.format.checksum import crc32c
 from shardckpt.format.chunks import Chunks, RegularChunks, chunks_from_json
+from shardckpt.format.codecs import MAX_RATIO
 from shardckpt.format.dtypes import dtype_from_name, dtype_name, itemsize
 from shardckpt.format.index import MIN_ROW_BYTES
 from shardckpt.format.tree import TensorRef, decode, leaves, path_name
@@ -33,7 +34,15 @@ from shardckpt.format.validate import (
 )
 
 FORMAT_NAME = "shardckpt"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # the newest version this shardckpt reads and writes
+# A save writes the oldest version that can describe it, so that older readers read what they can.
+UNCOMPRESSED_VERSION = 2
+COMPRESSED_VERSION = 3
+
+
+def version_for(compressed: bool) -> int:
+    """The format version a save writes: v3 only when its chunks may be compressed (FORMAT.md, "Compatibility")."""
+    return COMPRESSED_VERSION if compressed else UNCOMPRESSED_VERSION
 MANIFEST_NAME = "manifest.json"
 # The checksum prefix: exactly these bytes with 8 lowercase hex digits; the CRC32C covers every byte after it.
 _SEAL = re.compile(rb'\{"crc32c":"([0-9a-f]{8})",')
@@ -90,7 +99,9 @@ class Manifest:
     checksummed: bool = True  # False only for format v1, whose manifest has no checksum
 
     def to_bytes(self, encoded_tree: Any) -> bytes:
-        doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "created_by": self.created_by,
+        if self.version < UNCOMPRESSED_VERSION:
+            raise ValueError(f"shardckpt writes format v{UNCOMPRESSED_VERSION} on, not v{self.version}")
+        doc = {"format": FORMAT_NAME, "version": self.version, "created_by": self.created_by,
                "world_size": self.world_size, "generation": self.generation, "metadata": self.metadata,
                "tree": encoded_tree, "files": [f.to_json() for f in self.files],
                "tensors": {name: t.to_json() for name, t in self.tensors.items()}}
@@ -154,7 +165,7 @@ def _manifest_from_doc(doc: dict, version: int, where: str) -> Manifest:
     if not isinstance(tensors_doc, dict):
         raise CorruptCheckpointError(f"{where}: 'tensors' must be an object")
     stored = sum(f.size for f in files)
-    tensors = {name: _tensor_from_json(name, t, files, stored, strict, f"{where} tensor {name!r}")
+    tensors = {name: _tensor_from_json(name, t, files, stored, version, f"{where} tensor {name!r}")
                for name, t in tensors_doc.items()}
     if not isinstance(doc.get("tree"), dict):
         raise CorruptCheckpointError(f"{where}: 'tree' must be an object (a state dict)")
@@ -188,8 +199,24 @@ def _file_from_json(obj: Any, data_dir: str, strict: bool, where: str) -> FileEn
     return entry
 
 
-def _tensor_from_json(name: str, obj: Any, files: list[FileEntry], stored: int, strict: bool,
+def min_stored_bytes(entry: TensorEntry, version: int) -> int:
+    """The fewest bytes a tensor's chunks can occupy in its data files: its bytes, or from format v3 (chunks
+    may be compressed) its bytes over zstd's largest possible ratio, and at least one byte per chunk.
+    Claims beyond what the files could back are refused before any loop over chunks or allocation."""
+    if version < COMPRESSED_VERSION:
+        return entry.nbytes
+    return max(-(-entry.nbytes // MAX_RATIO), len(entry.chunks))
+
+
+def _claim(entry: TensorEntry, version: int) -> str:
+    if version < COMPRESSED_VERSION:
+        return f"{entry.nbytes} bytes"
+    return f"{entry.nbytes} bytes in {len(entry.chunks)} chunks (at least {min_stored_bytes(entry, version)} stored)"
+
+
+def _tensor_from_json(name: str, obj: Any, files: list[FileEntry], stored: int, version: int,
                       where: str) -> TensorEntry:
+    strict = version >= 2
     if strict:
         check_fields(obj, ("dtype", "shape", "crc32c", "chunks"), (), where)
     dtype = dtype_from_name(get_field(obj, "dtype", where), where)
@@ -203,15 +230,16 @@ def _tensor_from_json(name: str, obj: Any, files: list[FileEntry], stored: int, 
     entry = TensorEntry(name, dtype, shape, crc, chunks_from_json(get_field(obj, "chunks", where), shape,
                                                                   len(files), strict, where))
     # O(1) bound first: no loop may run over a count of chunks that the files' bytes could not back.
-    if entry.nbytes > stored:
-        raise CorruptCheckpointError(f"{where}: claims {entry.nbytes} bytes, all data files hold {stored}")
+    claimed = min_stored_bytes(entry, version)
+    if claimed > stored:
+        raise CorruptCheckpointError(f"{where}: claims {_claim(entry, version)}, all data files hold {stored} bytes")
     chunks = entry.chunks
     if isinstance(chunks, RegularChunks) and chunks.affine and chunks.files[1] != 0:
         return entry  # one chunk per distinct file: the count is bounded by the files (the FSDP case at scale)
     used = chunks.files_used()
     held = sum(files[f].size for f in used)
-    if entry.nbytes > held:
-        raise CorruptCheckpointError(f"{where}: claims {entry.nbytes} bytes, its data files hold {held}")
+    if claimed > held:
+        raise CorruptCheckpointError(f"{where}: claims {_claim(entry, version)}, its data files hold {held} bytes")
     # Every chunk has a row of at least MIN_ROW_BYTES in its file's index: a count the indexes cannot
     # hold is refused before any per-chunk work (which costs memory per chunk, not per byte).
     rows = sum(files[f].index_size for f in used) // MIN_ROW_BYTES

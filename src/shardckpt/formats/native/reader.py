@@ -1,7 +1,8 @@
 """Executing a read plan: fetch the chunk indexes needed, then ranged-read chunk bytes on a thread pool.
 
 A read is widened to whole checksum blocks around the needed span (at most one extra partial block at
-each end) and every block is checked, so no byte reaches a caller unchecked while ``verify`` is on.
+each end) and every block is checked, so no byte reaches a caller unchecked while ``verify`` is on. A
+compressed chunk's blocks are frames, decoded by ``frames.read_span``.
 When the needed elements land contiguously, in stored order, in a CPU target of the same dtype, they are
 read straight into the target's memory and only the widening goes to small side buffers; otherwise the
 span is read into a buffer and copied piece by piece (any device, any dtype cast).
@@ -16,10 +17,12 @@ import torch
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.regions import StridedView, strided_view
 from shardckpt.io import Storage
-from shardckpt.format.checksum import SegmentedCRC, crc32c
+from shardckpt.format.checksum import crc32c
+from shardckpt.format.codecs import ZSTD_PLANES
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.index import ChunkRecord, parse_index
 from shardckpt.format.manifest import FileEntry, Manifest, TensorEntry
+from shardckpt.formats.native.frames import read_span
 from shardckpt.formats.native.plan import ChunkRead
 from shardckpt.tensor_views import as_bytes, from_bytes, view_of
 
@@ -55,22 +58,22 @@ def record_problem(rec: ChunkRecord | None, entry: TensorEntry, region) -> str |
         return "is missing from the file's index"
     if rec.length != region.numel * itemsize(entry.dtype):
         return f"has {rec.length} bytes, its region needs {region.numel * itemsize(entry.dtype)}"
+    if rec.codec == ZSTD_PLANES and rec.block_size % itemsize(entry.dtype):
+        return f"has {rec.block_size}-byte frames, which split its {entry.dtype} elements"
     return None
 
 
-def block_problem(rec: ChunkRecord, k: int, got: int) -> str:
-    """A failed block checksum, naming the block's byte range in the data file."""
-    at = rec.offset + k * rec.block_size
-    return (f"fails its checksum in file bytes [{at}, {at + min(rec.block_size, rec.length - k * rec.block_size)}) "
-            f"(block {k}: stored {rec.blocks[k]:08x}, read {got:08x})")
+def chunk_where(storage: Storage, manifest: Manifest, file: int, name: str, chunk: int) -> str:
+    """How errors name a chunk: its data file, tensor and chunk number."""
+    return f"{storage.url(manifest.files[file].path)}: tensor {name!r} chunk {chunk}"
 
 
 def chunk_record(storage: Storage, manifest: Manifest, indexes: dict[int, Index], read: ChunkRead) -> ChunkRecord:
     rec = indexes[read.file].get((read.entry.name, read.chunk))
     problem = record_problem(rec, read.entry, read.region)
     if problem:
-        raise CorruptCheckpointError(f"{storage.url(manifest.files[read.file].path)}: tensor {read.entry.name!r} "
-                                     f"chunk {read.chunk} {problem}")
+        raise CorruptCheckpointError(f"{chunk_where(storage, manifest, read.file, read.entry.name, read.chunk)} "
+                                     f"{problem}")
     return rec
 
 
@@ -101,35 +104,11 @@ def _direct_destination(read: ChunkRead) -> torch.Tensor | None:
     return view if view.is_contiguous() else None
 
 
-def _corrupt(storage: Storage, manifest: Manifest, read: ChunkRead, what: str) -> CorruptCheckpointError:
-    url = storage.url(manifest.files[read.file].path)
-    return CorruptCheckpointError(f"{url}: tensor {read.entry.name!r} chunk {read.chunk} {what}; run "
-                                  "`shardckpt verify`")
-
-
-def _check_blocks(storage: Storage, manifest: Manifest, read: ChunkRead, rec: ChunkRecord, parts: list,
-                  start: int, stop: int) -> None:
-    """``parts`` hold the chunk's stored bytes ``[start, stop)``, whole blocks, in order: check each block."""
-    b = rec.block_size
-    first = start // b
-    crcs = SegmentedCRC(min(b, stop - lo) for lo in range(start, stop, b))
-    for part in parts:
-        crcs.feed(part)
-    for k, got in enumerate(crcs.crcs, first):
-        if got != rec.blocks[k]:
-            raise _corrupt(storage, manifest, read, block_problem(rec, k, got))
-
-
-def _check_bool(storage: Storage, manifest: Manifest, read: ChunkRead, data) -> None:
-    if read.entry.dtype == torch.bool and len(data) and int(data.max()) > 1:
-        raise _corrupt(storage, manifest, read, "holds a bool byte other than 0 or 1")
-
-
 def execute_read(storage: Storage, manifest: Manifest, read: ChunkRead, rec: ChunkRecord, verify: bool) -> None:
-    path = manifest.files[read.file].path
     size = itemsize(read.entry.dtype)
     lo, hi = read.lo * size, read.hi * size
-    start, stop = rec.block_bounds(lo, hi) if verify else (lo, hi)
+    # Widened to whole blocks to check them, and for a compressed chunk to decode whole frames.
+    start, stop = rec.block_bounds(lo, hi) if verify or rec.frames else (lo, hi)
     direct = _direct_destination(read)
     if direct is not None:
         wanted = as_bytes(direct)
@@ -137,14 +116,11 @@ def execute_read(storage: Storage, manifest: Manifest, read: ChunkRead, rec: Chu
     else:
         buf = torch.empty(stop - start, dtype=torch.uint8)
         parts, wanted = [buf], buf[lo - start:hi - start]
-    pos = rec.offset + start
-    for part in parts:
-        if part.numel():
-            storage.read_into(path, pos, memoryview(part.numpy()))
-            pos += part.numel()
-    if verify:
-        _check_blocks(storage, manifest, read, rec, [p.numpy() for p in parts], start, stop)
-    _check_bool(storage, manifest, read, wanted.numpy())
+    where = chunk_where(storage, manifest, read.file, read.entry.name, read.chunk)
+    read_span(storage, manifest.files[read.file].path, rec, start, stop, [p.numpy() for p in parts],
+              size, verify, where)
+    if read.entry.dtype == torch.bool and wanted.numel() and int(wanted.max()) > 1:
+        raise CorruptCheckpointError(f"{where} holds a bool byte other than 0 or 1; run `shardckpt verify`")
     if direct is not None:
         return
     if (lo - start) % size:  # a block size that is not a multiple of the item size (another writer's)

@@ -1,0 +1,239 @@
+"""Compressed checkpoints (format v3): zstd frames, byte planes for floats, random access by frame (issue 13)."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardckpt
+from shardckpt import CorruptCheckpointError, FlatRange, ShardedTensor
+from shardckpt.checkpoint.describe import describe
+from shardckpt.checkpoint.load import load_pieces
+from shardckpt.checkpoint.verify import verify
+from shardckpt.convert.convert import convert
+from shardckpt.convert.diff import diff
+from shardckpt.format.dtypes import DTYPES
+from shardckpt.formats.api import ReadRequest
+from shardckpt.formats.native import NativeReader, frames, read_manifest
+from shardckpt.io.local import LocalStorage
+from tests._dist import run_ranks
+from tests.checkpoint.cases import block_size
+from tests.storage._util import assert_tree_equal, index_rows
+
+
+def _smooth(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Trained-weight-like values (compressible in byte planes), deterministic."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * 0.02
+    if dtype.is_complex:
+        return torch.complex(x, -x).to(dtype)
+    if dtype == torch.bool:
+        return x > 0
+    if not dtype.is_floating_point:
+        return (x * 1000).round().clamp(torch.iinfo(dtype).min, torch.iinfo(dtype).max).to(dtype)
+    return x.to(dtype)
+
+
+def _rows(path: str) -> dict:
+    out = {}
+    for index in glob.glob(os.path.join(path, "data-*", "*.index.json")):
+        for row in index_rows(open(index, "rb").read()):
+            out[(row[0], row[1])] = (index[:-len(".index.json")] + ".bin", row)
+    return out
+
+
+@pytest.mark.parametrize("block", [1 << 20, 256])
+def test_every_dtype_round_trips_bit_exact(tmp_path, block):
+    sd = {f"t_{name}": _smooth(3000, dtype).reshape(30, 100) for name, dtype in DTYPES.items()}
+    sd.update({"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 7), "empty_bf16": torch.zeros(3, 0).bfloat16(),
+               "int_scalar": torch.tensor(-3), "noise": torch.randint(0, 256, (5000,), dtype=torch.uint8),
+               "zeros": torch.zeros(100_000), "step": 7})
+    path = str(tmp_path / "c")
+    with block_size(block):
+        shardckpt.save(sd, path, compress="zstd")
+    assert_tree_equal(shardckpt.load_full(path), sd)
+    report = verify(path)
+    assert report.ok and report.version == 3, report.problems
+    codecs = {name: row[5] for (name, _), (_, row) in _rows(path).items()}
+    assert codecs["t_bfloat16"] == "zstd-planes" and codecs["t_complex64"] == "zstd-planes"
+    assert codecs["t_int64"] == "zstd" and codecs["t_float8_e4m3fn"] == "zstd" and codecs["t_bool"] == "zstd"
+    assert codecs["noise"] == "raw"  # random bytes do not shrink: stored raw, with no frame table
+    assert codecs["zeros"] == "zstd-planes"
+
+
+def test_checksums_and_diff_do_not_depend_on_the_codec(tmp_path):
+    sd = {"w": _smooth(200_000, torch.bfloat16).reshape(400, 500), "b": _smooth(500, torch.float32)}
+    raw, packed = str(tmp_path / "raw"), str(tmp_path / "zstd")
+    shardckpt.save(sd, raw)
+    shardckpt.save(sd, packed, compress="zstd:3")
+    a, b = describe(raw), describe(packed)
+    assert a["version"] == 2 and b["version"] == 3  # an uncompressed save stays readable by v2 readers
+    assert [t["crc32c"] for t in a["tensors"]] == [t["crc32c"] for t in b["tensors"]]
+    w = next(t for t in b["tensors"] if t["name"] == "w")
+    assert w["codecs"] == ["zstd-planes"] and w["stored_bytes"] < w["bytes"] / 1.3
+    assert b["stored_bytes"] < a["stored_bytes"]
+    assert diff(raw, packed).equal
+
+
+class _Counting(LocalStorage):
+    """Local storage that counts the bytes read from data files."""
+
+    read = 0
+
+    def read_into(self, path, offset, buf):
+        if path.endswith(".bin"):
+            type(self).read += len(buf)
+        return super().read_into(path, offset, buf)
+
+
+def test_partial_reads_decode_only_the_frames_they_overlap(tmp_path, monkeypatch):
+    rows, cols = 1024, 1024  # 4 MiB of fp32: 4 frames of 1 MiB, each compressed on its own
+    full = _smooth(rows * cols, torch.float32).reshape(rows, cols)
+    path = str(tmp_path / "c")
+    shardckpt.save({"w": full}, path, compress="zstd")
+    ((file, row),) = _rows(path).values()
+    stored = row[7]
+    assert len(stored) == 4 and sum(stored) < full.nbytes
+    decoded = []
+    real = frames.decode_frame
+    monkeypatch.setattr(frames, "decode_frame", lambda codec, s, p, out: (decoded.append(len(out)), real(codec, s, p, out)))
+    # Rows 300..310 lie in frame 1 (rows 256..511): one frame decoded.
+    sd = {"w": ShardedTensor(torch.zeros(10, cols), (rows, cols), shardckpt.Box((300, 0), (10, cols)))}
+    shardckpt.load(sd, path)
+    assert torch.equal(sd["w"].local, full[300:310])
+    assert decoded == [1 << 20]
+    # A flat range across the frame 2/3 boundary: two frames.
+    decoded.clear()
+    got = torch.empty(2 * cols)
+    load_pieces(path, lambda m: [ReadRequest("w", FlatRange(767 * cols, 769 * cols), got)])
+    assert torch.equal(got, full[767:769].reshape(-1))
+    assert decoded == [1 << 20, 1 << 20]
+
+
+def test_partial_read_reads_only_its_frames_stored_bytes(tmp_path):
+    rows, cols = 4096, 4096  # 64 MiB of bf16 at 1 MiB frames: reading 1/16 of the rows
+    full = _smooth(rows * cols, torch.bfloat16).reshape(rows, cols)
+    path = str(tmp_path / "c")
+    shardckpt.save({"w": full}, path, compress="zstd")
+    ((file, row),) = _rows(path).values()
+    counting = _Counting(path)
+    _Counting.read = 0
+    reader = NativeReader(counting, read_manifest(counting))
+    dest = torch.empty(rows // 16, cols, dtype=torch.bfloat16)
+    reader.read([ReadRequest("w", shardckpt.Box((1000, 0), (rows // 16, cols)), dest.reshape(-1))])
+    assert torch.equal(dest, full[1000:1000 + rows // 16])
+    assert _Counting.read <= sum(row[7]) / 4, (_Counting.read, sum(row[7]))
+
+
+def _flip(file: str, at: int) -> None:
+    with open(file, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def test_a_damaged_frame_is_named_and_never_crashes(tmp_path):
+    full = _smooth(600_000, torch.bfloat16)
+    path = str(tmp_path / "c")
+    with block_size(64 << 10):
+        shardckpt.save({"w": full}, path, compress="zstd")
+    ((file, row),) = _rows(path).values()
+    offset, stored = row[2], row[7]
+    starts = [offset + sum(stored[:k]) for k in range(len(stored) + 1)]
+    k = 5
+    # Every byte of one compressed frame, one at a time: an error naming the frame, or (never) wrong data.
+    for at in range(starts[k], starts[k + 1], max(1, (starts[k + 1] - starts[k]) // 97)):
+        _flip(file, at)
+        try:
+            with pytest.raises(CorruptCheckpointError, match=rf"'w' chunk 0 frame {k} in file bytes "
+                                                             rf"\[{starts[k]}, {starts[k + 1]}\)"):
+                shardckpt.load_full(path)
+            (problem,) = verify(path).problems
+            assert f"frame {k}" in problem.message and problem.tensor == "w"
+        finally:
+            _flip(file, at)
+    assert torch.equal(shardckpt.load_full(path)["w"], full)
+
+
+def test_a_frame_claiming_more_than_its_block_is_refused():
+    import zstandard
+
+    from shardckpt.format.codecs import ZSTD, ZSTD_PLANES, FrameError, decode_frame
+
+    out = memoryview(bytearray(1024))
+    bomb = zstandard.ZstdCompressor().compress(bytes(1 << 24))  # 16 MiB of zeros in a few hundred bytes
+    with pytest.raises(FrameError, match="claims 16777216 decoded bytes"):
+        decode_frame(ZSTD, memoryview(bomb), 1, out)
+    no_size = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(1024))
+    with pytest.raises(FrameError, match="claims -1"):
+        decode_frame(ZSTD, memoryview(no_size), 1, out)
+    planes = zstandard.ZstdCompressor().compress(bytes(range(256)) * 4)
+    with pytest.raises(FrameError, match="does not decode"):
+        decode_frame(ZSTD_PLANES, memoryview(planes)[:-3], 2, out)  # truncated
+    two = zstandard.ZstdCompressor().compress(bytes(1024))
+    with pytest.raises(FrameError):
+        decode_frame(ZSTD, memoryview(two + two)[:1000], 1, out)  # trailing data after the frame
+
+
+def _save_sharded(path: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = _smooth(50_000, torch.bfloat16).reshape(500, 100)
+    flat = _smooth(7001, torch.float32)
+    with block_size(4096):
+        shardckpt.save({"rows": ShardedTensor.from_full(full, rank, world),
+                        "flat": ShardedTensor.even_flat_shard(flat, rank, world), "step": 3}, path,
+                       compress="zstd:5")
+
+
+def _load_sharded(path: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = _smooth(50_000, torch.bfloat16).reshape(500, 100)
+    flat = _smooth(7001, torch.float32)
+    sd = {"rows": ShardedTensor.from_full(torch.zeros_like(full), rank, world),
+          "flat": ShardedTensor.even_flat_shard(torch.zeros_like(flat), rank, world)}
+    shardckpt.load(sd, path, strict=False)
+    assert torch.equal(sd["rows"].local, ShardedTensor.from_full(full, rank, world).local)
+    assert torch.equal(sd["flat"].local, ShardedTensor.even_flat_shard(flat, rank, world).local)
+
+
+def test_resharding_loads_of_compressed_checkpoints_are_bit_exact(tmp_path):
+    path = str(tmp_path / "c")
+    run_ranks(2, _save_sharded, path)
+    assert verify(path).ok and describe(path)["version"] == 3
+    run_ranks(3, _load_sharded, path)
+    # convert: compressed in, compressed or raw out, at another world size.
+    out = str(tmp_path / "ws3")
+    convert(path, out, world_size=3, compress="zstd")
+    assert describe(out)["version"] == 3 and diff(path, out).equal
+    plain = str(tmp_path / "plain")
+    convert(out, plain, world_size=1)
+    assert describe(plain)["version"] == 2 and diff(path, plain).equal
+    assert_tree_equal(shardckpt.load_full(plain), shardckpt.load_full(path))
+
+
+def test_compress_option_is_checked():
+    from shardckpt.format.codecs import Compression
+
+    assert Compression.parse("zstd") == Compression(1) and Compression.parse("zstd:-3") == Compression(-3)
+    assert Compression.parse(None) is None and Compression.parse("none") is None
+    for bad in ("zstd:0", "zstd:23", "gzip", "zstd:", 3):
+        with pytest.raises(ValueError, match="compress must be"):
+            Compression.parse(bad)
+
+
+def test_inspect_shows_codecs_and_stored_size(tmp_path, capsys):
+    from shardckpt.cli.main import main
+
+    path = str(tmp_path / "c")
+    shardckpt.save({"w": _smooth(100_000, torch.bfloat16), "i": torch.arange(10)}, path, compress="zstd")
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "compressed:" in out and "zstd-planes" in out and "stored" in out
+    assert main(["inspect", path, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["stored_bytes"] < info["total_bytes"]
