@@ -237,3 +237,36 @@ def test_inspect_shows_codecs_and_stored_size(tmp_path, capsys):
     assert main(["inspect", path, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["stored_bytes"] < info["total_bytes"]
+
+
+def _train_and_save_compressed(path: str) -> dict:
+    from shardckpt import StateDictType
+    from tests.runtime import _model
+    from tests.state_dict._train import STEPS_BEFORE, full_state, new_run, steps
+
+    model, optim = new_run()
+    steps(model, optim, _model.make_batches(STEPS_BEFORE))
+    with block_size(512):  # many frames per flat shard
+        shardckpt.save_state(model, optim, path, type=StateDictType.LOCAL_STATE_DICT, compress="zstd")
+    return full_state(model, optim)
+
+
+def _load_state_matches(path: str, want: dict) -> None:
+    from tests.state_dict._train import assert_same_state, full_state, new_run
+
+    model, optim = new_run()
+    shardckpt.load_state(model, optim, path)
+    got = full_state(model, optim)  # on rank 0 only
+    if dist.get_rank() == 0:
+        assert_same_state(got, want, f"compressed LOCAL at ws {dist.get_world_size()}")
+
+
+def test_training_state_saves_compressed_and_resumes_at_another_world_size(tmp_path):
+    path = str(tmp_path / "local")
+    want = run_ranks(2, _train_and_save_compressed, path)[0]
+    assert describe(path)["version"] == 3 and verify(path).ok
+    run_ranks(3, _load_state_matches, path, want)
+    # Offline: the compressed LOCAL checkpoint converted to LOCAL at ws 3, compressed again.
+    out = str(tmp_path / "ws3")
+    convert(path, out, world_size=3, type="local", compress="zstd:2")
+    run_ranks(3, _load_state_matches, out, want)
