@@ -12,6 +12,7 @@ from shardckpt.errors import (
     UnsupportedValueError,
 )
 
+from shardckpt.checkpoint.async_save import AsyncSaver, SaveHandle, async_save
 from shardckpt.checkpoint.load import load, load_full
 from shardckpt.checkpoint.save import save
 from shardckpt.regions import Box, FlatRange
@@ -25,6 +26,7 @@ from shardckpt.state_dict import (
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     StateDictType,
+    async_save_state,
     get_state_dict,
     load_state,
     rekey_optim_state_dict,
@@ -34,7 +36,7 @@ from shardckpt.state_dict import (
 )
 
 __all__ = [
-    "save", "load", "load_full", "ShardedTensor", "Box", "FlatRange",
+    "save", "async_save", "AsyncSaver", "SaveHandle", "async_save_state", "load", "load_full", "ShardedTensor", "Box", "FlatRange",
     "StateDictType", "FullStateDictConfig", "ShardedStateDictConfig", "LocalStateDictConfig",
     "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig", "OptimStateKeyType",
     "get_state_dict", "set_state_dict", "state_dict_type", "save_state", "load_state", "rekey_optim_state_dict",

@@ -24,13 +24,14 @@ overwrite removes the previous generation's data only after the new manifest is 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shardckpt._version import __version__
-from shardckpt.checkpoint.save_plan import SavePlan, WriteTask, make_save_plan
+from shardckpt.checkpoint.save_plan import PieceInfo, SavePlan, WriteTask, make_save_plan
 from shardckpt.checkpoint.stage import Staged, stage
 from shardckpt.checkpoint.writer import RankResult, write_rank_files
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures, resolve_group
@@ -80,6 +81,8 @@ class Planned:
     files_per_rank: int
     compression: Compression | None
     save_plan: SavePlan | None
+    infos: list[PieceInfo] = field(default_factory=list)  # this rank's, as planned (for reuse)
+    gathered: list | None = None  # every rank's infos (rank 0 only, for reuse)
 
     @property
     def data_dir(self) -> str:
@@ -88,11 +91,16 @@ class Planned:
 
 def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
          files_per_rank: int = DEFAULT_FILES_PER_RANK, storage_options: dict | None = None,
-         compress: str | None = None) -> Planned:
+         compress: str | None = None, reuse: Planned | None = None) -> Planned:
     """Save step 2 of 3 (collective): rank 0 gathers every rank's piece infos, checks them, refuses an
     existing checkpoint unless ``overwrite``, and sends each rank its write tasks and the compression
     (rank 0's ``files_per_rank`` and ``compress`` count). Raises on every rank if any rank failed to stage
-    or to open ``path``, or if planning failed. Writes nothing."""
+    or to open ``path``, or if planning failed. Writes nothing.
+
+    ``reuse``: the ``Planned`` of an earlier save over the same group. A rank whose pieces are as they were
+    then sends a marker instead of its infos; if every rank does (and the options are the same), rank 0
+    keeps the old assignment under a new generation instead of planning again (async saves of a training
+    state, whose shapes do not change)."""
     group = resolve_group(process_group)
 
     def local() -> Storage:
@@ -102,16 +110,42 @@ def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, 
         return open_storage(path, storage_options)
 
     storage = staged.failure or attempt(group.rank, local)
-    gathered = group.gather(storage if isinstance(storage, Failure) else staged.infos)
+    unchanged = reuse is not None and reuse.infos == staged.infos
+    gathered = group.gather(storage if isinstance(storage, Failure) else _UNCHANGED if unchanged else staged.infos)
     whole = None
     if group.is_coordinator:
+        if not isinstance(storage, Failure):
+            gathered, reused = _with_reused(gathered, reuse, files_per_rank, compress)
         whole = storage if isinstance(storage, Failure) else \
-            _plan_on_coordinator(storage, gathered, overwrite, files_per_rank, compress)
+            _plan_on_coordinator(storage, gathered, overwrite, files_per_rank, compress, reused)
     mine = group.scatter(_per_rank(whole, group.world_size) if group.is_coordinator else None)
     raise_failures([storage, mine])
     generation, tasks, per_rank, compression = mine
     return Planned(group, storage, generation, tasks, per_rank, compression,
-                   whole if group.is_coordinator else None)
+                   whole if group.is_coordinator else None, staged.infos, gathered if group.is_coordinator else None)
+
+
+@dataclass(frozen=True)
+class _Unchanged:
+    """What a rank sends ``plan`` instead of its piece infos when they equal those of the reused plan."""
+
+
+_UNCHANGED = _Unchanged()
+
+
+def _with_reused(gathered: list, reuse: Planned | None, files_per_rank: int,
+                 compress: str | None) -> tuple[list, SavePlan | None]:
+    """Every rank's infos (the reused plan's for ranks that sent ``_UNCHANGED``), and the reused plan if all
+    ranks are unchanged and the options are the same."""
+    if reuse is None or reuse.gathered is None:
+        if any(isinstance(g, _Unchanged) for g in gathered):
+            return [Failure(0, ValueError("plan(reuse=...) was given on some ranks only; give every rank "
+                                          "its own Planned of the same earlier save"), "")], None
+        return gathered, None
+    infos = [reuse.gathered[r] if isinstance(g, _Unchanged) else g for r, g in enumerate(gathered)]
+    same = all(isinstance(g, _Unchanged) for g in gathered) and files_per_rank == reuse.files_per_rank and \
+        Compression.parse(compress) == reuse.compression
+    return infos, reuse.save_plan if same else None
 
 
 def persist(staged: Staged, planned: Planned) -> None:
@@ -130,7 +164,7 @@ def persist(staged: Staged, planned: Planned) -> None:
 
 
 def _plan_on_coordinator(storage: Storage, gathered: list, overwrite: bool, files_per_rank: int,
-                         compress: str | None) -> SavePlan | Failure:
+                         compress: str | None, reused: SavePlan | None) -> SavePlan | Failure:
     failures = [g for g in gathered if isinstance(g, Failure)]
     if failures:
         return failures[0]
@@ -141,7 +175,10 @@ def _plan_on_coordinator(storage: Storage, gathered: list, overwrite: bool, file
                                         "overwrite=True to replace it")
         if not isinstance(files_per_rank, int) or not 1 <= files_per_rank <= 64:
             raise ValueError(f"files_per_rank must be an int in 1..64, got {files_per_rank!r}")
-        return make_save_plan(gathered, uuid.uuid4().hex[:16], files_per_rank, Compression.parse(compress))
+        generation = uuid.uuid4().hex[:16]
+        if reused is not None:
+            return dataclasses.replace(reused, generation=generation)
+        return make_save_plan(gathered, generation, files_per_rank, Compression.parse(compress))
 
     return attempt(0, make)
 

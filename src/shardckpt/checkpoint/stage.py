@@ -71,22 +71,27 @@ class Staged:
 
 
 def stage(state_dict: dict, *, process_group: Any = None, metadata: dict | None = None,
-          copy: bool = False) -> Staged:
+          copy: bool = False, buffers: StagingBuffers | None = None) -> Staged:
     """Stage this rank's part of ``state_dict`` on the host (save step 1 of 3; local, no collectives).
 
     ``process_group`` only tells this rank its place (rank 0 encodes the tree); it must be the group later
     given to ``plan``. ``metadata``: a JSON-able dict for the manifest (rank 0's is stored). ``copy``: also
     copy CPU tensors that could be shared (contiguous ones), so that the caller may modify them before
-    ``persist`` returns. Errors are returned in ``Staged.failure`` (``plan`` raises them on every rank).
+    ``persist`` returns. ``buffers``: copy every piece into these reused host buffers instead (a snapshot,
+    like ``copy``, without allocating when shapes repeat; CUDA pieces are copied asynchronously: call
+    ``buffers.synchronize()`` before ``persist``). Errors are returned in ``Staged.failure`` (``plan``
+    raises them on every rank).
     """
     group = resolve_group(process_group)
-    staged = attempt(group.rank, lambda: _stage(state_dict, group.rank, group.is_coordinator, metadata, copy))
+    staged = attempt(group.rank, lambda: _stage(state_dict, group.rank, group.is_coordinator, metadata, copy,
+                                                buffers))
     if isinstance(staged, Failure):
         return Staged(group.rank, {}, [], None, None, frozenset(), staged)
     return staged
 
 
-def _stage(state_dict: dict, rank: int, coordinator: bool, metadata: dict | None, copy: bool) -> Staged:
+def _stage(state_dict: dict, rank: int, coordinator: bool, metadata: dict | None, copy: bool,
+           buffers: StagingBuffers | None) -> Staged:
     check_savable_depth(state_dict)
     check_unique_names(state_dict)
     pieces = local_pieces(state_dict)
@@ -100,15 +105,85 @@ def _stage(state_dict: dict, rank: int, coordinator: bool, metadata: dict | None
         metadata = copy_module.deepcopy(metadata)
     host: dict[str, LocalPiece] = {}
     aliased = set()
+    if buffers is not None:
+        buffers.begin()
     for piece in pieces:
         if not piece.owner:  # a replica another rank stores: never written from here
             continue
-        data, shares = host_tensor(piece.data, copy)
+        data, shares = (buffers.copy_in(piece.name, piece.data), False) if buffers is not None else \
+            host_tensor(piece.data, copy)
         host[piece.name] = LocalPiece(piece.name, piece.path, data, piece.shape, piece.region, piece.replicated,
                                       piece.owner)
         if shares:
             aliased.add(piece.name)
+    if buffers is not None:
+        buffers.end()
     return Staged(rank, host, infos, tree, metadata, frozenset(aliased))
+
+
+class StagingBuffers:
+    """Host buffers reused from one staging to the next (async saves of a training state).
+
+    One buffer per tensor name, reallocated only when its dtype or shape changes; a buffer whose name was
+    not staged last time is freed. CUDA tensors go to pinned buffers, copied on a side stream per device
+    that first waits for the work already queued on the current stream; the current stream then waits for
+    the copies, so that later in-place updates cannot overtake them, and the CPU does not wait at all.
+    ``synchronize()`` waits until the copies have landed (the writer calls it before reading the buffers).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._used: set[str] = set()
+        self._streams: dict[torch.device, Any] = {}
+        self._events: list = []
+        self.allocations = 0  # buffers allocated so far (a steady state allocates none)
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held now."""
+        return sum(b.nbytes for b in self._buffers.values())
+
+    def begin(self) -> None:
+        self._used.clear()
+        self._events.clear()
+
+    def copy_in(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        pinned = t.device.type == "cuda"
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != t.dtype or buf.shape != t.shape or buf.is_pinned() != pinned:
+            buf = self._buffers[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+            self.allocations += 1
+        self._used.add(name)
+        if pinned:
+            self._copy_on_side_stream(buf, t)
+        else:
+            buf.copy_(t)  # resolves conj/neg bits and strides
+        return buf
+
+    def _copy_on_side_stream(self, buf: torch.Tensor, t: torch.Tensor) -> None:
+        current = torch.cuda.current_stream(t.device)
+        stream = self._streams.setdefault(t.device, torch.cuda.Stream(device=t.device))
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            buf.copy_(t, non_blocking=True)
+            self._events.append(torch.cuda.Event())
+            self._events[-1].record(stream)
+        t.record_stream(stream)  # the caller may free t; its memory is not reused before the copy ends
+        current.wait_stream(stream)
+
+    def end(self) -> None:
+        for name in set(self._buffers) - self._used:
+            del self._buffers[name]
+
+    def synchronize(self) -> None:
+        for event in self._events:
+            event.synchronize()
+
+    def release(self) -> None:
+        """Free every buffer (the next staging allocates again)."""
+        self.synchronize()
+        self._buffers.clear()
 
 
 def host_tensor(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, bool]:

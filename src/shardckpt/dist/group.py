@@ -101,3 +101,14 @@ def raise_failures(results: list[Any]) -> None:
     if hasattr(error, "add_note") and note not in getattr(error, "__notes__", ()):  # Python >= 3.11
         error.add_note(note if error.__traceback__ is not None else f"{note}:\n{first.text}")
     raise error
+
+
+def side_group(group: Group) -> Group:
+    """A new gloo group of ``group``'s ranks (same rank numbers), for collectives that run in a background
+    thread while the caller's own collectives go on in ``group``: separate groups never interleave or
+    deadlock. Collective over ``group``'s ranks only (the other ranks of the world need not call it)."""
+    if group.world_size == 1:
+        return group
+    ranks = dist.get_process_group_ranks(group.pg)
+    pg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return Group(pg, dist.get_rank(pg), dist.get_world_size(pg))

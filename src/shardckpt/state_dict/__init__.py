@@ -5,6 +5,7 @@ from shardckpt.runtime.api import register_module_state_handlers
 from shardckpt.state_dict.api import (
     DEFAULT_TYPE,
     MODULE_STATE_HANDLERS,
+    async_save_state,
     get_state_dict,
     save_state,
     set_state_dict,
@@ -26,7 +27,7 @@ from shardckpt.state_dict.types import (
 )
 
 __all__ = [
-    "DEFAULT_TYPE", "FullOptimStateDictConfig", "FullStateDictConfig", "LocalOptimStateDictConfig",
+    "DEFAULT_TYPE", "async_save_state", "FullOptimStateDictConfig", "FullStateDictConfig", "LocalOptimStateDictConfig",
     "LocalStateDictConfig", "OptimStateKeyType", "ShardedOptimStateDictConfig", "ShardedStateDictConfig",
     "StateDictConfig", "StateDictType", "get_state_dict", "init_optim_state", "load_state",
     "rekey_optim_state_dict", "save_state", "set_state_dict", "state_dict_type", "unsharded_param_names",

@@ -9,6 +9,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
+from shardckpt.checkpoint.async_save import SaveHandle, async_save
 from shardckpt.checkpoint.save import save
 from shardckpt.runtime.api import ModuleStateHandlers
 from shardckpt.runtime.state import state_of
@@ -116,9 +117,27 @@ def save_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
     (``param_names``), which the flat layouts alone do not give: offline tools number optimizer IDs and
     list param groups as the job's FULL state dict does with them.
     """
+    sd, metadata = _state_to_save(model, optimizer, type, config, optim_key, extra)
+    save(sd, path, metadata=metadata, **save_kwargs)
+
+
+def async_save_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *,
+                     type: StateDictType = StateDictType.SHARDED_STATE_DICT, config: StateDictConfig | None = None,
+                     optim_key: OptimStateKeyType = OptimStateKeyType.PARAM_NAME, extra: dict | None = None,
+                     **save_kwargs: Any) -> SaveHandle:
+    """``save_state`` through ``shardckpt.async_save``: returns once the state is copied into the staging
+    buffers (after ``get_state_dict``, whose FULL type gathers in the caller's thread); ``handle.wait()``."""
+    sd, metadata = _state_to_save(model, optimizer, type, config, optim_key, extra)
+    return async_save(sd, path, metadata=metadata, **save_kwargs)
+
+
+def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, type: StateDictType,
+                   config: StateDictConfig | None, optim_key: OptimStateKeyType,
+                   extra: dict | None) -> tuple[dict, dict]:
+    """The state dict ``save_state`` saves, and its manifest metadata."""
     sd = get_state_dict(model, optimizer, type=type, config=config, optim_key=optim_key)
     sd.update(extra or {})
     metadata = {"state_dict_type": type.value, "optim_key": optim_key.value}
     if type is StateDictType.LOCAL_STATE_DICT:
         metadata["param_names"] = unsharded_param_names(model)
-    save(sd, path, metadata=metadata, **save_kwargs)
+    return sd, metadata

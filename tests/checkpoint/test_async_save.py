@@ -1,0 +1,238 @@
+"""Asynchronous save (issue 11): blocked only while staging, value semantics, errors never dropped."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardckpt
+from shardckpt import ShardedTensor
+from shardckpt.checkpoint import async_save as async_module
+from shardckpt.checkpoint import save_plan
+from shardckpt.checkpoint.verify import verify
+from tests._dist import run_ranks
+from tests.storage._util import assert_tree_equal
+
+
+def _state(rank: int, world: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(37, 11, generator=g)
+    flat = torch.randn(1001, generator=g)
+    return {"model": {"w": ShardedTensor.from_full(full, rank, world), "flat": ShardedTensor.even_flat_shard(flat, rank, world),
+                      "bias": torch.randn(5, generator=g), "half": torch.randn(6, 2, generator=g).half().t()},
+            "step": 3, "lrs": [0.1, 0.2]}
+
+
+def _snapshot(sd):
+    if isinstance(sd, ShardedTensor):
+        return ShardedTensor(sd.local.clone(), sd.global_shape, sd.region)
+    if isinstance(sd, torch.Tensor):
+        return sd.clone()
+    if isinstance(sd, dict):
+        return {k: _snapshot(v) for k, v in sd.items()}
+    return list(sd) if isinstance(sd, list) else sd
+
+
+def _mutate(sd) -> None:
+    for v in sd["model"].values():
+        (v.local if isinstance(v, ShardedTensor) else v).add_(1)
+    sd["lrs"].append(9)
+
+
+def _in_place_updates_do_not_leak(root: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sd = _state(rank, world)
+    want = _snapshot(sd)
+    handle = shardckpt.async_save(sd, f"{root}/a")
+    _mutate(sd)  # the next optimizer step, at once
+    handle.wait()
+    assert handle.done()
+    got = {"model": {k: torch.zeros_like(v) if not isinstance(v, ShardedTensor) else
+                     ShardedTensor(torch.zeros_like(v.local), v.global_shape, v.region) for k, v in want["model"].items()},
+           "step": 0, "lrs": []}
+    shardckpt.load(got, f"{root}/a")
+    for k, v in want["model"].items():
+        g = got["model"][k]
+        assert torch.equal(g.local if isinstance(g, ShardedTensor) else g, v.local if isinstance(v, ShardedTensor) else v), k
+    assert got["lrs"] == [0.1, 0.2]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_in_place_updates_after_the_call_do_not_leak(tmp_path, world):
+    run_ranks(world, _in_place_updates_do_not_leak, str(tmp_path))
+
+
+def _train_while_committing(root: str) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sd = _state(rank, world)
+    sums = []
+    for i in range(3):
+        handle = shardckpt.async_save(sd, f"{root}/step-{i}")
+        for j in range(50):  # the training's collectives on the default group, while the background commits
+            t = torch.full((1000,), float(rank + j))
+            dist.all_reduce(t)
+            assert torch.all(t == sum(r + j for r in range(world))), (i, j)
+            dist.broadcast_object_list(box := [("tick", i, j) if rank == 0 else None], src=0)
+            assert box[0] == ("tick", i, j)
+        sums.append(float(t.sum()))
+        handle.wait()
+    return sums
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_training_collectives_during_the_background_commit_neither_hang_nor_mix(tmp_path, world):
+    run_ranks(world, _train_while_committing, str(tmp_path), timeout=120)
+    for i in range(3):
+        assert verify(str(tmp_path / f"step-{i}")).ok
+
+
+def _reuse(root: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    calls = []
+    real = save_plan.make_save_plan
+    import shardckpt.checkpoint.save as save_module
+    save_module.make_save_plan = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        saver = async_module.AsyncSaver()
+        sd = _state(rank, world)
+        for i in range(3):
+            saver.save(sd, f"{root}/r{i}").wait()
+        steady = (saver.buffers.allocations, len(calls), saver.staging_bytes)
+        sd["model"]["bias"] = torch.randn(8)  # a new shape: one buffer reallocated, planned again
+        saver.save(sd, f"{root}/r3").wait()
+        changed = (saver.buffers.allocations, len(calls))
+        saver.release()
+        released = saver.staging_bytes
+    finally:
+        save_module.make_save_plan = real
+    return {"steady": steady, "changed": changed, "released": released, "rank": rank}
+
+
+def test_staging_buffers_and_the_plan_are_reused(tmp_path):
+    results = run_ranks(2, _reuse, str(tmp_path))
+    for r in results:
+        allocations, planned, staged = r["steady"]
+        assert allocations == 4  # w, flat, bias, half: once, on the first save only
+        assert planned == (1 if r["rank"] == 0 else 0)  # rank 0 planned the first save only
+        assert staged > 0
+        assert r["changed"] == (5, 2 if r["rank"] == 0 else 0)
+        assert r["released"] == 0
+    for i in range(4):
+        assert verify(str(tmp_path / f"r{i}")).ok
+    assert shardckpt.load_full(str(tmp_path / "r3"))["model"]["bias"].shape == (8,)
+
+
+def test_a_background_failure_surfaces_on_wait_and_on_the_next_call(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    saver = async_module.AsyncSaver()
+    sd = {"w": torch.arange(10.0)}
+    handle = saver.save(sd, str(blocker / "ckpt"))
+    with pytest.raises(OSError):
+        handle.wait()
+    # Nobody waits: the next call raises it, and the one after works.
+    saver.save(sd, str(blocker / "ckpt"))
+    with pytest.raises(OSError):
+        saver.save(sd, str(tmp_path / "ok"))
+    saver.save(sd, str(tmp_path / "ok")).wait()
+    assert torch.equal(shardckpt.load_full(str(tmp_path / "ok"))["w"], sd["w"])
+
+
+def test_one_save_at_a_time(tmp_path, monkeypatch):
+    gate = threading.Event()
+    monkeypatch.setattr(async_module, "persist", _gated(async_module.persist, gate))
+    saver = async_module.AsyncSaver()
+    first = saver.save({"w": torch.ones(3)}, str(tmp_path / "a"))
+    assert not first.done()
+    threading.Timer(0.3, gate.set).start()
+    second = saver.save({"w": torch.zeros(3)}, str(tmp_path / "b"))  # waits for the first
+    assert first.done()
+    second.wait()
+    assert torch.equal(shardckpt.load_full(str(tmp_path / "a"))["w"], torch.ones(3))
+    assert torch.equal(shardckpt.load_full(str(tmp_path / "b"))["w"], torch.zeros(3))
+
+
+def _gated(fn, gate: threading.Event):
+    def gated(*args, **kwargs):
+        gate.wait(10)
+        return fn(*args, **kwargs)
+    return gated
+
+
+_KILLER = textwrap.dedent("""
+    import os, signal, sys, threading
+    import torch
+    import shardckpt
+    from shardckpt.checkpoint import writer
+
+    path = sys.argv[1]
+    shardckpt.save({"w": torch.arange(1 << 20, dtype=torch.float32), "v": 1}, path)
+    returned = threading.Event()
+
+    def write_then_die(w, data, block):
+        w.write(data[:len(data) // 2])
+        returned.wait(10)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    writer._write_raw = write_then_die
+    handle = shardckpt.async_save({"w": torch.zeros(1 << 20), "v": 2}, path, overwrite=True)
+    print("returned", flush=True)
+    returned.set()
+    handle.wait()
+    print("not killed", flush=True)
+""")
+
+
+def test_kill_9_in_the_background_leaves_the_previous_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt")
+    proc = subprocess.run([sys.executable, "-c", _KILLER, path], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert proc.returncode == -9, proc.stderr
+    assert proc.stdout.split() == ["returned"]
+    got = shardckpt.load_full(path)
+    assert got["v"] == 1 and torch.equal(got["w"], torch.arange(1 << 20, dtype=torch.float32))
+    assert verify(path).ok
+
+
+def _save_state_async(path: str) -> dict:
+    from shardckpt import StateDictType
+    from tests.runtime import _model
+    from tests.state_dict._train import STEPS_BEFORE, full_state, new_run, steps
+
+    model, optim = new_run()
+    steps(model, optim, _model.make_batches(STEPS_BEFORE))
+    want = full_state(model, optim)
+    handle = shardckpt.async_save_state(model, optim, path, type=StateDictType.LOCAL_STATE_DICT)
+    steps(model, optim, _model.make_batches(STEPS_BEFORE + 2)[STEPS_BEFORE:])  # train on at once
+    handle.wait()
+    return want
+
+
+def _load_state_matches(path: str, want: dict) -> None:
+    from tests.state_dict._train import assert_same_state, full_state, new_run
+
+    model, optim = new_run()
+    shardckpt.load_state(model, optim, path)
+    got = full_state(model, optim)
+    if dist.get_rank() == 0:
+        assert_same_state(got, want, "async LOCAL save, loaded at another world size")
+
+
+def test_async_save_state_holds_the_state_at_the_call(tmp_path):
+    path = str(tmp_path / "local")
+    want = run_ranks(2, _save_state_async, path)[0]
+    run_ranks(3, _load_state_matches, path, want)
+
+
+def test_async_save_takes_save_options(tmp_path):
+    sd = {"w": (torch.randn(50_000) * 0.02).bfloat16()}
+    shardckpt.async_save(sd, str(tmp_path / "z"), compress="zstd", metadata={"k": 1}).wait()
+    assert_tree_equal(shardckpt.load_full(str(tmp_path / "z")), sd)
+    with pytest.raises(shardckpt.CheckpointExistsError):
+        shardckpt.async_save(sd, str(tmp_path / "z")).wait()
