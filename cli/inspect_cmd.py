@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{info['path']}: {info['format']} v{info['version']} ({info['created_by']}), world size "
           f"{info['world_size']}, state dict type {info['state_dict_type'] or '-'}, {len(info['tensors'])} tensors, "
           f"{_size(info['total_bytes'])} in {info['files']} files")
-    codecs = sorted({c for t in info["tensors"] for c in t["codecs"]})
-    if codecs != ["raw"] and info["stored_bytes"]:
+    codecs = sorted({c for t in info["tensors"] for c in t["codecs"] or ["?"]})
+    if codecs not in ([], ["raw"]) and info["stored_bytes"]:
         print(f"  compressed: {_size(info['stored_bytes'])} stored, {info['total_bytes'] / info['stored_bytes']:.2f}x "
               f"smaller (codecs {', '.join(codecs)})")
     if info["manifest_checksum"]:
@@ -61,9 +61,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_tensors(tensors: list[dict]) -> None:
-    stored = any(t.get("codecs", ["raw"]) != ["raw"] for t in tensors)  # columns for compressed checkpoints only
+    # Columns for compressed checkpoints only ("?": a damaged index; `verify` says what is wrong).
+    stored = any(t.get("codecs", ["raw"]) not in ([], ["raw"]) for t in tensors)
     rows = [(t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", _size(t["bytes"]), t["crc32c"] or "-")
-            + ((_size(t["stored_bytes"]), "+".join(t["codecs"])) if stored else ()) for t in tensors]
+            + ((_size(t["stored_bytes"]) if t["stored_bytes"] is not None else "?", "+".join(t["codecs"] or "?"))
+               if stored else ()) for t in tensors]
     header = ("name", "dtype", "shape", "bytes", "crc32c") + (("stored", "codec") if stored else ())
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:

@@ -270,3 +270,88 @@ def test_training_state_saves_compressed_and_resumes_at_another_world_size(tmp_p
     out = str(tmp_path / "ws3")
     convert(path, out, world_size=3, type="local", compress="zstd:2")
     run_ranks(3, _load_state_matches, out, want)
+
+
+_FORKED = """
+import os, sys, torch, shardckpt
+path = sys.argv[1]
+shardckpt.load_full(path)  # the parent's codec pool now exists
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if torch.equal(shardckpt.load_full(path)["w"], torch.arange(4096.0)) else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_saves_and_loads_compressed(tmp_path):
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "c")
+    shardckpt.save({"w": torch.arange(4096.0)}, path, compress="zstd")
+    proc = subprocess.run([sys.executable, "-c", _FORKED, path], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+class _FailingSecondRead(_Counting):
+    """Fails the second read of a data file (a storage error mid-chunk)."""
+
+    def read_into(self, path, offset, buf):
+        if path.endswith(".bin"):
+            type(self).read += 1
+            if type(self).read == 2:
+                raise OSError("connection reset")
+        return LocalStorage.read_into(self, path, offset, buf)
+
+
+def test_no_decode_writes_into_the_caller_after_a_read_error(tmp_path, monkeypatch):
+    import time
+
+    full = _smooth(6 << 20, torch.bfloat16)  # 12 MiB: batches of 16 MiB stored hold it in one read...
+    path = str(tmp_path / "c")
+    shardckpt.save({"w": full}, path, compress="zstd")
+    monkeypatch.setattr(frames, "BATCH_BYTES", 2 << 20)  # ...so read it in batches of ~2 MiB
+    real = frames.decode_frame
+
+    def slow(*args):
+        time.sleep(0.05)
+        return real(*args)
+
+    monkeypatch.setattr(frames, "decode_frame", slow)
+    storage = _FailingSecondRead(path)
+    _FailingSecondRead.read = 0
+    dest = torch.zeros_like(full)
+    with pytest.raises(OSError, match="connection reset"):
+        NativeReader(storage, read_manifest(storage), io_threads=1).read([ReadRequest("w", FlatRange(0, full.numel()),
+                                                                                      dest)])
+    written = int((dest != 0).sum())
+    time.sleep(0.5)
+    assert int((dest != 0).sum()) == written  # every task ended before the error reached the caller
+
+
+def test_a_manifest_claiming_more_than_its_frames_hold_is_refused_before_allocating(tmp_path):
+    from tests.storage._util import manifest_doc, sealed
+
+    path = str(tmp_path / "c")
+    shardckpt.save({"w": torch.zeros(1 << 20)}, path, compress="zstd")  # 4 MiB of zeros: a few hundred bytes
+    manifest = os.path.join(path, "manifest.json")
+    doc = manifest_doc(open(manifest, "rb").read())
+    claim = 3 << 19  # 6 MiB of float32: within 32768x of the ~200 bytes the file holds
+    assert os.path.getsize(_rows(path)[("w", 0)][0]) * 32768 >= claim * 4
+    doc["tensors"]["w"]["shape"] = [claim]
+    doc["tensors"]["w"]["chunks"]["size"] = claim
+    open(manifest, "wb").write(sealed(doc))
+    with pytest.raises(CorruptCheckpointError, match=f"chunk 0 has {4 << 20} bytes, its region needs {claim * 4}"):
+        shardckpt.load_full(path)
+
+
+def test_inspect_of_a_damaged_compressed_checkpoint_still_describes_it(tmp_path):
+    path = str(tmp_path / "c")
+    shardckpt.save({"w": _smooth(10_000, torch.bfloat16), "i": torch.arange(100)}, path, compress="zstd")
+    file, _ = next(iter(_rows(path).values()))
+    with open(file, "ab") as f:
+        f.write(b"x")  # the data file no longer has its recorded size
+    info = describe(path)
+    assert {t["name"]: t["stored_bytes"] for t in info["tensors"]} == {"w": None, "i": None}
+    assert not verify(path).ok

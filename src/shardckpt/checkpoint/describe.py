@@ -6,7 +6,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from shardckpt.errors import CheckpointNotFoundError
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.format.codecs import RAW
 from shardckpt.format.manifest import COMPRESSED_VERSION, FORMAT_NAME, MANIFEST_NAME
 from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage
@@ -77,17 +77,20 @@ def describe(path: str | os.PathLike, *, storage_options: dict | None = None) ->
         if not isinstance(reader, NativeReader):  # (a native one: a manifest committed since; the path below)
             return describe_reader(reader, path, storage)
     manifest = read_manifest(storage)
-    block_size, stored = None, _StoredForm()
+    block_size, stored = None, _StoredForm(manifest.version)
     if manifest.version >= 2 and manifest.files:
         # Format v3 may compress: every index says how each chunk is stored. Before v3 all are raw.
         files = range(len(manifest.files)) if manifest.version >= COMPRESSED_VERSION else [0]
         with ThreadPoolExecutor(DEFAULT_IO_THREADS) as pool:
-            for records in pool.map(lambda f: read_index(storage, manifest.files[f], manifest.version), files):
+            for records in pool.map(lambda f: _index_or_none(storage, manifest, f), files):
+                if records is None:
+                    stored.damaged = True
+                    continue
                 block_size = block_size or next((r.block_size for r in records.values()), None)
                 stored.add(records)
     tensors = [{"name": t.name, "dtype": dtype_name(t.dtype, t.name), "shape": list(t.shape), "bytes": t.nbytes,
-                "stored_bytes": stored.bytes.get(t.name, t.nbytes), "codecs": sorted(stored.codecs.get(t.name, {RAW})),
-                "chunks": len(t.chunks), "crc32c": f"{t.crc32c:08x}"} for t in manifest.tensors.values()]
+                **stored.of(t), "chunks": len(t.chunks), "crc32c": f"{t.crc32c:08x}"}
+               for t in manifest.tensors.values()]
     return {
         "path": os.fspath(path),
         "format": FORMAT_NAME,
@@ -105,17 +108,35 @@ def describe(path: str | os.PathLike, *, storage_options: dict | None = None) ->
     }
 
 
-class _StoredForm:
-    """Per tensor: the stored bytes of its chunks and their codecs, from chunk indexes."""
+def _index_or_none(storage: Storage, manifest, f: int) -> dict | None:
+    """A data file's chunk index, or None if it (or its data file) is damaged: ``verify`` says what is wrong."""
+    try:
+        return read_index(storage, manifest.files[f], manifest.version)
+    except CorruptCheckpointError:
+        return None
 
-    def __init__(self):
+
+class _StoredForm:
+    """Per tensor: the stored bytes of its chunks and their codecs, from chunk indexes (None for a tensor
+    with chunks in a damaged file)."""
+
+    def __init__(self, version: int):
+        self.version = version
         self.bytes: dict[str, int] = {}
         self.codecs: dict[str, set[str]] = {}
+        self.damaged = False  # some index could not be read: stored sizes unknown
 
     def add(self, records: dict) -> None:
         for (name, _), rec in records.items():
             self.bytes[name] = self.bytes.get(name, 0) + rec.stored_length
             self.codecs.setdefault(name, set()).add(rec.codec)
+
+    def of(self, entry) -> dict:
+        if self.version < COMPRESSED_VERSION:  # every chunk raw: stored as its bytes
+            return {"stored_bytes": entry.nbytes, "codecs": [RAW] if len(entry.chunks) else []}
+        if self.damaged:
+            return {"stored_bytes": None, "codecs": None}
+        return {"stored_bytes": self.bytes.get(entry.name, 0), "codecs": sorted(self.codecs.get(entry.name, ()))}
 
 
 def describe_reader(reader: CheckpointReader, path: str | os.PathLike, storage: Storage) -> dict:

@@ -11,12 +11,19 @@ from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures,
 from shardckpt.checkpoint.load_any import load_reader, wanted_keys
 from shardckpt.checkpoint.match import match
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from shardckpt.format.manifest import MANIFEST_NAME, Manifest, min_stored_bytes, parse_manifest
+from shardckpt.format.manifest import (
+    COMPRESSED_VERSION,
+    MANIFEST_NAME,
+    Manifest,
+    chunks_of,
+    min_stored_bytes,
+    parse_manifest,
+)
 from shardckpt.format.tree import TensorRef, leaves, path_name, set_at
 from shardckpt.formats.api import CheckpointReader, ReadRequest
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.native import NativeReader, read_manifest
-from shardckpt.formats.native.reader import check_data_file
+from shardckpt.formats.native.reader import check_data_file, read_index, record_problem
 from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage
 
 T = TypeVar("T")
@@ -154,16 +161,28 @@ def load_full(path: str | os.PathLike, keys: Iterable[str] | None = None, *, ver
 
 
 def _check_files_before_allocating(storage: Storage, manifest: Manifest, leaves_: list) -> None:
-    """Stored bytes must back what the manifest claims before memory is allocated for it."""
+    """Stored bytes must back what the manifest claims before memory is allocated for it. From format v3
+    (compressed chunks: the files' sizes alone bound little) every chunk's index row is checked too: the
+    rows of a file fit in it, and each frame is no smaller than zstd could make it."""
     entries = [manifest.tensors[leaf.name] for leaf in leaves_ if isinstance(leaf, TensorRef)]
     used = {entry.name: entry.chunks.files_used() for entry in entries}  # bounded by the number of files
-    for f in sorted(set().union(*used.values())):
+    files = sorted(set().union(*used.values()))
+    for f in files:
         check_data_file(storage, manifest.files[f])
     for entry in entries:
         held = sum(manifest.files[f].size for f in used[entry.name])
         if min_stored_bytes(entry, manifest.version) > held:
             raise CorruptCheckpointError(f"{storage.url(MANIFEST_NAME)}: tensor {entry.name!r} claims "
-                                         f"{entry.nbytes} bytes, its data files hold {held}")
+                                         f"{entry.nbytes} bytes in {len(entry.chunks)} chunks, which its data "
+                                         f"files' {held} bytes cannot hold")
+    if manifest.version >= COMPRESSED_VERSION:
+        indexes = {f: read_index(storage, manifest.files[f], manifest.version) for f in files}
+        for entry in entries:
+            for i, region, f in chunks_of(entry):
+                problem = record_problem(indexes[f].get((entry.name, i)), entry, region)
+                if problem:
+                    raise CorruptCheckpointError(f"{storage.url(manifest.files[f].path)}: tensor {entry.name!r} "
+                                                 f"chunk {i} {problem}")
 
 
 def _insert(out: dict, tree: Any, path: tuple, leaf: Any) -> None:

@@ -70,7 +70,8 @@ def _scan_chunk(storage: Storage, path: str, rec: ChunkRecord, entry: TensorEntr
     blocks = SegmentedCRC(_block_lengths(rec))
     # A box chunk is several runs of the tensor's bytes: one CRC per run for the tensor checksum.
     run_crcs = SegmentedCRC(n * size for _, _, n in runs) if len(runs) > 1 else None
-    step = max(READ_SIZE // rec.block_size, 1) * rec.block_size  # whole frames
+    # Compressed chunks are read in whole frames; raw ones READ_SIZE at a time, whatever their block size.
+    step = max(READ_SIZE // rec.block_size, 1) * rec.block_size if rec.frames else READ_SIZE
     buf = np.empty(min(step, rec.length), np.uint8)
     for lo in range(0, rec.length, step):
         view = buf[:min(step, rec.length - lo)]

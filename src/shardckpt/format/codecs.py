@@ -34,7 +34,10 @@ RAW, ZSTD, ZSTD_PLANES = "raw", "zstd", "zstd-planes"
 CODECS = (RAW, ZSTD, ZSTD_PLANES)
 DEFAULT_LEVEL = 1
 MIN_LEVEL, MAX_LEVEL = -7, 22
-CODEC_THREADS = os.cpu_count() or 1
+# The cores this process may run on (not the machine's: affinity and cpusets), capped: more threads than
+# that only add frames in flight (2 per thread per data file being written).
+CODEC_THREADS = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+                           16))
 # No zstd frame decodes to more than this many times its size: each block of at most 128 KiB of output takes
 # at least 4 stored bytes (an RLE block). It bounds what a compressed checkpoint's files can back.
 MAX_RATIO = 1 << 15
@@ -60,8 +63,10 @@ class Compression:
     @classmethod
     def parse(cls, spec: object) -> Compression | None:
         """``None``/``"none"`` (store raw), ``"zstd"`` (level 1) or ``"zstd:LEVEL"`` (-7..22), or a ``Compression``."""
-        if spec is None or isinstance(spec, Compression):
-            return spec
+        if spec is None:
+            return None
+        if isinstance(spec, Compression):
+            spec = str(spec)  # checked like its text
         if isinstance(spec, str):
             if spec == "none":
                 return None
@@ -157,3 +162,13 @@ def codec_pool() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(CODEC_THREADS, thread_name_prefix="shardckpt-codec")
         return _pool
+
+
+def _forget_pool_in_child() -> None:
+    """A forked child inherits the pool object but not its threads: submitting to it would wait forever."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)

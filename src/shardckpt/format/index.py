@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from shardckpt.errors import CorruptCheckpointError
-from shardckpt.format.codecs import RAW, codec_named
+from shardckpt.format.codecs import MAX_RATIO, RAW, codec_named
 from shardckpt.format.validate import (
     MAX_NUMEL,
     check_fields,
@@ -104,13 +104,16 @@ def _record(row, version: int, block_size: int, file_size: int, where: str) -> t
 
 
 def _frames(table, codec: str, length: int, block_size: int, where: str) -> tuple[int, ...]:
-    """A v3 frame table: empty for ``raw``; else one stored length per block, in 1 .. the block's length."""
+    """A v3 frame table: empty for ``raw``; else one stored length per block, from the least a zstd frame
+    of that block could take (its length / ``MAX_RATIO``) to the block's length (stored as it is)."""
     if not isinstance(table, list) or len(table) != (0 if codec == RAW else -(-length // block_size)):
         raise CorruptCheckpointError(f"{where}: codec {codec!r} needs " +
                                      ("an empty frame table" if codec == RAW else "one frame length per block"))
-    last = length - (len(table) - 1) * block_size
-    return tuple(get_int(n, f"{where} frame {k} length", 1, block_size if k < len(table) - 1 else last)
-                 for k, n in enumerate(table))
+    frames = []
+    for k, n in enumerate(table):
+        block = block_size if k < len(table) - 1 else length - k * block_size
+        frames.append(get_int(n, f"{where} frame {k} length", -(-block // MAX_RATIO), block))
+    return tuple(frames)
 
 
 def parse_index(data: bytes, version: int, file_size: int, where: str) -> dict[tuple[str, int], ChunkRecord]:
@@ -125,9 +128,15 @@ def parse_index(data: bytes, version: int, file_size: int, where: str) -> dict[t
                                      f"format version {version}")
     block_size = int_field(doc, "block_size", where, 1, MAX_BLOCK_SIZE) if version >= 2 else 0
     out: dict[tuple[str, int], ChunkRecord] = {}
+    stored = 0
     for row in get_list(doc, "chunks", where):
         name, i, rec = _record(row, version, block_size, file_size, where)
         if (name, i) in out:
             raise CorruptCheckpointError(f"{where}: tensor {name!r} chunk {i} is listed twice")
         out[(name, i)] = rec
+        stored += rec.stored_length
+    # Chunks do not overlap, so together they fit in the file: what the rows claim is backed by real bytes.
+    if stored > file_size:
+        raise CorruptCheckpointError(f"{where}: its chunks' stored bytes add up to {stored}, more than the "
+                                     f"{file_size} of the data file (chunks overlap)")
     return out

@@ -35,7 +35,7 @@ from shardckpt.format.validate import (
 
 FORMAT_NAME = "shardckpt"
 FORMAT_VERSION = 3  # the newest version this shardckpt reads and writes
-# A save writes the oldest version that can describe it, so that older readers read what they can.
+# A save without compression writes v2 (what v2 readers read); with compression on, v3 (FORMAT.md).
 UNCOMPRESSED_VERSION = 2
 COMPRESSED_VERSION = 3
 

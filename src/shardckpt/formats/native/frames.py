@@ -7,6 +7,8 @@ the bytes read, for frames over the decoded bytes, as each is decoded. No frame 
 """
 from __future__ import annotations
 
+from concurrent.futures import wait
+
 import numpy as np
 
 from shardckpt.errors import CorruptCheckpointError
@@ -105,19 +107,21 @@ def _read_frames(storage: Storage, path: str, rec: ChunkRecord, start: int, stop
             out.scatter(target, lo)
 
     pending: list = []
-    for first, last in _batches(rec, start // b, -(-stop // b)):
-        a, z = rec.frame_starts[first], rec.frame_starts[last]
-        buf = memoryview(bytearray(z - a))
-        storage.read_into(path, rec.offset + a, buf)  # while the previous batch decodes
-        _wait_all(pending)
-        pending = [pool.submit(decode, k, buf[rec.frame_starts[k] - a:rec.frame_starts[k + 1] - a])
-                   for k in range(first, last)]
-    _wait_all(pending)
+    try:
+        for first, last in _batches(rec, start // b, -(-stop // b)):
+            a, z = rec.frame_starts[first], rec.frame_starts[last]
+            buf = memoryview(bytearray(z - a))
+            storage.read_into(path, rec.offset + a, buf)  # while the previous batch decodes
+            _raise_first([f.exception() for f in pending])
+            pending = []
+            for k in range(first, last):
+                pending.append(pool.submit(decode, k, buf[rec.frame_starts[k] - a:rec.frame_starts[k + 1] - a]))
+        _raise_first([f.exception() for f in pending])
+    finally:
+        wait(pending)  # on any error too: no task may write into the caller's buffers after this returns
 
 
-def _wait_all(futures: list) -> None:
-    """Wait for every future (none may still write into the caller's buffers), then raise the first error."""
-    errors = [f.exception() for f in futures]
+def _raise_first(errors: list) -> None:
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise first
