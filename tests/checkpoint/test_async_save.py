@@ -200,7 +200,7 @@ def test_kill_9_in_the_background_leaves_the_previous_checkpoint(tmp_path):
     assert verify(path).ok
 
 
-def _save_state_async(path: str) -> dict:
+def _save_state_async(path: str, sd_type: str) -> dict:
     from shardckpt import StateDictType
     from tests.runtime import _model
     from tests.state_dict._train import STEPS_BEFORE, full_state, new_run, steps
@@ -208,7 +208,7 @@ def _save_state_async(path: str) -> dict:
     model, optim = new_run()
     steps(model, optim, _model.make_batches(STEPS_BEFORE))
     want = full_state(model, optim)
-    handle = shardckpt.async_save_state(model, optim, path, type=StateDictType.LOCAL_STATE_DICT)
+    handle = shardckpt.async_save_state(model, optim, path, type=StateDictType[sd_type])
     steps(model, optim, _model.make_batches(STEPS_BEFORE + 2)[STEPS_BEFORE:])  # train on at once
     handle.wait()
     return want
@@ -221,12 +221,13 @@ def _load_state_matches(path: str, want: dict) -> None:
     shardckpt.load_state(model, optim, path)
     got = full_state(model, optim)
     if dist.get_rank() == 0:
-        assert_same_state(got, want, "async LOCAL save, loaded at another world size")
+        assert_same_state(got, want, f"async save of {path}, loaded at another world size")
 
 
-def test_async_save_state_holds_the_state_at_the_call(tmp_path):
-    path = str(tmp_path / "local")
-    want = run_ranks(2, _save_state_async, path)[0]
+@pytest.mark.parametrize("sd_type", ["LOCAL_STATE_DICT", "SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_async_save_state_holds_the_state_at_the_call(tmp_path, sd_type):
+    path = str(tmp_path / sd_type)
+    want = run_ranks(2, _save_state_async, path, sd_type)[0]
     run_ranks(3, _load_state_matches, path, want)
 
 

@@ -122,6 +122,17 @@ _savers: dict[Any, AsyncSaver] = {}
 _savers_lock = threading.Lock()
 
 
+def _forget_savers_in_child() -> None:
+    """A forked child has none of the savers' threads (its process groups are not its own either)."""
+    global _savers_lock
+    _savers.clear()
+    _savers_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_savers_in_child)
+
+
 def saver_for(process_group: Any = None) -> AsyncSaver:
     """The ``AsyncSaver`` of ``process_group`` (default: the default group), created on first use; creating
     it is collective over the group's ranks."""
