@@ -220,7 +220,7 @@ def test_failed_overwrite_keeps_the_old_checkpoint(backend, monkeypatch, where):
     else:
         storage_cls = type(save_mod.open_storage(backend.url, backend.options))
 
-        def failing_put(self, path, data):
+        def failing_put(self, path, data, exclusive=False):
             raise OSError("injected: commit failed")
 
         monkeypatch.setattr(storage_cls, "put_atomic", failing_put)
@@ -256,3 +256,38 @@ def test_load_into_non_contiguous_targets(backend):
     sd = {"t": torch.zeros(4, 6).t(), "s": torch.zeros(4, 3)[:, 0]}  # a transpose, a strided column
     shardckpt.load(sd, backend.url, storage_options=backend.options)
     assert torch.equal(sd["t"], t.t()) and torch.equal(sd["s"], t[:, 1])
+
+
+def test_exclusive_commit_point_on_every_backend(backend, monkeypatch):
+    """The commit of a save without overwrite is an exclusive create (a conditional PUT on S3): a manifest
+    committed between a save's existence check and its commit makes that save fail, not replace it."""
+    from shardckpt.io import open_storage
+
+    storage = open_storage(backend.url, backend.options)
+    storage.put_atomic("probe.json", b"1", exclusive=True)
+    with pytest.raises(FileExistsError):
+        storage.put_atomic("probe.json", b"2", exclusive=True)
+    assert storage.read_bytes("probe.json") == b"1"
+    storage.put_atomic("probe.json", b"3")  # overwrite
+    assert storage.read_bytes("probe.json") == b"3"
+    backend.remove("probe.json")
+    _save(backend)
+    # Another writer commits while this save is between its check and its commit.
+    storage_cls = type(open_storage(backend.url, backend.options))
+    real_put = storage_cls.put_atomic
+
+    theirs = backend.read("manifest.json")
+
+    def race(self, path, data, exclusive=False):
+        if path == "manifest.json":
+            real_put(self, path, theirs)  # the other writer's commit lands first
+        return real_put(self, path, data, exclusive)
+
+    backend.remove("manifest.json")
+    before = _generations(backend)
+    monkeypatch.setattr(storage_cls, "put_atomic", race)
+    with pytest.raises(CheckpointExistsError, match="another save committed"):
+        _save(backend, {"w": torch.ones(3)})
+    monkeypatch.setattr(storage_cls, "put_atomic", real_put)
+    assert _generations(backend) == before  # the loser's data is gone
+    assert_tree_equal(_load_full(backend), reference())

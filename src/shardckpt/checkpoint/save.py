@@ -81,6 +81,7 @@ class Planned:
     files_per_rank: int
     compression: Compression | None
     save_plan: SavePlan | None
+    overwrite: bool = False
     infos: list[PieceInfo] = field(default_factory=list)  # this rank's, as planned (for reuse)
     gathered: list | None = None  # every rank's infos (rank 0 only, for reuse)
 
@@ -122,7 +123,8 @@ def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, 
     raise_failures([storage, mine])
     generation, tasks, per_rank, compression = mine
     return Planned(group, storage, generation, tasks, per_rank, compression,
-                   whole if group.is_coordinator else None, staged.infos, gathered if group.is_coordinator else None)
+                   whole if group.is_coordinator else None, overwrite, staged.infos,
+                   gathered if group.is_coordinator else None)
 
 
 @dataclass(frozen=True)
@@ -203,14 +205,15 @@ def _write(planned: Planned, staged: Staged) -> RankResult | None:
 
 def _commit(planned: Planned, results: list, staged: Staged) -> None:
     commit(planned.storage, planned.save_plan, planned.generation, results, planned.group.world_size, staged.tree,
-           staged.metadata)
+           staged.metadata, planned.overwrite)
 
 
 def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list, world_size: int,
-           encoded_tree: Any, metadata: dict | None) -> None:
+           encoded_tree: Any, metadata: dict | None, overwrite: bool) -> None:
     """Commit ``generation`` from every (possibly virtual) rank's write results: the manifest, written last
     and atomically, then the replaced generation's data removed. A failed rank's result removes this
-    generation's files and raises."""
+    generation's files and raises. Without ``overwrite`` the manifest is created exclusively: of writers
+    racing to one new path exactly one commits, the others get ``CheckpointExistsError`` (their data removed)."""
     failures = [r for r in results if isinstance(r, Failure)]
     if failures:
         storage.remove_dir(data_dir(generation))
@@ -232,7 +235,12 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
     manifest = Manifest(world_size=world_size, generation=generation, tree=None, tensors=tensors,
                         files=files, metadata=metadata or {}, created_by=f"shardckpt {__version__}",
                         version=version_for(save_plan.compression is not None))
-    storage.put_atomic(MANIFEST_NAME, manifest.to_bytes(encoded_tree))
+    try:
+        storage.put_atomic(MANIFEST_NAME, manifest.to_bytes(encoded_tree), exclusive=not overwrite)
+    except FileExistsError:
+        storage.remove_dir(data_dir(generation))
+        raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: another save committed a checkpoint here "
+                                    "first; pass overwrite=True to replace it") from None
     if previous is not None and previous != generation:
         storage.remove_dir(data_dir(previous))
 

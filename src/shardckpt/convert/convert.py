@@ -130,7 +130,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
         storage.remove_dir(data_dir(plan.generation))
         raise
     metadata.update({"state_dict_type": _STORED_TYPES[out_type]})
-    commit(storage, plan, plan.generation, results, world, encoded_tree, metadata)
+    commit(storage, plan, plan.generation, results, world, encoded_tree, metadata, overwrite)
     return ConvertReport(world, out_type, len(outputs), tick.total)
 
 

@@ -144,15 +144,20 @@ class LocalStorage:
         os.makedirs(os.path.dirname(self.url(path)), exist_ok=True)
         return _LocalWriter(self.url(path))
 
-    def put_atomic(self, path: str, data: bytes) -> None:
-        """Write to a temporary name, fsync, rename over ``path``, fsync the directory."""
+    def put_atomic(self, path: str, data: bytes, exclusive: bool = False) -> None:
+        """Write to a temporary name, fsync, then rename it over ``path`` (or, ``exclusive``, hard-link it to
+        ``path``, which fails if the name exists, and drop the temporary name); fsync the directory."""
         os.makedirs(self.root, exist_ok=True)
         tmp = self.url(f"{path}.tmp-{uuid.uuid4().hex[:12]}")
         try:
             writer = _LocalWriter(tmp)
             writer.write(memoryview(data))
             writer.close()
-            os.replace(tmp, self.url(path))
+            if exclusive:
+                os.link(tmp, self.url(path))
+                os.unlink(tmp)
+            else:
+                os.replace(tmp, self.url(path))
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)

@@ -66,8 +66,11 @@ class Storage(Protocol):
     def open_writer(self, path: str) -> FileWriter:
         """A new file at ``path`` (parents created where the store has directories), replacing any old one."""
 
-    def put_atomic(self, path: str, data: bytes) -> None:
-        """Write a whole small file so that readers see the old one or the new one, never a part."""
+    def put_atomic(self, path: str, data: bytes, exclusive: bool = False) -> None:
+        """Write a whole small file so that readers see the old one or the new one, never a part. With
+        ``exclusive``, raise ``FileExistsError`` if ``path`` exists: of two exclusive puts racing for one
+        path, exactly one succeeds (local: a hard link, which fails if the name exists; object stores: a
+        conditional PUT, ``If-None-Match: *``)."""
 
     def remove_dir(self, path: str) -> None:
         """Delete ``path`` and everything under it; a missing one is not an error."""

@@ -92,9 +92,15 @@ class FsspecStorage:
             self.fs.makedirs(parent, exist_ok=True)
         return _FsspecWriter(self.fs, self.url(path))
 
-    def put_atomic(self, path: str, data: bytes) -> None:
-        # A single PUT of a whole object is atomic on object stores and on memory://.
-        self.fs.pipe_file(self.url(path), data)
+    def put_atomic(self, path: str, data: bytes, exclusive: bool = False) -> None:
+        # A single PUT of a whole object is atomic on object stores and on memory://; "create" is a
+        # conditional PUT (If-None-Match: *) on S3, and raises FileExistsError where the object exists.
+        try:
+            self.fs.pipe_file(self.url(path), data, mode="create" if exclusive else "overwrite")
+        except TypeError:  # a filesystem without modes: check, then put (not race-free there)
+            if exclusive and self.exists(path):
+                raise FileExistsError(self._display(path)) from None
+            self.fs.pipe_file(self.url(path), data)
 
     def remove_dir(self, path: str) -> None:
         try:
