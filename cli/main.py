@@ -5,12 +5,12 @@ import argparse
 import os
 import sys
 
-from shardckpt.cli import convert_cmd, demo_cmd, diff_cmd, export_cmd, inspect_cmd, verify_cmd
+from shardckpt.cli import convert_cmd, demo_cmd, diff_cmd, export_cmd, gc_cmd, inspect_cmd, verify_cmd
 
 from shardckpt._version import __version__
 from shardckpt.errors import CheckpointError
 
-SUBCOMMANDS = (inspect_cmd, verify_cmd, convert_cmd, export_cmd, diff_cmd, demo_cmd)
+SUBCOMMANDS = (inspect_cmd, verify_cmd, convert_cmd, export_cmd, diff_cmd, gc_cmd, demo_cmd)
 
 EXIT_OK, EXIT_FAILED_CHECK, EXIT_USAGE = 0, 1, 2
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from shardckpt._version import __version__
 from shardckpt.checkpoint.save_plan import PieceInfo, SavePlan, WriteTask, make_save_plan
+from shardckpt.checkpoint.gc import collect
 from shardckpt.checkpoint.stage import Staged, stage
 from shardckpt.checkpoint.writer import RankResult, write_rank_files
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures, resolve_group
@@ -157,12 +158,20 @@ def persist(staged: Staged, planned: Planned) -> None:
     failed generation's files are then removed and a previous checkpoint stays as it was. Call it once
     per ``Planned``; it may run in a background thread (see the module docstring)."""
     group = planned.group
-    result = attempt(group.rank, lambda: _write(planned, staged))
-    results = group.gather(result)
-    outcome = None
-    if group.is_coordinator:
-        outcome = attempt(0, lambda: _commit(planned, results, staged))
-    raise_failures([group.broadcast(outcome)])
+    # A writing rank holds its generation's directory until the commit is decided, so that another save's
+    # debris collection (checkpoint/gc.py) never takes it for an abandoned one.
+    holds = []
+    try:
+        result = attempt(group.rank, lambda: _write(planned, staged, holds))
+        results = group.gather(result)
+        outcome = None
+        if group.is_coordinator:
+            outcome = attempt(0, lambda: _commit(planned, results, staged))
+        outcome = group.broadcast(outcome)
+    finally:
+        for hold in holds:
+            hold.release()
+    raise_failures([outcome])
 
 
 def _plan_on_coordinator(storage: Storage, gathered: list, overwrite: bool, files_per_rank: int,
@@ -195,9 +204,10 @@ def data_dir(generation: str) -> str:
     return f"data-{generation}"
 
 
-def _write(planned: Planned, staged: Staged) -> RankResult | None:
+def _write(planned: Planned, staged: Staged, holds: list) -> RankResult | None:
     if not planned.tasks:
         return None
+    holds.append(planned.storage.hold_dir(planned.data_dir))
     base = f"{planned.data_dir}/rank-{planned.group.rank:05d}"
     return write_rank_files(planned.storage, base, planned.tasks, staged.pieces, planned.files_per_rank,
                             planned.compression)
@@ -241,8 +251,12 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
         storage.remove_dir(data_dir(generation))
         raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: another save committed a checkpoint here "
                                     "first; pass overwrite=True to replace it") from None
-    if previous is not None and previous != generation:
-        storage.remove_dir(data_dir(previous))
+    try:  # committed: what follows only tidies up, and a failure here must not report the save as failed
+        if previous is not None and previous != generation:
+            storage.remove_dir(data_dir(previous))
+        collect(storage)  # what interrupted saves left here (checkpoint/gc.py)
+    except (OSError, CheckpointError):
+        pass
 
 
 def _previous_generation(storage: Storage) -> str | None:

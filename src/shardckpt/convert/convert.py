@@ -118,19 +118,23 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     plan = _plan(outputs, place, world, files_per_rank, compression)
     tick = _Progress(sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in outputs), progress)
     results = []
+    hold = storage.hold_dir(data_dir(plan.generation))  # until committed: not debris to other saves' gc
     try:
-        for r in range(world):
-            if not plan.tasks[r]:
-                results.append(None)
-                continue
-            pieces = _ReadOnDemand(reader, {o.name: o for o in outputs}, functools.partial(place, rank=r), tick)
-            results.append(write_rank_files(storage, f"{data_dir(plan.generation)}/rank-{r:05d}", plan.tasks[r],
-                                            pieces, files_per_rank, compression))
-    except BaseException:
-        storage.remove_dir(data_dir(plan.generation))
-        raise
-    metadata.update({"state_dict_type": _STORED_TYPES[out_type]})
-    commit(storage, plan, plan.generation, results, world, encoded_tree, metadata, overwrite)
+        try:
+            for r in range(world):
+                if not plan.tasks[r]:
+                    results.append(None)
+                    continue
+                pieces = _ReadOnDemand(reader, {o.name: o for o in outputs}, functools.partial(place, rank=r), tick)
+                results.append(write_rank_files(storage, f"{data_dir(plan.generation)}/rank-{r:05d}",
+                                                plan.tasks[r], pieces, files_per_rank, compression))
+        except BaseException:
+            storage.remove_dir(data_dir(plan.generation))
+            raise
+        metadata.update({"state_dict_type": _STORED_TYPES[out_type]})
+        commit(storage, plan, plan.generation, results, world, encoded_tree, metadata, overwrite)
+    finally:
+        hold.release()
     return ConvertReport(world, out_type, len(outputs), tick.total)
 
 

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import shutil
 import threading
+import time
 import uuid
 
 from shardckpt.errors import CorruptCheckpointError
@@ -57,6 +59,16 @@ class _LocalWriter:
             os.fsync(self._fd)
         finally:
             os.close(self._fd)
+
+
+class _DirHold:
+    def __init__(self, fd: int):
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # drops the flock
+            self._fd = None
 
 
 class LocalStorage:
@@ -166,6 +178,56 @@ class LocalStorage:
 
     def remove_dir(self, path: str) -> None:
         shutil.rmtree(self.url(path), ignore_errors=True)
+
+    def list_dirs(self, path: str = "") -> list[str]:
+        try:
+            with os.scandir(self.url(path)) as entries:
+                return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def hold_dir(self, path: str) -> _DirHold:
+        url = self.url(path)
+        while True:
+            os.makedirs(url, exist_ok=True)
+            fd = os.open(url, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            except OSError:  # no locks here (some network file systems): remove_abandoned removes nothing
+                return _DirHold(fd)
+            try:
+                if os.stat(url).st_ino == os.fstat(fd).st_ino:
+                    return _DirHold(fd)
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # removed as abandoned between our mkdir and our lock: make it again
+
+    def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False) -> bool:
+        url = self.url(path)
+        if not os.path.isdir(url) or os.path.islink(url):
+            try:
+                if time.time() - os.lstat(url).st_mtime < min_age_s:
+                    return False
+                if not dry_run:
+                    os.unlink(url)
+                return True
+            except FileNotFoundError:
+                return False
+        try:
+            fd = os.open(url, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live writer, or unsupported: OSError
+        except OSError:
+            os.close(fd)
+            return False
+        try:  # removed while we hold the lock, so a writer about to hold it makes it again
+            if not dry_run:
+                shutil.rmtree(url, ignore_errors=True)
+            return True
+        finally:
+            os.close(fd)
 
     def sync_dir(self, path: str) -> None:
         fd = os.open(self.url(path) if path else self.root, os.O_RDONLY)

@@ -75,8 +75,27 @@ class Storage(Protocol):
     def remove_dir(self, path: str) -> None:
         """Delete ``path`` and everything under it; a missing one is not an error."""
 
+    def list_dirs(self, path: str = "") -> list[str]:
+        """Names of the directories (object-store prefixes) directly under ``path``, sorted."""
+
+    def hold_dir(self, path: str) -> DirHold:
+        """Mark directory ``path`` (created if missing) as being written by this live process until
+        ``release()``, so that ``remove_abandoned`` leaves it alone (local: a shared ``flock`` on it, which
+        dies with the process; object stores: nothing, they go by age)."""
+
+    def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False) -> bool:
+        """Remove file or directory ``path`` if no live writer can still be using it, and say whether it
+        was (or, ``dry_run``, would be) removed. Local: a directory nobody holds (an exclusive ``flock``
+        succeeds; where locks are unsupported, nothing is removed), a file older than ``min_age_s``.
+        Object stores: anything whose newest object is older than ``min_age_s``."""
+
     def sync_dir(self, path: str) -> None:
         """Make the directory's entries durable (local fsync) and drop listing caches (fsspec)."""
+
+
+class DirHold(Protocol):
+    def release(self) -> None:
+        """End the hold (idempotent)."""
 
 
 def missing(url: str, e: BaseException) -> CorruptCheckpointError:

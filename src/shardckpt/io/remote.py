@@ -3,6 +3,7 @@ GETs; no renames."""
 from __future__ import annotations
 
 import posixpath
+import time
 
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.io.protocol import missing
@@ -22,6 +23,19 @@ class _FsspecWriter:
 
     def close(self) -> None:
         self._file.close()  # an object store's upload completes (and is durable) on close
+
+
+class _NoHold:
+    def release(self) -> None:
+        pass
+
+
+def _modified(info: dict) -> float | None:
+    """An fsspec entry's modification time as seconds since the epoch (backends name it differently)."""
+    value = info.get("LastModified", info.get("mtime", info.get("created")))
+    if value is None:
+        return None
+    return value.timestamp() if hasattr(value, "timestamp") else float(value)
 
 
 class FsspecStorage:
@@ -111,3 +125,34 @@ class FsspecStorage:
 
     def sync_dir(self, path: str) -> None:
         self.fs.invalidate_cache()
+
+    def list_dirs(self, path: str = "") -> list[str]:
+        self.fs.invalidate_cache(self.url(path))
+        try:
+            entries = self.fs.ls(self.url(path), detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "directory")
+
+    def hold_dir(self, path: str) -> _NoHold:
+        return _NoHold()  # object stores have no locks: remove_abandoned goes by age
+
+    def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False) -> bool:
+        url = self.url(path)
+        self.fs.invalidate_cache(url)
+        is_dir = self.fs.isdir(url)
+        try:
+            infos = self.fs.find(url, detail=True) if is_dir else {url: self.fs.info(url)}
+        except (FileNotFoundError, KeyError):
+            return False
+        times = [_modified(info) for info in infos.values()]
+        if not times or None in times or time.time() - max(times) < min_age_s:
+            return False  # too recent, or of unknown age: a live writer may still be using it
+        if dry_run:
+            return True
+        if is_dir:
+            self.remove_dir(path)
+        else:
+            self.fs.rm(url)
+            self.fs.invalidate_cache()
+        return True

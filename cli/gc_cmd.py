@@ -1,0 +1,41 @@
+"""``shardckpt gc PATH``: remove what interrupted saves left behind (never a committed checkpoint's data)."""
+from __future__ import annotations
+
+import argparse
+
+from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options
+
+from shardckpt.checkpoint.gc import REMOTE_MIN_AGE_S, TEMP_MIN_AGE_S, gc
+
+EPILOG = f"""what is removed: data-<generation>/ directories the committed manifest does not name, and
+manifest.json.tmp-* files, unless a live save may still use them: on local disk a writing save holds a lock
+on its directory (it dies with the process); temporary manifests are kept for {TEMP_MIN_AGE_S:.0f} s; on
+object stores (no locks) anything newer than {REMOTE_MIN_AGE_S / 3600:.0f} h is kept (--min-age to change).
+A successful save does the same at its path after it commits.
+
+examples:
+  shardckpt gc /ckpt/step-1000 --dry-run
+  shardckpt gc s3://bucket/run/step-1000 --min-age 600
+"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("gc", help="remove what interrupted saves left behind",
+                       description="Remove the debris of interrupted saves at PATH; the committed checkpoint and "
+                                   "saves still running are never touched.",
+                       epilog=EPILOG + "\n" + STORAGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="checkpoint directory or fsspec URL")
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    p.add_argument("--min-age", type=float, metavar="SECONDS",
+                   help="keep entries newer than this (default: by lock on local disk, the ages above otherwise)")
+    add_storage_options(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    removed = gc(args.path, dry_run=args.dry_run, min_age_s=args.min_age, storage_options=storage_options(args))
+    verb = "would remove" if args.dry_run else "removed"
+    for name in removed:
+        print(f"{verb} {name}")
+    print(f"{args.path}: {verb} {len(removed)} {'entry' if len(removed) == 1 else 'entries'}")
+    return 0

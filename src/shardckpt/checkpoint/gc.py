@@ -1,0 +1,66 @@
+"""Removing what interrupted saves left behind: ``data-<generation>/`` directories no manifest names and
+``manifest.json.tmp-*`` files. Nothing committed is touched, nor anything a live writer may still use.
+
+How a live writer is told from debris (``io``'s ``hold_dir`` / ``remove_abandoned``):
+
+- local disk: every rank writing a generation holds a shared ``flock`` on its directory from before its
+  first file until the commit is decided; the lock dies with the process. A directory is removed only
+  while this module holds an exclusive lock on it, so a writer that was about to start makes it again.
+  Where the file system has no locks, no directory is removed. Temporary manifests live for
+  milliseconds: they are removed once older than ``TEMP_MIN_AGE_S``;
+- object stores (no locks): a generation is removed once its newest object is older than
+  ``REMOTE_MIN_AGE_S``; a save that has written nothing for that long is taken as dead.
+
+A successful save collects its path's debris after its commit (``collect``), and ``shardckpt gc PATH``
+does it on demand.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from shardckpt.errors import CheckpointError
+from shardckpt.format.manifest import MANIFEST_NAME, parse_manifest
+from shardckpt.io import LocalStorage, Storage, open_storage
+
+TEMP_MIN_AGE_S = 60.0
+REMOTE_MIN_AGE_S = 6 * 3600.0
+_GENERATION_DIR = re.compile(r"^data-[0-9a-f]{1,64}$")
+_TEMP_MANIFEST = re.compile(rf"^{re.escape(MANIFEST_NAME)}\.tmp-[0-9a-f]+$")
+
+
+def debris(storage: Storage) -> list[str]:
+    """The entries at the root that belong to no committed checkpoint (candidates only: see ``collect``).
+    Refuses (``CheckpointError``) when a manifest exists but cannot be read: then nothing is known to be
+    uncommitted."""
+    keep = None
+    if storage.exists(MANIFEST_NAME):
+        keep = f"data-{parse_manifest(storage.read_bytes(MANIFEST_NAME), storage.url(MANIFEST_NAME)).generation}"
+    dirs = [d for d in storage.list_dirs() if _GENERATION_DIR.match(d) and d != keep]
+    return dirs + [f for f in storage.list_files() if _TEMP_MANIFEST.match(f)]
+
+
+def collect(storage: Storage, dry_run: bool = False, min_age_s: float | None = None) -> list[str]:
+    """Remove (or, ``dry_run``, list) the debris no live writer is using; returns what was removed."""
+    removed = []
+    for name in debris(storage):
+        age = min_age_s if min_age_s is not None else _min_age(storage, name)
+        if storage.remove_abandoned(name, age, dry_run):
+            removed.append(name)
+    return removed
+
+
+def _min_age(storage: Storage, name: str) -> float:
+    if not isinstance(storage, LocalStorage):
+        return REMOTE_MIN_AGE_S
+    return TEMP_MIN_AGE_S if _TEMP_MANIFEST.match(name) else 0.0  # directories: by their lock
+
+
+def gc(path: str | os.PathLike, *, dry_run: bool = False, min_age_s: float | None = None,
+       storage_options: dict | None = None) -> list[str]:
+    """``shardckpt gc``: remove what interrupted saves left at ``path`` (see the module docstring);
+    ``min_age_s`` overrides the age below which an entry may still be a live writer's."""
+    storage = open_storage(path, storage_options)
+    if not storage.is_dir():
+        raise CheckpointError(f"{storage.url('')}: no such directory")
+    return collect(storage, dry_run, min_age_s)

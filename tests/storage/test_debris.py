@@ -1,0 +1,121 @@
+"""What interrupted saves leave behind is removed by the next save and by ``shardckpt gc`` (issue 16, item 2);
+nothing committed, and nothing a live writer holds, is ever touched."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import shardckpt
+from shardckpt import CheckpointError
+from shardckpt.checkpoint.gc import gc
+from shardckpt.checkpoint.verify import verify
+from shardckpt.cli.main import main
+from shardckpt.io import open_storage
+from tests.storage._util import assert_tree_equal
+
+
+def _state(v: float) -> dict:
+    return {"w": torch.full((100,), v), "v": v}
+
+
+def _entries(path: str) -> set[str]:
+    return {e for e in os.listdir(path) if e.startswith(("data-", "manifest.json.tmp-"))}
+
+
+def _debris(path: str, generation: str = "abc123") -> str:
+    d = os.path.join(path, f"data-{generation}")
+    os.makedirs(d)
+    with open(os.path.join(d, "rank-00000-0.bin"), "wb") as f:
+        f.write(b"half a save")
+    return f"data-{generation}"
+
+
+_KILLED = textwrap.dedent("""
+    import os, signal, sys, torch, shardckpt
+    from shardckpt.checkpoint import writer
+
+    def die(w, data, block):
+        w.write(data[:len(data) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    writer._write_raw = die
+    shardckpt.save({"w": torch.zeros(1 << 16), "v": 2.0}, sys.argv[1], overwrite=True)
+""")
+
+
+def test_the_next_save_removes_what_a_killed_save_left(tmp_path):
+    path = str(tmp_path / "ckpt")
+    shardckpt.save(_state(1.0), path)
+    committed = _entries(path)
+    proc = subprocess.run([sys.executable, "-c", _KILLED, path], capture_output=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert proc.returncode == -9
+    left = _entries(path) - committed
+    assert len(left) == 1 and next(iter(left)).startswith("data-")  # the killed save's generation
+    assert_tree_equal(shardckpt.load_full(path), _state(1.0))
+    shardckpt.save(_state(3.0), path, overwrite=True)
+    assert len(_entries(path)) == 1  # the new generation only: the old one replaced, the debris gone
+    assert_tree_equal(shardckpt.load_full(path), _state(3.0))
+
+
+def test_a_live_writers_directory_and_a_fresh_temp_manifest_are_kept(tmp_path):
+    path = str(tmp_path / "ckpt")
+    shardckpt.save(_state(1.0), path)
+    storage = open_storage(path)
+    live = _debris(path, "11ee")
+    hold = storage.hold_dir(live)  # another save, still writing (flock: a separate open file description)
+    dead = _debris(path, "22dd")
+    fresh = os.path.join(path, "manifest.json.tmp-aaaa")
+    stale = os.path.join(path, "manifest.json.tmp-bbbb")
+    for name in (fresh, stale):
+        open(name, "wb").write(b"{")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    assert sorted(gc(path, dry_run=True)) == sorted([dead, "manifest.json.tmp-bbbb"])
+    assert os.path.exists(os.path.join(path, dead))  # a dry run removes nothing
+    shardckpt.save(_state(2.0), path, overwrite=True)
+    assert os.path.isdir(os.path.join(path, live)) and os.path.exists(fresh)
+    assert not os.path.exists(os.path.join(path, dead)) and not os.path.exists(stale)
+    hold.release()
+    assert gc(path) == [live]
+    assert verify(path).ok and shardckpt.load_full(path)["v"] == 2.0
+
+
+def test_gc_command(tmp_path, capsys):
+    path = str(tmp_path / "ckpt")
+    shardckpt.save(_state(1.0), path)
+    dead = _debris(path)
+    assert main(["gc", path, "--dry-run"]) == 0
+    assert f"would remove {dead}" in capsys.readouterr().out and os.path.isdir(os.path.join(path, dead))
+    assert main(["gc", path]) == 0
+    assert f"removed {dead}" in capsys.readouterr().out and not os.path.exists(os.path.join(path, dead))
+    assert verify(path).ok
+
+
+def test_gc_refuses_when_the_manifest_cannot_be_read(tmp_path):
+    path = str(tmp_path / "ckpt")
+    shardckpt.save(_state(1.0), path)
+    dead = _debris(path)
+    with open(os.path.join(path, "manifest.json"), "r+b") as f:
+        f.seek(30)
+        f.write(b"#")
+    with pytest.raises(CheckpointError, match="manifest"):
+        gc(path)
+    assert len(_entries(path)) == 2 and os.path.isdir(os.path.join(path, dead))
+
+
+def test_object_store_debris_goes_by_age(backend):
+    if backend.kind == "local":
+        pytest.skip("local disk goes by locks (the tests above)")
+    shardckpt.save(_state(1.0), backend.url, storage_options=backend.options)
+    backend.write("data-abc123/rank-00000-0.bin", b"half a save")
+    shardckpt.save(_state(2.0), backend.url, storage_options=backend.options, overwrite=True)
+    assert backend.exists("data-abc123/rank-00000-0.bin")  # recent: perhaps a live writer's
+    assert gc(backend.url, storage_options=backend.options, min_age_s=0) == ["data-abc123"]
+    assert not backend.exists("data-abc123/rank-00000-0.bin")
+    assert shardckpt.load_full(backend.url, storage_options=backend.options)["v"] == 2.0
