@@ -29,25 +29,38 @@ _GENERATION_DIR = re.compile(r"^data-[0-9a-f]{1,64}$")
 _TEMP_MANIFEST = re.compile(rf"^{re.escape(MANIFEST_NAME)}\.tmp-[0-9a-f]+$")
 
 
+def committed_dir(storage: Storage) -> str | None:
+    """The data directory the committed manifest names (None: no checkpoint). Raises ``CheckpointError``
+    when a manifest exists but cannot be read: then nothing is known to be uncommitted."""
+    if not storage.exists(MANIFEST_NAME):
+        return None
+    return f"data-{parse_manifest(storage.read_bytes(MANIFEST_NAME), storage.url(MANIFEST_NAME)).generation}"
+
+
 def debris(storage: Storage) -> list[str]:
-    """The entries at the root that belong to no committed checkpoint (candidates only: see ``collect``).
-    Refuses (``CheckpointError``) when a manifest exists but cannot be read: then nothing is known to be
-    uncommitted."""
-    keep = None
-    if storage.exists(MANIFEST_NAME):
-        keep = f"data-{parse_manifest(storage.read_bytes(MANIFEST_NAME), storage.url(MANIFEST_NAME)).generation}"
+    """The entries at the root that belong to no committed checkpoint now (candidates only: see ``collect``)."""
+    keep = committed_dir(storage)
     dirs = [d for d in storage.list_dirs() if _GENERATION_DIR.match(d) and d != keep]
     return dirs + [f for f in storage.list_files() if _TEMP_MANIFEST.match(f)]
 
 
 def collect(storage: Storage, dry_run: bool = False, min_age_s: float | None = None) -> list[str]:
-    """Remove (or, ``dry_run``, list) the debris no live writer is using; returns what was removed."""
+    """Remove (or, ``dry_run``, list) the debris no live writer is using; returns what was removed. Each
+    directory is checked against the manifest again once locked: a save may have committed it since
+    ``debris`` looked (its writer holds the lock until its manifest is written)."""
     removed = []
     for name in debris(storage):
         age = min_age_s if min_age_s is not None else _min_age(storage, name)
-        if storage.remove_abandoned(name, age, dry_run):
+        if storage.remove_abandoned(name, age, dry_run, unused=lambda name=name: _not_committed(storage, name)):
             removed.append(name)
     return removed
+
+
+def _not_committed(storage: Storage, name: str) -> bool:
+    try:
+        return committed_dir(storage) != name
+    except CheckpointError:
+        return False  # unreadable now: keep everything
 
 
 def _min_age(storage: Storage, name: str) -> float:

@@ -8,6 +8,7 @@ import shutil
 import threading
 import time
 import uuid
+from typing import Callable
 
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.io.protocol import MAX_IO, missing
@@ -202,11 +203,12 @@ class LocalStorage:
                 pass
             os.close(fd)  # removed as abandoned between our mkdir and our lock: make it again
 
-    def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False) -> bool:
+    def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False,
+                         unused: Callable[[], bool] = lambda: True) -> bool:
         url = self.url(path)
         if not os.path.isdir(url) or os.path.islink(url):
             try:
-                if time.time() - os.lstat(url).st_mtime < min_age_s:
+                if time.time() - os.lstat(url).st_mtime < min_age_s or not unused():
                     return False
                 if not dry_run:
                     os.unlink(url)
@@ -223,6 +225,8 @@ class LocalStorage:
             os.close(fd)
             return False
         try:  # removed while we hold the lock, so a writer about to hold it makes it again
+            if not unused():  # e.g. committed since the caller looked: its writer held it until then
+                return False
             if not dry_run:
                 shutil.rmtree(url, ignore_errors=True)
             return True

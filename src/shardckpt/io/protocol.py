@@ -9,7 +9,7 @@ on rename except the local commit, where rename is atomic. Errors: a missing or 
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 from shardckpt.errors import CorruptCheckpointError
 
@@ -83,9 +83,11 @@ class Storage(Protocol):
         ``release()``, so that ``remove_abandoned`` leaves it alone (local: a shared ``flock`` on it, which
         dies with the process; object stores: nothing, they go by age)."""
 
-    def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False) -> bool:
-        """Remove file or directory ``path`` if no live writer can still be using it, and say whether it
-        was (or, ``dry_run``, would be) removed. Local: a directory nobody holds (an exclusive ``flock``
+    def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False,
+                         unused: Callable[[], bool] = lambda: True) -> bool:
+        """Remove file or directory ``path`` if no live writer can still be using it and ``unused()`` (asked
+        last, under the lock where there is one: e.g. "no manifest names it now") is true, and say whether
+        it was (or, ``dry_run``, would be) removed. Local: a directory nobody holds (an exclusive ``flock``
         succeeds; where locks are unsupported, nothing is removed), a file older than ``min_age_s``.
         Object stores: anything whose newest object is older than ``min_age_s``."""
 

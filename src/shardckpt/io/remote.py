@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import posixpath
 import time
+from typing import Callable
 
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.io.protocol import missing
@@ -137,7 +138,8 @@ class FsspecStorage:
     def hold_dir(self, path: str) -> _NoHold:
         return _NoHold()  # object stores have no locks: remove_abandoned goes by age
 
-    def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False) -> bool:
+    def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False,
+                         unused: Callable[[], bool] = lambda: True) -> bool:
         url = self.url(path)
         self.fs.invalidate_cache(url)
         is_dir = self.fs.isdir(url)
@@ -146,8 +148,8 @@ class FsspecStorage:
         except (FileNotFoundError, KeyError):
             return False
         times = [_modified(info) for info in infos.values()]
-        if not times or None in times or time.time() - max(times) < min_age_s:
-            return False  # too recent, or of unknown age: a live writer may still be using it
+        if not times or None in times or time.time() - max(times) < min_age_s or not unused():
+            return False  # too recent, of unknown age, or in use: a live writer may still need it
         if dry_run:
             return True
         if is_dir:
