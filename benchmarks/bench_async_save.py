@@ -3,7 +3,7 @@
 Workload: ~``--gib`` GiB of fp32 transformer-shaped state (embedding, per layer q/k/v/o and MLP up/down),
 each rank holding the dim-0 half of every tensor (``ShardedTensor.from_full`` / a DTensor ``Shard(0)``).
 
-Methods, each saving ``--saves`` times in a row to fresh paths, the state changed in place between saves
+Methods (their order rotating from repeat to repeat), each saving ``--saves`` times in a row to fresh paths, the state changed in place between saves
 (as an optimizer step would), the blocked time of each call taken on every rank, the max over ranks:
 
 - ``copy``: the limit: ``dst.copy_(src)`` of each of this rank's tensors into buffers that already exist;
@@ -13,8 +13,8 @@ Methods, each saving ``--saves`` times in a row to fresh paths, the state change
 - ``dcp``: ``torch.distributed.checkpoint.async_save`` of the same state as DTensors (its default: a
   background thread, with its own gloo group for the collectives), until it returns.
 
-Reported: the first call's and the steady-state (last call's) blocked time, median over ``--repeats``
-runs, and shardckpt's staging memory per rank. The page cache is not dropped (blocked time is CPU work).
+Reported: the first call's blocked time and the steady state's (every later call), medians over
+``--repeats`` runs, and shardckpt's staging memory per rank. The page cache is not dropped (blocked time is CPU work).
 
     python benchmarks/bench_async_save.py               # ~1 GiB, 3 saves per method, 3 repeats (~2 min)
     python benchmarks/bench_async_save.py --quick       # ~128 MiB, 1 repeat
@@ -50,7 +50,7 @@ def shapes(gib: float) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _job(rank: int, world: int, sizes: dict, root: str, saves: int, out: str) -> None:
+def _job(rank: int, world: int, sizes: dict, root: str, saves: int, out: str, order: tuple[str, ...]) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -72,7 +72,7 @@ def _job(rank: int, world: int, sizes: dict, root: str, saves: int, out: str) ->
     buffers = {k: torch.empty_like(v) for k, v in local.items()}
     blocked: dict[str, list[float]] = {m: [] for m in METHODS}
     pending = None
-    for method in METHODS:
+    for method in order:
         for i in range(saves):
             for v in local.values():
                 v.add_(1e-3)  # an optimizer step between saves
@@ -105,13 +105,13 @@ def _job(rank: int, world: int, sizes: dict, root: str, saves: int, out: str) ->
     dist.barrier()
 
 
-def run_once(sizes: dict, saves: int, base: str) -> dict:
+def run_once(sizes: dict, saves: int, base: str, order: tuple[str, ...]) -> dict:
     from shardckpt.demo import _spawn
 
     root = tempfile.mkdtemp(dir=base)
     out = os.path.join(root, "result.json")
     try:
-        _spawn(2, _job, sizes, root, saves, out)
+        _spawn(2, _job, sizes, root, saves, out, order)
         with open(out) as f:
             return json.load(f)
     finally:
@@ -132,14 +132,18 @@ def main() -> int:
     total = sum(a * b * 4 for a, b in sizes.values())
     print(f"# {total / 2**30:.3f} GiB fp32 at ws 2 ({total / 2 / 2**20:.0f} MiB per rank); load average {loadavg()}",
           file=sys.stderr)
-    runs = [run_once(sizes, args.saves, os.environ.get("BENCH_DIR", tempfile.gettempdir())) for _ in range(args.repeats)]
+    # The order of the methods rotates from repeat to repeat, so that none always runs first or last.
+    runs = [run_once(sizes, args.saves, os.environ.get("BENCH_DIR", tempfile.gettempdir()), METHODS[r:] + METHODS[:r])
+            for r in range(args.repeats)]
     first = {m: median([r["blocked"][m][0] for r in runs]) for m in METHODS}
-    steady = {m: median([r["blocked"][m][-1] for r in runs]) for m in METHODS}
+    # Steady state: every call after the first (the 3rd save is the last of 3), median over runs.
+    steady = {m: median([t for r in runs for t in r["blocked"][m][1:]]) for m in METHODS}
     result = {"bytes": total, "first_s": first, "steady_s": steady, "staging_bytes_per_rank": runs[0]["staging_bytes_rank0"],
               "rank_bytes": runs[0]["rank_bytes"], "runs": runs}
     if args.json:
         print(json.dumps(result, indent=2))
-    print(f"blocked time (max over ranks, median of {args.repeats}): first call / steady state (save {args.saves})")
+    print(f"blocked time (max over ranks; medians over {args.repeats} runs): first call / steady state (calls 2.."
+          f"{args.saves})")
     for m in METHODS:
         print(f"  {m:10s} {first[m] * 1e3:8.1f} ms  {steady[m] * 1e3:8.1f} ms")
     copy, mine, theirs = steady["copy"], steady["shardckpt"], steady["dcp"]

@@ -237,3 +237,79 @@ def test_async_save_takes_save_options(tmp_path):
     assert_tree_equal(shardckpt.load_full(str(tmp_path / "z")), sd)
     with pytest.raises(shardckpt.CheckpointExistsError):
         shardckpt.async_save(sd, str(tmp_path / "z")).wait()
+
+
+def _errors_agree(root: str) -> list[str]:
+    """Rank 0 looks at a failed save's error, rank 1 does not: the next call raises on both, or on neither."""
+    rank = dist.get_rank()
+    saver = async_module.AsyncSaver()
+    blocker = os.path.join(root, "file")
+    if rank == 0:
+        open(blocker, "w").write("not a directory")
+    dist.barrier()
+    seen = []
+    handle = saver.save({"w": torch.ones(4)}, os.path.join(blocker, "ckpt"))
+    if rank == 0:
+        seen.append(type(handle.exception()).__name__)
+    try:
+        saver.save({"w": torch.ones(4)}, os.path.join(root, "next"))
+        seen.append("saved")
+    except OSError:
+        seen.append("raised")
+    saver.save({"w": torch.full((4,), 2.0)}, os.path.join(root, "after"), overwrite=True).wait()
+    return seen
+
+
+def test_ranks_agree_on_raising_a_previous_error(tmp_path):
+    seen = run_ranks(2, _errors_agree, str(tmp_path), timeout=60)
+    assert seen[0][-1] == seen[1][-1] == "raised"
+    assert torch.equal(shardckpt.load_full(str(tmp_path / "after"))["w"], torch.full((4,), 2.0))
+
+
+def _bad_option_after_reuse(root: str) -> str:
+    saver = async_module.AsyncSaver()
+    sd = _state(dist.get_rank(), dist.get_world_size())
+    for i in range(2):
+        saver.save(sd, f"{root}/ok{i}").wait()
+    handle = saver.save(sd, f"{root}/bad", compress="bogus")
+    with pytest.raises(ValueError, match="compress must be"):
+        handle.wait()
+    saver.save(sd, f"{root}/ok2").wait()
+    return "done"
+
+
+def test_a_bad_option_with_a_reused_plan_raises_on_every_rank(tmp_path):
+    assert run_ranks(2, _bad_option_after_reuse, str(tmp_path), timeout=60) == ["done", "done"]
+
+
+def _after_a_subgroup(root: str) -> str:
+    # Ranks 0 and 1 know one more group than rank 2: a group made by some ranks only would get different
+    # names on them and hang.
+    if dist.get_rank() < 2:
+        dist.new_group([0, 1], use_local_synchronization=True)
+    saver = async_module.AsyncSaver()
+    saver.save(_state(dist.get_rank(), 3), f"{root}/c").wait()
+    sub = dist.new_group([0, 1])  # every rank of the world calls this
+    if dist.get_rank() < 2:
+        with pytest.raises(ValueError, match="background group"):
+            async_module.AsyncSaver(sub)
+    return "done"
+
+
+def test_the_side_group_is_made_the_same_way_on_every_rank(tmp_path):
+    assert run_ranks(3, _after_a_subgroup, str(tmp_path), timeout=60) == ["done"] * 3
+
+
+_EXITS = textwrap.dedent("""
+    import sys, torch, shardckpt
+    shardckpt.async_save({"w": torch.arange(4 << 20, dtype=torch.float32)}, sys.argv[1])
+    # the interpreter exits with the save in flight
+""")
+
+
+def test_a_save_in_flight_at_exit_is_finished(tmp_path):
+    path = str(tmp_path / "ckpt")
+    proc = subprocess.run([sys.executable, "-c", _EXITS, path], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert proc.returncode == 0, proc.stderr
+    assert torch.equal(shardckpt.load_full(path)["w"], torch.arange(4 << 20, dtype=torch.float32))

@@ -15,8 +15,10 @@ Each process group gets one ``AsyncSaver`` (created by its first ``async_save``,
 - the last save's plan: a save whose pieces are as they were reuses it (``plan(reuse=...)``), so that
   the background does not gather every rank's metadata and plan again;
 - one background thread. **One save at a time**: a call while the previous save is in flight first waits
-  for it (its buffers are being written), whatever the path, and raises its error if it failed and
-  nobody called ``wait()``. An error is never dropped: ``wait()`` raises it, else the next call does.
+  for it (its buffers are being written), whatever the path. An error is never dropped: ``wait()``
+  raises it; if any rank has not seen it, the next call raises it on every rank (the ranks agree over
+  the idle side group) and saves nothing. A save in flight when the interpreter exits is finished first
+  (or its error printed).
 
 Value semantics: the checkpoint holds the values at the moment ``async_save`` returned. CPU tensors are
 copied before it returns; CUDA tensors are copied to pinned buffers on a side stream that the current
@@ -26,14 +28,17 @@ commit protocol of ``save`` applies unchanged.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, Planned, persist, plan
 from shardckpt.checkpoint.stage import StagingBuffers, stage
-from shardckpt.dist.group import LOCAL, Group, resolve_group, side_group
+from shardckpt.dist.group import LOCAL, Failure, Group, attempt, resolve_group, side_group
 
 __all__ = ["async_save", "AsyncSaver", "SaveHandle", "saver_for", "release"]
 
@@ -56,52 +61,73 @@ class SaveHandle:
         return error
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait until the checkpoint is committed (or failed: raises the error, on every rank)."""
+        """Wait until the checkpoint is committed; raises the save's error (every rank's handle has the same)."""
         error = self.exception(timeout)
         if error is not None:
             raise error
 
 
 class AsyncSaver:
-    """Staging buffers, a side process group and a background thread for one process group's saves."""
+    """Staging buffers, a side process group and a background thread for one process group's saves.
 
-    def __init__(self, process_group: Any = None):
+    Creating one is collective: over every rank of the world when ``process_group`` is the default group
+    (it creates the side group); for another group pass ``background_group``, a gloo group of the same
+    ranks that you created on every rank of the world (``dist.new_group(ranks, backend="gloo")``) and use
+    for nothing else. ``save`` is collective over the group's ranks.
+    """
+
+    def __init__(self, process_group: Any = None, background_group: Any = None):
         self.group = resolve_group(process_group)
-        self.side: Group = side_group(self.group)
+        self.side: Group = side_group(self.group, background_group)
         self.buffers = StagingBuffers()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="shardckpt-async-save")
         self._last: SaveHandle | None = None
         self._planned: Planned | None = None
         self._lock = threading.Lock()
+        _live.add(self)
 
     def save(self, state_dict: dict, path: str | os.PathLike, *, overwrite: bool = False,
              metadata: dict | None = None, files_per_rank: int = DEFAULT_FILES_PER_RANK,
              storage_options: dict | None = None, compress: str | None = None) -> SaveHandle:
         """``shardckpt.save``'s options; returns once the state is staged (collective, like ``save``)."""
+        path = os.fspath(path)
         with self._lock:
             self._finish_previous()
             pg = self.side.pg if self.side.pg is not None else LOCAL
             staged = stage(state_dict, process_group=pg, metadata=metadata, buffers=self.buffers)
 
             def background() -> None:
-                self.buffers.synchronize()
-                planned = plan(staged, path, process_group=pg, overwrite=overwrite, files_per_rank=files_per_rank,
+                # A failure to land the copies (CUDA) travels like a staging error: plan raises it on every rank.
+                synced = attempt(self.side.rank, self.buffers.synchronize)
+                ready = staged if staged.failure or not isinstance(synced, Failure) else \
+                    dataclasses.replace(staged, failure=synced)
+                planned = plan(ready, path, process_group=pg, overwrite=overwrite, files_per_rank=files_per_rank,
                                storage_options=storage_options, compress=compress, reuse=self._planned)
                 self._planned = planned
-                persist(staged, planned)
+                persist(ready, planned)
 
-            self._last = SaveHandle(self._executor.submit(background), os.fspath(path))
+            self._last = SaveHandle(self._executor.submit(background), path)
             return self._last
 
     def _finish_previous(self) -> None:
-        last, self._last = self._last, None
-        if last is not None and not last.observed:
-            last.wait()  # its buffers are about to be overwritten; its error, if nobody saw it, is raised here
+        """Wait for the save in flight (its buffers are about to be reused). If it failed and some rank has not
+        seen the error, raise it on every rank: the ranks agree over the (idle) side group, so that all of
+        them raise here or none does."""
+        last = self._last
+        if last is None:
+            return
+        seen = last.observed
+        error = last._future.exception()  # an interrupt here keeps _last: the next call waits again
+        self._last = None
+        if any(self.side.all_gather(error is not None and not seen)):
+            last.observed = True
+            raise error
 
     def wait(self) -> None:
-        """Wait for the save in flight, if any (raising its error if nobody has seen it)."""
-        with self._lock:
-            self._finish_previous()
+        """Wait for the save in flight, if any, and raise its error (this rank only; not collective)."""
+        last = self._last
+        if last is not None:
+            last.wait()
 
     @property
     def staging_bytes(self) -> int:
@@ -109,13 +135,33 @@ class AsyncSaver:
         return self.buffers.nbytes
 
     def release(self) -> None:
-        """Wait for the save in flight, then free the staging buffers (the next save allocates them again)."""
+        """Wait for the save in flight, then free the staging buffers (the next save allocates them again;
+        the plan is kept). Local to this rank; a failure of that save is still raised by ``wait()`` or the
+        next ``save``."""
         with self._lock:
-            try:
-                self._finish_previous()
-            finally:
-                self.buffers.release()
-                self._planned = None
+            if self._last is not None:
+                self._last._future.exception()
+            self.buffers.release()
+
+    def _wait_at_exit(self) -> None:
+        last = self._last
+        if last is not None and not last.done():
+            error = last._future.exception()
+            if error is not None and not last.observed:
+                print(f"shardckpt: the async save to {last.path} failed: {error!r}", file=sys.stderr)
+
+
+_live: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
+
+
+def _wait_for_saves_at_exit() -> None:
+    """A save in flight when the interpreter exits is finished (or its error printed), not dropped. Runs
+    before concurrent.futures refuses new work at exit (registered after it, run before it)."""
+    for saver in list(_live):
+        saver._wait_at_exit()
+
+
+threading._register_atexit(_wait_for_saves_at_exit)  # noqa: SLF001 - the hook concurrent.futures uses itself
 
 
 _savers: dict[Any, AsyncSaver] = {}
@@ -133,20 +179,22 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_savers_in_child)
 
 
-def saver_for(process_group: Any = None) -> AsyncSaver:
-    """The ``AsyncSaver`` of ``process_group`` (default: the default group), created on first use; creating
-    it is collective over the group's ranks."""
+def saver_for(process_group: Any = None, background_group: Any = None) -> AsyncSaver:
+    """The ``AsyncSaver`` of ``process_group`` (default: the default group), created on first use (see
+    ``AsyncSaver`` for what creating one needs)."""
     key = id(resolve_group(process_group).pg)
     with _savers_lock:
         if key not in _savers:
-            _savers[key] = AsyncSaver(process_group)
+            _savers[key] = AsyncSaver(process_group, background_group)
         return _savers[key]
 
 
-def async_save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None, **options: Any) -> SaveHandle:
+def async_save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None,
+               background_group: Any = None, **options: Any) -> SaveHandle:
     """Save like ``shardckpt.save`` (same options), returning once the state is copied into this rank's
-    staging buffers; the rest runs in the background (see the module docstring). Collective."""
-    return saver_for(process_group).save(state_dict, path, **options)
+    staging buffers; the rest runs in the background (see the module docstring). Collective.
+    ``background_group``: needed on the first call for a ``process_group`` other than the default group."""
+    return saver_for(process_group, background_group).save(state_dict, path, **options)
 
 
 def release(process_group: Any = None) -> None:

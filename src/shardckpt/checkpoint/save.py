@@ -116,10 +116,13 @@ def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, 
     gathered = group.gather(storage if isinstance(storage, Failure) else _UNCHANGED if unchanged else staged.infos)
     whole = None
     if group.is_coordinator:
-        if not isinstance(storage, Failure):
-            gathered, reused = _with_reused(gathered, reuse, files_per_rank, compress)
-        whole = storage if isinstance(storage, Failure) else \
-            _plan_on_coordinator(storage, gathered, overwrite, files_per_rank, compress, reused)
+        merged = storage if isinstance(storage, Failure) else \
+            attempt(0, lambda: _with_reused(gathered, reuse, files_per_rank, compress))
+        if isinstance(merged, Failure):
+            whole = merged
+        else:
+            gathered, reused = merged
+            whole = _plan_on_coordinator(storage, gathered, overwrite, files_per_rank, compress, reused)
     mine = group.scatter(_per_rank(whole, group.world_size) if group.is_coordinator else None)
     raise_failures([storage, mine])
     generation, tasks, per_rank, compression = mine
@@ -142,8 +145,8 @@ def _with_reused(gathered: list, reuse: Planned | None, files_per_rank: int,
     ranks are unchanged and the options are the same."""
     if reuse is None or reuse.gathered is None:
         if any(isinstance(g, _Unchanged) for g in gathered):
-            return [Failure(0, ValueError("plan(reuse=...) was given on some ranks only; give every rank "
-                                          "its own Planned of the same earlier save"), "")], None
+            raise ValueError("plan(reuse=...) was given on some ranks only; give every rank its own Planned of "
+                             "the same earlier save")
         return gathered, None
     infos = [reuse.gathered[r] if isinstance(g, _Unchanged) else g for r, g in enumerate(gathered)]
     same = all(isinstance(g, _Unchanged) for g in gathered) and files_per_rank == reuse.files_per_rank and \

@@ -127,8 +127,11 @@ class StagingBuffers:
     One buffer per tensor name, reallocated only when its dtype or shape changes; a buffer whose name was
     not staged last time is freed. CUDA tensors go to pinned buffers, copied on a side stream per device
     that first waits for the work already queued on the current stream; the current stream then waits for
-    the copies, so that later in-place updates cannot overtake them, and the CPU does not wait at all.
-    ``synchronize()`` waits until the copies have landed (the writer calls it before reading the buffers).
+    the copies, so that later in-place updates on it cannot overtake them, and the CPU does not wait at
+    all (the GPU's current stream does, for the length of the copies). Work on other streams is not
+    ordered: synchronise them before the call. ``synchronize()`` waits until the copies have landed (the
+    writer calls it before reading the buffers). Pinned memory comes from torch's caching host allocator,
+    which rounds sizes up and keeps freed blocks for reuse.
     """
 
     def __init__(self) -> None:
@@ -163,10 +166,14 @@ class StagingBuffers:
 
     def _copy_on_side_stream(self, buf: torch.Tensor, t: torch.Tensor) -> None:
         current = torch.cuda.current_stream(t.device)
-        stream = self._streams.setdefault(t.device, torch.cuda.Stream(device=t.device))
+        if t.device not in self._streams:
+            self._streams[t.device] = torch.cuda.Stream(device=t.device)
+        stream = self._streams[t.device]
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            buf.copy_(t, non_blocking=True)
+            # Resolved on the device first: a non-blocking copy of a conj/neg view would fix the bit up on
+            # the host buffer before the transfer lands.
+            buf.copy_(t.resolve_conj().resolve_neg(), non_blocking=True)
             self._events.append(torch.cuda.Event())
             self._events[-1].record(stream)
         t.record_stream(stream)  # the caller may free t; its memory is not reused before the copy ends

@@ -103,12 +103,22 @@ def raise_failures(results: list[Any]) -> None:
     raise error
 
 
-def side_group(group: Group) -> Group:
-    """A new gloo group of ``group``'s ranks (same rank numbers), for collectives that run in a background
+def side_group(group: Group, given: Any = None) -> Group:
+    """A gloo group of ``group``'s ranks (same rank numbers), for collectives that run in a background
     thread while the caller's own collectives go on in ``group``: separate groups never interleave or
-    deadlock. Collective over ``group``'s ranks only (the other ranks of the world need not call it)."""
+    deadlock. ``given``: one the caller made for this. Otherwise only for the default group: it is created
+    here, collectively over every rank of the world. (Torch names a group made by only some ranks from
+    how many groups each rank has seen, so such a group can hang when ranks have seen different numbers.)"""
+    if given is not None:
+        side = resolve_group(given)
+        if dist.get_process_group_ranks(given) != dist.get_process_group_ranks(group.pg):
+            raise ValueError("the background group must have the same ranks, in the same order, as the process group")
+        return side
     if group.world_size == 1:
         return group
-    ranks = dist.get_process_group_ranks(group.pg)
-    pg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    if group.pg is not dist.group.WORLD:
+        raise ValueError("an async save on a process group other than the default one needs a background group: "
+                         "create a gloo group of the same ranks on every rank of the world "
+                         "(dist.new_group(ranks, backend='gloo')) and pass it as background_group")
+    pg = dist.new_group(dist.get_process_group_ranks(group.pg), backend="gloo")
     return Group(pg, dist.get_rank(pg), dist.get_world_size(pg))
