@@ -5,12 +5,12 @@ import argparse
 
 from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options
 
-from shardckpt.checkpoint.gc import REMOTE_MIN_AGE_S, TEMP_MIN_AGE_S, gc
+from shardckpt.checkpoint.gc import REMOTE_MIN_AGE_S, gc
 
 EPILOG = f"""what is removed: data-<generation>/ directories the committed manifest does not name, and
-manifest.json.tmp-* files, unless a live save may still use them: on local disk a writing save holds a lock
-on its directory (it dies with the process); temporary manifests are kept for {TEMP_MIN_AGE_S:.0f} s; on
-object stores (no locks) anything newer than {REMOTE_MIN_AGE_S / 3600:.0f} h is kept (--min-age to change).
+manifest.json.tmp-* and *.export-tmp-* files, unless a live save may still use them: on local disk a writer
+holds a lock on what it writes (it dies with the process); on object stores (no locks) anything newer than
+{REMOTE_MIN_AGE_S / 3600:.0f} h is kept (--min-age to change).
 A successful save does the same at its path after it commits.
 
 examples:

@@ -2,11 +2,11 @@
 nothing committed, and nothing a live writer holds, is ever touched."""
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -64,25 +64,27 @@ def test_the_next_save_removes_what_a_killed_save_left(tmp_path):
     assert_tree_equal(shardckpt.load_full(path), _state(3.0))
 
 
-def test_a_live_writers_directory_and_a_fresh_temp_manifest_are_kept(tmp_path):
+def test_a_live_writers_directory_and_temp_manifest_are_kept(tmp_path):
     path = str(tmp_path / "ckpt")
     shardckpt.save(_state(1.0), path)
     storage = open_storage(path)
     live = _debris(path, "11ee")
     hold = storage.hold_dir(live)  # another save, still writing (flock: a separate open file description)
     dead = _debris(path, "22dd")
-    fresh = os.path.join(path, "manifest.json.tmp-aaaa")
-    stale = os.path.join(path, "manifest.json.tmp-bbbb")
+    fresh = os.path.join(path, "manifest.json.tmp-aaaa")  # a live save's, still being written
+    stale = os.path.join(path, "manifest.json.tmp-bbbb")  # a killed save's
     for name in (fresh, stale):
         open(name, "wb").write(b"{")
-    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    writing = os.open(fresh, os.O_WRONLY)
+    fcntl.flock(writing, fcntl.LOCK_SH)  # what io.local's writer holds while it writes
     assert sorted(gc(path, dry_run=True)) == sorted([dead, "manifest.json.tmp-bbbb"])
     assert os.path.exists(os.path.join(path, dead))  # a dry run removes nothing
     shardckpt.save(_state(2.0), path, overwrite=True)
     assert os.path.isdir(os.path.join(path, live)) and os.path.exists(fresh)
     assert not os.path.exists(os.path.join(path, dead)) and not os.path.exists(stale)
     hold.release()
-    assert gc(path) == [live]
+    os.close(writing)
+    assert sorted(gc(path)) == sorted([live, "manifest.json.tmp-aaaa"])
     assert verify(path).ok and shardckpt.load_full(path)["v"] == 2.0
 
 

@@ -6,8 +6,8 @@ How a live writer is told from debris (``io``'s ``hold_dir`` / ``remove_abandone
 - local disk: every rank writing a generation holds a shared ``flock`` on its directory from before its
   first file until the commit is decided; the lock dies with the process. A directory is removed only
   while this module holds an exclusive lock on it, so a writer that was about to start makes it again.
-  Where the file system has no locks, no directory is removed. Temporary manifests live for
-  milliseconds: they are removed once older than ``TEMP_MIN_AGE_S``;
+  Where the file system has no locks, nothing is removed. Temporary manifests and an export's temporary
+  files (``*.export-tmp-*``) are held the same way by their writer until they have their final name;
 - object stores (no locks): a generation is removed once its newest object is older than
   ``REMOTE_MIN_AGE_S``; a save that has written nothing for that long is taken as dead.
 
@@ -23,10 +23,10 @@ from shardckpt.errors import CheckpointError
 from shardckpt.format.manifest import MANIFEST_NAME, parse_manifest
 from shardckpt.io import LocalStorage, Storage, open_storage
 
-TEMP_MIN_AGE_S = 60.0
 REMOTE_MIN_AGE_S = 6 * 3600.0
 _GENERATION_DIR = re.compile(r"^data-[0-9a-f]{1,64}$")
 _TEMP_MANIFEST = re.compile(rf"^{re.escape(MANIFEST_NAME)}\.tmp-[0-9a-f]+$")
+EXPORT_TEMP = re.compile(r"^.+\.export-tmp-[0-9a-f]+$")  # a file an export writes before renaming it
 
 
 def committed_dir(storage: Storage) -> str | None:
@@ -41,7 +41,7 @@ def debris(storage: Storage) -> list[str]:
     """The entries at the root that belong to no committed checkpoint now (candidates only: see ``collect``)."""
     keep = committed_dir(storage)
     dirs = [d for d in storage.list_dirs() if _GENERATION_DIR.match(d) and d != keep]
-    return dirs + [f for f in storage.list_files() if _TEMP_MANIFEST.match(f)]
+    return dirs + [f for f in storage.list_files() if _TEMP_MANIFEST.match(f) or EXPORT_TEMP.match(f)]
 
 
 def collect(storage: Storage, dry_run: bool = False, min_age_s: float | None = None) -> list[str]:
@@ -64,9 +64,7 @@ def _not_committed(storage: Storage, name: str) -> bool:
 
 
 def _min_age(storage: Storage, name: str) -> float:
-    if not isinstance(storage, LocalStorage):
-        return REMOTE_MIN_AGE_S
-    return TEMP_MIN_AGE_S if _TEMP_MANIFEST.match(name) else 0.0  # directories: by their lock
+    return 0.0 if isinstance(storage, LocalStorage) else REMOTE_MIN_AGE_S  # local disk goes by locks
 
 
 def gc(path: str | os.PathLike, *, dry_run: bool = False, min_age_s: float | None = None,

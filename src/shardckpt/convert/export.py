@@ -64,6 +64,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from shardckpt.checkpoint.gc import EXPORT_TEMP
 from shardckpt.checkpoint.load_any import wanted_keys
 from shardckpt.errors import CheckpointExistsError, IncompatibleCheckpointError, UnsupportedValueError
 from shardckpt.format.tree import TensorRef, leaves, path_name
@@ -191,6 +192,10 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
         for name in written:
             _remove(storage, name)
         raise
+    if local:  # what killed exports left: temporary files nobody is writing any more
+        for name in storage.list_files():
+            if EXPORT_TEMP.match(name):
+                storage.remove_abandoned(name, 0.0)
     return ExportReport(tuple(names), len(tensors), total, "keep" if cast is None else _dtype_name(cast), tied)
 
 

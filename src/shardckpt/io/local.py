@@ -39,6 +39,7 @@ class _LocalWriter:
     def __init__(self, path: str):
         self._path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        _hold(self._fd)  # a file being written is not debris (remove_abandoned), until closed
         self._pos = 0
         self._started = 0  # bytes [0, _started) are being written back
 
@@ -60,6 +61,14 @@ class _LocalWriter:
             os.fsync(self._fd)
         finally:
             os.close(self._fd)
+
+
+def _hold(fd: int) -> None:
+    """A shared flock on ``fd``: another process's exclusive attempt fails while we live (none if unsupported)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        pass
 
 
 class _DirHold:
@@ -165,12 +174,14 @@ class LocalStorage:
         try:
             writer = _LocalWriter(tmp)
             writer.write(memoryview(data))
-            writer.close()
+            os.fsync(writer._fd)
+            # Closed (its hold released) only once it has its final name: never debris while live.
             if exclusive:
                 os.link(tmp, self.url(path))
                 os.unlink(tmp)
             else:
                 os.replace(tmp, self.url(path))
+            writer.close()
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -208,13 +219,20 @@ class LocalStorage:
         url = self.url(path)
         if not os.path.isdir(url) or os.path.islink(url):
             try:
-                if time.time() - os.lstat(url).st_mtime < min_age_s or not unused():
+                fd = os.open(url, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:  # gone, or a link
+                return False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # still being written: OSError
+                if time.time() - os.fstat(fd).st_mtime < min_age_s or not unused():
                     return False
                 if not dry_run:
                     os.unlink(url)
                 return True
-            except FileNotFoundError:
+            except OSError:
                 return False
+            finally:
+                os.close(fd)
         try:
             fd = os.open(url, os.O_RDONLY | os.O_DIRECTORY)
         except FileNotFoundError:

@@ -87,8 +87,9 @@ class Storage(Protocol):
                          unused: Callable[[], bool] = lambda: True) -> bool:
         """Remove file or directory ``path`` if no live writer can still be using it and ``unused()`` (asked
         last, under the lock where there is one: e.g. "no manifest names it now") is true, and say whether
-        it was (or, ``dry_run``, would be) removed. Local: a directory nobody holds (an exclusive ``flock``
-        succeeds; where locks are unsupported, nothing is removed), a file older than ``min_age_s``.
+        it was (or, ``dry_run``, would be) removed. Local: a directory or file nobody holds (an exclusive
+        ``flock`` succeeds: files are held while ``open_writer`` writes them; where locks are unsupported,
+        nothing is removed), a file only once older than ``min_age_s`` too.
         Object stores: anything whose newest object is older than ``min_age_s``."""
 
     def sync_dir(self, path: str) -> None:
