@@ -150,9 +150,12 @@ class LocalStorage:
         return os.path.isdir(self.url(path))
 
     def list_files(self, path: str = "") -> list[str]:
+        return self._names(path, lambda e: e.is_file())
+
+    def _names(self, path: str, keep: Callable[[os.DirEntry], bool]) -> list[str]:
         try:
             with os.scandir(self.url(path)) as entries:
-                return sorted(e.name for e in entries if e.is_file())
+                return sorted(e.name for e in entries if keep(e))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
@@ -192,11 +195,7 @@ class LocalStorage:
         shutil.rmtree(self.url(path), ignore_errors=True)
 
     def list_dirs(self, path: str = "") -> list[str]:
-        try:
-            with os.scandir(self.url(path)) as entries:
-                return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+        return self._names(path, lambda e: e.is_dir(follow_symlinks=False))
 
     def hold_dir(self, path: str) -> _DirHold:
         url = self.url(path)

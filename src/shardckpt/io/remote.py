@@ -87,12 +87,16 @@ class FsspecStorage:
             return False
 
     def list_files(self, path: str = "") -> list[str]:
+        return self._names(path, "file")
+
+    def _names(self, path: str, kind: str) -> list[str]:
+        """The names of the entries of ``kind`` ("file" or "directory") directly under ``path``, sorted."""
         self.fs.invalidate_cache(self.url(path))
         try:
             entries = self.fs.ls(self.url(path), detail=True)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file")
+        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == kind)
 
     def file_size(self, path: str) -> int:
         self.fs.invalidate_cache(posixpath.dirname(self.url(path)))
@@ -128,12 +132,7 @@ class FsspecStorage:
         self.fs.invalidate_cache()
 
     def list_dirs(self, path: str = "") -> list[str]:
-        self.fs.invalidate_cache(self.url(path))
-        try:
-            entries = self.fs.ls(self.url(path), detail=True)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "directory")
+        return self._names(path, "directory")
 
     def hold_dir(self, path: str) -> _NoHold:
         return _NoHold()  # object stores have no locks: remove_abandoned goes by age
