@@ -39,6 +39,7 @@ from typing import Any
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, Planned, persist, plan
 from shardckpt.checkpoint.stage import StagingBuffers, stage
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, resolve_group, side_group
+from shardckpt.errors import CheckpointError
 
 __all__ = ["async_save", "AsyncSaver", "SaveHandle", "saver_for", "release"]
 
@@ -121,7 +122,7 @@ class AsyncSaver:
         self._last = None
         if any(self.side.all_gather(error is not None and not seen)):
             last.observed = True
-            raise error
+            raise error or CheckpointError("the previous async save failed on another rank")
 
     def wait(self) -> None:
         """Wait for the save in flight, if any, and raise its error (this rank only; not collective)."""
@@ -145,7 +146,7 @@ class AsyncSaver:
 
     def _wait_at_exit(self) -> None:
         last = self._last
-        if last is not None and not last.done():
+        if last is not None:
             error = last._future.exception()
             if error is not None and not last.observed:
                 print(f"shardckpt: the async save to {last.path} failed: {error!r}", file=sys.stderr)
