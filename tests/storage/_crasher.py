@@ -1,13 +1,15 @@
 """Crash-consistency trials, run as a script by tests/storage/test_crash_suite.py (one process imports torch
 once; each trial is a forked child that SIGKILLs itself mid-operation).
 
-    python tests/storage/_crasher.py ROOT TRIALS_PER_OPERATION SEED   -> prints one JSON line of counts
+    python tests/storage/_crasher.py ROOT TRIALS_PER_OPERATION SEED [s3]   -> prints one JSON line of counts
 
 For each operation (save at ws 1 and ws 2, async_save, convert, export), a committed "old" output exists at
 the destination; a child then overwrites it with a "new" one and is killed at a random point, half the
 trials by bytes written (a random threshold below the operation's total), half by time (a random delay below
 its duration). Then: the destination must hold exactly the old output (verified), or exactly the new one if
 the child finished first; nothing partial may load as committed; and rerunning the operation must succeed.
+With ``s3``, save and async_save write to a moto S3 server on 127.0.0.1 instead (its debris goes by age,
+so what a killed save left is not counted there).
 """
 from __future__ import annotations
 
@@ -29,9 +31,11 @@ from shardckpt import ShardedTensor
 from shardckpt.checkpoint.verify import verify
 from shardckpt.convert.convert import convert
 from shardckpt.convert.export import export
-from shardckpt.io import local
+from shardckpt.io import local, remote
 
 OPERATIONS = ("save ws1", "save ws2", "async_save", "convert", "export")
+S3_OPERATIONS = ("save ws1 (s3)", "async_save (s3)")
+S3: dict = {}  # url and storage options of the destination, once the server runs
 
 
 def state(version: int) -> dict:
@@ -41,20 +45,22 @@ def state(version: int) -> dict:
 
 
 def _kill_after_bytes(threshold: int) -> None:
-    """From now on in this process, SIGKILL once ``threshold`` bytes have been written to local files."""
+    """From now on in this process, SIGKILL once ``threshold`` bytes have been written (local files or
+    object uploads)."""
     written = [0]
-    real = local._LocalWriter.pwrite
+    real_local, real_remote = local._LocalWriter.pwrite, remote._FsspecWriter.write
 
-    def pwrite(self, data, offset):
+    def counted(data, write) -> None:
         data = memoryview(data).cast("B")
         left = threshold - written[0]
         if left < len(data):
-            real(self, data[:max(left, 0)], offset)
+            write(data[:max(left, 0)])
             os.kill(os.getpid(), signal.SIGKILL)
         written[0] += len(data)
-        real(self, data, offset)
+        write(data)
 
-    local._LocalWriter.pwrite = pwrite
+    local._LocalWriter.pwrite = lambda self, data, offset: counted(data, lambda d: real_local(self, d, offset))
+    remote._FsspecWriter.write = lambda self, data: counted(data, lambda d: real_remote(self, d))
 
 
 def _kill_after(seconds: float) -> None:
@@ -105,6 +111,10 @@ def run(op: str, root: str, version: int, kill: tuple[str, float] | None) -> Non
         (_kill_after_bytes if kill[0] == "bytes" else _kill_after)(kill[1])
     if op == "save ws1":
         shardckpt.save(state(version), dst, overwrite=True)
+    elif op == "save ws1 (s3)":
+        shardckpt.save(state(version), S3["url"], overwrite=True, storage_options=S3["options"])
+    elif op == "async_save (s3)":
+        shardckpt.async_save(state(version), S3["url"], overwrite=True, storage_options=S3["options"]).wait()
     elif op == "async_save":
         shardckpt.async_save(state(version), dst, overwrite=True).wait()
     elif op == "convert":
@@ -121,6 +131,10 @@ def holds(op: str, root: str, version: int) -> bool:
         if op == "export":
             got = load_file(os.path.join(dst, "model.safetensors"))
             return set(got) == set(want["model"]) and all(torch.equal(got[k], v) for k, v in want["model"].items())
+        if op.endswith("(s3)"):
+            got = shardckpt.load_full(S3["url"], storage_options=S3["options"])
+            return verify(S3["url"], storage_options=S3["options"]).ok and got["step"] == version and \
+                torch.equal(got["model"]["w"], want["model"]["w"])
         got = shardckpt.load_full(dst)
         return verify(dst).ok and got["step"] == version and torch.equal(got["model"]["w"], want["model"]["w"]) \
             and torch.equal(got["optim"]["exp_avg"], want["optim"]["exp_avg"])
@@ -140,19 +154,45 @@ def _in_child(fn) -> int:
     return status
 
 
-def trials(root: str, n: int, seed: int) -> dict:
+def _tensor_bytes(tree) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.nbytes
+    return sum(_tensor_bytes(v) for v in tree.values()) if isinstance(tree, dict) else 0
+
+
+def start_s3() -> None:
+    import logging
+
+    import fsspec
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+
+    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_EC2_METADATA_DISABLED": "true", "NO_PROXY": "127.0.0.1"})
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing",
+               "client_kwargs": {"region_name": "us-east-1"}, "skip_instance_cache": True}
+    fsspec.filesystem("s3", **options).call_s3("create_bucket", Bucket="crash-suite")
+    S3.update(url="s3://crash-suite/ckpt", options=options)
+
+
+def trials(root: str, n: int, seed: int, operations: tuple[str, ...] = OPERATIONS) -> dict:
     rng = random.Random(seed)
     for version in (1, 2):
         shardckpt.save(state(version), os.path.join(root, f"src-{version}"))
     counts = {}
-    for op in OPERATIONS:
+    for op in operations:
         c = counts[op] = {"trials": 0, "killed": 0, "old intact": 0, "finished first": 0, "partial visible": 0,
                           "rerun ok": 0, "data lost": 0, "debris left": 0}
         shutil.rmtree(os.path.join(root, "dst"), ignore_errors=True)
         start = time.perf_counter()
         assert _in_child(lambda: run(op, root, 1, None)) == 0 and holds(op, root, 1), op
         duration = time.perf_counter() - start
-        total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(root, "dst")) for f in fs)
+        total = _tensor_bytes(state(1)) if op.endswith("(s3)") else \
+            sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(root, "dst")) for f in fs)
         for t in range(n):
             kill = ("bytes", rng.uniform(0, total)) if t % 2 == 0 else ("seconds", rng.uniform(0, duration))
             status = _in_child(lambda: run(op, root, 2, kill))
@@ -174,7 +214,8 @@ def trials(root: str, n: int, seed: int) -> dict:
             if _in_child(lambda: run(op, root, 2, None)) == 0 and holds(op, root, 2):
                 c["rerun ok"] += 1
             assert _in_child(lambda: run(op, root, 1, None)) == 0 and holds(op, root, 1), op
-            c["debris left"] += len(_debris(os.path.join(root, "dst")))
+            if not op.endswith("(s3)"):
+                c["debris left"] += len(_debris(os.path.join(root, "dst")))
     return counts
 
 
@@ -188,4 +229,8 @@ def _debris(dst: str) -> list[str]:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    print(json.dumps(trials(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))), flush=True)
+    on_s3 = sys.argv[4:] == ["s3"]
+    if on_s3:
+        start_s3()
+    print(json.dumps(trials(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), S3_OPERATIONS if on_s3 else OPERATIONS)),
+          flush=True)

@@ -1,6 +1,7 @@
 """Fault suite, crash-consistency part (issue 16, item 3): kill -9 at random points (by bytes written and by
-time) in save at ws 1 and 2, async_save, convert and export, overwriting a committed output. Trials run in
-tests/storage/_crasher.py (one process, a forked child per trial).
+time) in save at ws 1 and 2, async_save, convert and export, overwriting a committed output on local disk,
+and in save and async_save to S3 (moto on 127.0.0.1). Trials run in tests/storage/_crasher.py (one process,
+a forked child per trial).
 
     SHARDCKPT_CRASH_TRIALS=200 python -m pytest tests/storage/test_crash_suite.py -s     # long run
 """
@@ -19,13 +20,17 @@ CRASHER = Path(__file__).with_name("_crasher.py")
 
 
 @pytest.mark.timeout(1800)
-def test_kill_9_at_random_points_never_loses_or_half_commits(tmp_path, capsys):
-    proc = subprocess.run([sys.executable, str(CRASHER), str(tmp_path), str(TRIALS), "11"], capture_output=True,
-                          text=True, timeout=1700, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_kill_9_at_random_points_never_loses_or_half_commits(tmp_path, capsys, where):
+    if where == "s3":
+        pytest.importorskip("moto.server")
+    proc = subprocess.run([sys.executable, str(CRASHER), str(tmp_path), str(TRIALS), "11"] + (["s3"] if where == "s3"
+                          else []), capture_output=True, text=True, timeout=1700,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     with capsys.disabled():
-        print(f"\nfault suite, crash consistency: {TRIALS} kills per operation (half by bytes, half by time)")
+        print(f"\nfault suite, crash consistency ({where}): {TRIALS} kills per operation (half by bytes, half by time)")
         columns = ("trials", "killed", "old intact", "finished first", "partial visible", "rerun ok", "data lost",
                    "debris left")
         print("  " + f"{'operation':12s}" + "".join(f"{c:>15s} " for c in columns))
@@ -35,4 +40,4 @@ def test_kill_9_at_random_points_never_loses_or_half_commits(tmp_path, capsys):
         assert c["trials"] == TRIALS and c["killed"] > 0, (op, c)
         assert c["data lost"] == 0 and c["partial visible"] == 0, (op, c)
         assert c["old intact"] + c["finished first"] == TRIALS and c["rerun ok"] == TRIALS, (op, c)
-        assert c["debris left"] == 0, (op, c)  # the next completed run removed what the killed one left
+        assert c["debris left"] == 0, (op, c)  # local: the next completed run removed what the killed one left
