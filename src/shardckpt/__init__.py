@@ -9,6 +9,7 @@ from shardckpt.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     ShardingError,
+    StorageError,
     UnsupportedValueError,
 )
 
@@ -41,5 +42,5 @@ __all__ = [
     "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig", "OptimStateKeyType",
     "get_state_dict", "set_state_dict", "state_dict_type", "save_state", "load_state", "rekey_optim_state_dict",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
-    "IncompatibleCheckpointError", "ShardingError", "UnsupportedValueError",
+    "IncompatibleCheckpointError", "ShardingError", "StorageError", "UnsupportedValueError",
 ]

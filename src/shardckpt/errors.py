@@ -22,6 +22,10 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
     """A committed checkpoint already exists and `overwrite=True` was not given."""
 
 
+class StorageError(CheckpointError, OSError):
+    """The storage kept failing (after retries, within their deadline) to read or write the named object."""
+
+
 class UnsupportedValueError(CheckpointError, TypeError):
     """A state-dict value that shardckpt cannot store (neither a tensor nor a plain JSON-able value)."""
 

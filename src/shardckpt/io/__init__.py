@@ -1,5 +1,5 @@
 """Where checkpoint bytes live: the byte-I/O protocol (``protocol.py``), local disk (``local.py``, the
-fast path) and any fsspec URL (``remote.py``)."""
+fast path), any fsspec URL (``remote.py``), and S3 through s3fs at full speed with retries (``s3.py``)."""
 from __future__ import annotations
 
 import os
@@ -8,8 +8,9 @@ from shardckpt.errors import CheckpointError
 from shardckpt.io.local import LocalStorage
 from shardckpt.io.protocol import FileWriter, Storage
 from shardckpt.io.remote import FsspecStorage
+from shardckpt.io.s3 import S3Storage, S3Tuning
 
-__all__ = ["DEFAULT_IO_THREADS", "FileWriter", "FsspecStorage", "LocalStorage", "Storage", "open_storage", "split_url"]
+__all__ = ["DEFAULT_IO_THREADS", "FileWriter", "FsspecStorage", "LocalStorage", "S3Storage", "Storage", "open_storage", "split_url"]
 
 DEFAULT_IO_THREADS = 4  # concurrent reads per rank (load, verify)
 
@@ -20,17 +21,21 @@ def open_storage(path: str | os.PathLike, storage_options: dict | None = None) -
     ``storage_options`` go to the fsspec filesystem (e.g. ``{"endpoint_url": ...}`` for s3fs).
     """
     path = os.fspath(path)
+    options = dict(storage_options or {})
     if "://" not in path:
         return LocalStorage(path)
     if path.startswith("file://"):
         return LocalStorage(path[len("file://"):])
     try:
         import fsspec
-        fs, root = fsspec.core.url_to_fs(path, **(storage_options or {}))
+        tuning = S3Tuning.take_from(options) if path.startswith(("s3://", "s3a://")) else None
+        fs, root = fsspec.core.url_to_fs(path, **options)
     except ImportError as e:
         hint = "pip install 'shardckpt[s3]'" if path.startswith(("s3://", "s3a://")) else "pip install the fsspec backend"
         raise CheckpointError(f"cannot open {path}: {e}. Install the backend: {hint}") from e
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    if tuning is not None and hasattr(fs, "_call_s3"):
+        return S3Storage(fs, root, protocol, tuning)
     return FsspecStorage(fs, root, protocol)
 
 

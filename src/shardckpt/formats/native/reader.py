@@ -2,7 +2,8 @@
 
 A read is widened to whole checksum blocks around the needed span (at most one extra partial block at
 each end) and every block is checked, so no byte reaches a caller unchecked while ``verify`` is on. A
-compressed chunk's blocks are frames, decoded by ``frames.read_span``.
+compressed chunk's blocks are frames, decoded by ``frames.read_span``. On object stores, a file read
+(nearly) whole is one streaming GET, its reads done in file order (``Storage.stream``).
 When the needed elements land contiguously, in stored order, in a CPU target of the same dtype, they are
 read straight into the target's memory and only the widening goes to small side buffers; otherwise the
 span is read into a buffer and copied piece by piece (any device, any dtype cast).
@@ -27,6 +28,7 @@ from shardckpt.formats.native.plan import ChunkRead
 from shardckpt.tensor_views import as_bytes, from_bytes, view_of
 
 Index = dict[tuple[str, int], ChunkRecord]
+STREAM_FRACTION = 0.5  # an object-store file is streamed whole when at least this part of it is read
 
 
 def check_data_file(storage: Storage, file: FileEntry) -> None:
@@ -148,6 +150,34 @@ def _execute(storage: Storage, manifest: Manifest, reads: list[ChunkRead], files
     with ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="shardckpt-read") as pool:
         indexes = read_indexes(storage, manifest, files, pool)
         records = [chunk_record(storage, manifest, indexes, r) for r in reads]
-        # Biggest reads first, so that the pool's tail is short.
-        order = sorted(range(len(reads)), key=lambda i: -(reads[i].hi - reads[i].lo))
-        list(pool.map(lambda i: execute_read(storage, manifest, reads[i], records[i], verify), order))
+        streamed = _streamed_files(storage, manifest, reads, records)
+        # One task per streamed file, then the other reads, biggest first, so that the pool's tail is short.
+        tasks = [lambda idx=idx: _read_streamed(storage, manifest, reads, records, idx, verify)
+                 for idx in streamed.values()]
+        rest = sorted((i for i, r in enumerate(reads) if r.file not in streamed),
+                      key=lambda i: -(reads[i].hi - reads[i].lo))
+        tasks += [lambda i=i: execute_read(storage, manifest, reads[i], records[i], verify) for i in rest]
+        list(pool.map(lambda task: task(), tasks))
+
+
+def _streamed_files(storage: Storage, manifest: Manifest, reads: list[ChunkRead], records: list[ChunkRecord],
+                    ) -> dict[int, list[int]]:
+    """The files to read through one streaming GET each, with their reads in file order: on storages that
+    stream (object stores), the files whose reads cover at least ``STREAM_FRACTION`` of their bytes."""
+    if not getattr(storage, "streams_whole_files", False):
+        return {}
+    by_file: dict[int, list[int]] = {}
+    for i, r in enumerate(reads):
+        by_file.setdefault(r.file, []).append(i)
+    return {f: sorted(idx, key=lambda i: (records[i].offset, reads[i].lo)) for f, idx in by_file.items()
+            if sum(records[i].stored_length for i in idx) >= STREAM_FRACTION * manifest.files[f].size}
+
+
+def _read_streamed(storage: Storage, manifest: Manifest, reads: list[ChunkRead], records: list[ChunkRecord],
+                   idx: list[int], verify: bool) -> None:
+    path = manifest.files[reads[idx[0]].file].path
+    start = min(records[i].offset for i in idx)
+    stop = max(records[i].offset + records[i].stored_length for i in idx)
+    with storage.stream(path, start, stop) as stream:
+        for i in idx:
+            execute_read(stream, manifest, reads[i], records[i], verify)
