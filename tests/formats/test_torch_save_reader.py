@@ -222,3 +222,25 @@ def test_bad_requests_are_refused_before_anything_is_read(saved):
         with pytest.raises(error, match=message):
             reader.read([ReadRequest("model.w", FlatRange(0, 3), good), bad])
     assert torch.equal(good, torch.full((3,), -1.0))
+
+
+def test_a_flipped_data_byte_is_caught_by_the_archive_crc(tmp_path):
+    # Regression (found by tests/storage/test_fuzz.py): torch.load does not check the zip CRCs, so a flipped
+    # byte in a tensor's data loaded wrong values without an error. The first read checks every member.
+    import shardckpt
+
+    path = tmp_path / "m.pt"
+    w = torch.arange(4096, dtype=torch.float32)
+    torch.save({"w": w}, path)
+    raw = bytearray(path.read_bytes())
+    at = raw.find(w[1000:1004].numpy().tobytes())
+    assert at > 0
+    raw[at] ^= 0x10
+    path.write_bytes(bytes(raw))
+    reader = TorchSaveReader(path)
+    assert reader.tensors()["w"].shape == (4096,)  # describing it reads nothing
+    dest = torch.empty(4096)
+    with pytest.raises(CorruptCheckpointError, match="m.pt: the archive is damaged"):
+        reader.read([ReadRequest("w", full_region((4096,)), dest)])
+    with pytest.raises(CorruptCheckpointError):
+        shardckpt.load_full(path)

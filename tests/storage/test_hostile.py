@@ -177,6 +177,7 @@ MANIFEST_EDITS = {
     "tensor not named by its path": lambda doc: _rename_tensor(doc, "model.tiny", "model.small"),
     "tree not an object": lambda doc: dict(doc, tree=5, tensors={}),
     "$dict of plain string keys": _set(["tree", "meta"], {"$dict": [["a", 1]]}),
+    "a data file listed twice (found by the fuzzer)": lambda doc: dict(doc, files=doc["files"] + doc["files"][:1]),
     "regular chunks count 2**40 in one file": _set(TINY, {"dtype": "float32", "shape": [2 ** 40], "crc32c": 0,
                                                          "chunks": {"size": 1, "count": 2 ** 40,
                                                                     "files": {"first": 0, "step": 0}}}),

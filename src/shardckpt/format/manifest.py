@@ -161,6 +161,11 @@ def _manifest_from_doc(doc: dict, version: int, where: str) -> Manifest:
     data_dir = f"data-{generation}/" if strict else ""
     files = [_file_from_json(f, data_dir, strict, f"{where} files[{i}]")
              for i, f in enumerate(get_list(doc, "files", where))]
+    seen: set[str] = set()
+    for path in (p for f in files for p in (f.path, f.index_path)):
+        if path in seen:  # it would count twice towards the bytes that bound the tensors' claims
+            raise CorruptCheckpointError(f"{where}: file {path!r} is listed twice")
+        seen.add(path)
     tensors_doc = get_field(doc, "tensors", where)
     if not isinstance(tensors_doc, dict):
         raise CorruptCheckpointError(f"{where}: 'tensors' must be an object")
