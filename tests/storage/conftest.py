@@ -1,5 +1,9 @@
-"""Fixtures for the storage suite: a real S3-API server (moto) on 127.0.0.1, and one `backend` fixture that
-runs each test against local disk, ``memory://`` and ``s3://`` (moto).
+"""Fixtures for the storage suite: a real S3-API server on 127.0.0.1, and one `backend` fixture that runs
+each test against local disk, ``memory://`` and ``s3://``.
+
+The S3 server is moto's (in a thread) by default; with ``SHARDCKPT_TEST_S3=radosgw`` it is a single-node
+Ceph radosgw (``radosgw.py``: installed with apt-get if missing, started for the session, ~35 s), so that
+the same tests run against a real S3 implementation.
 
 Nothing here reaches any address but 127.0.0.1: dummy credentials, no EC2 metadata lookups, no proxies,
 no AWS config files, and every S3 client gets the local endpoint explicitly.
@@ -35,11 +39,14 @@ _PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_pr
 @dataclass
 class S3Server:
     endpoint: str  # http://127.0.0.1:PORT
+    kind: str = "moto"  # or "radosgw"
+    key: str = "testing"
+    secret: str = "testing"
 
     def options(self, **extra: Any) -> dict:
         """fsspec/s3fs storage options for this server (explicit credentials: worker processes spawned
         before the environment was set need no environment)."""
-        return {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing",
+        return {"endpoint_url": self.endpoint, "key": self.key, "secret": self.secret,
                 "client_kwargs": {"region_name": "us-east-1"}, **extra}
 
     @functools.cached_property
@@ -53,30 +60,51 @@ class S3Server:
         self.raw_fs.call_s3("create_bucket", Bucket=bucket)
 
     def reset(self) -> None:
-        import requests
+        """Forget every bucket (moto's reset); on radosgw, remove them with their objects."""
+        if self.kind == "moto":
+            import requests
 
-        requests.post(f"{self.endpoint}/moto-api/reset", timeout=30,
-                      proxies={"http": None, "https": None}).raise_for_status()
+            requests.post(f"{self.endpoint}/moto-api/reset", timeout=30,
+                          proxies={"http": None, "https": None}).raise_for_status()
+            return
+        fs = self.raw_fs
+        fs.invalidate_cache()
+        for bucket in fs.ls("", detail=False):
+            fs.rm(bucket, recursive=True)
+        fs.invalidate_cache()
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-    """A moto S3 server in a thread on 127.0.0.1 (free port), for the whole session."""
-    pytest.importorskip("s3fs")
+def _start_s3_server(tmp_dir: str):
+    """(S3Server, stop function): moto in a thread, or radosgw when SHARDCKPT_TEST_S3=radosgw."""
+    if os.environ.get("SHARDCKPT_TEST_S3", "moto") == "radosgw":
+        from tests.storage import radosgw
+
+        rgw = radosgw.start(os.path.join(tmp_dir, "ceph"))
+        return S3Server(rgw.endpoint, "radosgw", rgw.key, rgw.secret), rgw.stop
     moto_server = pytest.importorskip("moto.server")
-    saved = {k: os.environ.get(k) for k in (*_AWS_ENV, *_PROXY_VARS)}
-    os.environ.update(_AWS_ENV)
-    for k in _PROXY_VARS:
-        os.environ.pop(k, None)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     assert host == "127.0.0.1"
+    return S3Server(f"http://127.0.0.1:{port}"), server.stop
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """An S3 server on 127.0.0.1 (free port), for the whole session: moto, or radosgw (see above)."""
+    pytest.importorskip("s3fs")
+    saved = {k: os.environ.get(k) for k in (*_AWS_ENV, *_PROXY_VARS)}
+    os.environ.update(_AWS_ENV)
+    for k in _PROXY_VARS:
+        os.environ.pop(k, None)
+    server, stop = _start_s3_server(str(tmp_path_factory.mktemp("s3")))
+    if server.kind != "moto":
+        os.environ.update(AWS_ACCESS_KEY_ID=server.key, AWS_SECRET_ACCESS_KEY=server.secret)
     try:
-        yield S3Server(f"http://127.0.0.1:{port}")
+        yield server
     finally:
-        server.stop()
+        stop()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -1,4 +1,4 @@
-"""S3 specifics (moto on 127.0.0.1): multi-rank save and resharding load, and s3fs's listing cache."""
+"""S3 specifics (moto or radosgw on 127.0.0.1): multi-rank save and resharding load, and s3fs's listing cache."""
 from __future__ import annotations
 
 import pytest
@@ -11,32 +11,28 @@ from tests.checkpoint.cases import check_equal, empty_like_state, reference, sha
 from tests.storage._util import assert_tree_equal
 
 
-def _options(endpoint: str) -> dict:
-    # Built inside the worker from the endpoint alone: workers may predate the test's environment.
-    return {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
-            "client_kwargs": {"region_name": "us-east-1"}}
-
-
-def _rank_save(url: str, endpoint: str, rotate: int) -> list[str]:
+# The workers get the storage options (with credentials) as an argument: they may predate the test's
+# environment.
+def _rank_save(url: str, options: dict, rotate: int) -> list[str]:
     sd = sharded_state(dist.get_rank(), dist.get_world_size(), rotate)
-    shardckpt.save(sd, url, storage_options=_options(endpoint))
-    return sorted(shardckpt.load_full(url, storage_options=_options(endpoint)))
+    shardckpt.save(sd, url, storage_options=options)
+    return sorted(shardckpt.load_full(url, storage_options=options))
 
 
-def _rank_load(url: str, endpoint: str, rotate: int) -> None:
+def _rank_load(url: str, options: dict, rotate: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     sd = empty_like_state(rank, world, rotate)
-    shardckpt.load(sd, url, storage_options=_options(endpoint))
+    shardckpt.load(sd, url, storage_options=options)
     check_equal(sd, rank, world, rotate)
 
 
 def test_multi_rank_save_ws3_load_ws2_bit_exact(s3_bucket):
     server, bucket = s3_bucket
     url = f"s3://{bucket}/dist"
-    assert run_ranks(3, _rank_save, url, server.endpoint, 0, timeout=120) == [["meta", "model", "step"]] * 3
+    assert run_ranks(3, _rank_save, url, server.options(), 0, timeout=120) == [["meta", "model", "step"]] * 3
     files = sorted(p.split("/")[-1] for p in server.raw_fs.find(f"{bucket}/dist") if p.endswith(".bin"))
     assert len(files) >= 2, files  # several ranks wrote data
-    run_ranks(2, _rank_load, url, server.endpoint, 1, timeout=120)  # other sharding kinds, other world size
+    run_ranks(2, _rank_load, url, server.options(), 1, timeout=120)  # other sharding kinds, other world size
     assert_tree_equal(shardckpt.load_full(url, storage_options=server.options()), reference())
 
 
@@ -83,7 +79,7 @@ def test_cli_reaches_a_custom_endpoint_with_storage_options(s3_bucket, capsys):
     server, bucket = s3_bucket
     url = f"s3://{bucket}/cli"
     shardckpt.save(reference(), url, storage_options=server.options())
-    opts = ["-o", f"endpoint_url={server.endpoint}", "-o", "key=testing", "-o", "secret=testing",
+    opts = ["-o", f"endpoint_url={server.endpoint}", "-o", f"key={server.key}", "-o", f"secret={server.secret}",
             "-o", "client_kwargs.region_name=us-east-1"]
     assert main(["verify", url, "--quiet", *opts]) == 0
     assert capsys.readouterr().out.startswith(f"OK {url}")

@@ -96,6 +96,18 @@ class Storage(Protocol):
         """Make the directory's entries durable (local fsync) and drop listing caches (fsspec)."""
 
 
+class StreamingStorage(Storage, Protocol):
+    """Optional, for object stores where one GET of a whole file beats many ranged ones (``io/s3.py``): a
+    storage whose ``streams_whole_files`` is True has ``stream``, and the native reader reads a file it
+    needs (nearly) whole through it (``formats/native/reader.py``); other storages are read by range."""
+
+    streams_whole_files: bool
+
+    def stream(self, path: str, start: int, stop: int):
+        """A context manager with ``read_into(path, offset, out)`` serving bytes ``[start, stop)`` of ``path``
+        from one streaming GET, for reads in increasing offset order (others fall back to ranged reads)."""
+
+
 class DirHold(Protocol):
     def release(self) -> None:
         """End the hold (idempotent)."""

@@ -14,7 +14,7 @@
   succeeded and the commit stands.
 
 Knobs, from ``storage_options`` (all optional): s3fs's own ``default_block_size`` (the part size, default
-16 MiB here) and ``max_concurrency`` (parts in flight per file, default 8), and ``retry_deadline_s``
+8 MiB here, as boto3's) and ``max_concurrency`` (parts in flight per file, default 8), and ``retry_deadline_s``
 (default 120), which shardckpt takes out before the rest goes to s3fs. botocore's own retries are
 off unless ``config_kwargs`` sets them, so that a deadline bounds a request's whole retrying.
 """
@@ -32,7 +32,7 @@ from shardckpt.io.remote import FsspecStorage
 
 T = TypeVar("T")
 
-PART_SIZE = 16 << 20
+PART_SIZE = 8 << 20
 CONCURRENCY = 8
 RETRY_DEADLINE_S = 120.0
 _BACKOFF_BASE_S, _BACKOFF_CAP_S = 0.1, 5.0
@@ -150,7 +150,19 @@ class S3Storage(FsspecStorage):
                 time.sleep(pause)
 
     def is_dir(self, path: str = "") -> bool:
-        return self._retrying_sync(path, "listing", lambda: super(S3Storage, self).is_dir(path))
+        """Whether any object lies under ``path/`` (one listing request; s3fs's ``isdir`` says False when
+        its lookups fail)."""
+        bucket, key = self._where(path)
+        prefix = key.rstrip("/") + "/" if key else ""
+
+        async def attempt() -> bool:
+            resp = await self.fs._call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1)
+            return bool(resp.get("KeyCount") or resp.get("Contents"))
+
+        try:
+            return self._run(self._retrying(path, "listing", attempt))
+        except FileNotFoundError:  # no such bucket
+            return False
 
     def _names(self, path: str, kind: str) -> list[str]:
         return self._retrying_sync(path, "listing", lambda: super(S3Storage, self)._names(path, kind))
@@ -245,10 +257,13 @@ class S3Storage(FsspecStorage):
         self._guard(path, lambda: self._run(run()))
 
     def _guard(self, path: str, fn: Callable[[], T]) -> T:
-        """s3fs's translation of a 404 into the protocol's ``missing``."""
+        """A definite answer that the bytes are not there (404, 416: s3fs raises OSErrors) is the protocol's
+        ``missing``; a store that kept failing stays a ``StorageError``."""
         try:
             return fn()
-        except (FileNotFoundError, KeyError) as e:
+        except StorageError:
+            raise
+        except (OSError, KeyError) as e:
             raise missing(self._display(path), e) from e
 
     def stream(self, path: str, start: int, stop: int) -> "_Stream":
