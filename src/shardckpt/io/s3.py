@@ -243,10 +243,9 @@ class S3Storage(FsspecStorage):
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         out = out.cast("B")
         part = self.tuning.part_size
-        limit = asyncio.Semaphore  # created inside the loop below
 
         async def run() -> None:
-            gate = limit(self.tuning.concurrency)
+            gate = asyncio.Semaphore(self.tuning.concurrency)  # made in the loop that uses it
 
             async def one(lo: int) -> None:
                 async with gate:
@@ -278,11 +277,8 @@ class S3Storage(FsspecStorage):
     def put_atomic(self, path: str, data: bytes, exclusive: bool = False) -> None:
         bucket, key = self._where(path)
         match = {"IfNoneMatch": "*"} if exclusive else {}
-        attempts = 0
 
         async def attempt() -> None:
-            nonlocal attempts
-            attempts += 1
             await self.fs._call_s3("put_object", Bucket=bucket, Key=key, Body=data, **match)
 
         try:
