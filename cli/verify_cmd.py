@@ -1,4 +1,5 @@
-"""``shardckpt verify PATH``: prove a checkpoint complete and uncorrupted."""
+"""``shardckpt verify PATH``: prove a checkpoint complete and uncorrupted; ``verify DST --against SRC``: prove an
+export holds the source's values."""
 from __future__ import annotations
 
 import argparse
@@ -11,15 +12,22 @@ from shardckpt.cli.progress import Progress
 from shardckpt.checkpoint.describe import foreign_format
 from shardckpt.checkpoint.verify import verify
 from shardckpt.io import DEFAULT_IO_THREADS
-from shardckpt.errors import CorruptCheckpointError
+from shardckpt.convert.verify_export import verify_export
+from shardckpt.errors import CheckpointError, CorruptCheckpointError
 
 EPILOG = """checks: the manifest's own checksum (format v2 on); every data file present with its recorded
 size; every chunk index intact; chunks tile every tensor exactly once; every checksum block of every
 chunk (a failure names its byte range); every tensor's sharding-independent checksum.
 
+An exported safetensors directory (`shardckpt export`) is checked for its structure (headers within
+their files, the index placing every tensor and naming every file, its total_size); with --against SRC
+every value is compared with the source as export reads it (the same --only/--strip-prefix), bit for
+bit after the export's cast.
+
 examples:
   shardckpt verify /ckpt/step-1000
   shardckpt verify s3://bucket/run/step-1000 --quiet && echo sound
+  shardckpt verify ./hf-out --against /ckpt/step-1000
 """
 
 
@@ -32,6 +40,9 @@ def register(sub) -> None:
     add_storage_options(p)
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--against", metavar="SRC", help="PATH is an export: compare its every value with SRC's")
+    p.add_argument("--only", nargs="+", metavar="PREFIX", help="with --against: what export was given")
+    p.add_argument("--strip-prefix", metavar="P", help="with --against: what export was given")
     p.add_argument("--threads", type=int, default=DEFAULT_IO_THREADS,
                    help=f"parallel reads (default {DEFAULT_IO_THREADS})")
     p.set_defaults(run=run)
@@ -39,6 +50,8 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     other = foreign_format(args.path, storage_options=storage_options(args))
+    if args.against is not None or (other is not None and other.startswith("safetensors")):
+        return _run_export(args)
     if other is not None:
         print(f"shardckpt verify: error: {args.path}: {other}, not a shardckpt checkpoint; verify checks shardckpt "
               "checkpoints against the checksums they store (`shardckpt inspect` lists this one)", file=sys.stderr)
@@ -69,3 +82,30 @@ def run(args: argparse.Namespace) -> int:
             print(f"BAD {problem}", file=sys.stderr)
         print(f"FAILED {args.path}: {len(report.problems)} problem(s) in {report.tensors} tensors", file=sys.stderr)
     return 0 if report.ok else 1
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    try:
+        check = verify_export(args.path, against=args.against, only=args.only, strip_prefix=args.strip_prefix,
+                              storage_options=storage_options(args), dst_storage_options=storage_options(args))
+    except CheckpointError as e:
+        print(f"FAILED {args.path}: {e}", file=sys.stderr)
+        return 1
+    values = check.values
+    if args.json:
+        print(json.dumps({"ok": check.ok, "files": check.files, "tensors": check.tensors, "bytes": check.bytes,
+                          "problems": check.problems,
+                          "differences": None if values is None else
+                          [{"tensor": d.name, "kind": d.kind, "detail": d.detail} for d in values.differences]},
+                         indent=2))
+    elif check.ok:
+        against = "" if values is None else f", every value equal to {args.against}'s ({values.bytes_read:,} bytes read)"
+        print(f"OK {args.path}: {check.files} files, {check.tensors} tensors, {check.bytes:,} bytes{against}")
+    else:
+        for problem in check.problems:
+            print(f"BAD {problem}", file=sys.stderr)
+        for d in [] if values is None else values.differences:
+            print(f"BAD {d.name}: {d.kind}: {d.detail}", file=sys.stderr)
+        count = len(check.problems) + (0 if values is None else len(values.differences))
+        print(f"FAILED {args.path}: {count} problem(s)", file=sys.stderr)
+    return 0 if check.ok else 1

@@ -1,0 +1,108 @@
+"""``shardckpt verify DST [--against SRC]``: check an exported safetensors directory (or file).
+
+Without ``against``: the structure. Every header parses within its file's bytes (``SafetensorsReader``);
+with an index, every tensor of every ``*.safetensors`` file is in its ``weight_map``, every file it names
+exists, no other shard file lies beside them, and ``metadata.total_size`` (where given) is the tensors' bytes.
+
+With ``against``: also every value. The source is read as ``export`` reads it (``select``: the ``model``
+entry, ``only``, ``strip_prefix``, wrapper prefixes removed, tied weights once) and compared with the export
+by ``diff``, bit for bit, after casting each floating source tensor to the dtype the export holds: a cast
+export is checked against the cast values. The floating tensors of an export must share one cast (or keep
+their dtypes), as ``export`` writes them.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from shardckpt.convert.diff import DiffReport, diff
+from shardckpt.convert.export import select
+from shardckpt.errors import CheckpointError
+from shardckpt.format.tree import TensorRef
+from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
+from shardckpt.formats.detect import open_reader
+from shardckpt.formats.safetensors import INDEX_NAME, SUFFIX, SafetensorsReader
+from shardckpt.state_dict.logical import logical_view
+
+
+@dataclass
+class ExportCheck:
+    files: int
+    tensors: int
+    bytes: int
+    problems: list[str] = field(default_factory=list)
+    values: DiffReport | None = None  # with ``against``
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and (self.values is None or self.values.equal)
+
+
+def verify_export(dst: str | os.PathLike, *, against: str | os.PathLike | None = None,
+                  only: Sequence[str] | None = None, strip_prefix: str | None = None,
+                  storage_options: dict | None = None, dst_storage_options: dict | None = None) -> ExportCheck:
+    """Check the export at ``dst`` (see the module's docstring). Problems are collected, not raised; an
+    unreadable export or source raises a ``CheckpointError`` naming the file."""
+    reader = open_reader(dst, storage_options=dst_storage_options)
+    if not isinstance(reader, SafetensorsReader):
+        raise CheckpointError(f"{dst}: not a safetensors export (verify checks shardckpt checkpoints by their "
+                              "own checksums; --against is for exports)")
+    infos = reader.tensors()
+    check = ExportCheck(len(reader.headers), len(infos), sum(h.size for h in reader.headers.values()),
+                        _structure_problems(reader))
+    if against is not None:
+        source = logical_view(open_reader(against, storage_options=storage_options))
+        check.values = diff(_ExpectedExport(source, only, strip_prefix, infos, reader.tree()), reader)
+    return check
+
+
+def _structure_problems(reader: SafetensorsReader) -> list[str]:
+    if reader.index_metadata is None and len(reader.headers) == 1 and not reader.where.endswith(INDEX_NAME):
+        return []  # one file, no index: its header was checked against its bytes when it was opened
+    problems = []
+    named = set(reader.tensors())
+    for h in reader.headers.values():
+        extra = sorted(set(h.tensors) - named)
+        if extra:
+            problems.append(f"{reader.storage.url(h.file)}: {len(extra)} tensors the index does not place here "
+                            f"(first {extra[0]!r})")
+    others = sorted(n for n in reader.storage.list_files() if n.endswith(SUFFIX) and n not in reader.headers)
+    if others:
+        problems.append(f"{reader.storage.root}: {len(others)} *{SUFFIX} files the index does not name "
+                        f"(first {others[0]!r}): left from another export?")
+    total = reader.index_metadata.get("total_size") if isinstance(reader.index_metadata, dict) else None
+    want = sum(i.dtype.itemsize * math.prod(i.shape) for i in reader.tensors().values())
+    if total is not None and total != want:  # optional: hand-made indexes may leave it out
+        problems.append(f"{reader.where}: metadata.total_size is {total!r}, the tensors hold {want} bytes")
+    return problems
+
+
+class _ExpectedExport:
+    """The source as ``export`` would write it: the selected tensors under their exported names, floating
+    ones cast to the dtype the export holds (reads cast into the caller's buffer, as export's reads do)."""
+
+    def __init__(self, source: CheckpointReader, only: Sequence[str] | None, strip_prefix: str | None,
+                 exported: Mapping[str, TensorInfo], exported_tree: Any):
+        self.source = source
+        # The export's own plain values (its __metadata__) are not the source's to predict.
+        self._plain = {k: v for k, v in exported_tree.items() if not isinstance(v, TensorRef)} \
+            if isinstance(exported_tree, dict) else {}
+        chosen, _tied = select(source, only, strip_prefix, None)
+        casts = {exported[t.name].dtype for t in chosen
+                 if t.name in exported and t.source_dtype.is_floating_point and exported[t.name].dtype != t.source_dtype}
+        cast = casts.pop() if len(casts) == 1 else None
+        self._source_of = {t.name: t.source for t in chosen}
+        self._infos = {t.name: TensorInfo(t.name, cast if cast is not None and t.source_dtype.is_floating_point
+                                          else t.source_dtype, t.shape, None) for t in chosen}
+
+    def tensors(self) -> Mapping[str, TensorInfo]:
+        return dict(self._infos)
+
+    def tree(self) -> Any:
+        return {**self._plain, **{name: TensorRef(name) for name in self._infos}}
+
+    def read(self, requests: Sequence[ReadRequest]) -> None:
+        self.source.read([ReadRequest(self._source_of[r.tensor], r.region, r.dest) for r in requests])
+
