@@ -105,3 +105,35 @@ def test_a_few_hundred_mib_go_up_in_concurrent_parts_and_come_back_bit_exact(s3_
     part = {"big": ShardedTensor.from_full(torch.empty(40 << 20), 1, 3)}  # a third: ranged GETs
     shardckpt.load(part, url, storage_options=server.options(), strict=False)
     assert torch.equal(part["big"].local, state["big"].chunk(3)[1])
+
+
+def test_export_to_s3_stages_nothing_locally_and_verifies_against_its_source(s3_bucket, tmp_path, monkeypatch):
+    import tempfile
+
+    from safetensors.torch import load as load_bytes
+
+    from shardckpt.convert.export import INDEX_NAME, export
+    from shardckpt.convert.verify_export import verify_export
+
+    server, bucket = s3_bucket
+    g = torch.Generator().manual_seed(9)
+    model = {"embed": torch.randn(6 << 20, generator=g), "norm": torch.randn(64, generator=g)}  # 12 MiB in bf16: 2 parts
+    src = str(tmp_path / "src")
+    shardckpt.save({"model": model, "step": 1}, src)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    for var in ("TMPDIR", "TEMP", "TMP"):
+        monkeypatch.setenv(var, str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    url = f"s3://{bucket}/hf"
+    report = export(src, url, dtype="bfloat16", max_shard_size="8MiB", dst_storage_options=server.options())
+    assert list(scratch.iterdir()) == []  # nothing staged on local disk
+    assert len(report.files) == 2
+    fs = server.raw_fs
+    got = {}
+    for name in report.files:
+        got.update(load_bytes(fs.cat_file(f"{bucket}/hf/{name}")))  # safetensors itself reads them
+    assert sorted(got) == ["embed", "norm"] and all(torch.equal(got[k], model[k].to(torch.bfloat16)) for k in got)
+    assert fs.exists(f"{bucket}/hf/{INDEX_NAME}")
+    check = verify_export(url, against=src, dst_storage_options=server.options())
+    assert check.ok and check.values.tensors == 2
