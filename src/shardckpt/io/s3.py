@@ -206,8 +206,8 @@ class S3Storage(FsspecStorage):
 
     # -- reads -----------------------------------------------------------------------------------
     def _head(self, path: str) -> int | None:
-        """The object's size, or None where there is none. s3fs's ``exists``/``size`` are not used: under
-        faults they answer False or 0 (their lookups fall back to listings and swallow errors)."""
+        """The object's size, or None where there is none: one HEAD, retried by the policy above (s3fs's
+        ``exists``/``size`` retry by their own rules and may fall back to listings)."""
         bucket, key = self._where(path)
 
         async def attempt() -> int | None:
