@@ -59,7 +59,7 @@ def verify_export(dst: str | os.PathLike, *, against: str | os.PathLike | None =
 
 
 def _structure_problems(reader: SafetensorsReader) -> list[str]:
-    if reader.index_metadata is None and len(reader.headers) == 1 and not reader.where.endswith(INDEX_NAME):
+    if not reader.where.endswith(INDEX_NAME):
         return []  # one file, no index: its header was checked against its bytes when it was opened
     problems = []
     named = set(reader.tensors())

@@ -110,44 +110,37 @@ class S3Storage(FsspecStorage):
     def _run(self, coro: Awaitable[T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop).result()
 
-    def _pause(self, tries: int) -> float:
-        return random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2 ** tries))  # full jitter
-
-    def _gave_up(self, path: str, what: str, tries: int, start: float, e: Exception) -> StorageError:
-        return StorageError(f"{self._display(path)}: {what} failed after {tries} attempts in "
-                            f"{time.monotonic() - start:.1f} s: {type(e).__name__}: {e}")
+    def _pause_after(self, e: Exception, path: str, what: str, tries: int, start: float) -> float:
+        """The pause before the next attempt after ``e`` (full jitter), or raise: ``e`` itself when it is not
+        transient, a ``StorageError`` when the pause would pass the deadline."""
+        if not _retryable(e):
+            raise e
+        pause = random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2 ** tries))
+        if time.monotonic() + pause >= start + self.tuning.retry_deadline_s:
+            raise StorageError(f"{self._display(path)}: {what} failed after {tries} attempts in "
+                               f"{time.monotonic() - start:.1f} s: {type(e).__name__}: {e}") from e
+        return pause
 
     async def _retrying(self, path: str, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
         """``attempt()`` until it succeeds, a non-transient error, or the deadline; then StorageError."""
-        start = time.monotonic()
-        deadline, tries = start + self.tuning.retry_deadline_s, 0
+        start, tries = time.monotonic(), 0
         while True:
             tries += 1
             try:
-                return await asyncio.wait_for(attempt(), max(deadline - time.monotonic(), 0.001))
-            except Exception as e:  # noqa: BLE001 - sorted by _retryable
-                if not _retryable(e):
-                    raise
-                pause = self._pause(tries)
-                if time.monotonic() + pause >= deadline:
-                    raise self._gave_up(path, what, tries, start, e) from e
-                await asyncio.sleep(pause)
+                left = start + self.tuning.retry_deadline_s - time.monotonic()
+                return await asyncio.wait_for(attempt(), max(left, 0.001))
+            except Exception as e:  # noqa: BLE001 - sorted by _pause_after
+                await asyncio.sleep(self._pause_after(e, path, what, tries, start))
 
     def _retrying_sync(self, path: str, what: str, fn: Callable[[], T]) -> T:
         """The same for s3fs's own (blocking) calls: listings and deletes."""
-        start = time.monotonic()
-        tries = 0
+        start, tries = time.monotonic(), 0
         while True:
             tries += 1
             try:
                 return fn()
-            except Exception as e:  # noqa: BLE001 - sorted by _retryable
-                if not _retryable(e):
-                    raise
-                pause = self._pause(tries)
-                if time.monotonic() + pause >= start + self.tuning.retry_deadline_s:
-                    raise self._gave_up(path, what, tries, start, e) from e
-                time.sleep(pause)
+            except Exception as e:  # noqa: BLE001 - sorted by _pause_after
+                time.sleep(self._pause_after(e, path, what, tries, start))
 
     def is_dir(self, path: str = "") -> bool:
         """Whether any object lies under ``path/`` (one listing request; s3fs's ``isdir`` says False when
