@@ -204,11 +204,28 @@ def test_a_runtime_local_checkpoint_converted_to_local_at_another_world_size_res
         assert manifest.tensors[f"model.{k}"].shape == (layout.padded_numel,)
     assert manifest.tree["optim"] == source.tree["optim"]  # keys (name or ID) and param groups as stored
     assert diff(logical_view(open_reader(out), param_names=names), f"{root}/FULL_STATE_DICT-{key.name}").equal
+    assert diff(out, local).equal  # other layouts: diff compares by parameter by itself
     for route, (got, got_losses) in run_ranks(world, _resume_local, out, key, timeout=300)[0].items():
         where = f"LOCAL ws2 -> LOCAL ws{world} ({key.name}), {route}"
         assert_same_state(got, state, where)
         assert all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) for a, b in zip(got_losses, losses)), \
             (where, got_losses, losses)
+
+
+@pytest.mark.parametrize("key", list(OptimStateKeyType), ids=lambda k: k.name)
+def test_diff_compares_local_checkpoints_of_other_layouts_by_parameter(runtime_local, tmp_path, key):
+    root, _, _, _ = runtime_local
+    local, full = f"{root}/LOCAL_STATE_DICT-{key.name}", f"{root}/FULL_STATE_DICT-{key.name}"
+    convert(local, tmp_path / "ws3", world_size=3)
+    for a, b in ((local, full), (tmp_path / "ws3", full), (local, tmp_path / "ws3")):
+        report = diff(a, b)
+        assert report.equal and report.tensors > 0, (a, b, report.differences[:3])
+    state = shardckpt.load_full(full)
+    name = sorted(state["model"])[1]
+    state["model"][name].view(-1)[-1] += 1  # the last element: next to the padding of a flat shard
+    shardckpt.save(state, tmp_path / "tampered", metadata=_manifest(full).metadata)
+    report = diff(tmp_path / "ws3", tmp_path / "tampered")
+    assert [(d.name, d.kind) for d in report.differences] == [(f"model.{name}", "values")], report.differences
 
 
 def test_local_output_needs_a_local_source(runtime_local, tmp_path, capsys):

@@ -83,13 +83,21 @@ def test_a_local_checkpoint_is_diff_equal_to_the_jobs_full_one(saved, key):
 
 
 @pytest.mark.parametrize("key", KEYS, ids=lambda k: k.name)
-def test_without_param_names_only_the_parameter_order_differs(saved, key):
+def test_without_param_names_the_recorded_order_is_used_else_only_the_order_differs(saved, key, tmp_path):
     root, names = saved
-    view = logical_view(open_reader(_path(root, LOCAL, key)))
     full = open_reader(_path(root, FULL, key))
+    assert diff(logical_view(open_reader(_path(root, LOCAL, key))), full).equal  # save_state recorded the order
+    unrecorded = str(tmp_path / "unrecorded")  # as saved by `save` of a LOCAL state dict, or an older save_state
+    shutil.copytree(_path(root, LOCAL, key), unrecorded)
+    manifest = os.path.join(unrecorded, "manifest.json")
+    doc = manifest_doc(open(manifest, "rb").read())
+    del doc["metadata"]["param_names"]
+    with open(manifest, "wb") as f:
+        f.write(sealed(doc))
+    view = logical_view(open_reader(unrecorded))
     groups = view.tree()["optim"]["param_groups"]
     listed = groups[0][PARAM_NAMES] if key is OptimStateKeyType.PARAM_ID else groups[0]["params"]
-    assert sorted(listed) == sorted(names)
+    assert sorted(listed) == sorted(names) and listed != names
     if key is OptimStateKeyType.PARAM_NAME:
         report = diff(view, full)
         assert [(d.name, d.kind) for d in report.differences] == [("optim.param_groups", "plain value")]
@@ -98,6 +106,19 @@ def test_without_param_names_only_the_parameter_order_differs(saved, key):
         by_name = logical_view(open_reader(_path(root, LOCAL, OptimStateKeyType.PARAM_NAME)))
         for i, entry in view.tree()["optim"]["state"].items():
             assert entry.keys() == by_name.tree()["optim"]["state"][ids[i]].keys()
+
+
+def test_a_recorded_order_that_is_not_a_list_of_names_is_a_corrupt_checkpoint(saved, tmp_path):
+    root, _ = saved
+    path = str(tmp_path / "bad")
+    shutil.copytree(_path(root, LOCAL, OptimStateKeyType.PARAM_NAME), path)
+    manifest = os.path.join(path, "manifest.json")
+    doc = manifest_doc(open(manifest, "rb").read())
+    doc["metadata"]["param_names"] = [1, 2]
+    with open(manifest, "wb") as f:
+        f.write(sealed(doc))
+    with pytest.raises(CorruptCheckpointError, match=r"bad.*metadata.param_names is not a list of parameter names"):
+        logical_view(open_reader(path))
 
 
 def _read(reader, name: str, region, dtype) -> torch.Tensor:

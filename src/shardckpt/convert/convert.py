@@ -35,7 +35,7 @@ from shardckpt.checkpoint.save_plan import SavePlan, TensorPlan, plan_placed
 from shardckpt.checkpoint.stage import check_unique_names
 from shardckpt.checkpoint.writer import write_rank_files
 from shardckpt.convert.local_output import LocalAtWorldSize, no_layouts_error
-from shardckpt.errors import CheckpointExistsError, CorruptCheckpointError, UnsupportedValueError
+from shardckpt.errors import CheckpointExistsError, UnsupportedValueError
 from shardckpt.format.codecs import Compression
 from shardckpt.format.dtypes import dtype_name, itemsize
 from shardckpt.format.manifest import MANIFEST_NAME
@@ -104,7 +104,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             raise ValueError("dtype: LOCAL output keeps the flat layouts' dtypes; cast with type='sharded' or 'full'")
         reader: CheckpointReader = LocalAtWorldSize(base, world, str(src))
     else:
-        reader = logical_view(base, param_names=param_names or _recorded_names(metadata))
+        reader = logical_view(base, param_names=param_names)
         metadata.pop("param_names", None)  # a FULL or SHARDED output has no flat layouts to go with them
     encoded_tree, outputs = _select(reader, only, exclude, dtype)
     if out_type == "local" and not is_local(encoded_tree):
@@ -136,16 +136,6 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     finally:
         hold.release()
     return ConvertReport(world, out_type, len(outputs), tick.total)
-
-
-def _recorded_names(metadata: dict) -> list[str] | None:
-    """The parameter order ``save_state`` records for LOCAL state (older checkpoints have none)."""
-    names = metadata.get("param_names")
-    if names is None:
-        return None
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise CorruptCheckpointError("the checkpoint's metadata.param_names is not a list of parameter names")
-    return names
 
 
 def _world_size(asked: int | None, source: int) -> int:

@@ -5,6 +5,11 @@ read then), otherwise by value, in slices of at most ``slice_bytes`` per side, s
 whatever the checkpoint's size. With ``atol = rtol = 0`` (the default) values must be equal bit for bit
 (NaN payloads and -0.0 count); with a tolerance, ``torch.isclose`` decides (NaN equals NaN). Tensors of
 different dtypes are compared as values of their promoted dtype, and the dtype difference is reported.
+
+LOCAL checkpoints (flat groups plus their layouts) are compared as stored when both sides have the same
+layouts; otherwise (another world size or wrapping, or a LOCAL and a FULL/SHARDED/foreign checkpoint) both
+sides are compared by parameter, through ``state_dict.logical.logical_view``: the same model state at 2 and
+3 ranks is equal, as it should be, and padding never counts.
 """
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ from shardckpt.format.tree import TensorRef, leaves, path_name
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
 from shardckpt.formats.detect import open_reader
 from shardckpt.regions import FlatRange
+from shardckpt.state_dict.flat import LAYOUTS_KEY
+from shardckpt.state_dict.logical import is_local, logical_view
 from shardckpt.tensor_views import as_bytes
 
 SLICE_BYTES = 64 << 20  # per side and per read: the memory a comparison holds
@@ -53,8 +60,8 @@ def diff(a: str | os.PathLike | CheckpointReader, b: str | os.PathLike | Checkpo
     Unreadable input raises a ``CheckpointError`` subclass naming the file."""
     if atol < 0 or rtol < 0 or not (math.isfinite(atol) and math.isfinite(rtol)):
         raise ValueError("atol and rtol must be finite and >= 0")
-    ra, rb = (r if isinstance(r, CheckpointReader) else open_reader(r, storage_options=storage_options)
-              for r in (a, b))
+    ra, rb = _comparable(*(r if isinstance(r, CheckpointReader) else open_reader(r, storage_options=storage_options)
+                           for r in (a, b)))
     report = DiffReport()
     _diff_plain(ra.tree(), rb.tree(), report)
     ta, tb = ra.tensors(), rb.tensors()
@@ -63,6 +70,16 @@ def diff(a: str | os.PathLike | CheckpointReader, b: str | os.PathLike | Checkpo
     for name in sorted(set(ta) & set(tb)):
         _diff_tensor(ra, rb, ta[name], tb[name], atol, rtol, slice_bytes, report)
     return report
+
+
+def _comparable(ra: CheckpointReader, rb: CheckpointReader) -> tuple[CheckpointReader, CheckpointReader]:
+    """The readers as stored, or both by parameter when their storage forms differ (see the module doc)."""
+    ta, tb = ra.tree(), rb.tree()
+    if not (is_local(ta) or is_local(tb)):
+        return ra, rb
+    if is_local(ta) and is_local(tb) and ta["model"][LAYOUTS_KEY] == tb["model"][LAYOUTS_KEY]:
+        return ra, rb
+    return logical_view(ra), logical_view(rb)
 
 
 def _describe(info: TensorInfo) -> str:

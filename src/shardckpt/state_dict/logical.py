@@ -18,10 +18,10 @@ R in the member's row-major space; padding is never read and never shows. Any ch
 flat layouts is returned as it is.
 
 Which parameter order FULL uses (the unsharded model's ``named_parameters()``: the IDs, and the order of
-the param groups' ``params``) is not stored in a LOCAL checkpoint: pass ``param_names``
-(``unsharded_param_names(model)``) for exactly the FULL state dict of the job. Without it, the stored
-layouts' order is used (groups as stored, members in layout order); ID-keyed groups then still record
-which name each ID means.
+the param groups' ``params``) is not in the flat layouts: ``save_state`` records it in the manifest's ``metadata.param_names``, and
+the view uses it, or the ``param_names`` given (``unsharded_param_names(model)``). A checkpoint without
+either (older ones, ``save`` of a LOCAL state dict) gets the stored layouts' order (groups as stored,
+members in layout order); ID-keyed groups then still record which name each ID means.
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def logical_view(reader: CheckpointReader, *, param_names: Sequence[str] | None 
 
     ``param_names``: the unsharded model's ``named_parameters()`` names in order
     (``shardckpt.state_dict.unsharded_param_names(model)``), the order a FULL state dict numbers IDs and
-    lists param groups in; without it the stored layouts' order is used. Inconsistent layouts (a flat
+    lists param groups in; without it the order ``save_state`` recorded, else the stored layouts'. Inconsistent layouts (a flat
     tensor missing, of another size or dtype than its layout says) raise ``CorruptCheckpointError``
     naming the tensor.
     """
@@ -110,6 +110,8 @@ def logical_view(reader: CheckpointReader, *, param_names: Sequence[str] | None 
         raise CorruptCheckpointError(f"{where}: model.{LAYOUTS_KEY} is not a mapping of flat layouts")
     layouts = stored_layouts(tree)
     base = dict(reader.tensors())
+    if param_names is None:
+        param_names = recorded_param_names(reader)
     builder = _Builder(base, layouts, where, _order(layouts, param_names))
     model = builder.model(tree["model"])
     out = {}
@@ -122,6 +124,17 @@ def logical_view(reader: CheckpointReader, *, param_names: Sequence[str] | None 
             out[key] = copy.deepcopy(value)
     builder.pass_through()
     return LogicalView(reader, out, builder.infos, builder.sources, layouts, where)
+
+
+def recorded_param_names(reader: CheckpointReader) -> list[str] | None:
+    """The parameter order ``save_state`` records in the manifest's metadata for LOCAL state (None: none)."""
+    metadata = getattr(getattr(reader, "manifest", None), "metadata", None) or {}
+    names = metadata.get("param_names")
+    if names is None:
+        return None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CorruptCheckpointError(f"{_where(reader)}: metadata.param_names is not a list of parameter names")
+    return names
 
 
 def _where(reader: CheckpointReader) -> str:
