@@ -24,10 +24,8 @@ ALLOWED = {
     "runtime": BASE | {"dist"},
     "state_dict": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime"},
     "convert": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict"},
-    "demo_train": BASE | {"dist", "io", "format", "checkpoint", "runtime", "state_dict"},
-    "demo": BASE | {"dist", "io", "format", "checkpoint", "runtime", "state_dict", "demo_train"},
-    "cli": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict", "convert", "demo",
-                   "demo_train", "cli"},
+    "demo": BASE | {"dist", "io", "format", "checkpoint", "runtime", "state_dict"},
+    "cli": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict", "convert", "demo", "cli"},
 }
 
 
