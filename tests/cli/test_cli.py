@@ -156,3 +156,37 @@ def test_verify_refuses_a_foreign_format_with_exit_2(foreign, kind, capsys):
 def test_inspect_of_nothing_readable_exits_2(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     assert "Looked for" in capsys.readouterr().err
+
+
+class _Terminal:
+    """A stderr that says it is a terminal, keeping what is written."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        self.text += s
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_progress_bars_show_on_a_terminal_only_and_not_when_quiet(capsys):
+    from shardckpt.cli.progress import Progress
+
+    shown, quiet = _Terminal(), _Terminal()
+    for stream, is_quiet in ((shown, False), (quiet, True)):
+        bar = Progress("convert", quiet=is_quiet, stream=stream)
+        for done in (0, 1 << 20, 3 << 20, 4 << 20):
+            bar(done, 4 << 20)
+        bar.close()
+    assert "convert" in shown.text and "100%" in shown.text and "4.00M" in shown.text, shown.text
+    assert quiet.text == ""
+    bar = Progress("verify")  # pytest's stderr is no terminal
+    bar(1, 2)
+    bar.close()
+    assert capsys.readouterr().err == ""
