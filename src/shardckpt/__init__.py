@@ -14,6 +14,7 @@ from shardckpt.errors import (
 )
 
 from shardckpt.checkpoint.async_save import AsyncSaver, SaveHandle, async_save
+from shardckpt.checkpoint.latest import latest_checkpoint
 from shardckpt.checkpoint.load import load, load_full
 from shardckpt.checkpoint.save import save
 from shardckpt.regions import Box, FlatRange
@@ -37,7 +38,7 @@ from shardckpt.state_dict import (
 )
 
 __all__ = [
-    "save", "async_save", "AsyncSaver", "SaveHandle", "async_save_state", "load", "load_full", "ShardedTensor", "Box", "FlatRange",
+    "save", "async_save", "AsyncSaver", "SaveHandle", "async_save_state", "load", "load_full", "latest_checkpoint", "ShardedTensor", "Box", "FlatRange",
     "StateDictType", "FullStateDictConfig", "ShardedStateDictConfig", "LocalStateDictConfig",
     "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig", "OptimStateKeyType",
     "get_state_dict", "set_state_dict", "state_dict_type", "save_state", "load_state", "rekey_optim_state_dict",

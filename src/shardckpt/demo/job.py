@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from shardckpt.checkpoint.latest import latest_checkpoint
 from shardckpt.demo.config import DemoConfig, DemoError
 from shardckpt.demo.processes import EventTail, TrainingRanks, checked_command, run_command
 from shardckpt.demo.report import plot_losses, summary_lines
@@ -62,7 +63,9 @@ def run_demo(config: DemoConfig = DemoConfig(), say: Callable[[str], None] = pri
             if killed["in_flight"] else "just after its save committed")
     say(f"2. kill -9 of both ranks at step {killed['step']}, {when}")
 
-    resume_from = _last_committed(ckpts)
+    resume_from = latest_checkpoint(ckpts)  # what a job restarting after the crash would pick
+    if resume_from is None:
+        raise DemoError(f"no committed checkpoint in {ckpts}")
     resume_step = int(os.path.basename(resume_from).split("-")[1])
     verified = run_command("verify", resume_from, log=os.path.join(logs, "verify-last.log"))
     checks.append(Check("verify last committed checkpoint", verified.returncode == 0, verified.output.strip()))
@@ -237,13 +240,6 @@ def _committed(ckpts: str) -> list[str]:
     """The committed checkpoints under ``ckpts`` (a manifest is written last: its presence is the commit)."""
     return sorted(os.path.join(ckpts, name) for name in os.listdir(ckpts)
                   if os.path.exists(os.path.join(ckpts, name, MANIFEST_NAME)))
-
-
-def _last_committed(ckpts: str) -> str:
-    steps = [p for p in _committed(ckpts) if os.path.basename(p).count("-") == 1]
-    if not steps:
-        raise DemoError(f"no committed checkpoint in {ckpts}")
-    return steps[-1]
 
 
 def _loss_continuity(first: dict[int, float], resumed: dict[int, float], tolerance: float = 2e-3) -> dict:

@@ -1,0 +1,32 @@
+"""``latest_checkpoint``: where a job resumes from, the newest committed checkpoint under a run directory."""
+from __future__ import annotations
+
+import os
+import re
+
+from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.io import open_storage
+
+_STEP = re.compile(r"step[-_]?(\d+)", re.IGNORECASE)
+_NUMBER = re.compile(r"\d+")
+
+
+def step_of(name: str) -> int | None:
+    """The step a checkpoint's directory name gives: the number after ``step`` (``step-1000``,
+    ``global_step500``, ``step_000120-ws3``), else the last number in it (``ckpt-300``), else None."""
+    found = _STEP.findall(name) or _NUMBER.findall(name)
+    return int(found[-1]) if found else None
+
+
+def latest_checkpoint(root: str | os.PathLike, *, storage_options: dict | None = None) -> str | None:
+    """The committed checkpoint directly under ``root`` (a path or fsspec URL) with the highest step in its
+    name (``step_of``), or None if there is none. A directory without a committed manifest, such as one
+    an interrupted save left, is skipped; among equal steps the last name in sorted order wins."""
+    storage = open_storage(root, storage_options)
+    named = sorted(((step, name) for name in storage.list_dirs() if (step := step_of(name)) is not None),
+                   reverse=True)
+    for _, name in named:
+        if storage.exists(f"{name}/{MANIFEST_NAME}"):
+            root = os.fspath(root)
+            return f"{root.rstrip('/')}/{name}" if "://" in root else os.path.join(root, name)
+    return None
