@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 
 import torch
+import torch.distributed as dist
 
 from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options
 from shardckpt.cli.progress import Progress
@@ -14,13 +17,16 @@ from shardckpt.format.codecs import Compression
 EPILOG = """sources: shardckpt checkpoints of any type and world size (LOCAL ones through their flat layouts),
 torch DCP directories, safetensors files or Hugging Face directories, torch.save files. The output is a
 shardckpt checkpoint, committed atomically at the end: until then nothing at DST loads or verifies.
-Memory holds a few chunks at a time, whatever the checkpoint's size.
+Memory holds a few chunks at a time, whatever the checkpoint's size. Started by torchrun, the copies
+share the writing (output rank r is written by copy r % nproc; copy 0 commits): on one machine, or on
+several that see the same SRC and DST (a shared file system, or object storage).
 
 examples:
   shardckpt convert /ckpt/step-1000 /ckpt/step-1000-ws8 --world-size 8
   shardckpt convert /ckpt/local-step-1000 /export/full --type full --world-size 1 --only model
   shardckpt convert /ckpt/step-1000 /archive/step-1000 --compress zstd      (bf16 ~1.45x smaller)
   shardckpt convert /dcp/step-500 s3://bucket/step-500 --world-size 4 -o endpoint_url=http://127.0.0.1:9000
+  torchrun --nproc-per-node 4 -m shardckpt.cli.main convert s3://b/step-1000 s3://b/step-1000-ws64 --world-size 64
 """
 
 
@@ -71,14 +77,31 @@ def _dtype(name: str | None) -> torch.dtype | None:
 
 def run(args: argparse.Namespace) -> int:
     options = storage_options(args)
-    progress = Progress("convert", quiet=args.quiet)
-    try:
-        report = convert(args.src, args.dst, world_size=args.world_size, type=args.type, dtype=_dtype(args.dtype),
-                         only=args.only, exclude=args.exclude, overwrite=args.overwrite, storage_options=options,
-                         dst_storage_options=options, compress=args.compress, progress=progress)
-    finally:
-        progress.close()
-    if not args.quiet:
+    with _torchrun_workers() as workers:  # None unless started by torchrun with more than one process
+        leader = workers is None or dist.get_rank() == 0
+        progress = Progress("convert", quiet=args.quiet or not leader)
+        try:
+            report = convert(args.src, args.dst, world_size=args.world_size, type=args.type, dtype=_dtype(args.dtype),
+                             only=args.only, exclude=args.exclude, overwrite=args.overwrite, storage_options=options,
+                             dst_storage_options=options, compress=args.compress, progress=progress,
+                             spread_over=workers)
+        finally:
+            progress.close()
+    if leader and not args.quiet:
+        spread = f", written by {workers.size()} workers" if workers is not None else ""
         print(f"{args.dst}: {report.type} checkpoint at world size {report.world_size}, {report.tensors} tensors, "
-              f"{report.bytes_written} bytes")
+              f"{report.bytes_written} bytes{spread}")
     return 0
+
+
+@contextlib.contextmanager
+def _torchrun_workers():
+    """The default process group (gloo), when torchrun started several copies of this command; else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
+        yield None
+        return
+    dist.init_process_group("gloo")
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -1,5 +1,7 @@
 """``convert``: any checkpoint ``open_reader`` reads, written as a shardckpt checkpoint of another world size
-or state-dict type, offline, in one process, without holding the model in memory.
+or state-dict type, offline, without holding the model in memory: in one process, or spread over the
+ranks of a process group (``spread_over``; ``torchrun ... -m shardckpt.cli.main convert``), on one machine
+or several that see the same source and destination.
 
 The source is read through the read interface; a LOCAL shardckpt checkpoint through its flat layouts
 (``state_dict.logical``), so its parameters and optimizer state appear by name, padding never shows. The
@@ -8,6 +10,10 @@ each chunk is read from the source, cast if asked, checksummed and written as it
 memory holds a few chunks at a time (``files_per_rank`` writers, one chunk each), whatever the size. The
 manifest is committed last, atomically: until then nothing at the destination loads or verifies, and a
 committed checkpoint there is replaced only with ``overwrite``.
+
+Spread over W workers, worker ``i`` writes the output ranks ``r`` with ``r % W == i`` (every worker plans
+the same output; worker 0's generation names it), worker 0 gathers their results and commits, and every
+worker raises the first worker's failure (nothing is committed then, and the new files are removed).
 
 Output types: FULL stores every tensor whole; SHARDED stores every tensor of one or more dimensions as
 ``world_size`` dim-0 chunks (``torch.chunk`` semantics, as ``get_state_dict(type=SHARDED)`` gives them)
@@ -35,9 +41,10 @@ from shardckpt.checkpoint.save_plan import SavePlan, TensorPlan, plan_placed
 from shardckpt.checkpoint.stage import check_unique_names
 from shardckpt.checkpoint.writer import write_rank_files
 from shardckpt.convert.local_output import LocalAtWorldSize, no_layouts_error
+from shardckpt.dist.group import LOCAL, Failure, attempt, raise_failures, resolve_group
 from shardckpt.errors import CheckpointExistsError, UnsupportedValueError
 from shardckpt.format.codecs import Compression
-from shardckpt.format.dtypes import dtype_name, itemsize
+from shardckpt.format.dtypes import DTYPES, dtype_name, itemsize
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.format.tree import TensorRef, check_savable_depth, encode, leaves, path_name
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
@@ -77,7 +84,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             exclude: Sequence[str] = (), overwrite: bool = False, files_per_rank: int = DEFAULT_FILES_PER_RANK,
             param_names: Sequence[str] | None = None, storage_options: dict | None = None,
             dst_storage_options: dict | None = None, compress: str | None = None,
-            progress: Callable[[int, int], None] | None = None) -> ConvertReport:
+            progress: Callable[[int, int], None] | None = None, spread_over: Any = None) -> ConvertReport:
     """Convert the checkpoint at ``src`` (any readable format) into a shardckpt checkpoint at ``dst``.
 
     ``world_size``: of the output (default: the source's, 1 for formats that have none). ``type``: "full",
@@ -87,7 +94,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     ``param_names``: for a LOCAL source, the unsharded model's parameter names in order (they number
     optimizer IDs as the job's FULL state dict would; see ``state_dict.logical``). ``compress``: as
     ``shardckpt.save``'s (``"zstd"``, ``"zstd:LEVEL"``; default raw, whatever the source's codecs).
-    ``progress(done_bytes, total_bytes)`` is called as tensors are written.
+    ``progress(done_bytes, total_bytes)`` is called as this process writes (its share of the bytes).
+    ``spread_over``: a process group whose ranks share the writing, each calling ``convert`` with the same
+    arguments (collective); None: this process writes everything.
     """
     compression = Compression.parse(compress)
     base = open_reader(src, storage_options=storage_options)
@@ -115,27 +124,36 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
         raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: a checkpoint already exists; pass "
                                     "overwrite=True (--overwrite) to replace it")
     place = functools.partial(_placement, out_type=out_type, world=world, reader=reader)
-    plan = _plan(outputs, place, world, files_per_rank, compression)
-    tick = _Progress(sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in outputs), progress)
-    results = []
+    workers = resolve_group(LOCAL if spread_over is None else spread_over)
+    plan = _plan(outputs, place, world, files_per_rank, compression, workers.broadcast(uuid.uuid4().hex[:16]))
+    mine = [r for r in range(world) if r % workers.world_size == workers.rank and plan.tasks[r]]
+    tick = _Progress(_share_bytes(plan, mine), progress)
+    by_name = {o.name: o for o in outputs}
+
+    def write(r: int):
+        pieces = _ReadOnDemand(reader, by_name, functools.partial(place, rank=r), tick)
+        return write_rank_files(storage, f"{data_dir(plan.generation)}/rank-{r:05d}", plan.tasks[r], pieces,
+                                files_per_rank, compression)
+
+    metadata.update({"state_dict_type": _STORED_TYPES[out_type]})
     hold = storage.hold_dir(data_dir(plan.generation))  # until committed: not debris to other saves' gc
     try:
-        try:
-            for r in range(world):
-                if not plan.tasks[r]:
-                    results.append(None)
-                    continue
-                pieces = _ReadOnDemand(reader, {o.name: o for o in outputs}, functools.partial(place, rank=r), tick)
-                results.append(write_rank_files(storage, f"{data_dir(plan.generation)}/rank-{r:05d}",
-                                                plan.tasks[r], pieces, files_per_rank, compression))
-        except BaseException:
-            storage.remove_dir(data_dir(plan.generation))
-            raise
-        metadata.update({"state_dict_type": _STORED_TYPES[out_type]})
-        commit(storage, plan, plan.generation, results, world, encoded_tree, metadata, overwrite)
+        if workers.world_size == 1:
+            try:
+                results = [write(r) if r in mine else None for r in range(world)]
+            except BaseException:
+                storage.remove_dir(data_dir(plan.generation))
+                raise
+            commit(storage, plan, plan.generation, results, world, encoded_tree, metadata, overwrite)
+        else:
+            shares = workers.gather(attempt(workers.rank, lambda: {r: write(r) for r in mine}))
+            outcome = attempt(0, lambda: commit(storage, plan, plan.generation, _in_rank_order(shares, world),
+                                                world, encoded_tree, metadata, overwrite)) \
+                if workers.is_coordinator else None
+            raise_failures([workers.broadcast(outcome)])
     finally:
         hold.release()
-    return ConvertReport(world, out_type, len(outputs), tick.total)
+    return ConvertReport(world, out_type, len(outputs), sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in outputs))
 
 
 def _world_size(asked: int | None, source: int) -> int:
@@ -210,7 +228,7 @@ def _placement(output: _Output, rank: int, *, out_type: str, world: int,
 
 
 def _plan(outputs: list[_Output], place: Callable[..., tuple[Region, bool]], world: int,
-          files_per_rank: int, compression: Compression | None) -> SavePlan:
+          files_per_rank: int, compression: Compression | None, generation: str) -> SavePlan:
     """The save plan, one entry per tensor: its chunks are the placements of ranks 0..world-1 (tilings in
     order by construction: dim-0 chunks, or a flat layout's shard ranges), a replica is written once."""
     tensors, replicated = {}, set()
@@ -224,7 +242,26 @@ def _plan(outputs: list[_Output], place: Callable[..., tuple[Region, bool]], wor
             if region.numel:
                 plan.regions.append(region)
                 plan.writers.append(rank)
-    return plan_placed(tensors, replicated, world, uuid.uuid4().hex[:16], files_per_rank, compression)
+    return plan_placed(tensors, replicated, world, generation, files_per_rank, compression)
+
+
+def _share_bytes(plan: SavePlan, ranks: list[int]) -> int:
+    """The stored bytes the output ranks ``ranks`` write (the progress total of the process writing them)."""
+    return sum(plan.tensors[t.name].regions[t.chunk].numel * itemsize(DTYPES[plan.tensors[t.name].dtype])
+               for r in ranks for t in plan.tasks[r])
+
+
+def _in_rank_order(shares: list, world: int) -> list:
+    """Every output rank's write result (None: nothing to write) from the workers' shares, or the workers'
+    failures, which ``commit`` raises after removing the new files."""
+    failures = [share for share in shares if isinstance(share, Failure)]
+    if failures:
+        return failures
+    results: list = [None] * world
+    for share in shares:
+        for r, result in share.items():
+            results[r] = result
+    return results
 
 
 class _ReadOnDemand(Mapping[str, LocalPiece]):
