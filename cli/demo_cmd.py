@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 EPILOG = """what it does (real processes, gloo on 127.0.0.1, no GPU or network needed; about 2 minutes):
   1. trains a 3.2M-parameter transformer on 2 ranks (shardckpt.runtime, FULL_SHARD), async save every K steps
@@ -44,6 +45,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = run_demo(DemoConfig(out=args.out, steps=args.steps, save_every=args.save_every, crash_at=args.crash_at))
     except DemoError as e:
-        print(f"shardckpt demo: {e}")
+        print(f"shardckpt demo: {e}", file=sys.stderr)
         return 1
     return 0 if summary["checksums_equal"] else 1

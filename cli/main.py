@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `shardckpt inspect X --json | head`: the reader left, not an error
         sys.stdout = open(os.devnull, "w")
         return EXIT_OK
+    except OSError as e:  # the system's answer (no space, no permission, not a directory) names the path
+        print(f"shardckpt {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"shardckpt {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -8,17 +8,22 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardckpt.cli.main import main
+from shardckpt.cli.main import build_parser, main
 from shardckpt.demo.config import DemoConfig, DemoError
 from shardckpt.demo.job import _loss_continuity, _prepare, run_demo
 from shardckpt.demo.processes import TrainingRanks
+from tests.test_readme import demo_line
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
+    """The README's `shardckpt demo` example (reduced: fewer steps), with its output in a temporary directory."""
+    args = build_parser().parse_args(demo_line())
+    assert (args.steps, args.save_every, args.crash_at) == (40, 10, 20)  # the assertions below count on these
     out = str(tmp_path_factory.mktemp("demo") / "run")
     lines: list[str] = []
-    summary = run_demo(DemoConfig(out=out, steps=40, save_every=10, crash_at=20), say=lines.append)
+    summary = run_demo(DemoConfig(out=out, steps=args.steps, save_every=args.save_every, crash_at=args.crash_at),
+                       say=lines.append)
     return out, summary, lines
 
 
@@ -112,8 +117,8 @@ def test_a_failing_rank_stops_the_demo_with_its_log(tmp_path):
 def test_the_command_exits_1_with_one_line_on_failure(tmp_path, capsys, monkeypatch):
     (tmp_path / "notes.txt").write_text("x")
     assert main(["demo", "--out", str(tmp_path)]) == 1
-    out = capsys.readouterr().out
-    assert out.startswith("shardckpt demo: ") and "notes.txt" in out and "Traceback" not in out
+    err = capsys.readouterr().err
+    assert err.startswith("shardckpt demo: ") and "notes.txt" in err and "Traceback" not in err
     import shardckpt.demo.job as job
     monkeypatch.setattr(job, "run_demo", lambda config: {"checksums_equal": False})
     assert main(["demo", "--out", str(tmp_path / "new")]) == 1

@@ -190,3 +190,11 @@ def test_progress_bars_show_on_a_terminal_only_and_not_when_quiet(capsys):
     bar(1, 2)
     bar.close()
     assert capsys.readouterr().err == ""
+
+
+def test_an_error_of_the_system_is_one_line_naming_the_path(ckpt, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("x")
+    assert main(["convert", ckpt, str(tmp_path / "a-file" / "dst"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardckpt convert: error: ") and "a-file" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
