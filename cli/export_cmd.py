@@ -4,22 +4,26 @@ from __future__ import annotations
 import argparse
 import time
 
-from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options
+from shardckpt.cli.options import STORAGE_HELP, add_rename_map, add_storage_options, storage_options
 from shardckpt.cli.progress import Progress
 
-from shardckpt.convert.export import DEFAULT_MAX_SHARD_SIZE, cast_dtype, export, parse_size
+from shardckpt.convert.export import DEFAULT_MAX_SHARD_SIZE, cast_dtype, export, parse_size, slice_bytes_for
 
 EPILOG = """sources: shardckpt checkpoints of any type and world size (LOCAL ones by parameter name), torch DCP
 directories, safetensors files or Hugging Face directories, torch.save files. Exported: the `model` entry of a
 training checkpoint (names relative to it), else every tensor outside `optim`/`optimizer`; --only picks other
 entries. Wrapper prefixes `module.` and `_orig_mod.` are removed; tied weights (LOCAL) are written once.
 Output: model.safetensors, or model-0000i-of-0000N.safetensors and model.safetensors.index.json (written last),
-streamed in slices of at most 64 MiB, whatever the model's size.
+streamed in slices of at most 64 MiB (two buffers: --memory-limit 128MiB), whatever the model's size.
 
 examples:
   shardckpt export /ckpt/step-1000 /export/step-1000 --dtype bfloat16
   shardckpt export /ckpt/step-1000 s3://bucket/model --max-shard-size 2GB -o endpoint_url=http://127.0.0.1:9000
   shardckpt export /dcp/step-500 /export/ema --only ema --strip-prefix ema.
+  shardckpt export /ckpt/step-1000 /export/hf --rename-map llama-names.json --memory-limit 1GiB
+    with llama-names.json: {"tok\\.weight": "model.embed_tokens.weight",
+                            "blocks\\.(\\d+)\\.attn\\.(q|k|v)\\.weight": "model.layers.\\1.self_attn.\\2_proj.weight",
+                            "rope\\..*": null}
 """
 
 
@@ -36,6 +40,10 @@ def register(sub) -> None:
     p.add_argument("--only", nargs="+", default=None, metavar="PREFIX",
                    help="export these dotted-name prefixes instead of the model weights")
     p.add_argument("--strip-prefix", metavar="P", help="remove this prefix from the exported names")
+    add_rename_map(p, "rename the exported tensors: ")
+    p.add_argument("--memory-limit", type=_usage_error(parse_size), metavar="SIZE",
+                   help="bytes of read and cast buffers at most (default 128MiB), e.g. 1GiB; a source's reader "
+                        "may hold one stored chunk more (a DCP chunk, when verified)")
     p.add_argument("--overwrite", action="store_true", help="replace an export at DST")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     add_storage_options(p)
@@ -59,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = export(args.src, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size, only=args.only,
                         strip_prefix=args.strip_prefix, overwrite=args.overwrite, storage_options=options,
-                        dst_storage_options=options, progress=progress)
+                        dst_storage_options=options, progress=progress, rename=args.rename_map,
+                        **({} if args.memory_limit is None else {"slice_bytes": slice_bytes_for(args.memory_limit)}))
     finally:
         progress.close()
     if not args.quiet:

@@ -1,9 +1,11 @@
-"""Options every verb that opens a checkpoint shares: ``--storage-option KEY=VALUE`` for fsspec backends."""
+"""Options verbs share: ``--storage-option KEY=VALUE`` for fsspec backends, ``--rename-map FILE`` (export, verify)."""
 from __future__ import annotations
 
 import argparse
 import json
 from typing import Any
+
+from shardckpt.convert.export import Renames
 
 STORAGE_HELP = """storage options (passed to the fsspec filesystem of s3://, gs://, ... URLs):
   --storage-option endpoint_url=http://127.0.0.1:9000   a custom S3 endpoint (MinIO, Ceph radosgw, ...)
@@ -41,3 +43,26 @@ def storage_options(args: argparse.Namespace) -> dict | None:
                 raise argparse.ArgumentTypeError(f"--storage-option {item!r}: {part!r} is already a value")
         node[leaf] = _value(text)
     return out or None
+
+
+def add_rename_map(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--rename-map", metavar="FILE", type=read_rename_map,
+                        help=f"{what}a JSON object of regular expressions -> new names (null: leave out); each name "
+                             "is renamed by the first pattern matching it whole")
+
+
+def read_rename_map(path: str) -> dict:
+    """The rename rules in JSON file ``path`` (a usage error naming the file if unreadable or not an object)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            rules = json.load(f)
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"--rename-map {path}: {e}") from None
+    if not isinstance(rules, dict):
+        raise argparse.ArgumentTypeError(f"--rename-map {path}: expected a JSON object of pattern -> new name, "
+                                         f"got {type(rules).__name__}")
+    try:
+        Renames(rules)  # every pattern compiles, every new name is a string or null
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--rename-map {path}: {e}") from None
+    return rules

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options
+from shardckpt.cli.options import STORAGE_HELP, add_rename_map, add_storage_options, storage_options
 from shardckpt.cli.progress import Progress
 
 from shardckpt.checkpoint.describe import foreign_format
@@ -43,6 +43,7 @@ def register(sub) -> None:
     p.add_argument("--against", metavar="SRC", help="PATH is an export: compare its every value with SRC's")
     p.add_argument("--only", nargs="+", metavar="PREFIX", help="with --against: what export was given")
     p.add_argument("--strip-prefix", metavar="P", help="with --against: what export was given")
+    add_rename_map(p, "with --against: what export was given, ")
     p.add_argument("--threads", type=int, default=DEFAULT_IO_THREADS,
                    help=f"parallel reads (default {DEFAULT_IO_THREADS})")
     p.set_defaults(run=run)
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_export(args: argparse.Namespace) -> int:
     try:
         check = verify_export(args.path, against=args.against, only=args.only, strip_prefix=args.strip_prefix,
+                              rename=args.rename_map,
                               storage_options=storage_options(args), dst_storage_options=storage_options(args))
     except CheckpointError as e:
         print(f"FAILED {args.path}: {e}", file=sys.stderr)

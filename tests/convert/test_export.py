@@ -22,6 +22,7 @@ from shardckpt.convert.convert import convert
 from shardckpt.convert.export import (
     INDEX_NAME, SINGLE_FILE, NoModelWeightsError, export, header_bytes, parse_size, plan_shards, strip_wrappers,
 )
+from shardckpt.convert.verify_export import verify_export
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.native import NativeReader
 from shardckpt.io.remote import FsspecStorage
@@ -360,3 +361,63 @@ def test_cli(tmp_path, capsys):
         main(["export", str(tmp_path / "src"), str(tmp_path / "x"), "--dtype", "int8"])
     assert exit_info.value.code == 2 and "dtype 'int8'" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "x")
+
+
+def test_a_rename_map_renames_by_whole_name_match_and_null_leaves_out(tmp_path, capsys):
+    shardckpt.save(_state(), tmp_path / "src")
+    rules = {r"(w|b)": r"layer.\1_renamed", "flag": None, r"h": "half"}
+    report = export(tmp_path / "src", tmp_path / "dst", rename=rules)
+    want = {("layer.w_renamed" if k == "w" else "layer.b_renamed" if k == "b" else "half" if k == "h" else k): v
+            for k, v in _model_state().items() if k != "flag"}
+    _same(_exported(tmp_path / "dst"), want)
+    assert report.tensors == 6
+    check = verify_export(tmp_path / "dst", against=tmp_path / "src", rename=rules)
+    assert check.ok and check.values.tensors == 6
+    assert not verify_export(tmp_path / "dst", against=tmp_path / "src").ok  # without the map the names differ
+    (tmp_path / "map.json").write_text(json.dumps(rules))
+    assert main(["export", str(tmp_path / "src"), str(tmp_path / "cli"), "--rename-map", str(tmp_path / "map.json"),
+                 "--quiet"]) == 0
+    assert main(["verify", str(tmp_path / "cli"), "--against", str(tmp_path / "src"), "--rename-map",
+                 str(tmp_path / "map.json")]) == 0
+    assert _exported(tmp_path / "cli").keys() == want.keys()
+
+
+@pytest.mark.parametrize("rules, error", [
+    ({"nope": "x"}, r"rename rules that match no exported tensor: \['nope'\]"),  # a typo is not silent
+    ({"w": "b"}, r"both become 'b'"),
+    ({".*": None}, "leave every tensor out"),
+    ({"(": "x"}, "not a regular expression"),
+    ({"w": r"\2"}, r"rename rule 'w'"),
+    ({"w": 3}, "expected a pattern and a new name"),
+])
+def test_bad_rename_maps_are_refused_before_writing(tmp_path, rules, error):
+    shardckpt.save(_state(), tmp_path / "src")
+    with pytest.raises((ValueError, shardckpt.IncompatibleCheckpointError), match=error):
+        export(tmp_path / "src", tmp_path / "dst", rename=rules)
+    _nothing_at(tmp_path / "dst")
+
+
+def test_a_rename_map_file_that_is_not_a_json_object_is_a_usage_error(tmp_path, capsys):
+    shardckpt.save(_state(), tmp_path / "src")
+    for text in ("[1, 2]", "{nope", '{"(": "x"}'):
+        (tmp_path / "map.json").write_text(text)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["export", str(tmp_path / "src"), str(tmp_path / "dst"), "--rename-map", str(tmp_path / "map.json")])
+        assert exit_info.value.code == 2 and "--rename-map" in capsys.readouterr().err
+
+
+def test_the_memory_limit_bounds_the_slices(tmp_path, monkeypatch):
+    big = torch.randn(10_000)  # 40 000 bytes
+    shardckpt.save({"model": {"big": big}}, tmp_path / "src")
+    seen: list[int] = []
+    real = NativeReader.read
+
+    def spy(self, requests):
+        seen.extend(r.dest.nbytes for r in requests)
+        return real(self, requests)
+
+    monkeypatch.setattr(NativeReader, "read", spy)
+    assert main(["export", str(tmp_path / "src"), str(tmp_path / "dst"), "--memory-limit", "8KiB", "--dtype", "bf16",
+                 "--quiet"]) == 0
+    assert seen and max(seen) <= 4096 and len(seen) == 10  # two 4 KiB buffers: as read, and as cast
+    _same(_exported(tmp_path / "dst"), {"big": big}, torch.bfloat16)

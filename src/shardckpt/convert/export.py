@@ -14,6 +14,12 @@ and then the wrapper prefixes ``module.`` (DDP, leading only) and ``_orig_mod.``
 leading prefix or a name component anywhere) are removed. A selection that keeps no tensor raises
 ``NoModelWeightsError``, listing the top-level entries that hold tensors (what ``only`` could pick).
 
+``rename`` (``--rename-map FILE``, a JSON object) maps regular expressions to replacements, applied last:
+each name is renamed by the first rule whose pattern matches the whole name (``re.fullmatch``; ``\\1``,
+``\\g<name>`` refer to its groups), and a rule whose replacement is ``null`` leaves the tensor out. Names no
+rule matches are kept as they are. A rule that matches no tensor is an error (a typo would otherwise
+export silently under the old names), as are two tensors renamed to one name.
+
 A LOCAL shardckpt checkpoint is read through ``state_dict.logical.logical_view``, so its parameters appear by
 name, padding never shows. **Tied weights** are written once, under the first name (the one
 ``named_parameters()`` keeps), as transformers expects: it re-ties the others on load. Tied means: the
@@ -60,7 +66,7 @@ import re
 import struct
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -128,7 +134,8 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, only: Sequence[str] | None = None,
            strip_prefix: str | None = None, overwrite: bool = False, storage_options: dict | None = None,
            dst_storage_options: dict | None = None, progress: Callable[[int, int], None] | None = None,
-           slice_bytes: int = SLICE_BYTES, verify: bool = True) -> ExportReport:
+           slice_bytes: int = SLICE_BYTES, verify: bool = True,
+           rename: Mapping[str, str | None] | None = None) -> ExportReport:
     """Export the model weights of ``src`` (any readable checkpoint) as safetensors files in directory ``dst``.
 
     See the module's docstring for what is selected, how names are formed, the files and the commit.
@@ -136,6 +143,7 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     ``dst_storage_options``: fsspec options of the source / destination. ``progress(done_bytes, total_bytes)``
     is called as tensor bytes are written. ``slice_bytes``: the most bytes one read from the source fills.
     ``verify``: check the checksums the source stores (see the module's docstring for its cost on DCP).
+    ``rename``: regular expression -> replacement (None: leave out), see the module's docstring.
     Nothing is read before the selection, dtypes and sizes are checked; nothing is written before the
     destination is checked.
     """
@@ -144,7 +152,7 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     if not isinstance(slice_bytes, int) or slice_bytes < 1:
         raise ValueError(f"slice_bytes must be a positive int, got {slice_bytes!r}")
     reader = logical_view(open_reader(src, storage_options=storage_options, verify=verify))
-    tensors, tied = select(reader, only, strip_prefix, cast)
+    tensors, tied = select(reader, only, strip_prefix, cast, Renames(rename or {}))
     shards = plan_shards([t.nbytes for t in tensors], limit)
     names = [SINGLE_FILE] if len(shards) == 1 else \
         [SHARD_FILE.format(index=i + 1, count=len(shards)) for i in range(len(shards))]
@@ -215,6 +223,11 @@ def cast_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     raise ValueError(f"dtype {dtype!r}: expected one of keep, bfloat16, float16, float32 (or bf16, fp16, fp32)")
 
 
+def slice_bytes_for(memory_limit: int) -> int:
+    """The ``slice_bytes`` that keeps export's two buffers (a slice as read, and as cast) within ``memory_limit``."""
+    return max(1, memory_limit // 2)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -241,8 +254,45 @@ def parse_size(size: int | str) -> int:
 # Selection (pure over the reader's tree and tensor list)
 
 
+class Renames:
+    """The rename rules of ``rename``: compiled, in order, each remembering whether it matched."""
+
+    def __init__(self, rules: Mapping[str, str | None]):
+        if not isinstance(rules, Mapping):
+            raise ValueError(f"rename must map regular expressions to new names, got {type(rules).__name__}")
+        self.rules = []
+        for pattern, replacement in rules.items():
+            if not isinstance(pattern, str) or not (replacement is None or isinstance(replacement, str)):
+                raise ValueError(f"rename rule {pattern!r}: {replacement!r}: expected a pattern and a new name "
+                                 "(a string) or null")
+            try:
+                self.rules.append((re.compile(pattern), replacement))
+            except re.error as e:
+                raise ValueError(f"rename rule {pattern!r}: not a regular expression: {e}") from None
+        self.used: set[int] = set()
+
+    def __call__(self, name: str) -> str | None:
+        for i, (pattern, replacement) in enumerate(self.rules):
+            match = pattern.fullmatch(name)
+            if match:
+                self.used.add(i)
+                if replacement is None:
+                    return None
+                try:
+                    return match.expand(replacement)
+                except (re.error, IndexError) as e:
+                    raise ValueError(f"rename rule {pattern.pattern!r}: {replacement!r}: {e}") from None
+        return name
+
+    def check_all_used(self) -> None:
+        unused = [pattern.pattern for i, (pattern, _) in enumerate(self.rules) if i not in self.used]
+        if unused:
+            raise IncompatibleCheckpointError(f"rename rules that match no exported tensor: {unused} (names are "
+                                              "matched whole, after the model prefix and wrappers are removed)")
+
+
 def select(reader: CheckpointReader, only: Sequence[str] | None, strip_prefix: str | None,
-           cast: torch.dtype | None) -> tuple[list[_Tensor], dict[str, str]]:
+           cast: torch.dtype | None, rename: Renames | None = None) -> tuple[list[_Tensor], dict[str, str]]:
     """The output tensors in source order, and the tied names left out (see the module's docstring)."""
     tree = reader.tree()
     refs = [(path, leaf) for path, leaf in leaves(tree, lambda v: isinstance(v, TensorRef))
@@ -268,6 +318,10 @@ def select(reader: CheckpointReader, only: Sequence[str] | None, strip_prefix: s
     tied: dict[str, str] = {}
     for name, ref in chosen:
         name = strip_wrappers(name.removeprefix(strip_prefix) if strip_prefix else name)
+        if rename is not None:
+            name = rename(name)
+            if name is None:
+                continue
         key = _storage_key(reader, ref.name)
         if key in first_of:
             tied[name] = first_of[key]
@@ -284,6 +338,10 @@ def select(reader: CheckpointReader, only: Sequence[str] | None, strip_prefix: s
             raise UnsupportedValueError(f"tensor {ref.name!r} is {info.dtype}, which safetensors has no dtype for")
         first_of[key], by_name[name] = name, ref.name
         out.append(_Tensor(name, ref.name, info.dtype, dtype, tuple(info.shape)))
+    if rename is not None:
+        rename.check_all_used()
+    if not out:
+        raise NoModelWeightsError("nothing to export: the rename rules leave every tensor out")
     return out, tied
 
 

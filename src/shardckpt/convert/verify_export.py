@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from shardckpt.convert.diff import DiffReport, diff
-from shardckpt.convert.export import select
+from shardckpt.convert.export import Renames, select
 from shardckpt.errors import CheckpointError
 from shardckpt.format.tree import TensorRef
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
@@ -42,7 +42,8 @@ class ExportCheck:
 
 def verify_export(dst: str | os.PathLike, *, against: str | os.PathLike | None = None,
                   only: Sequence[str] | None = None, strip_prefix: str | None = None,
-                  storage_options: dict | None = None, dst_storage_options: dict | None = None) -> ExportCheck:
+                  rename: Mapping[str, str | None] | None = None, storage_options: dict | None = None,
+                  dst_storage_options: dict | None = None) -> ExportCheck:
     """Check the export at ``dst`` (see the module's docstring). Problems are collected, not raised; an
     unreadable export or source raises a ``CheckpointError`` naming the file."""
     reader = open_reader(dst, storage_options=dst_storage_options)
@@ -54,7 +55,8 @@ def verify_export(dst: str | os.PathLike, *, against: str | os.PathLike | None =
                         _structure_problems(reader))
     if against is not None:
         source = logical_view(open_reader(against, storage_options=storage_options))
-        check.values = diff(_ExpectedExport(source, only, strip_prefix, infos, reader.tree()), reader)
+        check.values = diff(_ExpectedExport(source, only, strip_prefix, Renames(rename or {}), infos, reader.tree()),
+                            reader)
     return check
 
 
@@ -84,12 +86,12 @@ class _ExpectedExport:
     ones cast to the dtype the export holds (reads cast into the caller's buffer, as export's reads do)."""
 
     def __init__(self, source: CheckpointReader, only: Sequence[str] | None, strip_prefix: str | None,
-                 exported: Mapping[str, TensorInfo], exported_tree: Any):
+                 rename: Renames, exported: Mapping[str, TensorInfo], exported_tree: Any):
         self.source = source
         # The export's own plain values (its __metadata__) are not the source's to predict.
         self._plain = {k: v for k, v in exported_tree.items() if not isinstance(v, TensorRef)} \
             if isinstance(exported_tree, dict) else {}
-        chosen, _tied = select(source, only, strip_prefix, None)
+        chosen, _tied = select(source, only, strip_prefix, None, rename)
         casts = {exported[t.name].dtype for t in chosen
                  if t.name in exported and t.source_dtype.is_floating_point and exported[t.name].dtype != t.source_dtype}
         cast = casts.pop() if len(casts) == 1 else None
