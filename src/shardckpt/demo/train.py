@@ -50,8 +50,8 @@ class Saves:
         self.started = 0.0
 
     def start(self, model, optim, path: str, step: int) -> None:
-        t = time.perf_counter()
         waited = self.finish()  # normally long done: a save takes less than save_every steps
+        t = time.perf_counter()
         self.handle = async_save_state(model, optim, path, type=StateDictType.LOCAL_STATE_DICT, extra={"step": step})
         self.step, self.started = step, t
         self.events(event="save_started", step=step, blocked_s=time.perf_counter() - t, waited_s=waited)
