@@ -13,7 +13,8 @@ EPILOG = """sources: shardckpt checkpoints of any type and world size (LOCAL one
 directories, safetensors files or Hugging Face directories, torch.save files. Exported: the `model` entry of a
 training checkpoint (names relative to it), else every tensor outside `optim`/`optimizer`; --only picks other
 entries. Wrapper prefixes `module.` and `_orig_mod.` are removed; tied weights (LOCAL) are written once.
-Output: model.safetensors, or model-0000i-of-0000N.safetensors and model.safetensors.index.json (written last),
+Output: model.safetensors, or model-0000i-of-0000N.safetensors and model.safetensors.index.json (written last;
+a rerun after a kill keeps the files it had finished, for a shardckpt source),
 streamed in slices of at most 64 MiB (two buffers: --memory-limit 128MiB), whatever the model's size.
 
 examples:
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
     if not args.quiet:
         tied = f", {len(report.tied)} tied left out" if report.tied else ""
+        tied += f", {len(report.kept)} finished files of a killed export kept" if report.kept else ""
         print(f"{args.dst}: {len(report.files)} file{'s' if len(report.files) > 1 else ''}, {report.tensors} tensors"
               f"{tied}, {report.total_size} bytes, dtype {report.dtype}, {time.monotonic() - start:.1f} s")
     return 0

@@ -421,3 +421,82 @@ def test_the_memory_limit_bounds_the_slices(tmp_path, monkeypatch):
                  "--quiet"]) == 0
     assert seen and max(seen) <= 4096 and len(seen) == 10  # two 4 KiB buffers: as read, and as cast
     _same(_exported(tmp_path / "dst"), {"big": big}, torch.bfloat16)
+
+
+def _killed_after(files: int, src, dst, **options) -> None:
+    """Run export in a forked child that dies like a kill -9 (no cleanup) as it starts file number ``files + 1``."""
+    pid = os.fork()
+    if pid == 0:
+        import shardckpt.convert.export as module
+
+        real, started = module._write_file, []
+
+        def dying(*args):
+            started.append(1)
+            if len(started) > files:
+                os._exit(9)
+            return real(*args)
+
+        module._write_file = dying
+        try:
+            export(src, dst, **options)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 9
+
+
+def _big_state(seed: int = 3) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {f"layer{i}.weight": torch.randn(64, 64, generator=g) for i in range(6)}, "step": 1}
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_killed_export_resumes_rewriting_only_its_unfinished_files(tmp_path, monkeypatch, where):
+    shardckpt.save(_big_state(), tmp_path / "src")
+    dst = str(tmp_path / "dst") if where == "local" else f"memory://resume-{uuid.uuid4().hex}/dst"
+    options = {"max_shard_size": 17_000, "dtype": "bfloat16"}  # 6 tensors of 8 KiB in bf16: 2 per file
+    if where == "memory":  # a forked child's memory filesystem dies with it: lay out what a killed run leaves
+        export(tmp_path / "src", tmp_path / "whole", **options)
+        for name in ("model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"):
+            with fsspec.open(f"{dst}/{name}", "wb") as f:
+                f.write(open(tmp_path / "whole" / name, "rb").read())
+    else:
+        _killed_after(2, tmp_path / "src", dst, **options)
+        assert sorted(n for n in os.listdir(dst) if not n.startswith("model-00003")) == [
+            "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"]
+    import shardckpt.convert.export as module
+    real, wrote = module._write_file, []
+    monkeypatch.setattr(module, "_write_file", lambda storage, path, *a: (wrote.append(path), real(storage, path, *a)))
+    report = export(tmp_path / "src", dst, **options)
+    assert report.kept == ("model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors")
+    assert [p.split(".export-tmp-")[0] for p in wrote] == ["model-00003-of-00003.safetensors"]
+    if where == "local":
+        assert sorted(os.listdir(dst)) == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+                                           "model-00003-of-00003.safetensors", INDEX_NAME]  # no temporary left
+    check = verify_export(dst, against=tmp_path / "src")
+    assert check.ok and check.values.tensors == 6
+
+
+def test_an_unfinished_export_of_a_source_saved_again_is_never_mixed_in(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    shardckpt.save(_big_state(), src)
+    _killed_after(2, src, dst, max_shard_size=40_000)
+    shardckpt.save(_big_state(seed=4), src, overwrite=True)  # the same path, new values
+    with pytest.raises(CheckpointExistsError, match="unfinished export of another source or with other options"):
+        export(src, dst, max_shard_size=40_000)
+    with pytest.raises(CheckpointExistsError, match="unfinished export"):  # other options: another plan
+        shardckpt.save(_big_state(), tmp_path / "src2")
+        export(tmp_path / "src2", dst, max_shard_size=40_000, dtype="bf16")
+    report = export(src, dst, max_shard_size=40_000, overwrite=True)
+    assert report.kept == () and verify_export(dst, against=src).ok
+    assert all(torch.equal(v, _big_state(seed=4)["model"][k]) for k, v in _exported(dst).items())
+
+
+def test_an_unfinished_export_of_a_foreign_source_is_not_resumed(tmp_path):
+    from safetensors.torch import save_file
+    save_file(_big_state()["model"], str(tmp_path / "src.safetensors"))
+    _killed_after(1, tmp_path / "src.safetensors", tmp_path / "dst", max_shard_size=40_000)
+    with pytest.raises(CheckpointExistsError, match="unfinished export"):
+        export(tmp_path / "src.safetensors", tmp_path / "dst", max_shard_size=40_000)
+    assert export(tmp_path / "src.safetensors", tmp_path / "dst", max_shard_size=40_000, overwrite=True).kept == ()

@@ -34,7 +34,7 @@ not knowable from the files, and both are written.
 number of shards is the fewest the limit allows (tensors kept in source order, never split), and the shards
 are balanced: a tensor goes to the shard its middle byte falls in when the bytes are cut into that many
 equal parts (``plan_shards``). A tensor larger than the limit gets a shard of its own. Every file's
-``__metadata__`` is ``{"format": "pt", "source": <src as given>}``.
+``__metadata__`` is ``{"format": "pt", "source": <src as given>, "source_id": <see Resume>}``.
 
 **Streaming.** A file's header is computed from shapes and dtypes before any data is read (JSON, padded with
 spaces to a multiple of 8 bytes, as safetensors writes it); then the 8-byte header length, the header, and
@@ -45,14 +45,22 @@ when it verifies (``verify=True``, the default), reads and checks a whole DCP ch
 tensor) for every slice of it, so memory then holds one chunk and a chunk larger than a slice is read once
 per slice; ``verify=False`` reads DCP's raw chunks by the slice, unchecked.
 
-**Commit.** On local disk every file is written under a temporary name and renamed into place once all are
-written, the index (sharded case) last. On object stores (no rename) the data files are written at their
-names and the index is written last, so a directory without its index (sharded) or without
-``model.safetensors`` (one file) is visibly incomplete. An export already at ``dst`` (``model.safetensors``,
-the index or ``model-*-of-*.safetensors``) raises ``CheckpointExistsError`` unless ``overwrite``; with it, the
-old files the new export does not replace are removed (locally at the commit; on object stores before
-writing). A failure removes what this export wrote. The byte-I/O protocol has no rename, delete or abort
-of one file yet: this module does them itself (``_rename``, ``_remove``, ``_abandon``) until it has.
+**Commit.** On local disk each file is written under a temporary name and renamed into place once whole; on
+object stores it is written at its name (an object appears only when its upload completes). The index
+(sharded case) is written last, so a directory without its index (sharded) or without ``model.safetensors``
+(one file) is visibly incomplete. An export already at ``dst`` (``model.safetensors``, the index) raises
+``CheckpointExistsError`` unless ``overwrite``. With it, the old files the new export does not replace are
+removed: locally at the end, where the old export stays whole until every new file is written and then
+the files are swapped; on object stores before writing. A failure removes what this export wrote.
+
+**Resume.** A killed export leaves its finished files (no index). Run again with the same source and
+options, it keeps every file whose size and header are exactly what it would write, and writes the rest:
+the header records the source's identity (``__metadata__.source_id``: a shardckpt checkpoint's
+generation, new at every save), so a source saved again since is never mixed in. Sources of other formats
+have no such identity: their unfinished exports are not resumed (``overwrite`` replaces them), and an
+unfinished export of another source or with other options raises ``CheckpointExistsError`` too. The
+byte-I/O protocol has no rename, delete or abort of one file yet: this module does them itself
+(``_rename``, ``_remove``, ``_abandon``) until it has.
 
 **dtype**: ``"keep"`` or one of bfloat16 / float16 / float32 (names or torch dtypes): floating-point tensors
 are cast, integer and bool tensors kept.
@@ -109,6 +117,7 @@ class ExportReport:
     total_size: int  # tensor bytes written, as the index's metadata.total_size says
     dtype: str  # "keep" or the cast's name
     tied: dict[str, str] = field(default_factory=dict)  # a name left out -> the name written for it
+    kept: tuple[str, ...] = ()  # files a killed export of the same source and plan had finished, not rewritten
 
 
 @dataclass(frozen=True)
@@ -151,22 +160,31 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     limit = parse_size(max_shard_size)
     if not isinstance(slice_bytes, int) or slice_bytes < 1:
         raise ValueError(f"slice_bytes must be a positive int, got {slice_bytes!r}")
-    reader = logical_view(open_reader(src, storage_options=storage_options, verify=verify))
+    base = open_reader(src, storage_options=storage_options, verify=verify)
+    reader = logical_view(base)
     tensors, tied = select(reader, only, strip_prefix, cast, Renames(rename or {}))
     shards = plan_shards([t.nbytes for t in tensors], limit)
     names = [SINGLE_FILE] if len(shards) == 1 else \
         [SHARD_FILE.format(index=i + 1, count=len(shards)) for i in range(len(shards))]
     metadata = {"format": "pt", "source": os.fspath(src)}
+    identity = source_identity(base)
+    if identity is not None:
+        metadata["source_id"] = identity
     files = [(name, [tensors[i] for i in shard]) for name, shard in zip(names, shards)]
     headers = [header_bytes(members, metadata) for _, members in files]
     storage = open_storage(dst, dst_storage_options)
     old = existing_export(storage)
-    if old and not overwrite:
-        raise CheckpointExistsError(f"{storage.url(old[0])}: an export already exists at {storage.root} "
+    finished = {name for (name, members), header in zip(files, headers)
+                if identity is not None and not overwrite and name in old and _is_written(storage, name, header, members)}
+    if old and not overwrite and (INDEX_NAME in old or SINGLE_FILE in old or not finished):
+        what = "an export" if INDEX_NAME in old or SINGLE_FILE in old else \
+            "an unfinished export of another source or with other options"
+        raise CheckpointExistsError(f"{storage.url(old[0])}: {what} already exists at {storage.root} "
                                     f"({len(old)} files); pass overwrite=True (--overwrite) to replace it")
     local = isinstance(storage, LocalStorage)
+    swap_at_end = local and bool(old) and overwrite  # the old export stays whole until the new one is
     stale = [n for n in old if n not in names or n == INDEX_NAME]
-    if not local:  # no rename: the old export goes first, so that no mix of old and new looks complete
+    if not swap_at_end:  # the old index goes first: no mix of old and new files ever looks complete
         for name in sorted(stale, key=lambda n: n != INDEX_NAME):
             _remove(storage, name)
     total = sum(t.nbytes for t in tensors)
@@ -182,15 +200,22 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     try:
         buffers = _Buffers(tensors, slice_bytes)
         for (name, members), header in zip(files, headers):
+            if name in finished:  # left by an export of the same source and plan that was killed
+                tick(sum(t.nbytes for t in members))
+                continue
             target = f"{name}.export-tmp-{token}" if local else name
             written.append(target)
             _write_file(storage, target, header, members, reader, buffers, tick)
-        if local:
+            if local and not swap_at_end:  # finished files keep their names: a rerun after a kill skips them
+                _rename(storage, target, name)
+                written[-1] = name
+        if swap_at_end:
             for name in sorted(stale, key=lambda n: n != INDEX_NAME):  # the old index first
                 _remove(storage, name)
-            for (name, _), target in zip(files, written):
-                _rename(storage, target, name)
+            for target in written:
+                _rename(storage, target, target.split(".export-tmp-")[0])
             written = list(names)
+        if local:
             storage.sync_dir("")
         if len(files) > 1:
             index = {"metadata": {"total_size": total},
@@ -204,7 +229,8 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
         for name in storage.list_files():
             if EXPORT_TEMP.match(name):
                 storage.remove_abandoned(name, 0.0)
-    return ExportReport(tuple(names), len(tensors), total, "keep" if cast is None else _dtype_name(cast), tied)
+    return ExportReport(tuple(names), len(tensors), total, "keep" if cast is None else _dtype_name(cast), tied,
+                        tuple(n for n in names if n in finished))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -521,6 +547,24 @@ def _remove(storage: Storage, name: str) -> None:
             pass
     else:
         storage.remove_dir(name)  # on an object store, a key and anything under it
+
+
+def source_identity(reader: CheckpointReader) -> str | None:
+    """What changes whenever the source's values may: a shardckpt checkpoint's generation (new at every save
+    and convert). None for other formats: nothing in their files changes with every write, so an export of
+    them is never resumed, always rewritten."""
+    manifest = getattr(reader, "manifest", None)
+    return f"shardckpt-generation:{manifest.generation}" if manifest is not None else None
+
+
+def _is_written(storage: Storage, name: str, header: bytes, members: Sequence[_Tensor]) -> bool:
+    """Whether file ``name`` is the one this export would write: its size and its header (names, dtypes,
+    shapes, offsets, the source's identity) as planned. A file only ever has its name once it is whole."""
+    if storage.file_size(name) != len(header) + sum(t.nbytes for t in members):
+        return False
+    head = bytearray(len(header))
+    storage.read_into(name, 0, memoryview(head))
+    return bytes(head) == header
 
 
 def existing_export(storage: Storage) -> list[str]:
