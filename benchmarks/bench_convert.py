@@ -19,7 +19,8 @@ parent as a subprocess, wall clock from spawn to exit:
 Before every timed run: outputs removed, ``sync``, page cache dropped (root only; otherwise a warning and
 nothing is cold), then one untimed ``python -c "import torch, shardckpt"`` so that the tools' code is
 cached again as for any command run twice: the checkpoint's bytes are cold, Python and torch are not.
-Peak RSS of ``convert`` and ``torch``: the child's ``ru_maxrss`` from ``os.wait4`` (one process each).
+Peak RSS of ``convert`` and ``torch``: each one's own ``ru_maxrss``, through a small launcher (``child``); until
+2026-11-23 it was read straight from this process's ``os.wait4``, which reports this process's peak when larger.
 The first converted checkpoint is checked ``diff``-equal to the source (``shardckpt.convert.diff.diff``),
 and the shardckpt and DCP sources are checked ``diff``-equal to each other (same state, by value).
 
@@ -175,20 +176,21 @@ def du(path: str) -> int:
 
 
 def child(cmd: list[str], log: str) -> tuple[float, int, str, float]:
-    """Run ``cmd``; (wall seconds from spawn to exit, its peak RSS in bytes, its stdout, its user+sys CPU
-    seconds). Raises on failure."""
+    """Run ``cmd``; (wall seconds from spawn to exit, its own peak RSS in bytes, its stdout, its user+sys CPU
+    seconds). Raises on failure. The RSS is measured through a small launcher (``run_measured``): measured
+    from here, a child reports this process's peak RSS when that is larger."""
+    from shardckpt.demo.processes import run_measured
+
     with open(log + ".out", "w+") as out, open(log + ".err", "w+") as err:
         t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=out, stderr=err)
-        _, status, ru = os.wait4(p.pid, 0)
+        returncode, rss, cpu = run_measured(cmd, out, err)
         wall = time.perf_counter() - t0
-        p.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
         text, errors = out.read(), err.read()
-    if p.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}:\n{errors[-4000:]}")
-    return wall, ru.ru_maxrss * 1024, text, ru.ru_utime + ru.ru_stime
+    if returncode:
+        raise RuntimeError(f"{' '.join(cmd)} exited {returncode}:\n{errors[-4000:]}")
+    return wall, rss, text, cpu
 
 
 def shardckpt_cli() -> str:

@@ -3,7 +3,7 @@
 Training ranks are separate Python processes (``python -m shardckpt.demo.train``) that join a gloo world
 through a rendezvous store hosted here, so that ``kill()`` is a real SIGKILL of real processes, as a
 node failure would be. Commands run as ``python -m shardckpt.cli.main VERB ...``, exactly what a user
-types, and ``os.wait4`` gives each one's own peak memory.
+types, and ``run_measured`` gives each one's own peak memory.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from shardckpt.demo.config import DemoError
@@ -31,13 +32,38 @@ def run_command(verb: str, *args: str, log: str) -> CommandResult:
     """Run ``shardckpt VERB ARGS...``; its output goes to ``log`` (and is returned)."""
     t = time.perf_counter()
     with open(log, "w", encoding="utf-8") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "shardckpt.cli.main", verb, *args],
-                                stdout=out, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+        returncode, peak_rss, _ = run_measured([sys.executable, "-m", "shardckpt.cli.main", verb, *args], out,
+                                               subprocess.STDOUT)
     with open(log, encoding="utf-8") as f:
         output = f.read()
-    return CommandResult(proc.returncode, output, time.perf_counter() - t, usage.ru_maxrss * 1024)  # KiB on Linux
+    return CommandResult(returncode, output, time.perf_counter() - t, peak_rss)
+
+
+# A process started straight from this one would report this process's peak RSS if larger than its own:
+# subprocess starts children with vfork, and Linux keeps the peak of the address space a child replaces at
+# exec. So a small launcher, a few MiB, starts the command and reports what os.wait4 says of it.
+_LAUNCHER = """import json, os, subprocess, sys
+p = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(p.pid, 0)
+with open(sys.argv[1], "w") as f:
+    json.dump([os.waitstatus_to_exitcode(status), usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime], f)
+"""
+
+
+def run_measured(cmd: list[str], stdout, stderr) -> tuple[int, int, float]:
+    """Run ``cmd`` to its end: its exit code, its own peak RSS in bytes, its user + system CPU seconds."""
+    fd, report = tempfile.mkstemp(prefix="shardckpt-rss-", suffix=".json")
+    os.close(fd)
+    try:
+        launcher = subprocess.run([sys.executable, "-I", "-S", "-c", _LAUNCHER, report, *cmd],
+                                  stdout=stdout, stderr=stderr)
+        if launcher.returncode != 0:
+            return launcher.returncode, 0, 0.0
+        with open(report, encoding="utf-8") as f:
+            returncode, peak_rss, cpu = json.load(f)
+        return returncode, peak_rss, cpu
+    finally:
+        os.remove(report)
 
 
 def checked_command(verb: str, *args: str, log: str) -> CommandResult:
