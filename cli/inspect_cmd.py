@@ -1,5 +1,7 @@
 """``shardckpt inspect PATH``: what a checkpoint holds: shardckpt's own format from its manifest; a safetensors
-file or directory, a torch DCP directory or a ``torch.save`` file as its tensors by name and its plain values."""
+file or directory, a torch DCP directory or a ``torch.save`` file as its tensors by name and its plain values.
+A LOCAL checkpoint is shown by parameter (the logical model, through its flat layouts), its storage form
+stated once; ``--stored`` lists the flat tensors as stored."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +11,8 @@ from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_opt
 
 from shardckpt.checkpoint.describe import describe
 from shardckpt.format.manifest import FORMAT_NAME
+from shardckpt.formats.detect import open_reader
+from shardckpt.state_dict.logical import is_local, logical_view
 
 EPILOG = """examples:
   shardckpt inspect /ckpt/step-1000
@@ -26,6 +30,8 @@ def register(sub) -> None:
     p.add_argument("path", help="checkpoint directory, file or fsspec URL")
     add_storage_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (tensors: name, dtype, shape, ...)")
+    p.add_argument("--stored", action="store_true", help="a LOCAL checkpoint: list its flat tensors as stored "
+                                                          "instead of its parameters")
     p.set_defaults(run=run)
 
 
@@ -39,6 +45,8 @@ def _size(n: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     info = describe(args.path, storage_options=storage_options(args))
+    if info["format"] == FORMAT_NAME:
+        info["parameters"] = _by_parameter(args.path, storage_options(args))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -56,8 +64,33 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"  format v{info['version']}: no manifest checksum, one checksum per whole chunk (a partial read "
               "checks its whole chunk)")
-    _print_tensors(info["tensors"])
+    if info["parameters"] is not None and not args.stored:
+        groups = [t["name"] for t in info["tensors"] if t["name"].startswith("model.") and t["name"].endswith("_flat_param")]
+        print(f"  stored as LOCAL: {len(groups)} flat groups padded for world size {info['world_size']} "
+              f"({', '.join(groups[:3])}{', ...' if len(groups) > 3 else ''}); shown by parameter "
+              "(--stored: as stored)")
+        _print_tensors(info["parameters"])
+    else:
+        _print_tensors(info["tensors"])
     return 0
+
+
+def _by_parameter(path: str, options: dict | None) -> list[dict] | None:
+    """A LOCAL checkpoint's tensors by parameter name, through its flat layouts (None: not LOCAL)."""
+    reader = open_reader(path, storage_options=options, verify=False)
+    if not is_local(reader.tree()):
+        return None
+    view = logical_view(reader)
+    return [{"name": t.name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+             "bytes": t.dtype.itemsize * _numel(t.shape), "crc32c": None if t.crc32c is None else f"{t.crc32c:08x}"}
+            for t in view.tensors().values()]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _print_tensors(tensors: list[dict]) -> None:

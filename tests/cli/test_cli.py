@@ -198,3 +198,28 @@ def test_an_error_of_the_system_is_one_line_naming_the_path(ckpt, tmp_path, caps
     err = capsys.readouterr().err
     assert err.startswith("shardckpt convert: error: ") and "a-file" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_inspect_shows_a_local_checkpoint_by_parameter_and_as_stored_on_request(tmp_path, capsys):
+    from torch import nn
+
+    from shardckpt.runtime import shard
+
+    model = shard(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), wrap=(nn.Linear,))
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    path = str(tmp_path / "local")
+    shardckpt.save_state(model, optim, path, type=shardckpt.StateDictType.LOCAL_STATE_DICT)
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "stored as LOCAL: 2 flat groups padded for world size 1" in out
+    assert "model.0.weight" in out and "8x4" in out and "optim.state.2.bias.exp_avg" in out
+    assert "_flat_param " not in out.split("shown by parameter")[1]
+    assert main(["inspect", path, "--stored"]) == 0
+    stored = capsys.readouterr().out
+    assert "model.0._flat_param" in stored and "model.0.weight" not in stored
+    assert main(["inspect", path, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert {p["name"]: p["shape"] for p in info["parameters"]}["model.2.weight"] == [2, 8]
+    assert main(["inspect", path.replace("local", "plain")]) == 2  # nothing there: the usual error
