@@ -185,6 +185,28 @@ def _resume_local(path: str, key: OptimStateKeyType) -> dict:
     return out
 
 
+def _resume_dcp_habit(path: str, key: OptimStateKeyType, sd_type: StateDictType) -> tuple[dict, list[float]]:
+    """torch DCP's habit at this world size: get_state_dict of ``sd_type``, shardckpt.load of the LOCAL checkpoint
+    into it (by parameter, through its layouts), set_state_dict; then trained on."""
+    model, optim = new_run()
+    sd = shardckpt.get_state_dict(model, optim, type=sd_type, optim_key=key)
+    shardckpt.load(sd, path)
+    shardckpt.set_state_dict(model, optim, sd, type=sd_type)
+    return _resume(model, optim)
+
+
+@pytest.mark.parametrize("sd_type", [StateDictType.SHARDED_STATE_DICT, StateDictType.FULL_STATE_DICT],
+                         ids=lambda t: t.name)
+@pytest.mark.parametrize("key", list(OptimStateKeyType), ids=lambda k: k.name)
+def test_the_dcp_habit_loads_a_local_checkpoint_at_another_world_size(runtime_local, key, sd_type):
+    root, _, state, losses = runtime_local
+    got, got_losses = run_ranks(3, _resume_dcp_habit, f"{root}/LOCAL_STATE_DICT-{key.name}", key, sd_type,
+                                timeout=300)[0]
+    where = f"LOCAL ws2 -> {sd_type.name} state dict at ws3 via shardckpt.load ({key.name})"
+    assert_same_state(got, state, where)
+    assert all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) for a, b in zip(got_losses, losses)), where
+
+
 @pytest.mark.parametrize("world", [3, 1, 4])
 @pytest.mark.parametrize("key", list(OptimStateKeyType), ids=lambda k: k.name)
 def test_a_runtime_local_checkpoint_converted_to_local_at_another_world_size_resumes(runtime_local, tmp_path, key,

@@ -29,6 +29,16 @@ from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage
 T = TypeVar("T")
 _ATTEMPTS = 5  # a concurrent overwrite can remove the data a reader is on; it then reloads the new checkpoint
 
+# Views a higher layer puts over a checkpoint's reader for a given target state dict, in order: state_dict
+# registers the by-parameter view of a LOCAL checkpoint, for targets that are not LOCAL state themselves.
+_READER_VIEWS: list[Callable[[CheckpointReader, dict], CheckpointReader]] = []
+
+
+def register_reader_view(view: Callable[[CheckpointReader, dict], CheckpointReader]) -> None:
+    """Have ``load`` read through ``view(reader, state_dict)`` (which returns ``reader`` when it does not apply)."""
+    if view not in _READER_VIEWS:
+        _READER_VIEWS.append(view)
+
 
 def load(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None, strict: bool = True,
          verify_checksums: bool = True, io_threads: int = DEFAULT_IO_THREADS,
@@ -117,6 +127,8 @@ def _load_into(state_dict: dict, storage: Storage, manifest: Manifest, strict: b
 
 
 def _load_from(reader: CheckpointReader, state_dict: dict, strict: bool) -> None:
+    for view in _READER_VIEWS:
+        reader = view(reader, state_dict)
     matched = match(reader.tree(), reader.tensors(), state_dict, strict)
     reader.read(matched.requests)
     matched.write_back()

@@ -126,6 +126,14 @@ def logical_view(reader: CheckpointReader, *, param_names: Sequence[str] | None 
     return LogicalView(reader, out, builder.infos, builder.sources, layouts, where)
 
 
+def by_parameter_unless_local(reader: CheckpointReader, target: Any) -> CheckpointReader:
+    """``reader`` by parameter (``logical_view``) when it holds LOCAL state and ``target``, the state dict
+    being loaded, does not; as it is otherwise (a LOCAL target loads the flat tensors as stored)."""
+    if is_local(reader.tree()) and not is_local(target):
+        return logical_view(reader)
+    return reader
+
+
 def recorded_param_names(reader: CheckpointReader) -> list[str] | None:
     """The parameter order ``save_state`` records in the manifest's metadata for LOCAL state (None: none)."""
     metadata = getattr(getattr(reader, "manifest", None), "metadata", None) or {}
