@@ -17,7 +17,8 @@ from shardckpt.format.codecs import Compression
 EPILOG = """sources: shardckpt checkpoints of any type and world size (LOCAL ones through their flat layouts),
 torch DCP directories, safetensors files or Hugging Face directories, torch.save files. The output is a
 shardckpt checkpoint, committed atomically at the end: until then nothing at DST loads or verifies.
-Memory holds a few chunks at a time, whatever the checkpoint's size. Started by torchrun, the copies
+Memory holds a few chunks at a time, whatever the checkpoint's size. Rerun after a kill, the same
+command keeps the output ranks already finished (for a shardckpt source). Started by torchrun, the copies
 share the writing (output rank r is written by copy r % nproc; copy 0 commits): on one machine, or on
 several that see the same SRC and DST (a shared file system, or object storage).
 
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             progress.close()
     if leader and not args.quiet:
         spread = f", written by {workers.size()} workers" if workers is not None else ""
+        spread += f", {len(report.kept_ranks)} ranks kept from a killed run" if report.kept_ranks else ""
         print(f"{args.dst}: {report.type} checkpoint at world size {report.world_size}, {report.tensors} tensors, "
               f"{report.bytes_written} bytes{spread}")
     return 0

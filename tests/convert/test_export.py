@@ -29,6 +29,7 @@ from shardckpt.io.remote import FsspecStorage
 from shardckpt.state_dict import unsharded_param_names
 from shardckpt.tensor_views import as_bytes
 from tests._dist import run_ranks
+from tests.convert._kill import killed_after
 from tests.runtime import _model
 from tests.state_dict._train import STEPS_BEFORE, full_state, new_run, steps
 
@@ -424,26 +425,10 @@ def test_the_memory_limit_bounds_the_slices(tmp_path, monkeypatch):
 
 
 def _killed_after(files: int, src, dst, **options) -> None:
-    """Run export in a forked child that dies like a kill -9 (no cleanup) as it starts file number ``files + 1``."""
-    pid = os.fork()
-    if pid == 0:
-        import shardckpt.convert.export as module
+    """export killed (kill -9 style) as it starts file number ``files + 1``."""
+    import shardckpt.convert.export as module
 
-        real, started = module._write_file, []
-
-        def dying(*args):
-            started.append(1)
-            if len(started) > files:
-                os._exit(9)
-            return real(*args)
-
-        module._write_file = dying
-        try:
-            export(src, dst, **options)
-        finally:
-            os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 9
+    killed_after(files, module, "_write_file", lambda: export(src, dst, **options))
 
 
 def _big_state(seed: int = 3) -> dict:

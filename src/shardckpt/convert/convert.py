@@ -11,6 +11,10 @@ memory holds a few chunks at a time (``files_per_rank`` writers, one chunk each)
 manifest is committed last, atomically: until then nothing at the destination loads or verifies, and a
 committed checkpoint there is replaced only with ``overwrite``.
 
+Resumable: the output's data directory is named by the source's identity and the options
+(``convert.resume``), so a rerun of the same command after a kill keeps the output ranks the killed run
+had finished and writes the rest (a shardckpt source only: other formats have no identity).
+
 Spread over W workers, worker ``i`` writes the output ranks ``r`` with ``r % W == i`` (every worker plans
 the same output; worker 0's generation names it), worker 0 gathers their results and commits, and every
 worker raises the first worker's failure (nothing is committed then, and the new files are removed).
@@ -28,7 +32,6 @@ import functools
 import math
 import os
 import threading
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -41,6 +44,7 @@ from shardckpt.checkpoint.save_plan import SavePlan, TensorPlan, plan_placed
 from shardckpt.checkpoint.stage import check_unique_names
 from shardckpt.checkpoint.writer import write_rank_files
 from shardckpt.convert.local_output import LocalAtWorldSize, no_layouts_error
+from shardckpt.convert.resume import conversion_generation, finished_rank
 from shardckpt.dist.group import LOCAL, Failure, attempt, raise_failures, resolve_group
 from shardckpt.errors import CheckpointExistsError, UnsupportedValueError
 from shardckpt.format.codecs import Compression
@@ -67,6 +71,7 @@ class ConvertReport:
     type: str
     tensors: int
     bytes_written: int  # tensor bytes, as stored
+    kept_ranks: tuple[int, ...] = ()  # output ranks a killed run of the same conversion had finished (this process's)
 
 
 @dataclass(frozen=True)
@@ -125,12 +130,21 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
                                     "overwrite=True (--overwrite) to replace it")
     place = functools.partial(_placement, out_type=out_type, world=world, reader=reader)
     workers = resolve_group(LOCAL if spread_over is None else spread_over)
-    plan = _plan(outputs, place, world, files_per_rank, compression, workers.broadcast(uuid.uuid4().hex[:16]))
+    shaping = {"world": world, "type": out_type, "dtype": dtype, "only": list(only), "exclude": list(exclude),
+               "files_per_rank": files_per_rank, "compress": compress, "param_names": param_names}
+    plan = _plan(outputs, place, world, files_per_rank, compression,
+                 workers.broadcast(conversion_generation(base, storage, shaping)))
     mine = [r for r in range(world) if r % workers.world_size == workers.rank and plan.tasks[r]]
     tick = _Progress(_share_bytes(plan, mine), progress)
     by_name = {o.name: o for o in outputs}
+    kept: list[int] = []
 
     def write(r: int):
+        done = finished_rank(storage, plan, r)  # written by a killed run of this same conversion
+        if done is not None:
+            kept.append(r)
+            tick(_share_bytes(plan, [r]))
+            return done
         pieces = _ReadOnDemand(reader, by_name, functools.partial(place, rank=r), tick)
         return write_rank_files(storage, f"{data_dir(plan.generation)}/rank-{r:05d}", plan.tasks[r], pieces,
                                 files_per_rank, compression)
@@ -153,7 +167,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             raise_failures([workers.broadcast(outcome)])
     finally:
         hold.release()
-    return ConvertReport(world, out_type, len(outputs), sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in outputs))
+    return ConvertReport(world, out_type, len(outputs), sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in outputs),
+                         tuple(kept))
 
 
 def _world_size(asked: int | None, source: int) -> int:

@@ -80,6 +80,7 @@ import torch
 
 from shardckpt.checkpoint.gc import EXPORT_TEMP
 from shardckpt.checkpoint.load_any import wanted_keys
+from shardckpt.convert.resume import source_identity
 from shardckpt.errors import CheckpointExistsError, IncompatibleCheckpointError, UnsupportedValueError
 from shardckpt.format.tree import TensorRef, leaves, path_name
 from shardckpt.formats.api import CheckpointReader, ReadRequest
@@ -547,14 +548,6 @@ def _remove(storage: Storage, name: str) -> None:
             pass
     else:
         storage.remove_dir(name)  # on an object store, a key and anything under it
-
-
-def source_identity(reader: CheckpointReader) -> str | None:
-    """What changes whenever the source's values may: a shardckpt checkpoint's generation (new at every save
-    and convert). None for other formats: nothing in their files changes with every write, so an export of
-    them is never resumed, always rewritten."""
-    manifest = getattr(reader, "manifest", None)
-    return f"shardckpt-generation:{manifest.generation}" if manifest is not None else None
 
 
 def _is_written(storage: Storage, name: str, header: bytes, members: Sequence[_Tensor]) -> bool:
