@@ -14,7 +14,7 @@ from shardckpt.checkpoint.verify import verify
 from shardckpt.convert.convert import convert
 from shardckpt.convert.diff import diff
 from shardckpt.formats.native import read_manifest
-from shardckpt.io import open_storage
+from shardckpt.io import LocalStorage, open_storage
 from tests.convert._kill import killed_after
 
 
@@ -79,3 +79,41 @@ def test_other_options_or_a_source_saved_again_start_over(tmp_path):
     assert report.kept_ranks == () and diff(src, dst2).equal
     again = convert(src, dst2, world_size=4, overwrite=True)  # the same conversion once more, over its own commit
     assert again.kept_ranks == () and verify(dst2).ok and diff(src, dst2).equal
+
+
+def test_a_second_run_of_the_same_conversion_while_one_is_writing_fails_at_once(tmp_path, monkeypatch):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    shardckpt.save(_state(), src)
+    real, second = convert_module.write_rank_files, []
+
+    def with_a_second_run(*args):
+        if not second:  # while the first run writes its first rank, the same command starts again
+            second.append(1)
+            with pytest.raises(shardckpt.CheckpointError, match="another live process is writing"):
+                convert(src, dst, world_size=4)
+        return real(*args)
+
+    monkeypatch.setattr(convert_module, "write_rank_files", with_a_second_run)
+    convert(src, dst, world_size=4)
+    assert second and verify(dst).ok and diff(src, dst).equal
+
+
+def test_the_loser_of_two_identical_conversions_keeps_the_winners_files(tmp_path, monkeypatch):
+    """Without locks (object stores), two runs of one conversion write the same files; the one that loses the
+    commit must not remove the data directory the winner's manifest names."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    shardckpt.save(_state(), src)
+    real_hold = LocalStorage.hold_dir
+    monkeypatch.setattr(LocalStorage, "hold_dir", lambda self, path, exclusive=False: real_hold(self, path))
+    real, second = convert_module.write_rank_files, []
+
+    def with_a_second_run(*args):
+        if not second:  # the same command, run to its commit while the first one writes
+            second.append(1)
+            convert(src, dst, world_size=4)
+        return real(*args)
+
+    monkeypatch.setattr(convert_module, "write_rank_files", with_a_second_run)
+    with pytest.raises(shardckpt.CheckpointExistsError):
+        convert(src, dst, world_size=4)
+    assert second and verify(dst).ok and diff(src, dst).equal

@@ -254,7 +254,8 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
     try:
         storage.put_atomic(MANIFEST_NAME, manifest.to_bytes(encoded_tree), exclusive=not overwrite)
     except FileExistsError:
-        storage.remove_dir(data_dir(generation))
+        if _previous_generation(storage) != generation:  # the same: a run of the same conversion committed it
+            storage.remove_dir(data_dir(generation))
         raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: another save committed a checkpoint here "
                                     "first; pass overwrite=True to replace it") from None
     try:  # committed: what follows only tidies up, and a failure here must not report the save as failed

@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from shardckpt.checkpoint.collect import LocalPiece
+from shardckpt.checkpoint.gc import committed_dir
 from shardckpt.checkpoint.load_any import pick, replace_refs, wanted_keys
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
 from shardckpt.checkpoint.save_plan import SavePlan, TensorPlan, plan_placed
@@ -45,7 +46,7 @@ from shardckpt.checkpoint.stage import check_unique_names
 from shardckpt.checkpoint.writer import write_rank_files
 from shardckpt.convert.local_output import LocalAtWorldSize, no_layouts_error
 from shardckpt.convert.resume import conversion_generation, finished_rank
-from shardckpt.dist.group import LOCAL, Failure, attempt, raise_failures, resolve_group
+from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
 from shardckpt.errors import CheckpointExistsError, UnsupportedValueError
 from shardckpt.format.codecs import Compression
 from shardckpt.format.dtypes import DTYPES, dtype_name, itemsize
@@ -53,7 +54,7 @@ from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.format.tree import TensorRef, check_savable_depth, encode, leaves, path_name
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
 from shardckpt.formats.detect import open_reader
-from shardckpt.io import open_storage
+from shardckpt.io import DirHold, Storage, open_storage
 from shardckpt.regions import Region, dim0_chunk, full_region
 from shardckpt.state_dict.flat import LAYOUTS_KEY
 from shardckpt.state_dict.logical import is_local, logical_view
@@ -150,7 +151,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
                                 files_per_rank, compression)
 
     metadata.update({"state_dict_type": _STORED_TYPES[out_type]})
-    hold = storage.hold_dir(data_dir(plan.generation))  # until committed: not debris to other saves' gc
+    hold = _hold_output(storage, plan.generation, workers)
     try:
         if workers.world_size == 1:
             try:
@@ -166,7 +167,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
                 if workers.is_coordinator else None
             raise_failures([workers.broadcast(outcome)])
     finally:
-        hold.release()
+        if hold is not None:
+            hold.release()
     return ConvertReport(world, out_type, len(outputs), sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in outputs),
                          tuple(kept))
 
@@ -258,6 +260,25 @@ def _plan(outputs: list[_Output], place: Callable[..., tuple[Region, bool]], wor
                 plan.regions.append(region)
                 plan.writers.append(rank)
     return plan_placed(tensors, replicated, world, generation, files_per_rank, compression)
+
+
+def _hold_output(storage: Storage, generation: str, workers: Group) -> DirHold | None:
+    """Worker 0 holds the output's data directory exclusively until the commit: gc leaves it alone, and a second
+    run of the same conversion (the same directory, ``convert.resume``) fails at once rather than writing over
+    this run's files. It then checks that no run committed that directory meanwhile."""
+    def hold() -> DirHold:
+        held = storage.hold_dir(data_dir(generation), exclusive=True)
+        if committed_dir(storage) == data_dir(generation):
+            held.release()
+            raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: the same conversion was committed here "
+                                        "meanwhile")
+        return held
+
+    if workers.world_size == 1:
+        return hold()
+    held = attempt(workers.rank, hold) if workers.is_coordinator else None
+    raise_failures([workers.broadcast(held if isinstance(held, Failure) else None)])
+    return held
 
 
 def _share_bytes(plan: SavePlan, ranks: list[int]) -> int:

@@ -6,11 +6,11 @@ import os
 
 from shardckpt.errors import CheckpointError
 from shardckpt.io.local import LocalStorage
-from shardckpt.io.protocol import FileWriter, Storage
+from shardckpt.io.protocol import DirHold, FileWriter, Storage
 from shardckpt.io.remote import FsspecStorage
 from shardckpt.io.s3 import S3Storage, S3Tuning
 
-__all__ = ["DEFAULT_IO_THREADS", "FileWriter", "FsspecStorage", "LocalStorage", "S3Storage", "Storage", "open_storage", "split_url"]
+__all__ = ["DEFAULT_IO_THREADS", "DirHold", "FileWriter", "FsspecStorage", "LocalStorage", "S3Storage", "Storage", "open_storage", "split_url"]
 
 DEFAULT_IO_THREADS = 4  # concurrent reads per rank (load, verify)
 

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Callable
 
-from shardckpt.errors import CorruptCheckpointError
+from shardckpt.errors import CheckpointError, CorruptCheckpointError
 from shardckpt.io.protocol import MAX_IO, missing
 
 
@@ -197,13 +197,16 @@ class LocalStorage:
     def list_dirs(self, path: str = "") -> list[str]:
         return self._names(path, lambda e: e.is_dir(follow_symlinks=False))
 
-    def hold_dir(self, path: str) -> _DirHold:
+    def hold_dir(self, path: str, exclusive: bool = False) -> _DirHold:
         url = self.url(path)
         while True:
             os.makedirs(url, exist_ok=True)
             fd = os.open(url, os.O_RDONLY | os.O_DIRECTORY)
             try:
-                fcntl.flock(fd, fcntl.LOCK_SH)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
+            except BlockingIOError:
+                os.close(fd)
+                raise CheckpointError(f"{url}: another live process is writing this directory") from None
             except OSError:  # no locks here (some network file systems): remove_abandoned removes nothing
                 return _DirHold(fd)
             try:

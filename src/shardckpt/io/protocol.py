@@ -78,10 +78,11 @@ class Storage(Protocol):
     def list_dirs(self, path: str = "") -> list[str]:
         """Names of the directories (object-store prefixes) directly under ``path``, sorted."""
 
-    def hold_dir(self, path: str) -> DirHold:
+    def hold_dir(self, path: str, exclusive: bool = False) -> DirHold:
         """Mark directory ``path`` (created if missing) as being written by this live process until
         ``release()``, so that ``remove_abandoned`` leaves it alone (local: a shared ``flock`` on it, which
-        dies with the process; object stores: nothing, they go by age)."""
+        dies with the process; object stores: nothing, they go by age). ``exclusive``: and refuse to hold it
+        while another process does, raising ``CheckpointError`` (local, where locks work; elsewhere as shared)."""
 
     def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False,
                          unused: Callable[[], bool] = lambda: True) -> bool:

@@ -134,7 +134,7 @@ class FsspecStorage:
     def list_dirs(self, path: str = "") -> list[str]:
         return self._names(path, "directory")
 
-    def hold_dir(self, path: str) -> _NoHold:
+    def hold_dir(self, path: str, exclusive: bool = False) -> _NoHold:
         return _NoHold()  # object stores have no locks: remove_abandoned goes by age
 
     def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False,
