@@ -5,7 +5,7 @@ import argparse
 import json
 from typing import Any
 
-from shardckpt.convert.export import Renames
+from shardckpt.convert.rename import Renames
 
 STORAGE_HELP = """storage options (passed to the fsspec filesystem of s3://, gs://, ... URLs):
   --storage-option endpoint_url=http://127.0.0.1:9000   a custom S3 endpoint (MinIO, Ceph radosgw, ...)

@@ -80,6 +80,7 @@ import torch
 
 from shardckpt.checkpoint.gc import EXPORT_TEMP
 from shardckpt.checkpoint.load_any import wanted_keys
+from shardckpt.convert.rename import Renames
 from shardckpt.convert.resume import source_identity
 from shardckpt.errors import CheckpointExistsError, IncompatibleCheckpointError, UnsupportedValueError
 from shardckpt.format.tree import TensorRef, leaves, path_name
@@ -279,43 +280,6 @@ def parse_size(size: int | str) -> int:
 
 # ---------------------------------------------------------------------------------------------------------
 # Selection (pure over the reader's tree and tensor list)
-
-
-class Renames:
-    """The rename rules of ``rename``: compiled, in order, each remembering whether it matched."""
-
-    def __init__(self, rules: Mapping[str, str | None]):
-        if not isinstance(rules, Mapping):
-            raise ValueError(f"rename must map regular expressions to new names, got {type(rules).__name__}")
-        self.rules = []
-        for pattern, replacement in rules.items():
-            if not isinstance(pattern, str) or not (replacement is None or isinstance(replacement, str)):
-                raise ValueError(f"rename rule {pattern!r}: {replacement!r}: expected a pattern and a new name "
-                                 "(a string) or null")
-            try:
-                self.rules.append((re.compile(pattern), replacement))
-            except re.error as e:
-                raise ValueError(f"rename rule {pattern!r}: not a regular expression: {e}") from None
-        self.used: set[int] = set()
-
-    def __call__(self, name: str) -> str | None:
-        for i, (pattern, replacement) in enumerate(self.rules):
-            match = pattern.fullmatch(name)
-            if match:
-                self.used.add(i)
-                if replacement is None:
-                    return None
-                try:
-                    return match.expand(replacement)
-                except (re.error, IndexError) as e:
-                    raise ValueError(f"rename rule {pattern.pattern!r}: {replacement!r}: {e}") from None
-        return name
-
-    def check_all_used(self) -> None:
-        unused = [pattern.pattern for i, (pattern, _) in enumerate(self.rules) if i not in self.used]
-        if unused:
-            raise IncompatibleCheckpointError(f"rename rules that match no exported tensor: {unused} (names are "
-                                              "matched whole, after the model prefix and wrappers are removed)")
 
 
 def select(reader: CheckpointReader, only: Sequence[str] | None, strip_prefix: str | None,

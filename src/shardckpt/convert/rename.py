@@ -1,0 +1,46 @@
+"""``Renames``: the rename rules of ``export --rename-map`` (and ``verify --against``): regular expressions matched
+against whole names, in order; the first match renames (its groups usable in the new name), ``None`` leaves
+the tensor out. A rule that matches nothing is reported (``check_all_used``): a typo must not pass silently."""
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+from shardckpt.errors import IncompatibleCheckpointError
+
+
+class Renames:
+    """The rename rules of ``rename``: compiled, in order, each remembering whether it matched."""
+
+    def __init__(self, rules: Mapping[str, str | None]):
+        if not isinstance(rules, Mapping):
+            raise ValueError(f"rename must map regular expressions to new names, got {type(rules).__name__}")
+        self.rules = []
+        for pattern, replacement in rules.items():
+            if not isinstance(pattern, str) or not (replacement is None or isinstance(replacement, str)):
+                raise ValueError(f"rename rule {pattern!r}: {replacement!r}: expected a pattern and a new name "
+                                 "(a string) or null")
+            try:
+                self.rules.append((re.compile(pattern), replacement))
+            except re.error as e:
+                raise ValueError(f"rename rule {pattern!r}: not a regular expression: {e}") from None
+        self.used: set[int] = set()
+
+    def __call__(self, name: str) -> str | None:
+        for i, (pattern, replacement) in enumerate(self.rules):
+            match = pattern.fullmatch(name)
+            if match:
+                self.used.add(i)
+                if replacement is None:
+                    return None
+                try:
+                    return match.expand(replacement)
+                except (re.error, IndexError) as e:
+                    raise ValueError(f"rename rule {pattern.pattern!r}: {replacement!r}: {e}") from None
+        return name
+
+    def check_all_used(self) -> None:
+        unused = [pattern.pattern for i, (pattern, _) in enumerate(self.rules) if i not in self.used]
+        if unused:
+            raise IncompatibleCheckpointError(f"rename rules that match no exported tensor: {unused} (names are "
+                                              "matched whole, after the model prefix and wrappers are removed)")
