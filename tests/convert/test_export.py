@@ -426,9 +426,9 @@ def test_the_memory_limit_bounds_the_slices(tmp_path, monkeypatch):
 
 def _killed_after(files: int, src, dst, **options) -> None:
     """export killed (kill -9 style) as it starts file number ``files + 1``."""
-    import shardckpt.convert.export as module
+    import shardckpt.convert.safetensors_files as module
 
-    killed_after(files, module, "_write_file", lambda: export(src, dst, **options))
+    killed_after(files, module, "write_file", lambda: export(src, dst, **options))
 
 
 def _big_state(seed: int = 3) -> dict:
@@ -450,9 +450,9 @@ def test_a_killed_export_resumes_rewriting_only_its_unfinished_files(tmp_path, m
         _killed_after(2, tmp_path / "src", dst, **options)
         assert sorted(n for n in os.listdir(dst) if not n.startswith("model-00003")) == [
             "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"]
-    import shardckpt.convert.export as module
-    real, wrote = module._write_file, []
-    monkeypatch.setattr(module, "_write_file", lambda storage, path, *a: (wrote.append(path), real(storage, path, *a)))
+    import shardckpt.convert.safetensors_files as module
+    real, wrote = module.write_file, []
+    monkeypatch.setattr(module, "write_file", lambda storage, path, *a: (wrote.append(path), real(storage, path, *a)))
     report = export(tmp_path / "src", dst, **options)
     assert report.kept == ("model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors")
     assert [p.split(".export-tmp-")[0] for p in wrote] == ["model-00003-of-00003.safetensors"]

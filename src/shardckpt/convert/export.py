@@ -59,8 +59,8 @@ the header records the source's identity (``__metadata__.source_id``: a shardckp
 generation, new at every save), so a source saved again since is never mixed in. Sources of other formats
 have no such identity: their unfinished exports are not resumed (``overwrite`` replaces them), and an
 unfinished export of another source or with other options raises ``CheckpointExistsError`` too. The
-byte-I/O protocol has no rename, delete or abort of one file yet: this module does them itself
-(``_rename``, ``_remove``, ``_abandon``) until it has.
+byte-I/O protocol has no rename, delete or abort of one file yet: ``convert.safetensors_files`` does them
+(``rename``, ``remove``, ``abandon``) until it has, and writes the files.
 
 **dtype**: ``"keep"`` or one of bfloat16 / float16 / float32 (names or torch dtypes): floating-point tensors
 are cast, integer and bool tensors kept.
@@ -71,7 +71,6 @@ import json
 import math
 import os
 import re
-import struct
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -80,21 +79,18 @@ import torch
 
 from shardckpt.checkpoint.gc import EXPORT_TEMP
 from shardckpt.checkpoint.load_any import wanted_keys
+from shardckpt.convert import safetensors_files
 from shardckpt.convert.rename import Renames
+from shardckpt.convert.safetensors_files import SHARD_FILE, SINGLE_FILE, existing_export, header_bytes
 from shardckpt.convert.resume import source_identity
 from shardckpt.errors import CheckpointExistsError, IncompatibleCheckpointError, UnsupportedValueError
 from shardckpt.format.tree import TensorRef, leaves, path_name
-from shardckpt.formats.api import CheckpointReader, ReadRequest
+from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.safetensors import DTYPE_NAMES, INDEX_NAME, METADATA_KEY
-from shardckpt.io import FileWriter, LocalStorage, Storage, open_storage
-from shardckpt.regions import FlatRange
+from shardckpt.io import LocalStorage, open_storage
 from shardckpt.state_dict.logical import LogicalView, logical_view
-from shardckpt.tensor_views import as_bytes, from_bytes
 
-SINGLE_FILE = "model.safetensors"
-SHARD_FILE = "model-{index:05d}-of-{count:05d}.safetensors"
-_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # bytes, huggingface_hub's default ("5GB")
 SLICE_BYTES = 64 << 20  # bytes per read from the source at most: the memory an export holds (twice, with a cast)
 WRAPPERS = ("module.", "_orig_mod.")
@@ -177,7 +173,7 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     storage = open_storage(dst, dst_storage_options)
     old = existing_export(storage)
     finished = {name for (name, members), header in zip(files, headers)
-                if identity is not None and not overwrite and name in old and _is_written(storage, name, header, members)}
+                if identity is not None and not overwrite and name in old and safetensors_files.is_written(storage, name, header, members)}
     if old and not overwrite and (INDEX_NAME in old or SINGLE_FILE in old or not finished):
         what = "an export" if INDEX_NAME in old or SINGLE_FILE in old else \
             "an unfinished export of another source or with other options"
@@ -188,7 +184,7 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     stale = [n for n in old if n not in names or n == INDEX_NAME]
     if not swap_at_end:  # the old index goes first: no mix of old and new files ever looks complete
         for name in sorted(stale, key=lambda n: n != INDEX_NAME):
-            _remove(storage, name)
+            safetensors_files.remove(storage, name)
     total = sum(t.nbytes for t in tensors)
     done = [0]
 
@@ -200,22 +196,22 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     token = uuid.uuid4().hex[:12]
     written: list[str] = []  # what this export has put at dst so far (temporary names locally)
     try:
-        buffers = _Buffers(tensors, slice_bytes)
+        buffers = safetensors_files.Buffers(tensors, slice_bytes)
         for (name, members), header in zip(files, headers):
             if name in finished:  # left by an export of the same source and plan that was killed
                 tick(sum(t.nbytes for t in members))
                 continue
             target = f"{name}.export-tmp-{token}" if local else name
             written.append(target)
-            _write_file(storage, target, header, members, reader, buffers, tick)
+            safetensors_files.write_file(storage, target, header, members, reader, buffers, tick)
             if local and not swap_at_end:  # finished files keep their names: a rerun after a kill skips them
-                _rename(storage, target, name)
+                safetensors_files.rename(storage, target, name)
                 written[-1] = name
         if swap_at_end:
             for name in sorted(stale, key=lambda n: n != INDEX_NAME):  # the old index first
-                _remove(storage, name)
+                safetensors_files.remove(storage, name)
             for target in written:
-                _rename(storage, target, target.split(".export-tmp-")[0])
+                safetensors_files.rename(storage, target, target.split(".export-tmp-")[0])
             written = list(names)
         if local:
             storage.sync_dir("")
@@ -225,7 +221,7 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
             storage.put_atomic(INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
     except BaseException:
         for name in written:
-            _remove(storage, name)
+            safetensors_files.remove(storage, name)
         raise
     if local:  # what killed exports left: temporary files nobody is writing any more
         for name in storage.list_files():
@@ -420,112 +416,3 @@ def plan_shards(sizes: Sequence[int], limit: int) -> list[list[int]]:
     if run:
         shards += _balanced(run, sizes, limit)
     return shards
-
-
-def header_bytes(tensors: Sequence[_Tensor], metadata: dict[str, str]) -> bytes:
-    """The 8-byte little-endian header length and the JSON header, padded with spaces to a multiple of 8."""
-    obj: dict[str, Any] = {METADATA_KEY: metadata}
-    offset = 0
-    for t in tensors:
-        obj[t.name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                       "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    raw = json.dumps(obj, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Writing
-
-
-class _Buffers:
-    """The two reused buffers: one slice as read from the source, one as cast for the output."""
-
-    def __init__(self, tensors: Sequence[_Tensor], slice_bytes: int):
-        self.slice_bytes = slice_bytes
-        need_read = need_cast = 0
-        for t in tensors:
-            n = min(t.numel, self.step(t))
-            need_read = max(need_read, n * t.source_dtype.itemsize)
-            if t.dtype != t.source_dtype:
-                need_cast = max(need_cast, n * t.dtype.itemsize)
-        self.read = torch.empty(need_read, dtype=torch.uint8)
-        self.cast = torch.empty(need_cast, dtype=torch.uint8)
-
-    def step(self, t: _Tensor) -> int:
-        """Elements per slice of ``t``: at most ``slice_bytes`` on either side of the cast (one at the least)."""
-        return max(1, self.slice_bytes // max(t.source_dtype.itemsize, t.dtype.itemsize))
-
-
-def _write_file(storage: Storage, path: str, header: bytes, tensors: Sequence[_Tensor], reader: CheckpointReader,
-                buffers: _Buffers, tick: Callable[[int], None]) -> None:
-    writer = storage.open_writer(path)
-    try:
-        writer.write(memoryview(header))
-        for t in tensors:
-            step = buffers.step(t)
-            for lo in range(0, t.numel, step):
-                n = min(step, t.numel - lo)
-                got = from_bytes(buffers.read[:n * t.source_dtype.itemsize], t.source_dtype, (n,))
-                reader.read([ReadRequest(t.source, FlatRange(lo, lo + n), got)])
-                if t.dtype != t.source_dtype:
-                    got = from_bytes(buffers.cast[:n * t.dtype.itemsize], t.dtype, (n,)).copy_(got)
-                writer.write(memoryview(as_bytes(got).numpy()))
-                tick(n * t.dtype.itemsize)
-    except BaseException:
-        _abandon(writer)
-        raise
-    writer.close()
-
-
-def _abandon(writer: FileWriter) -> None:
-    """Drop a file being written without completing it: an object store's upload is aborted, not completed
-    (fsspec files complete their upload when closed, even by the garbage collector)."""
-    file = getattr(writer, "_file", None)
-    if file is None:
-        try:
-            writer.close()  # local disk: the descriptor; the file is removed by the caller
-        except OSError:
-            pass
-        return
-    try:
-        discard = getattr(file, "discard", None)
-        if callable(discard):
-            discard()
-        file.closed = True
-    except Exception:  # noqa: BLE001 - best effort: the caller removes the file
-        pass
-
-
-def _rename(storage: Storage, old: str, new: str) -> None:
-    """Local disk only (the commit): rename ``old`` over ``new``."""
-    os.replace(storage.url(old), storage.url(new))
-
-
-def _remove(storage: Storage, name: str) -> None:
-    """Delete the file ``name``, if it is there."""
-    if isinstance(storage, LocalStorage):
-        try:
-            os.unlink(storage.url(name))
-        except FileNotFoundError:
-            pass
-    else:
-        storage.remove_dir(name)  # on an object store, a key and anything under it
-
-
-def _is_written(storage: Storage, name: str, header: bytes, members: Sequence[_Tensor]) -> bool:
-    """Whether file ``name`` is the one this export would write: its size and its header (names, dtypes,
-    shapes, offsets, the source's identity) as planned. A file only ever has its name once it is whole."""
-    if storage.file_size(name) != len(header) + sum(t.nbytes for t in members):
-        return False
-    head = bytearray(len(header))
-    storage.read_into(name, 0, memoryview(head))
-    return bytes(head) == header
-
-
-def existing_export(storage: Storage) -> list[str]:
-    """The export files at ``storage`` (the index first)."""
-    names = storage.list_files()
-    return sorted((n for n in names if n in (SINGLE_FILE, INDEX_NAME) or _SHARD_RE.fullmatch(n)),
-                  key=lambda n: (n != INDEX_NAME, n))
