@@ -366,7 +366,7 @@ def plan_70b(args) -> dict:
         _, outputs = _select(reader, (), (), None)
         t1 = time.perf_counter()
         place = functools.partial(_placement, out_type="sharded", world=world, reader=reader)
-        plan = _plan(outputs, place, world, DEFAULT_FILES_PER_RANK, None)
+        plan = _plan(outputs, place, world, DEFAULT_FILES_PER_RANK, None, "plan-70b")
         t4 = time.perf_counter()
         t.update(open_select_s=t1 - t0, plan_s=t4 - t1,
                  total_s=t4 - t0, cpu_s=time.process_time() - c0, outputs=len(outputs),

@@ -8,16 +8,19 @@ import os
 import torch
 import torch.distributed as dist
 
-from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options
+from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options, usage_error
 from shardckpt.cli.progress import Progress
 
 from shardckpt.convert.convert import TYPES, convert
+from shardckpt.convert.export import parse_size
+from shardckpt.convert.memory import DEFAULT_MEMORY_LIMIT
 from shardckpt.format.codecs import Compression
 
 EPILOG = """sources: shardckpt checkpoints of any type and world size (LOCAL ones through their flat layouts),
 torch DCP directories, safetensors files or Hugging Face directories, torch.save files. The output is a
 shardckpt checkpoint, committed atomically at the end: until then nothing at DST loads or verifies.
-Memory holds a few chunks at a time, whatever the checkpoint's size. Rerun after a kill, the same
+Chunks stream through a slice at a time: the process's memory stays within --memory-limit (default
+512MiB, of which Python and torch take ~265 MiB), whatever the checkpoint's size. Rerun after a kill, the same
 command keeps the output ranks already finished (for a shardckpt source). Started by torchrun, the copies
 share the writing (output rank r is written by copy r % nproc; copy 0 commits): on one machine, or on
 several that see the same SRC and DST (a shared file system, or object storage).
@@ -39,11 +42,18 @@ def register(sub) -> None:
     p.add_argument("dst", help="destination directory or fsspec URL")
     p.add_argument("--world-size", type=_positive, help="output world size (default: the source's, 1 for other formats)")
     p.add_argument("--type", choices=TYPES, help="output state-dict type (default: the source's)")
+    p.add_argument("--optim-key", choices=("name", "id"),
+                   help="key the optimizer state by parameter name or ID (default: as the source does)")
     p.add_argument("--dtype", help="cast floating-point tensors, e.g. bfloat16")
     p.add_argument("--only", nargs="+", default=(), metavar="PREFIX", help="keep only these dotted-name prefixes")
     p.add_argument("--exclude", nargs="+", default=(), metavar="PREFIX", help="leave out these prefixes")
-    p.add_argument("--compress", type=_compression, metavar="zstd[:LEVEL]",
+    p.add_argument("--compress", type=usage_error(Compression.parse), metavar="zstd[:LEVEL]",
                    help="store chunks as zstd frames (floats split into byte planes first); default: raw")
+    p.add_argument("--memory-limit", type=usage_error(parse_size), default=DEFAULT_MEMORY_LIMIT, metavar="SIZE",
+                   help="resident memory of this process at most about SIZE (default 512MiB), e.g. 2GiB: what "
+                        "the process holds already is spent first, the rest is the buffers chunks stream through")
+    p.add_argument("--workers", type=_positive, default=1, metavar="N",
+                   help="spread the output files over N local processes (each within --memory-limit)")
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_storage_options(p)
@@ -60,13 +70,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def _compression(spec: str) -> Compression | None:
-    try:
-        return Compression.parse(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _dtype(name: str | None) -> torch.dtype | None:
     if name is None:
         return None
@@ -80,16 +83,20 @@ def run(args: argparse.Namespace) -> int:
     options = storage_options(args)
     with _torchrun_workers() as workers:  # None unless started by torchrun with more than one process
         leader = workers is None or dist.get_rank() == 0
+        if workers is not None and args.workers > 1:
+            raise argparse.ArgumentTypeError("--workers: under torchrun, its processes are the workers")
         progress = Progress("convert", quiet=args.quiet or not leader)
         try:
             report = convert(args.src, args.dst, world_size=args.world_size, type=args.type, dtype=_dtype(args.dtype),
                              only=args.only, exclude=args.exclude, overwrite=args.overwrite, storage_options=options,
                              dst_storage_options=options, compress=args.compress, progress=progress,
-                             spread_over=workers)
+                             spread_over=workers, memory_limit=args.memory_limit,
+                             optim_key=args.optim_key, workers=args.workers)
         finally:
             progress.close()
     if leader and not args.quiet:
-        spread = f", written by {workers.size()} workers" if workers is not None else ""
+        count = workers.size() if workers is not None else args.workers
+        spread = f", written by {count} workers" if count > 1 else ""
         spread += f", {len(report.kept_ranks)} ranks kept from a killed run" if report.kept_ranks else ""
         print(f"{args.dst}: {report.type} checkpoint at world size {report.world_size}, {report.tensors} tensors, "
               f"{report.bytes_written} bytes{spread}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from shardckpt.cli.options import STORAGE_HELP, add_rename_map, add_storage_options, storage_options
+from shardckpt.cli.options import STORAGE_HELP, add_rename_map, add_storage_options, storage_options, usage_error
 from shardckpt.cli.progress import Progress
 
 from shardckpt.convert.export import DEFAULT_MAX_SHARD_SIZE, cast_dtype, export, parse_size, slice_bytes_for
@@ -15,7 +15,8 @@ training checkpoint (names relative to it), else every tensor outside `optim`/`o
 entries. Wrapper prefixes `module.` and `_orig_mod.` are removed; tied weights (LOCAL) are written once.
 Output: model.safetensors, or model-0000i-of-0000N.safetensors and model.safetensors.index.json (written last;
 a rerun after a kill keeps the files it had finished, for a shardckpt source),
-streamed in slices of at most 64 MiB (two buffers: --memory-limit 128MiB), whatever the model's size.
+streamed in slices of at most 64 MiB (two buffers), whatever the model's size; --memory-limit bounds the
+process's resident memory instead (e.g. 512MiB: ~265 MiB of Python and torch, the rest buffers).
 
 examples:
   shardckpt export /ckpt/step-1000 /export/step-1000 --dtype bfloat16
@@ -34,31 +35,23 @@ def register(sub) -> None:
                        epilog=EPILOG + "\n" + STORAGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="source checkpoint, file or fsspec URL")
     p.add_argument("dst", help="destination directory or fsspec URL")
-    p.add_argument("--dtype", default="keep", type=_usage_error(cast_dtype),
+    p.add_argument("--dtype", default="keep", type=usage_error(cast_dtype),
                    help="bfloat16, float16, float32 or keep (default): cast floating-point tensors")
-    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, type=_usage_error(parse_size), metavar="SIZE",
+    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, type=usage_error(parse_size), metavar="SIZE",
                    help="tensor bytes per file at most, e.g. 5GB (default), 500MiB")
     p.add_argument("--only", nargs="+", default=None, metavar="PREFIX",
                    help="export these dotted-name prefixes instead of the model weights")
     p.add_argument("--strip-prefix", metavar="P", help="remove this prefix from the exported names")
     add_rename_map(p, "rename the exported tensors: ")
-    p.add_argument("--memory-limit", type=_usage_error(parse_size), metavar="SIZE",
-                   help="bytes of read and cast buffers at most (default 128MiB), e.g. 1GiB; a source's reader "
-                        "may hold one stored chunk more (a DCP chunk, when verified)")
+    p.add_argument("--memory-limit", type=usage_error(parse_size), metavar="SIZE",
+                   help="resident memory of this process at most about SIZE, e.g. 1GiB: what the process holds "
+                        "already (~265 MiB of Python and torch) is spent first, the rest is the read and cast "
+                        "buffers (default: two of 64 MiB); a source's reader may hold one stored chunk more (a "
+                        "DCP chunk, when verified)")
     p.add_argument("--overwrite", action="store_true", help="replace an export at DST")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     add_storage_options(p)
     p.set_defaults(run=run)
-
-
-def _usage_error(parse):
-    """``parse`` as an argparse type: its ``ValueError`` becomes a usage error (exit 2) with its message."""
-    def parse_argument(text: str):
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return parse_argument
 
 
 def run(args: argparse.Namespace) -> int:

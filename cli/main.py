@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
+import warnings
 
 from shardckpt.cli import convert_cmd, demo_cmd, diff_cmd, export_cmd, gc_cmd, inspect_cmd, verify_cmd
 
@@ -29,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = functools.partial(_show_warning, args.command)
+            return args.run(args)
     except (CheckpointError, argparse.ArgumentTypeError) as e:
         print(f"shardckpt {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -42,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"shardckpt {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _show_warning(command: str, message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line that names the command (not the source line that raised it)."""
+    print(f"shardckpt {command}: warning: {message}", file=sys.stderr if file is None else file)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Options verbs share: ``--storage-option KEY=VALUE`` for fsspec backends, ``--rename-map FILE`` (export, verify)."""
+"""Options verbs share: ``--storage-option KEY=VALUE`` for fsspec backends, ``--rename-map FILE`` (export, verify),
+parsers whose ``ValueError`` is a usage error (``usage_error``)."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +15,16 @@ STORAGE_HELP = """storage options (passed to the fsspec filesystem of s3://, gs:
   S3 credentials come from the usual AWS places (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
   AWS_SESSION_TOKEN, AWS_PROFILE, ~/.aws/credentials); key=... and secret=... options override them.
 """
+
+
+def usage_error(parse):
+    """``parse`` as an argparse type: its ``ValueError`` becomes a usage error (exit 2) with its message."""
+    def parse_argument(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse_argument
 
 
 def add_storage_options(parser: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ import shardckpt
 from shardckpt import CheckpointExistsError, IncompatibleCheckpointError, StateDictType
 from shardckpt.checkpoint.verify import verify
 from shardckpt.cli.main import main
+from shardckpt.convert import memory
 from shardckpt.convert.convert import convert
 from shardckpt.convert.diff import diff
 from shardckpt.formats.detect import open_reader
@@ -24,6 +25,7 @@ from shardckpt.state_dict import OptimStateKeyType, unsharded_param_names
 from shardckpt.state_dict.flat import LAYOUTS_KEY
 from shardckpt.state_dict.logical import logical_view
 from tests._dist import run_ranks
+from tests.checkpoint.cases import block_size
 from tests.state_dict._train import STEPS_AFTER, STEPS_BEFORE, assert_same_state, full_state, new_run, steps
 from tests.state_dict.test_resume import _resume
 from tests.runtime import _model
@@ -234,6 +236,20 @@ def test_a_runtime_local_checkpoint_converted_to_local_at_another_world_size_res
             (where, got_losses, losses)
 
 
+def test_local_output_streamed_in_slices_across_members_is_the_same(runtime_local, tmp_path, monkeypatch):
+    """Slices of a new flat tensor that start and end inside members, gaps and padding (a 64-element slice
+    buffer) give the bytes that whole chunks give."""
+    root, _, _, _ = runtime_local
+    local = f"{root}/LOCAL_STATE_DICT-{OptimStateKeyType.PARAM_NAME.name}"
+    convert(local, tmp_path / "whole", world_size=3)
+    monkeypatch.setattr(memory, "resident_bytes", lambda: 0)
+    with block_size(64):  # 16 fp32 elements a block
+        convert(local, tmp_path / "sliced", world_size=3, memory_limit=2 * (64 + 256))
+    whole, sliced = _manifest(tmp_path / "whole"), _manifest(tmp_path / "sliced")
+    assert {n: t.crc32c for n, t in whole.tensors.items()} == {n: t.crc32c for n, t in sliced.tensors.items()}
+    assert verify(tmp_path / "sliced").ok and diff(tmp_path / "sliced", local).equal
+
+
 @pytest.mark.parametrize("key", list(OptimStateKeyType), ids=lambda k: k.name)
 def test_diff_compares_local_checkpoints_of_other_layouts_by_parameter(runtime_local, tmp_path, key):
     root, _, _, _ = runtime_local
@@ -269,6 +285,56 @@ def test_local_output_needs_a_local_source(runtime_local, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "x") or not os.listdir(tmp_path / "x")
     report = convert(full, tmp_path / "z", world_size=3)  # the job's FULL checkpoint at another world size
     assert report.type == "sharded" and diff(full, tmp_path / "z").equal
+
+
+@pytest.mark.parametrize("key", list(OptimStateKeyType), ids=lambda k: k.name)
+@pytest.mark.parametrize("out_type", ["full", "sharded", "local"])
+def test_optim_key_gives_the_checkpoint_the_job_saves_with_that_key(runtime_local, tmp_path, key, out_type):
+    """A runtime LOCAL checkpoint keyed one way, converted with the other ``optim_key``, equals the job's own
+    checkpoint saved with that key: FULL by value and key (IDs numbered as get_state_dict numbers them, names
+    recorded), LOCAL at ws 2 bit for bit (flat groups numbered as torch numbers them), SHARDED at ws 3 equal
+    to the job's FULL one."""
+    root, _, _, _ = runtime_local
+    other = next(k for k in OptimStateKeyType if k is not key)
+    src = f"{root}/LOCAL_STATE_DICT-{key.name}"
+    want = f"{root}/{'LOCAL' if out_type == 'local' else 'FULL'}_STATE_DICT-{other.name}"
+    world = {"full": 1, "sharded": 3, "local": 2}[out_type]
+    convert(src, tmp_path / "out", type=out_type, world_size=world,
+            optim_key=other.name.removeprefix("PARAM_").lower())
+    got, expected = _manifest(tmp_path / "out"), _manifest(want)
+    assert got.metadata["optim_key"] == other.value
+    assert got.tree["optim"]["param_groups"] == expected.tree["optim"]["param_groups"]
+    assert got.tree["optim"]["state"].keys() == expected.tree["optim"]["state"].keys()
+    report = diff(tmp_path / "out", want)
+    assert report.equal and report.tensors > 0, report.differences[:5]
+
+
+def test_optim_key_round_trip_and_errors(tmp_path, capsys):
+    shardckpt.save(_state(), tmp_path / "src",
+                   metadata={"state_dict_type": "FULL_STATE_DICT", "optim_key": "PARAM_NAME"})
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "ids"), "--world-size", "2", "--optim-key", "id",
+                 "--quiet"]) == 0
+    ids = _manifest(tmp_path / "ids")
+    assert ids.metadata["optim_key"] == "PARAM_ID" and list(ids.tree["optim"]["state"]) == [0]
+    assert ids.tree["optim"]["param_groups"] == [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0],
+                                                  "param_names": ["w"]}]
+    exp_avg = shardckpt.load_full(tmp_path / "ids")["optim"]["state"][0]["exp_avg"]
+    assert exp_avg.equal(_state()["optim"]["state"]["w"]["exp_avg"])
+    convert(tmp_path / "ids", tmp_path / "names", optim_key="name")
+    assert diff(tmp_path / "src", tmp_path / "names").equal
+    assert _manifest(tmp_path / "names").metadata["optim_key"] == "PARAM_NAME"
+    with pytest.raises(ValueError, match="optim_key must be 'name' or 'id'"):
+        convert(tmp_path / "src", tmp_path / "x", optim_key="ID")
+    # torch's own ID-keyed state records no names: to key it by name, say what the IDs are
+    sd = {"optim": {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}}
+    torch.save(sd, tmp_path / "plain.pt")
+    with pytest.raises(IncompatibleCheckpointError, match="param_names"):
+        convert(tmp_path / "plain.pt", tmp_path / "x", optim_key="name")
+    convert(tmp_path / "plain.pt", tmp_path / "named", optim_key="name", param_names=["layer.w"])
+    assert _manifest(tmp_path / "named").tree["optim"]["param_groups"][0]["params"] == ["layer.w"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", str(tmp_path / "src"), str(tmp_path / "x"), "--optim-key", "ids"])
+    assert exit_info.value.code == 2 and "--optim-key" in capsys.readouterr().err
 
 
 def test_cli(tmp_path, capsys):

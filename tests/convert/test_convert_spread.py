@@ -86,3 +86,29 @@ def test_worker_0_alone_reports(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("written by 2 workers") == 1, done.stdout
+
+
+def test_local_workers_give_the_one_process_result_and_sum_their_progress(tmp_path):
+    src, dst, alone = str(tmp_path / "src"), str(tmp_path / "dst"), str(tmp_path / "alone")
+    shardckpt.save(_state(), src)
+    seen: list[tuple[int, int]] = []
+    report = convert(src, dst, world_size=3, workers=2, optim_key="id", progress=lambda d, t: seen.append((d, t)))
+    assert report.world_size == 3 and report.type == "sharded" and report.kept_ranks == ()
+    convert(src, alone, world_size=3, optim_key="id")
+    a, b = read_manifest(open_storage(dst)), read_manifest(open_storage(alone))
+    assert a.tree == b.tree and {n: t.crc32c for n, t in a.tensors.items()} == {n: t.crc32c for n, t in b.tensors.items()}
+    assert verify(dst).ok
+    assert seen and seen[-1][0] == seen[-1][1] == report.bytes_written  # both workers' shares, summed
+
+
+def test_local_workers_raise_the_failure_itself(tmp_path, capsys):
+    from shardckpt.cli.main import main
+
+    src = str(tmp_path / "src")
+    shardckpt.save(_state(), src)
+    with pytest.raises(shardckpt.CheckpointExistsError, match="overwrite"):
+        convert(src, src, workers=2)
+    assert main(["convert", src, src, "--workers", "2", "--quiet"]) == 2
+    assert "a checkpoint already exists" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="workers"):
+        convert(src, str(tmp_path / "x"), workers=0)

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 import shardckpt
 from shardckpt import CheckpointExistsError, CorruptCheckpointError, StateDictType
 from shardckpt.cli.main import main
+from shardckpt.convert import memory
 from shardckpt.convert.convert import convert
 from shardckpt.convert.export import (
     INDEX_NAME, SINGLE_FILE, NoModelWeightsError, export, header_bytes, parse_size, plan_shards, strip_wrappers,
@@ -28,6 +29,7 @@ from shardckpt.formats.native import NativeReader
 from shardckpt.io.remote import FsspecStorage
 from shardckpt.state_dict import unsharded_param_names
 from shardckpt.tensor_views import as_bytes
+from tests.convert._spy import read_sizes
 from tests._dist import run_ranks
 from tests.convert._kill import killed_after
 from tests.runtime import _model
@@ -410,14 +412,8 @@ def test_a_rename_map_file_that_is_not_a_json_object_is_a_usage_error(tmp_path, 
 def test_the_memory_limit_bounds_the_slices(tmp_path, monkeypatch):
     big = torch.randn(10_000)  # 40 000 bytes
     shardckpt.save({"model": {"big": big}}, tmp_path / "src")
-    seen: list[int] = []
-    real = NativeReader.read
-
-    def spy(self, requests):
-        seen.extend(r.dest.nbytes for r in requests)
-        return real(self, requests)
-
-    monkeypatch.setattr(NativeReader, "read", spy)
+    seen = read_sizes(monkeypatch)
+    monkeypatch.setattr(memory, "resident_bytes", lambda: 0)  # the whole limit is buffers
     assert main(["export", str(tmp_path / "src"), str(tmp_path / "dst"), "--memory-limit", "8KiB", "--dtype", "bf16",
                  "--quiet"]) == 0
     assert seen and max(seen) <= 4096 and len(seen) == 10  # two 4 KiB buffers: as read, and as cast

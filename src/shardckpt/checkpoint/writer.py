@@ -14,12 +14,13 @@ import math
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable, Iterator, Union
 
 import torch
 
 from shardckpt.checkpoint.collect import LocalPiece
 from shardckpt.checkpoint.save_plan import WriteTask
-from shardckpt.regions import contiguous_runs
+from shardckpt.regions import FlatRange, contiguous_runs
 from shardckpt.io import Storage
 from shardckpt.format.codecs import CODEC_THREADS, RAW, Compression, codec_pool, encode_frame
 from shardckpt.format.checksum import combine_block_crcs, crc32c, runs_crc_term
@@ -29,6 +30,25 @@ from shardckpt.tensor_views import as_bytes
 
 ALIGN = 64  # chunk offsets are aligned so that a memory map of the file gives aligned tensors
 WRITE_SIZE = 16 << 20  # bytes written per call (16 checksum blocks, each CRC'd just before, while in cache)
+
+
+@dataclass(frozen=True)
+class StreamedPiece:
+    """A chunk written as it is produced, a slice at a time, so that it never needs to be in memory whole
+    (``convert``: memory bounded whatever the chunk's size).
+
+    ``slices(block)`` yields the chunk's elements in order, as contiguous CPU tensors of ``dtype``, each a
+    whole number of ``block`` bytes (the checksum block) but the last. The region is one contiguous run of the
+    tensor, so that the chunk's checksum term follows from its block CRCs alone."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    region: FlatRange
+    slices: Callable[[int], Iterator[torch.Tensor]]
+
+
+Piece = Union[LocalPiece, StreamedPiece]
 
 
 @dataclass(frozen=True)
@@ -46,9 +66,9 @@ def _staged_bytes(piece: LocalPiece) -> torch.Tensor:
     return as_bytes(t)
 
 
-def _crc_term(piece: LocalPiece, crc: int, raw: torch.Tensor) -> int:
-    """This chunk's term of the tensor checksum (see format.checksum): box chunks have one run per row."""
-    size = piece.data.element_size()
+def _crc_term(piece: Piece, size: int, crc: int, raw: torch.Tensor | None) -> int:
+    """This chunk's term of the tensor checksum (see format.checksum): box chunks have one run per row (a
+    ``LocalPiece`` only: its ``raw`` bytes give each run's CRC)."""
     runs = list(contiguous_runs(piece.region, piece.shape))
     if len(runs) == 1:
         crcs = [crc]
@@ -93,34 +113,44 @@ def _write_frames(writer, data: memoryview, block: int, codec: str, itemsize: in
     return blocks, frames
 
 
-def _write_chunk(writer, piece: LocalPiece, compression: Compression | None) -> tuple[ChunkRecord, int]:
+def _write_chunk(writer, piece: Piece, compression: Compression | None) -> tuple[ChunkRecord, int]:
     """Stream one chunk, each block checksummed just before it is written (while it is in cache), encoded
     as a frame if ``compression``; a chunk none of whose frames shrank is recorded as ``raw``.
 
     Returns the record (offset 0: the caller places it) and the chunk's term of the tensor checksum."""
-    raw = _staged_bytes(piece)
-    data = memoryview(raw.numpy())
     block = BLOCK_SIZE  # read at call time: tests shrink it to get many blocks from small tensors
-    codec, frames = RAW, ()
-    if compression is None:
-        blocks = _write_raw(writer, data, block)
+    if isinstance(piece, StreamedPiece):
+        raw, dtype, parts = None, piece.dtype, map(as_bytes, piece.slices(block))
     else:
-        codec = compression.codec_for(piece.data.dtype)
-        blocks, stored = _write_frames(writer, data, block, codec, piece.data.element_size(), compression.level)
-        if sum(stored) < len(data):
-            frames = tuple(stored)
+        raw = _staged_bytes(piece)
+        dtype, parts = piece.data.dtype, iter([raw])
+    codec = RAW if compression is None else compression.codec_for(dtype)
+    blocks, frames, length = [], [], 0
+    for part in parts:
+        if length % block:
+            raise ValueError(f"{piece.name!r}: a slice before the last ends mid-block ({length} bytes written, "
+                             f"blocks of {block})")
+        data = memoryview(part.numpy())
+        if codec == RAW:
+            blocks.extend(_write_raw(writer, data, block))
         else:
-            codec = RAW  # every frame was stored as it is: the stored bytes are the raw chunk
-    crc = combine_block_crcs(blocks, len(data), block)
-    return ChunkRecord(0, len(data), crc, codec, block, tuple(blocks), frames), _crc_term(piece, crc, raw)
+            part_blocks, stored = _write_frames(writer, data, block, codec, dtype.itemsize, compression.level)
+            blocks.extend(part_blocks)
+            frames.extend(stored)
+        length += len(data)
+    if codec != RAW and sum(frames) >= length:
+        codec = RAW  # every frame was stored as it is: the stored bytes are the raw chunk
+    crc = combine_block_crcs(blocks, length, block)
+    record = ChunkRecord(0, length, crc, codec, block, tuple(blocks), tuple(frames) if codec != RAW else ())
+    return record, _crc_term(piece, dtype.itemsize, crc, raw)
 
 
 def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: list[WriteTask],
-                    pieces: dict[str, LocalPiece], compression: Compression | None = None,
+                    pieces: dict[str, Piece], compression: Compression | None = None,
                     ) -> tuple[FileEntry, dict[str, int]]:
     """Write the tasks' chunks in order (offsets aligned) and the file's index; both durable on return.
 
-    ``pieces``: staged pieces by name (``Staged.pieces``)."""
+    ``pieces``: by name, staged pieces (``Staged.pieces``) or streamed ones."""
     records: dict[tuple[str, int], ChunkRecord] = {}
     terms: dict[str, int] = {}
     writer, pos = storage.open_writer(data_path), 0
@@ -144,7 +174,7 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
     return FileEntry(data_path, pos, index_path, len(index), crc32c(index)), terms
 
 
-def write_rank_files(storage: Storage, base: str, tasks: list[WriteTask], pieces: dict[str, LocalPiece],
+def write_rank_files(storage: Storage, base: str, tasks: list[WriteTask], pieces: dict[str, Piece],
                      files_per_rank: int, compression: Compression | None = None) -> RankResult:
     """One data file per slot (``<base>-<slot>.bin``), written in parallel: one writer per file, because
     buffered writes to a single file serialise on its lock."""

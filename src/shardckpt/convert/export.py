@@ -80,6 +80,7 @@ import torch
 from shardckpt.checkpoint.gc import EXPORT_TEMP
 from shardckpt.checkpoint.load_any import wanted_keys
 from shardckpt.convert import safetensors_files
+from shardckpt.convert.memory import buffer_budget
 from shardckpt.convert.rename import Renames
 from shardckpt.convert.safetensors_files import SHARD_FILE, SINGLE_FILE, existing_export, header_bytes
 from shardckpt.convert.resume import source_identity
@@ -93,6 +94,7 @@ from shardckpt.state_dict.logical import LogicalView, logical_view
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # bytes, huggingface_hub's default ("5GB")
 SLICE_BYTES = 64 << 20  # bytes per read from the source at most: the memory an export holds (twice, with a cast)
+MIN_SLICE_BYTES = 1 << 20  # the slices of a memory limit below what the process holds already
 WRAPPERS = ("module.", "_orig_mod.")
 OPTIMIZER_ENTRIES = ("optim", "optimizer")
 CASTS: dict[str, torch.dtype | None] = {
@@ -248,8 +250,11 @@ def cast_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def slice_bytes_for(memory_limit: int) -> int:
-    """The ``slice_bytes`` that keeps export's two buffers (a slice as read, and as cast) within ``memory_limit``."""
-    return max(1, memory_limit // 2)
+    """The ``slice_bytes`` that keeps this process's resident memory within ``memory_limit`` (``convert.memory``):
+    export's two buffers (a slice as read, and as cast) share what the process does not hold yet; 1 MiB slices
+    when it already holds the limit."""
+    budget = buffer_budget(memory_limit, "export")
+    return max(1, budget // 2) if budget else MIN_SLICE_BYTES
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

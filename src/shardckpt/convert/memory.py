@@ -1,0 +1,37 @@
+"""``--memory-limit`` of ``convert`` and ``export``: a bound on the process's peak resident memory.
+
+What the process already holds when the copying starts (Python, torch, the reader's manifest and indexes,
+the plan: ~265 MiB of it is Python and torch alone) is spent first; the rest is the budget for the buffers
+the command fills and drains a slice at a time. A limit below what is already held leaves the smallest
+buffers (a checksum block each) and a warning: the limit cannot be met then, and the command says so
+rather than refusing to run.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+DEFAULT_MEMORY_LIMIT = 512 << 20
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now, in bytes; None where the platform does not say (no ``/proc``)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def buffer_budget(memory_limit: int, what: str) -> int:
+    """The bytes of buffers that keep this process's resident memory within ``memory_limit``: the limit less
+    what the process holds now (0, with a warning, when it already holds that much)."""
+    held = resident_bytes()
+    if held is None:
+        return memory_limit
+    if held >= memory_limit:
+        warnings.warn(f"memory limit {memory_limit / 2**20:.0f} MiB for {what} is below the {held / 2**20:.0f} "
+                      "MiB this process already holds (Python, torch, the plan); using the smallest buffers",
+                      RuntimeWarning, stacklevel=3)
+        return 0
+    return memory_limit - held
