@@ -110,11 +110,14 @@ class FlatGroup:
             sizes += [offset - end, numel]
             end = offset + numel
         sizes.append(self.layout.padded_numel - end)
-        chunks = torch.split(self._full, sizes)
-        for member, chunk in zip(self._members, chunks[1::2]):
-            view = chunk.view(member.shape)
-            for module, attr in member.owners:
-                module.__dict__[attr] = view
+        # Views that require grad even when made in backward (grad mode off there): a checkpointed forward
+        # recomputed in backward must save, and differentiate, what the original forward did.
+        with torch.enable_grad():
+            chunks = torch.split(self._full, sizes)
+            for member, chunk in zip(self._members, chunks[1::2]):
+                view = chunk.view(member.shape)
+                for module, attr in member.owners:
+                    module.__dict__[attr] = view
 
     def reshard(self) -> None:
         """Free the gathered buffer and drop the owner attributes (autograd keeps what it saved)."""
@@ -136,6 +139,11 @@ class FlatGroup:
         """Call `hook(self)` once per backward, when the gathered parameter's gradient is complete."""
         if self.layout.requires_grad:
             self._full.register_post_accumulate_grad_hook(lambda _: hook(self))
+
+    @property
+    def has_gathered_grad(self) -> bool:
+        """Whether the gathered parameter holds a gradient not yet taken by ``reduce_grad``."""
+        return self._full.grad is not None
 
     def reduce_grad(self, sync: bool) -> None:
         """Take the gathered gradient; keep it for later (no_sync) or start its reduce-scatter."""

@@ -8,10 +8,19 @@ forward:  pre-hook: all-gather (or wait for the prefetch), point the original na
           prefetch the next unit in the recorded forward order;
           post-hook: free (FULL_SHARD, HYBRID_SHARD, or when no backward will follow), and hook the
           outputs so that backward re-gathers first.
-backward: output-gradient hook: all-gather again if freed, prefetch the unit that finished its
+backward: output-gradient hook: all-gather again if freed, point the original names at it again (a
+          checkpointed forward recomputed now reads them), prefetch the unit that finished its
           forward just before this one (it runs backward next);
           gradient-ready hook (per group): start the reduce-scatter, free the buffer;
           end of backward (engine callback): finish every reduction, free what is left.
+
+Activation checkpointing: a unit's forward run again inside backward (``checkpoint`` around the unit, or
+inside it around a nested unit) gathers as usual but leaves the unit gathered and records nothing: its
+backward follows at once, and its gradient-ready hook frees it. A reentrant checkpoint runs its own
+backward pass inside the outer one: around a whole unit (its forward ran without grad, so the outer
+pass holds none of its uses) the inner pass's gradient is complete and reduced at once; inside a unit's
+forward it is kept and reduced once with the rest of the group's, when the outer pass accumulates the
+group, or at the end of backward.
 """
 from __future__ import annotations
 
@@ -34,6 +43,7 @@ class Unit:
 
     def __init__(self, module: nn.Module, prefix: str, groups: list[FlatGroup]) -> None:
         self.module, self.prefix, self.groups = module, prefix, groups
+        self.forward_had_grad = True  # its last forward ran with grad enabled (not inside a reentrant checkpoint)
 
     @property
     def unsharded(self) -> bool:
@@ -90,6 +100,8 @@ class ShardState:
         self._forward_order, self._backward_order = _Order(), _Order()
         self._recording = True
         self._callback_queued = False
+        self._backward_task: int | None = None  # the autograd graph task of the backward under way
+        self._unit_of = {id(group): unit for unit in units for group in unit.groups}
 
     def install(self) -> None:
         for unit in self.units:
@@ -102,6 +114,10 @@ class ShardState:
     # --- forward ------------------------------------------------------------------------------------
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self._backward_task is not None:  # recomputed by activation checkpointing inside backward
+            unit.unshard(async_op=False)
+            unit.wait_and_use_views()
+            return None
         if unit.module is self.root and self._forward_order.units:
             self._recording = False  # the first forward is over: prefetch from now on
         if self._recording:
@@ -123,9 +139,11 @@ class ShardState:
                 neighbour.unshard(async_op=True)
 
     def _post_forward(self, unit: Unit, output: Any) -> None:
+        if self._backward_task is not None:  # a recomputation: its backward runs next, then frees it
+            return
         if self._recording:
             self._backward_order.record(unit)
-        grad_enabled = torch.is_grad_enabled()
+        grad_enabled = unit.forward_had_grad = torch.is_grad_enabled()
         is_root = unit.module is self.root
         if not grad_enabled or (self.strategy in _RESHARD_AFTER_FORWARD and not is_root):
             # The root stays gathered: its backward starts right away. Without grad nothing follows.
@@ -140,18 +158,26 @@ class ShardState:
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
         if not self._callback_queued:
             self._callback_queued = True
+            self._backward_task = torch._C._current_graph_task_id()
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
         unit.unshard(async_op=False)  # a no-op for groups still gathered (or being gathered)
-        unit.wait()
+        unit.wait_and_use_views()  # a checkpointed part of its forward, recomputed now, reads the names
         self._prefetch(self._backward_order, unit, step=-1)
         return grad
 
     def _on_grad_ready(self, group: FlatGroup) -> None:
+        inner_pass = torch._C._current_graph_task_id() != self._backward_task
+        if inner_pass and self._unit_of[id(group)].forward_had_grad:
+            return  # a reentrant checkpoint inside the unit's forward: the outer pass may accumulate more
         group.reduce_grad(self.sync_grads)
         group.reshard()
 
     def _post_backward(self) -> None:
         self._callback_queued = False
+        self._backward_task = None
+        for group in self.groups:  # accumulated by reentrant checkpoints only: complete now
+            if group.has_gathered_grad:
+                group.reduce_grad(self.sync_grads)
         for group in self.groups:
             group.finish_reduce_scatter()
         for group in self.groups:
