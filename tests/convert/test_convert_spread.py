@@ -96,7 +96,8 @@ def test_local_workers_give_the_one_process_result_and_sum_their_progress(tmp_pa
     assert report.world_size == 3 and report.type == "sharded" and report.kept_ranks == ()
     convert(src, alone, world_size=3, optim_key="id")
     a, b = read_manifest(open_storage(dst)), read_manifest(open_storage(alone))
-    assert a.tree == b.tree and {n: t.crc32c for n, t in a.tensors.items()} == {n: t.crc32c for n, t in b.tensors.items()}
+    assert a.tree == b.tree
+    assert {n: t.crc32c for n, t in a.tensors.items()} == {n: t.crc32c for n, t in b.tensors.items()}
     assert verify(dst).ok
     assert seen and seen[-1][0] == seen[-1][1] == report.bytes_written  # both workers' shares, summed
 

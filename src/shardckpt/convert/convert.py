@@ -149,9 +149,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
         metadata.pop("param_names", None)  # a FULL or SHARDED output has no flat layouts to go with them
     # IDs number FULL and SHARDED output's parameters as the job's FULL state dict does, LOCAL output's flat
     # groups as torch does (param groups' order); stored LOCAL IDs without recorded names follow the layouts
+    local = out_type == "local"
     rekey = None if key_type is None else functools.partial(
-        _rekeyed, key_type=key_type, id_order=None if out_type == "local" else param_names or recorded_param_names(base),
-        stored_order=(lambda: dict(enumerate(reader.layouts))) if out_type == "local" else None)
+        _rekeyed, key_type=key_type, id_order=None if local else param_names or recorded_param_names(base),
+        stored_order=(lambda: dict(enumerate(reader.layouts))) if local else None)
     encoded_tree, outputs = _select(reader, only, exclude, dtype, rekey)
     if key_type is not None and isinstance(encoded_tree.get("optim"), dict):
         metadata["optim_key"] = key_type.value

@@ -132,6 +132,13 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool 
     return Handle(dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op))
 
 
+def broadcast(tensor: torch.Tensor, group: ProcessGroup | None, group_src: int = 0) -> None:
+    """In place: every rank of ``group`` gets the values of its rank ``group_src`` (blocking)."""
+    if size(group) == 1:
+        return
+    dist.broadcast(tensor, src=dist.get_global_rank(group, group_src), group=group)
+
+
 def all_to_all_single(recv: torch.Tensor, send: torch.Tensor, recv_sizes: list[int], send_sizes: list[int],
                       group: ProcessGroup | None) -> None:
     """Rank r sends `send`'s consecutive pieces of `send_sizes[q]` elements to rank q and receives rank q's

@@ -13,6 +13,7 @@ from shardckpt.errors import ShardingError
 from shardckpt.runtime.build import FLAT_PARAM_NAMES, WrapPolicy, assign_parameters, build_groups, unit_prefixes
 from shardckpt.runtime.config import MixedPrecision, ShardingStrategy
 from shardckpt.runtime.flat_group import FlatGroup
+from shardckpt.runtime.materialize import build_units
 from shardckpt.runtime.process_groups import resolve_groups
 from shardckpt.runtime.state import ShardState, Unit, register, sharded_root_of, state_of
 
@@ -25,6 +26,8 @@ def shard(
     mixed_precision: MixedPrecision | None = None,
     process_group: Any = None,
     device: torch.device | str | None = None,
+    sync_module_states: bool = False,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Shard `module` in place (ZeRO-3 style) and return it.
 
@@ -34,9 +37,16 @@ def shard(
       ProcessGroup, a 1-D DeviceMesh, or for HYBRID_SHARD a `(shard_group, replicate_group)` pair or a
       2-D DeviceMesh with dims (replicate, shard). HYBRID_SHARD without groups shards within blocks of
       LOCAL_WORLD_SIZE consecutive ranks (the whole world if unset).
-    - `device`: where the parameters must already be; None takes their (single) device.
+    - `device`: where the parameters must already be (or, for a model built on the meta device, be
+      materialised); None takes their (single) device.
+    - `sync_module_states`: broadcast rank 0's parameters and buffers first, so that ranks may start from
+      different initialisations; without it every rank must hold identical initial weights.
+    - `param_init_fn(module)`: for a model built on the `meta` device, materialises and initialises one
+      module's own parameters and buffers (default: `to_empty` and its `reset_parameters()`); modules are
+      materialised in `named_modules()` order and each unit is sharded as soon as its members exist, so
+      only its shard stays (see `runtime.materialize`).
 
-    Every rank must hold identical initial weights. After sharding, `module.parameters()` yields one
+    After sharding, `module.parameters()` yields one
     flat shard per group (see `groups`), which is what an optimizer should be built over. The original
     parameter names exist as plain tensor attributes only while their group is gathered (during
     forward/backward, or inside `summon_full_params`).
@@ -47,18 +57,20 @@ def shard(
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise ShardingError(f"mixed_precision must be a MixedPrecision, got {mixed_precision!r}")
     device = _check_device(module, device)
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise ShardingError(f"param_init_fn must be a callable fn(module), got {param_init_fn!r}")
     groups = resolve_groups(strategy, process_group, device)
     mp = mixed_precision or MixedPrecision()
     prefixes = unit_prefixes(module, wrap)
     # The unsharded parameter order: get_state_dict numbers optimizer IDs by it.
     param_names = tuple(name for name, _ in module.named_parameters())
-    members = assign_parameters(module, prefixes)
-    units = []
-    for prefix in prefixes:
-        built = build_groups(module, prefix, members[prefix], groups, mp.param_dtype, mp.reduce_dtype)
-        if built or prefix == "":
-            units.append(Unit(module.get_submodule(prefix), prefix, built))
-    _replace_parameters(units, members)
+    built = build_units(module, prefixes, assign_parameters(module, prefixes), device, groups,
+                        bool(sync_module_states), param_init_fn,
+                        lambda prefix, chosen: build_groups(module, prefix, chosen, groups, mp.param_dtype,
+                                                            mp.reduce_dtype))
+    units = [Unit(module.get_submodule(prefix), prefix, built[prefix]) for prefix in prefixes
+             if built[prefix] or prefix == ""]
+    _register_flat_params(units)
     _cast_buffers(module, mp.buffer_dtype)
     order = {id(p): i for i, p in enumerate(module.parameters())}
     flat_groups = sorted((g for u in units for g in u.groups), key=lambda g: order[id(g.flat_param)])
@@ -81,12 +93,13 @@ def _check_not_sharded(module: nn.Module) -> None:
 
 
 def _check_device(module: nn.Module, device: torch.device | str | None) -> torch.device:
-    devices = {p.device for p in module.parameters()}
+    """The device the groups live on; parameters on ``meta`` are materialised there (``runtime.materialize``)."""
+    devices = {p.device for p in module.parameters() if not p.is_meta}
     if device is not None:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        wrong = [name for name, p in module.named_parameters() if p.device != device]
+        wrong = [name for name, p in module.named_parameters() if p.device != device and not p.is_meta]
         if wrong:
             raise ShardingError(f"parameter {wrong[0]!r} (and {len(wrong) - 1} more) is on "
                                 f"{module.get_parameter(wrong[0]).device}, not on device={device}; "
@@ -98,12 +111,8 @@ def _check_device(module: nn.Module, device: torch.device | str | None) -> torch
     return devices.pop() if devices else torch.device("cpu")
 
 
-def _replace_parameters(units: list[Unit], members: dict[str, list]) -> None:
-    """Unregister the original parameters and register each unit's flat shards in their place."""
-    for member_list in members.values():
-        for member, _ in member_list:
-            for owner, attr in member.owners:
-                owner._parameters.pop(attr, None)
+def _register_flat_params(units: list[Unit]) -> None:
+    """Register each unit's flat shards where its original parameters were (``build_units`` removed those)."""
     for unit in units:
         for group in unit.groups:
             name = FLAT_PARAM_NAMES[group.layout.requires_grad]
