@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from shardckpt.runtime.api import (
     ShardedModule,
+    ShardedUnit,
+    UnshardHandle,
     clip_grad_norm_,
     groups,
     is_sharded,
@@ -17,16 +19,18 @@ from shardckpt.runtime.api import (
     shard,
     summon_full_params,
 )
-from shardckpt.runtime.config import MixedPrecision, ShardingStrategy
+from shardckpt.runtime.config import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from shardckpt.runtime.flat_group import FlatGroup
 from shardckpt.runtime.layout import ALIGN_BYTES, FlatLayout
 
 __all__ = [
     "ALIGN_BYTES",
+    "BackwardPrefetch",
     "FlatGroup",
     "FlatLayout",
     "MixedPrecision",
     "ShardedModule",
+    "ShardedUnit",
     "ShardingStrategy",
     "clip_grad_norm_",
     "groups",
@@ -34,4 +38,5 @@ __all__ = [
     "no_sync",
     "shard",
     "summon_full_params",
+    "UnshardHandle",
 ]

@@ -11,7 +11,7 @@ from torch import nn
 from shardckpt.dist import collectives
 from shardckpt.errors import ShardingError
 from shardckpt.runtime.build import FLAT_PARAM_NAMES, WrapPolicy, assign_parameters, build_groups, unit_prefixes
-from shardckpt.runtime.config import MixedPrecision, ShardingStrategy
+from shardckpt.runtime.config import BackwardPrefetch, MixedPrecision, ShardingStrategy, backward_prefetch_of
 from shardckpt.runtime.flat_group import FlatGroup
 from shardckpt.runtime.materialize import build_units
 from shardckpt.runtime.process_groups import resolve_groups
@@ -28,6 +28,8 @@ def shard(
     device: torch.device | str | None = None,
     sync_module_states: bool = False,
     param_init_fn: Callable[[nn.Module], None] | None = None,
+    reshard_after_forward: bool | None = None,
+    backward_prefetch: Any = BackwardPrefetch.BACKWARD_PRE,
 ) -> nn.Module:
     """Shard `module` in place (ZeRO-3 style) and return it.
 
@@ -45,6 +47,15 @@ def shard(
       module's own parameters and buffers (default: `to_empty` and its `reset_parameters()`); modules are
       materialised in `named_modules()` order and each unit is sharded as soon as its members exist, so
       only its shard stays (see `runtime.materialize`).
+    - `reshard_after_forward`: free every unit but the root after its forward (default: the strategy's
+      choice, True for FULL_SHARD and HYBRID_SHARD); per unit, `unit.set_reshard_after_forward(bool)`.
+    - `backward_prefetch`: `BackwardPrefetch.BACKWARD_PRE` (default), `BACKWARD_POST` or None (FSDP1's
+      choice; torch's own enum is accepted).
+
+    Every module the wrap policy names, and the root, gain FSDP2's methods: `unshard(async_op)`,
+    `reshard()`, `set_reshard_after_forward`, `set_modules_to_forward_prefetch`,
+    `set_modules_to_backward_prefetch`; the root also `set_requires_gradient_sync`,
+    `set_reshard_after_backward` and `set_gradient_divide_factor` (see `ShardedUnit`, `ShardedModule`).
 
     After sharding, `module.parameters()` yields one
     flat shard per group (see `groups`), which is what an optimizer should be built over. The original
@@ -74,10 +85,16 @@ def shard(
     _cast_buffers(module, mp.buffer_dtype)
     order = {id(p): i for i, p in enumerate(module.parameters())}
     flat_groups = sorted((g for u in units for g in u.groups), key=lambda g: order[id(g.flat_param)])
-    state = ShardState(module, units, flat_groups, param_names, strategy, mixed_precision)
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ShardingError(f"reshard_after_forward must be a bool or None, got {reshard_after_forward!r}")
+    state = ShardState(module, units, flat_groups, param_names, strategy, mixed_precision, reshard_after_forward,
+                       backward_prefetch_of(backward_prefetch))
     state.install()
     register(state)
-    module.__class__ = _sharded_class(type(module))
+    for unit in units:
+        if unit.module is not module:
+            unit.module.__class__ = _sharded_class(type(unit.module), ShardedUnit)
+    module.__class__ = _sharded_class(type(module), ShardedModule)
     return module
 
 
@@ -214,8 +231,89 @@ def summon_full_params(module: nn.Module, writeback: bool = True) -> Iterator[No
             group.drop_views()
 
 
-class ShardedModule:
-    """Mixed into the class of every module `shard` returns: the functions above as methods."""
+class UnshardHandle:
+    """An ``unshard(async_op=True)`` in flight: ``wait()`` completes it (idempotent)."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._unit = unit
+
+    def wait(self) -> None:
+        if self._unit is not None:
+            self._unit.wait_and_use_views()
+            self._unit = None
+
+
+class ShardedUnit:
+    """Mixed into the class of every unit of a sharded model (the root and each module the wrap policy names):
+    FSDP2's explicit controls, acting on this unit's own groups."""
+
+    def _unit(self, what: str) -> Unit:
+        root = sharded_root_of(self)
+        state = state_of(root) if root is not None else None
+        if state is None:
+            raise ShardingError(f"{what}: this module is not part of a sharded model")
+        return state.unit_of(self, what)
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this unit's parameters and expose them under their original names (FSDP2's
+        ``unshard``); with ``async_op=True`` return a handle whose ``wait()`` completes it. The next forward
+        uses them without gathering again; it frees them afterwards as the unit's policy says."""
+        unit = self._unit("unshard()")
+        unit.unshard(async_op=async_op)
+        handle = UnshardHandle(unit)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this unit's gathered parameters (FSDP2's ``reshard``)."""
+        self._unit("reshard()").reshard()
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
+        """Free this unit after its forward (True) or keep it gathered until its backward (False)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ShardingError(f"set_reshard_after_forward takes a bool, got {reshard_after_forward!r}")
+        self._unit("set_reshard_after_forward()").reshard_after_forward = reshard_after_forward
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """As this unit's forward starts, start gathering these units (instead of the next in the recorded order)."""
+        unit = self._unit("set_modules_to_forward_prefetch()")
+        unit.forward_prefetch = [self._other(m, "set_modules_to_forward_prefetch()") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """As this unit's backward starts (or its gradient is ready, with BACKWARD_POST), start gathering these
+        units (instead of the one before it in the recorded order)."""
+        unit = self._unit("set_modules_to_backward_prefetch()")
+        unit.backward_prefetch = [self._other(m, "set_modules_to_backward_prefetch()") for m in modules]
+
+    def _other(self, module: nn.Module, what: str) -> Unit:
+        root = sharded_root_of(self)
+        if sharded_root_of(module) is not root:
+            raise ShardingError(f"{what}: {type(module).__name__} is not a unit of the same sharded model")
+        return state_of(root).unit_of(module, what)
+
+
+class ShardedModule(ShardedUnit):
+    """Mixed into the class of every module `shard` returns: the functions above as methods, FSDP2's
+    explicit controls for the root unit (``ShardedUnit``), and the whole model's switches."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """False: backward keeps gradients unsharded and unreduced until a backward with True (FSDP2's form
+        of ``no_sync``; the same accumulation)."""
+        _state(self, "set_requires_gradient_sync()").sync_grads = bool(requires_gradient_sync)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool) -> None:
+        """False: units stay gathered after backward, so that the next forward (gradient accumulation) gathers
+        nothing; a unit whose shard changed since (an optimizer step, a load) is gathered again anyway."""
+        _state(self, "set_reshard_after_backward()").reshard_after_backward = bool(reshard_after_backward)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide summed gradients by ``factor`` instead of the data-parallel size (1: sums)."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ShardingError(f"set_gradient_divide_factor takes a positive number, got {factor!r}")
+        for group in _state(self, "set_gradient_divide_factor()").groups:
+            group.set_divide_factor(float(factor))
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return no_sync(self)
@@ -263,10 +361,10 @@ def _module_state_handlers() -> ModuleStateHandlers:
     return _HANDLERS[0]
 
 
-_SHARDED_CLASSES: dict[type, type] = {}
+_SHARDED_CLASSES: dict[tuple[type, type], type] = {}
 
 
-def _sharded_class(cls: type) -> type:
-    if cls not in _SHARDED_CLASSES:
-        _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
-    return _SHARDED_CLASSES[cls]
+def _sharded_class(cls: type, mixin: type) -> type:
+    if (cls, mixin) not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[(cls, mixin)] = type(f"Sharded{cls.__name__}", (mixin, cls), {})
+    return _SHARDED_CLASSES[(cls, mixin)]

@@ -1,4 +1,5 @@
-"""User-facing configuration of the sharding runtime: the strategy and the mixed-precision policy."""
+"""User-facing configuration of the sharding runtime: the strategy, the mixed-precision policy and the
+backward prefetch."""
 from __future__ import annotations
 
 import enum
@@ -20,6 +21,26 @@ class ShardingStrategy(enum.Enum):
     """Replicate (DDP): every rank holds whole flat parameters; gradients are all-reduced."""
     HYBRID_SHARD = "hybrid_shard"
     """FULL_SHARD within a shard group, replicated across groups; gradients reduce-scattered then all-reduced."""
+
+
+class BackwardPrefetch(enum.Enum):
+    """When backward starts the all-gather of the unit it runs next (FSDP1's names; torch's own
+    ``torch.distributed.fsdp.BackwardPrefetch`` is accepted by name)."""
+
+    BACKWARD_PRE = "backward_pre"
+    """As a unit's backward starts (most overlap; two units gathered at once)."""
+    BACKWARD_POST = "backward_post"
+    """Once a unit's gradient is ready (less memory: the next unit is gathered only after this one is freed)."""
+
+
+def backward_prefetch_of(value: object) -> BackwardPrefetch | None:
+    if value is None or isinstance(value, BackwardPrefetch):
+        return value
+    name = getattr(value, "name", None)
+    if name in BackwardPrefetch.__members__:
+        return BackwardPrefetch[name]
+    raise ShardingError(f"backward_prefetch must be a BackwardPrefetch (BACKWARD_PRE, BACKWARD_POST) or None, got "
+                        f"{value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -63,6 +63,7 @@ class FlatGroup:
         self._gather_src: torch.Tensor | None = None
         self._reduce: tuple[Handle, torch.Tensor] | None = None
         self._pending_grad: torch.Tensor | None = None
+        self._gathered_version = -1  # flat_param's version the gathered buffer was made from
         self.unsharded = False
 
     def __repr__(self) -> str:
@@ -87,11 +88,15 @@ class FlatGroup:
         self._full.untyped_storage().resize_(0)
 
     def unshard(self, async_op: bool = False) -> None:
-        """Start (or do) the all-gather of the flat parameter in the compute dtype; no-op if under way."""
+        """Start (or do) the all-gather of the flat parameter in the compute dtype; no-op if under way, or if
+        gathered already from the shard as it is now (one kept gathered across an optimizer step is refreshed)."""
+        if self.unsharded and self._gathered_version != self.flat_param._version:
+            self.reshard()
         if self.unsharded or self._gather is not None:
             return
         storage = self._full.untyped_storage()
         storage.resize_(self._full.numel() * self._full.element_size())
+        self._gathered_version = self.flat_param._version
         self._gather_src = self.flat_param.detach().to(self._full.dtype)
         self._gather = collectives.all_gather(self._target, self._gather_src, self._groups.shard, async_op)
 
@@ -164,6 +169,12 @@ class FlatGroup:
             return
         out = torch.empty(self.layout.shard_numel, dtype=self._reduce_dtype, device=total.device)
         self._reduce = (collectives.reduce_scatter(out, total, self._groups.shard, async_op=True), out)
+
+    def set_divide_factor(self, factor: float | None) -> None:
+        """Divide the summed gradient by ``factor`` (None: the data-parallel size), split as FSDP splits it."""
+        world = self._groups.data_parallel_size if factor is None else factor
+        whole = float(world).is_integer() and world >= 1
+        self._pre_divide, self._post_divide = divide_factors(int(world)) if whole else (1.0, float(world))
 
     def finish_reduce_scatter(self) -> None:
         """Wait for the reduce-scatter and start the all-reduce across replicas (NO_SHARD, HYBRID_SHARD)."""

@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from shardckpt.errors import ShardingError
-from shardckpt.runtime.config import MixedPrecision, ShardingStrategy
+from shardckpt.runtime.config import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from shardckpt.runtime.flat_group import FlatGroup
 
 _RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
@@ -44,6 +44,10 @@ class Unit:
     def __init__(self, module: nn.Module, prefix: str, groups: list[FlatGroup]) -> None:
         self.module, self.prefix, self.groups = module, prefix, groups
         self.forward_had_grad = True  # its last forward ran with grad enabled (not inside a reentrant checkpoint)
+        self.reshard_after_forward = False  # set by ShardState from the strategy, or by the user
+        # Units to prefetch as this one's forward / backward starts; None: the recorded order's neighbour.
+        self.forward_prefetch: list[Unit] | None = None
+        self.backward_prefetch: list[Unit] | None = None
 
     @property
     def unsharded(self) -> bool:
@@ -89,18 +93,28 @@ class ShardState:
     """Everything `shard()` set up for one root module, and the hooks that use it."""
 
     def __init__(self, root: nn.Module, units: list[Unit], groups: list[FlatGroup], param_names: tuple[str, ...],
-                 strategy: ShardingStrategy, mixed_precision: MixedPrecision | None) -> None:
+                 strategy: ShardingStrategy, mixed_precision: MixedPrecision | None,
+                 reshard_after_forward: bool | None = None,
+                 backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE) -> None:
         self.root, self.units, self.groups = root, units, groups
         # The unsharded model's named_parameters() order (get_state_dict numbers optimizer IDs by it).
         self.param_names = param_names
         self.strategy, self.mixed_precision = strategy, mixed_precision
         self.sync_grads = True
+        self.reshard_after_backward = True
+        self.backward_prefetch = backward_prefetch
+        default = strategy in _RESHARD_AFTER_FORWARD if reshard_after_forward is None else reshard_after_forward
+        for unit in units:
+            unit.reshard_after_forward = default and unit.module is not root  # the root's backward starts first
+        self._unit_of_module = {id(unit.module): unit for unit in units}
         # Forward prefetches along the pre-forward order; backward along the post-forward order,
         # reversed: the unit that finished forward just before this one runs backward just after it.
         self._forward_order, self._backward_order = _Order(), _Order()
         self._recording = True
         self._callback_queued = False
         self._backward_task: int | None = None  # the autograd graph task of the backward under way
+        self._awaiting_backward = False  # a forward with grad ran; its backward has not finished
+        self._backward_started: set[int] = set()  # units whose backward began in the pass under way
         self._unit_of = {id(group): unit for unit in units for group in unit.groups}
 
     def install(self) -> None:
@@ -124,19 +138,21 @@ class ShardState:
             self._forward_order.record(unit)
         unit.unshard(async_op=False)
         unit.wait_and_use_views()
-        self._prefetch(self._forward_order, unit, step=1)
+        self._prefetch(self._forward_order, unit, 1, unit.forward_prefetch)
         if unit.module is self.root and self.mixed_precision and self.mixed_precision.param_dtype:
             dtype = self.mixed_precision.param_dtype
             return tree_map(lambda x: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x,
                             (args, kwargs))
         return None
 
-    def _prefetch(self, order: _Order, unit: Unit, step: int) -> None:
-        """Start the all-gather of the unit `step` places away in `order`, to overlap with compute."""
-        if not self._recording:
-            neighbour = order.neighbour(unit, step)
-            if neighbour is not None:
-                neighbour.unshard(async_op=True)
+    def _prefetch(self, order: _Order, unit: Unit, step: int, chosen: list[Unit] | None) -> None:
+        """Start the all-gather of the units ``chosen`` for this one, else of the unit `step` places away in
+        `order` (from the second step on), to overlap with compute."""
+        targets = chosen if chosen is not None else [] if self._recording else [order.neighbour(unit, step)]
+        for other in targets:
+            # in backward, not a unit whose backward ran already (BACKWARD_POST after the last unit's)
+            if other is not None and id(other) not in self._backward_started:
+                other.unshard(async_op=True)
 
     def _post_forward(self, unit: Unit, output: Any) -> None:
         if self._backward_task is not None:  # a recomputation: its backward runs next, then frees it
@@ -144,9 +160,8 @@ class ShardState:
         if self._recording:
             self._backward_order.record(unit)
         grad_enabled = unit.forward_had_grad = torch.is_grad_enabled()
-        is_root = unit.module is self.root
-        if not grad_enabled or (self.strategy in _RESHARD_AFTER_FORWARD and not is_root):
-            # The root stays gathered: its backward starts right away. Without grad nothing follows.
+        self._awaiting_backward |= grad_enabled
+        if not grad_enabled or unit.reshard_after_forward:  # without grad no backward follows
             unit.reshard()
         if grad_enabled:
             tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
@@ -160,9 +175,11 @@ class ShardState:
             self._callback_queued = True
             self._backward_task = torch._C._current_graph_task_id()
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+        self._backward_started.add(id(unit))
         unit.unshard(async_op=False)  # a no-op for groups still gathered (or being gathered)
         unit.wait_and_use_views()  # a checkpointed part of its forward, recomputed now, reads the names
-        self._prefetch(self._backward_order, unit, step=-1)
+        if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            self._prefetch(self._backward_order, unit, -1, unit.backward_prefetch)
         return grad
 
     def _on_grad_ready(self, group: FlatGroup) -> None:
@@ -170,11 +187,17 @@ class ShardState:
         if inner_pass and self._unit_of[id(group)].forward_had_grad:
             return  # a reentrant checkpoint inside the unit's forward: the outer pass may accumulate more
         group.reduce_grad(self.sync_grads)
-        group.reshard()
+        if self.reshard_after_backward:
+            group.reshard()
+        if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            unit = self._unit_of[id(group)]
+            self._prefetch(self._backward_order, unit, -1, unit.backward_prefetch)
 
     def _post_backward(self) -> None:
         self._callback_queued = False
         self._backward_task = None
+        self._awaiting_backward = False
+        self._backward_started.clear()
         for group in self.groups:  # accumulated by reentrant checkpoints only: complete now
             if group.has_gathered_grad:
                 group.reduce_grad(self.sync_grads)
@@ -182,16 +205,30 @@ class ShardState:
             group.finish_reduce_scatter()
         for group in self.groups:
             group.finish_grad()
-        for unit in self.units:
-            unit.reshard()
+        if self.reshard_after_backward:
+            for unit in self.units:
+                unit.reshard()
 
     # --- queries used by the public functions -----------------------------------------------------------
 
+    def unit_of(self, module: nn.Module, what: str) -> Unit:
+        """The unit ``module`` is (the root, or a module the wrap policy named)."""
+        unit = self._unit_of_module.get(id(module))
+        if unit is None:
+            raise ShardingError(f"{what}: {type(module).__name__} is not a unit of this sharded model (the root, or "
+                                "a module its wrap policy named)")
+        return unit
+
     def check_idle(self, what: str) -> None:
-        busy = [unit.prefix or "<root>" for unit in self.units if unit.unsharded]
-        if busy:
-            raise ShardingError(f"{what} cannot run between forward and backward: groups {busy} are gathered "
-                                "for compute; call it after backward (or before forward)")
+        """Refuse between a forward with grad and its backward; free units kept gathered otherwise (after
+        backward with ``set_reshard_after_backward(False)``, or by an explicit ``unshard()``)."""
+        busy = [unit for unit in self.units if unit.unsharded]
+        if busy and self._awaiting_backward:
+            raise ShardingError(f"{what} cannot run between forward and backward: groups "
+                                f"{[unit.prefix or '<root>' for unit in busy]} are gathered for compute; call it "
+                                "after backward (or before forward)")
+        for unit in busy:
+            unit.reshard()
 
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, ShardState] = weakref.WeakKeyDictionary()
