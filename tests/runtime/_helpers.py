@@ -1,7 +1,7 @@
 """Helpers run inside the ranks: reference runs, torch FSDP2 runs, and reading full parameters back."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -52,8 +52,10 @@ def clip_both(clip: Any, max_norm: float) -> tuple[float, float]:
     return float(clip(1e9, float("inf"))), float(clip(max_norm, 2.0))
 
 
-def torch_fsdp2_run(strategy: runtime.ShardingStrategy, steps: int, bf16: bool = False) -> dict[str, Any]:
-    """The same training with torch's own `fully_shard`, mapped from our strategy names."""
+def torch_fsdp2_run(strategy: runtime.ShardingStrategy, steps: int, bf16: bool = False,
+                    prepare: Callable[[nn.Module], Any] | None = None) -> dict[str, Any]:
+    """The same training with torch's own `fully_shard`, mapped from our strategy names; ``prepare(model)``
+    changes the model first (activation checkpointing); torch's checkpoint wrappers stay out of the names."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -65,12 +67,14 @@ def torch_fsdp2_run(strategy: runtime.ShardingStrategy, steps: int, bf16: bool =
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     model = _model.make_model()
     names = [n for n, _ in model.named_parameters()]
+    if prepare is not None:
+        prepare(model)
     for module in model.modules():
         if isinstance(module, Block):
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     losses, _ = _model.train(model, _model.make_batches(steps), rank=rank, world=world)
-    params = dict(model.named_parameters())
+    params = {n.replace("._checkpoint_wrapped_module", ""): p for n, p in model.named_parameters()}
     return {"losses": global_mean(losses), "params": {n: params[n].full_tensor().detach().clone() for n in names}}
 
 

@@ -21,6 +21,7 @@ from tests.runtime import _helpers, _model
 from tests.runtime._model import Block
 
 STEPS = 4
+TORCH_FORMS = ("inner", "inner_part", "wrapper_before")  # run with torch's fully_shard too
 FORMS = ("none", "inner", "inner_part", "inner_reentrant", "inner_part_reentrant", "wrapper_before",
          "wrapper_before_reentrant", "wrapper_after")
 
@@ -36,11 +37,10 @@ def _inner_part(block: Block, x: torch.Tensor, reentrant: bool) -> torch.Tensor:
     return x + checkpoint(mlp, x, use_reentrant=reentrant)
 
 
-def _build(form: str, strategy: runtime.ShardingStrategy) -> torch.nn.Module:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+def _prepare(form: str, model: torch.nn.Module) -> None:
+    """The checkpointing a form applies before sharding."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    model = _model.make_model()
     if form.startswith("inner"):
         body = _inner_part if "part" in form else _inner
         for block in model.blocks:
@@ -49,6 +49,13 @@ def _build(form: str, strategy: runtime.ShardingStrategy) -> torch.nn.Module:
         impl = CheckpointImpl.REENTRANT if form.endswith("reentrant") else CheckpointImpl.NO_REENTRANT
         for i in range(len(model.blocks)):
             model.blocks[i] = checkpoint_wrapper(model.blocks[i], checkpoint_impl=impl)
+
+
+def _build(form: str, strategy: runtime.ShardingStrategy) -> torch.nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    model = _model.make_model()
+    _prepare(form, model)
     model = runtime.shard(model, strategy=strategy, wrap=(Block,),
                           process_group=_helpers.mesh_for(strategy, dist.get_world_size()))
     if form == "wrapper_after":
@@ -80,10 +87,15 @@ def _train_every_form(strategy_name: str) -> dict[str, Any]:
     finally:
         collectives.all_gather = real
     base = out["none"]
+    fsdp2 = {form: _helpers.torch_fsdp2_run(strategy, STEPS, prepare=functools.partial(_prepare, form))
+             for form in TORCH_FORMS}
     return {form: {"losses": r["losses"], "gathers_per_step": r["gathers_per_step"],
                    "vs_none": _helpers.max_param_diff(r["params"], base["params"]),
                    "vs_reference": _helpers.max_param_diff(r["params"], reference["params"])}
-            for form, r in out.items()} | {"reference_losses": reference["losses"]}
+            for form, r in out.items()} | {
+        "reference_losses": reference["losses"],
+        "fsdp2": {form: {"losses": f["losses"], "vs_ours": _helpers.max_param_diff(out[form]["params"], f["params"])}
+                  for form, f in fsdp2.items()}}
 
 
 def _full_params(model: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
@@ -114,6 +126,9 @@ def test_every_checkpointing_form_trains_as_without_it(strategy: str, world_size
         keeps = strategy in ("SHARD_GRAD_OP", "NO_SHARD")  # the strategies that do not reshard after forward
         extra = 2 * _model.LAYERS if form == "wrapper_before_reentrant" and keeps else 0
         assert r["gathers_per_step"] == none["gathers_per_step"] + extra, (form, r["gathers_per_step"], none)
+    for form, f in result["fsdp2"].items():  # torch's fully_shard with the same checkpointing
+        torch.testing.assert_close(f["losses"], result[form]["losses"], rtol=2e-6, atol=0)
+        assert f["vs_ours"][0] < 2e-6, (form, f["vs_ours"])
 
 
 def _llama_losses(order: str) -> tuple[list[float], int]:

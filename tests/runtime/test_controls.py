@@ -13,6 +13,7 @@ import torch.distributed as dist
 from shardckpt import runtime
 from shardckpt.dist import collectives
 from shardckpt.errors import ShardingError
+from shardckpt.runtime.flat_group import NotGathered
 from tests._dist import run_ranks
 from tests.runtime import _helpers, _model
 from tests.runtime._model import Block
@@ -98,15 +99,15 @@ def _unshard_reshard() -> dict[str, Any]:
     handle = block.unshard(async_op=True)
     handle.wait()
     handle.wait()  # idempotent
-    seen = block.ln2.__dict__.get("weight")
+    seen = block.ln2.weight
     with _Gathers() as gathers:  # the next forward uses the gathered block without gathering it again
         ids, _ = _model.local_slice(_model.make_batches(1)[0], dist.get_rank(), dist.get_world_size())
         with torch.no_grad():
             model(ids)
-    after_forward = block.ln2.__dict__.get("weight")
+    after_forward = block.ln2.weight
     block.unshard()
     block.reshard()
-    reshard_drops = block.ln2.__dict__.get("weight") is None
+    reshard_drops = isinstance(block.ln2.weight, NotGathered)
     errors = []
     for call in (lambda: model.set_modules_to_forward_prefetch([torch.nn.Linear(2, 2)]),
                  lambda: model.set_gradient_divide_factor(0), lambda: block.set_reshard_after_forward(1)):
@@ -114,8 +115,8 @@ def _unshard_reshard() -> dict[str, Any]:
             call()
         except ShardingError as e:
             errors.append(str(e))
-    return {"exposed": seen is not None and tuple(seen.shape) == (_model.DIM,), "gathers": gathers.count,
-            "freed_after_forward": after_forward is None, "reshard_drops": reshard_drops, "errors": errors}
+    return {"exposed": not isinstance(seen, NotGathered) and tuple(seen.shape) == (_model.DIM,),
+            "gathers": gathers.count, "freed_after_forward": isinstance(after_forward, NotGathered), "reshard_drops": reshard_drops, "errors": errors}
 
 
 def test_unshard_and_reshard() -> None:
@@ -157,3 +158,49 @@ def test_requires_gradient_sync_and_divide_factor() -> None:
 def test_bad_prefetch_choices_are_refused(bad) -> None:
     with pytest.raises(ShardingError, match="backward_prefetch"):
         runtime.shard(_model.make_model(), wrap=(Block,), backward_prefetch=bad)
+
+
+class _TableBlock(Block):
+    """A block that also adds a positional table owned by the first block (one table every block reads)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x + self.owner_of_table[0].table[: x.shape[1]])
+
+
+def _table_model() -> torch.nn.Module:
+    model = _model.make_model()
+    torch.manual_seed(3)
+    blocks = list(model.blocks)
+    blocks[0].table = torch.nn.Parameter(torch.randn(_model.SEQ, _model.DIM) * 0.1)
+    for block in blocks:
+        block.__class__ = _TableBlock
+        object.__setattr__(block, "owner_of_table", [blocks[0]])  # a plain reference, not a submodule
+    return model
+
+
+def _shared_table() -> dict[str, Any]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    batches = _model.make_batches(STEPS)
+    reference = _table_model()
+    ref_losses, _ = _model.train(reference, batches)
+    model = runtime.shard(_table_model(), wrap=(Block,))
+    try:
+        _model.train(model, batches, rank=rank, world=world)
+        error = None
+    except ShardingError as e:
+        error = str(e)
+    shared = runtime.shard(_table_model(), wrap=(Block,), shared_params=["blocks.0.table"])
+    losses, _ = _model.train(shared, batches, rank=rank, world=world)
+    names = [n for n, _ in reference.named_parameters()]
+    got = _helpers.full_params(shared, names)
+    worst = max((got[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+    with pytest.raises(ShardingError, match=r"shared_params names \['blocks.9.table'\]"):
+        runtime.shard(_table_model(), wrap=(Block,), shared_params=["blocks.9.table"])
+    return {"error": error, "losses": _helpers.global_mean(losses), "reference": ref_losses, "worst": worst}
+
+
+def test_a_parameter_used_outside_its_unit_fails_clearly_or_works_when_shared() -> None:
+    for r in run_ranks(2, _shared_table):
+        assert r["error"] is not None and "'blocks.0.table'" in r["error"] and "shared_params" in r["error"], r
+        torch.testing.assert_close(r["losses"], r["reference"], rtol=2e-6, atol=0)
+        assert r["worst"] < 2e-6, r["worst"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ def shard(
     param_init_fn: Callable[[nn.Module], None] | None = None,
     reshard_after_forward: bool | None = None,
     backward_prefetch: Any = BackwardPrefetch.BACKWARD_PRE,
+    shared_params: Sequence[str] = (),
 ) -> nn.Module:
     """Shard `module` in place (ZeRO-3 style) and return it.
 
@@ -51,6 +52,9 @@ def shard(
       choice, True for FULL_SHARD and HYBRID_SHARD); per unit, `unit.set_reshard_after_forward(bool)`.
     - `backward_prefetch`: `BackwardPrefetch.BACKWARD_PRE` (default), `BACKWARD_POST` or None (FSDP1's
       choice; torch's own enum is accepted).
+    - `shared_params`: names of parameters used outside their unit's forward (a table every block reads):
+      they join the root's group, gathered for the whole step. Used elsewhere without it, such a parameter
+      raises a ShardingError naming it and this fix (`runtime.flat_group.NotGathered`).
 
     Every module the wrap policy names, and the root, gain FSDP2's methods: `unshard(async_op)`,
     `reshard()`, `set_reshard_after_forward`, `set_modules_to_forward_prefetch`,
@@ -59,8 +63,8 @@ def shard(
 
     After sharding, `module.parameters()` yields one
     flat shard per group (see `groups`), which is what an optimizer should be built over. The original
-    parameter names exist as plain tensor attributes only while their group is gathered (during
-    forward/backward, or inside `summon_full_params`).
+    parameter names are plain tensor attributes while their group is gathered (during forward/backward,
+    or inside `summon_full_params`), and `NotGathered` stand-ins otherwise.
     """
     _check_not_sharded(module)
     if not isinstance(strategy, ShardingStrategy):
@@ -75,8 +79,10 @@ def shard(
     prefixes = unit_prefixes(module, wrap)
     # The unsharded parameter order: get_state_dict numbers optimizer IDs by it.
     param_names = tuple(name for name, _ in module.named_parameters())
-    built = build_units(module, prefixes, assign_parameters(module, prefixes), device, groups,
-                        bool(sync_module_states), param_init_fn,
+    if isinstance(shared_params, str):
+        raise ShardingError("shared_params takes a sequence of parameter names, not one string")
+    members = assign_parameters(module, prefixes, frozenset(shared_params))
+    built = build_units(module, prefixes, members, device, groups, bool(sync_module_states), param_init_fn,
                         lambda prefix, chosen: build_groups(module, prefix, chosen, groups, mp.param_dtype,
                                                             mp.reduce_dtype))
     units = [Unit(module.get_submodule(prefix), prefix, built[prefix]) for prefix in prefixes

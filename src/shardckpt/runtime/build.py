@@ -33,19 +33,25 @@ def _inside(module_fqn: str, prefix: str) -> bool:
     return prefix == "" or module_fqn == prefix or module_fqn.startswith(prefix + ".")
 
 
-def assign_parameters(root: nn.Module, prefixes: list[str]) -> dict[str, list[tuple[Member, torch.Tensor]]]:
+def assign_parameters(root: nn.Module, prefixes: list[str], shared: frozenset[str] = frozenset(),
+                      ) -> dict[str, list[tuple[Member, torch.Tensor]]]:
     """Give every distinct parameter to the innermost unit that contains all the modules owning it.
 
     A tied or shared parameter thus lands in the lowest common wrapped ancestor of its users (often the
-    root), named by its first FQN in `named_parameters()` order; the other FQNs become its aliases.
+    root), named by its first FQN in `named_parameters()` order; the other FQNs become its aliases. A
+    parameter named in ``shared`` goes to the root, gathered for the whole step, wherever it is used.
     """
     fqns_of: dict[int, tuple[torch.Tensor, list[str]]] = {}
     for fqn, param in root.named_parameters(remove_duplicate=False):
         fqns_of.setdefault(id(param), (param, []))[1].append(fqn)
+    unknown = sorted(shared - {fqn for _, fqns in fqns_of.values() for fqn in fqns})
+    if unknown:
+        raise ShardingError(f"shared_params names {unknown}, which are not parameters of the module")
     by_unit: dict[str, list[tuple[Member, torch.Tensor]]] = {prefix: [] for prefix in prefixes}
     for param, fqns in fqns_of.values():
         owner_modules = [fqn.rpartition(".")[0] for fqn in fqns]
-        unit = max((p for p in prefixes if all(_inside(m, p) for m in owner_modules)), key=len)
+        unit = "" if shared.intersection(fqns) else max(
+            (p for p in prefixes if all(_inside(m, p) for m in owner_modules)), key=len)
         owners = tuple((root.get_submodule(mod), fqn.rpartition(".")[2]) for mod, fqn in zip(owner_modules, fqns))
         by_unit[unit].append((Member(fqns[0], tuple(param.shape), owners, tuple(fqns[1:])), param))
     return by_unit

@@ -9,6 +9,7 @@ from torch import nn
 
 from shardckpt.dist import collectives
 from shardckpt.dist.collectives import Handle
+from shardckpt.errors import ShardingError
 from shardckpt.runtime.layout import FlatLayout
 from shardckpt.runtime.process_groups import Groups
 
@@ -21,6 +22,36 @@ class Member:
     shape: tuple[int, ...]
     owners: tuple[tuple[nn.Module, str], ...]
     aliases: tuple[str, ...] = ()
+
+
+class NotGathered(torch.Tensor):
+    """What a member's name holds while its group is not gathered: its shape and dtype, and a
+    ``ShardingError`` naming it (and the fix) on any other use, instead of a bare ``AttributeError`` from
+    deep inside the module that read it (a parameter read outside its unit's forward and backward)."""
+
+    _READABLE = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.shape.__get__,
+                 torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__, torch.Tensor.requires_grad.__get__}
+
+    @staticmethod
+    def __new__(cls, name: str, unit: str, shape: tuple[int, ...], dtype: torch.dtype) -> NotGathered:
+        stand_in = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"))
+        stand_in.member, stand_in.unit = name, unit
+        return stand_in
+
+    def __repr__(self) -> str:
+        return f"NotGathered({self.member!r} of unit {self.unit!r})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls._READABLE:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        stand_in = next(a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, NotGathered))
+        raise ShardingError(
+            f"parameter {stand_in.member!r} was used where its unit {stand_in.unit!r} is not gathered: outside that "
+            "unit's forward and backward (by another unit's forward, or between steps). Keep it with the root, "
+            f"gathered for the whole step: shard(..., shared_params=[{stand_in.member!r}]); or wrap so that its users "
+            "share a unit; or read it inside model.summon_full_params()")
 
 
 def divide_factors(world: int) -> tuple[float, float]:
@@ -65,6 +96,7 @@ class FlatGroup:
         self._pending_grad: torch.Tensor | None = None
         self._gathered_version = -1  # flat_param's version the gathered buffer was made from
         self.unsharded = False
+        self.drop_views()
 
     def __repr__(self) -> str:
         layout = self.layout
@@ -134,9 +166,11 @@ class FlatGroup:
         self.drop_views()
 
     def drop_views(self) -> None:
+        """Point every owner attribute at the member's ``NotGathered`` stand-in."""
         for member in self._members:
+            stand_in = NotGathered(member.name, self.prefix or "<root>", member.shape, self._full.dtype)
             for module, attr in member.owners:
-                module.__dict__.pop(attr, None)
+                module.__dict__[attr] = stand_in
 
     # --- gradients ------------------------------------------------------------------------------
 
