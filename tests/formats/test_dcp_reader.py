@@ -258,6 +258,8 @@ def _chunks(md, fqn):
      r"'model.embed.weight': .*exceeds shape"),
     (lambda md: setattr(md.state_dict_metadata["model.counts"], "size", torch.Size([-3])), CorruptCheckpointError,
      r"'model.counts': size .* not a sequence of non-negative ints"),
+    (lambda md: setattr(md.state_dict_metadata["model.counts"], "size", torch.Size([0, 2 ** 40, 2 ** 40])),
+     CorruptCheckpointError, r"'model.counts': size .* is absurdly large"),
     (lambda md: setattr(_storage_info(md, "model.counts", (0,)), "length", 10**9), CorruptCheckpointError,
      r"distcp: data file has \d+ bytes, the metadata places 'model.counts'"),
     (lambda md: setattr(_storage_info(md, "model.counts", (0,)), "relative_path", "../elsewhere.distcp"),

@@ -1,7 +1,7 @@
 """``convert(..., workers=N)`` (``--workers N``): the output ranks spread over N local processes.
 
-The parent spawns N workers that join a gloo group on this machine (a file store in a temporary
-directory: no port to pick) and run ``convert(..., spread_over=group)``, the path ``torchrun`` takes:
+The parent hosts a rendezvous store (``dist.world``: a port the OS picks) and spawns N workers that join a
+gloo group on this machine through it and run ``convert(..., spread_over=group)``, the path ``torchrun`` takes:
 worker ``i`` writes the output ranks ``r % N == i`` and worker 0 commits. The workers send their progress,
 their report or their failure through a queue; the parent sums the progress and returns the report, or
 raises worker 0's failure (every worker raises the first failure, by the spread protocol). A worker that
@@ -10,14 +10,13 @@ dies without a word (killed, out of memory) stops the others, and the parent rai
 from __future__ import annotations
 
 import dataclasses
-import os
 import pickle
-import tempfile
 from typing import Any, Callable
 
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardckpt.dist import collectives
+from shardckpt.dist.world import host_store, joined
 from shardckpt.errors import CheckpointError
 
 
@@ -41,17 +40,16 @@ def convert_in_workers(workers: int, progress: Callable[[int, int], None] | None
             else:
                 failures[rank] = payload[0]
 
-    with tempfile.TemporaryDirectory(prefix="shardckpt-convert-") as tmp:
-        init = f"file://{os.path.join(tmp, 'store')}"
-        context = mp.start_processes(_worker, args=(workers, init, queue, src, dst, options), nprocs=workers,
-                                     join=False, start_method="spawn")
-        try:
-            while not context.join(timeout=0.1):
-                drain()
-        except mp.ProcessExitedException as e:
-            raise ChildProcessError(f"convert worker {e.error_index} of {workers} died (exit code {e.exit_code}, "
-                                    f"signal {e.signal_name}); nothing was committed, and a rerun resumes") from None
-        drain()
+    store = host_store(workers)  # kept alive until the workers are done
+    context = mp.start_processes(_worker, args=(workers, store.port, queue, src, dst, options), nprocs=workers,
+                                 join=False, start_method="spawn")
+    try:
+        while not context.join(timeout=0.1):
+            drain()
+    except mp.ProcessExitedException as e:
+        raise ChildProcessError(f"convert worker {e.error_index} of {workers} died (exit code {e.exit_code}, "
+                                f"signal {e.signal_name}); nothing was committed, and a rerun resumes") from None
+    drain()
     if failures:
         raise failures[min(failures)]
     first = reports[0]
@@ -59,18 +57,16 @@ def convert_in_workers(workers: int, progress: Callable[[int, int], None] | None
     return dataclasses.replace(first, kept_ranks=kept)
 
 
-def _worker(rank: int, world: int, init: str, queue, src: Any, dst: Any, options: dict) -> None:
+def _worker(rank: int, world: int, port: int, queue, src: Any, dst: Any, options: dict) -> None:
     from shardckpt.convert.convert import convert
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        report = convert(src, dst, spread_over=dist.group.WORLD,
-                         progress=lambda done, total: queue.put(("progress", rank, done, total)), **options)
-        queue.put(("done", rank, report))
-    except Exception as e:  # sent to the parent, which raises it: every worker raises the same failure
-        queue.put(("failed", rank, _picklable(e)))
-    finally:
-        dist.destroy_process_group()
+    with joined(rank, world, port):
+        try:
+            report = convert(src, dst, spread_over=collectives.world(),
+                             progress=lambda done, total: queue.put(("progress", rank, done, total)), **options)
+            queue.put(("done", rank, report))
+        except Exception as e:  # sent to the parent, which raises it: every worker raises the same failure
+            queue.put(("failed", rank, _picklable(e)))
 
 
 def _picklable(error: Exception) -> Exception:

@@ -47,6 +47,7 @@ from shardckpt.errors import (
     CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError,
 )
 from shardckpt.format.tree import TensorRef
+from shardckpt.format.validate import MAX_NUMEL
 from shardckpt.formats.api import ReadRequest, TensorInfo
 from shardckpt.formats.requests import CheckedRequest, check_requests
 from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage, split_url
@@ -151,8 +152,11 @@ def parse_header(header: bytes, data_len: int, where: str) -> tuple[dict[str, He
             raise CorruptCheckpointError(f"{at}: its header entry is not a JSON object")
         dtype = dtype_of(entry.get("dtype"), at)
         shape, offsets = entry.get("shape"), entry.get("data_offsets")
-        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
-            raise CorruptCheckpointError(f"{at}: shape {str(shape)[:80]} is not a list of non-negative integers")
+        if not (isinstance(shape, list) and all(_is_int(d) and 0 <= d <= MAX_NUMEL for d in shape)):
+            raise CorruptCheckpointError(f"{at}: shape {str(shape)[:80]} is not a list of non-negative integers "
+                                         f"up to {MAX_NUMEL}")
+        if math.prod(max(d, 1) for d in shape) > MAX_NUMEL:  # a 0 beside absurd sizes still has no storage
+            raise CorruptCheckpointError(f"{at}: shape {str(shape)[:80]} is absurdly large")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
                 and 0 <= offsets[0] <= offsets[1]):
             raise CorruptCheckpointError(f"{at}: data_offsets {str(offsets)[:80]} is not [begin, end] with "

@@ -21,6 +21,7 @@ layouts, plain relative file paths. (That every item lies inside its file is the
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import re
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ import torch
 from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.format.dtypes import DTYPES
 from shardckpt.format.tree import MAX_DEPTH
+from shardckpt.format.validate import MAX_NUMEL
 from shardckpt.regions import Box, check_region, check_tiling, flat_bounds
 
 METADATA_NAME = ".metadata"
@@ -200,8 +202,10 @@ class StoredTensor:
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or not all(type(v) is int and v >= 0 for v in value):
-        raise ValueError(f"{what} {value!r} is not a sequence of non-negative ints")
+    if not isinstance(value, (tuple, list)) or not all(type(v) is int and 0 <= v <= MAX_NUMEL for v in value):
+        raise ValueError(f"{what} {str(value)[:80]} is not a sequence of non-negative ints up to {MAX_NUMEL}")
+    if math.prod(max(v, 1) for v in value) > MAX_NUMEL:  # a 0 beside absurd sizes still has no storage
+        raise ValueError(f"{what} {str(value)[:80]} is absurdly large")
     return tuple(value)
 
 
