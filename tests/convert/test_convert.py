@@ -332,6 +332,12 @@ def test_optim_key_round_trip_and_errors(tmp_path, capsys):
         convert(tmp_path / "plain.pt", tmp_path / "x", optim_key="name")
     convert(tmp_path / "plain.pt", tmp_path / "named", optim_key="name", param_names=["layer.w"])
     assert _manifest(tmp_path / "named").tree["optim"]["param_groups"][0]["params"] == ["layer.w"]
+    # asked for the key it has, an ID-keyed state without names stays as it is, metadata included: its IDs
+    # keep the numbering a loader gives them (torch's param-group order), not the one optim_key stamps
+    convert(tmp_path / "plain.pt", tmp_path / "same", optim_key="id")
+    same = _manifest(tmp_path / "same")
+    assert "optim_key" not in same.metadata and list(same.tree["optim"]["state"]) == [0]
+    assert same.tree["optim"]["param_groups"] == [{"lr": 0.1, "params": [0]}]
     with pytest.raises(SystemExit) as exit_info:
         main(["convert", str(tmp_path / "src"), str(tmp_path / "x"), "--optim-key", "ids"])
     assert exit_info.value.code == 2 and "--optim-key" in capsys.readouterr().err

@@ -204,3 +204,35 @@ def test_a_parameter_used_outside_its_unit_fails_clearly_or_works_when_shared() 
         assert r["error"] is not None and "'blocks.0.table'" in r["error"] and "shared_params" in r["error"], r
         torch.testing.assert_close(r["losses"], r["reference"], rtol=2e-6, atol=0)
         assert r["worst"] < 2e-6, r["worst"]
+
+
+def _backward_that_raises() -> dict[str, Any]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    batch = _model.local_slice(_model.make_batches(1)[0], rank, world)
+
+    def grads(model) -> list[torch.Tensor]:
+        _model.loss_fn(model, *batch).backward()
+        return [g.flat_param.grad.clone() for g in runtime.groups(model) if g.flat_param.grad is not None]
+
+    model = runtime.shard(_model.make_model(), wrap=(Block,))
+    failing = [True]
+
+    def boom(module, grad_output):
+        if failing[0]:
+            failing[0] = False
+            raise RuntimeError("out of memory (injected)")
+
+    model.blocks[0].register_full_backward_pre_hook(boom)  # after block 1's reduction has started
+    try:
+        grads(model)
+        raised = False
+    except RuntimeError:
+        raised = True
+    again = grads(model)  # the same step again, after the failure: as if it never happened
+    fresh = grads(runtime.shard(_model.make_model(), wrap=(Block,)))
+    return {"raised": raised, "same": len(again) == len(fresh) and all(torch.equal(a, b) for a, b in zip(again, fresh))}
+
+
+def test_a_backward_that_raises_leaves_the_next_step_clean() -> None:
+    for r in run_ranks(2, _backward_that_raises):
+        assert r == {"raised": True, "same": True}, r

@@ -61,7 +61,7 @@ from shardckpt.io import DirHold, Storage, open_storage
 from shardckpt.regions import FlatRange, Region, dim0_chunk, full_region
 from shardckpt.state_dict.flat import LAYOUTS_KEY
 from shardckpt.state_dict.logical import is_local, logical_view, recorded_param_names
-from shardckpt.state_dict.rekey import keyed_by_name, rekey_optim_state_dict
+from shardckpt.state_dict.rekey import key_type_of, keyed_by_name, rekey_optim_state_dict
 from shardckpt.state_dict.types import OptimStateKeyType, StateDictType
 
 TYPES = ("full", "sharded", "local")  # output types
@@ -150,6 +150,13 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     # IDs number FULL and SHARDED output's parameters as the job's FULL state dict does, LOCAL output's flat
     # groups as torch does (param groups' order); stored LOCAL IDs without recorded names follow the layouts
     local = out_type == "local"
+    # Rekeyed only when the source keys it the other way: then the output records the names its IDs stand for
+    # and the new key type; otherwise state and metadata stay as they are (an ID-keyed state without names
+    # keeps the numbering its own metadata, or torch's param-group order, gives it).
+    source_optim = reader.tree().get("optim") if isinstance(reader.tree(), dict) else None
+    if key_type is not None and not (isinstance(source_optim, dict) and "state" in source_optim
+                                     and key_type_of(source_optim) not in (None, key_type)):
+        key_type = None
     rekey = None if key_type is None else functools.partial(
         _rekeyed, key_type=key_type, id_order=None if local else param_names or recorded_param_names(base),
         stored_order=(lambda: dict(enumerate(reader.layouts))) if local else None)

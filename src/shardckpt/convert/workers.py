@@ -28,12 +28,12 @@ def convert_in_workers(workers: int, progress: Callable[[int, int], None] | None
     shares: dict[int, tuple[int, int]] = {}
     reports, failures = {}, {}
 
-    def drain() -> None:
+    def drain(report: bool = True) -> None:
         while not queue.empty():
             kind, rank, *payload = queue.get()
             if kind == "progress":
                 shares[rank] = tuple(payload)
-                if progress is not None:
+                if progress is not None and report:
                     progress(sum(d for d, _ in shares.values()), sum(t for _, t in shares.values()))
             elif kind == "done":
                 reports[rank] = payload[0]
@@ -46,10 +46,16 @@ def convert_in_workers(workers: int, progress: Callable[[int, int], None] | None
     try:
         while not context.join(timeout=0.1):
             drain()
+        drain()
     except mp.ProcessExitedException as e:
         raise ChildProcessError(f"convert worker {e.error_index} of {workers} died (exit code {e.exit_code}, "
                                 f"signal {e.signal_name}); nothing was committed, and a rerun resumes") from None
-    drain()
+    finally:  # whatever stopped the parent (an interrupt, a progress callback that raised) stops the workers
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+            process.join()
+        drain(report=False)  # a failure's report, after an exit the loop did not see
     if failures:
         raise failures[min(failures)]
     first = reports[0]
@@ -60,13 +66,13 @@ def convert_in_workers(workers: int, progress: Callable[[int, int], None] | None
 def _worker(rank: int, world: int, port: int, queue, src: Any, dst: Any, options: dict) -> None:
     from shardckpt.convert.convert import convert
 
-    with joined(rank, world, port):
-        try:
+    try:
+        with joined(rank, world, port):
             report = convert(src, dst, spread_over=collectives.world(),
                              progress=lambda done, total: queue.put(("progress", rank, done, total)), **options)
-            queue.put(("done", rank, report))
-        except Exception as e:  # sent to the parent, which raises it: every worker raises the same failure
-            queue.put(("failed", rank, _picklable(e)))
+        queue.put(("done", rank, report))
+    except Exception as e:  # sent to the parent, which raises it: every worker raises the same failure
+        queue.put(("failed", rank, _picklable(e)))
 
 
 def _picklable(error: Exception) -> Exception:

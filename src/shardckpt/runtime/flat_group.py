@@ -184,6 +184,14 @@ class FlatGroup:
         """Whether the gathered parameter holds a gradient not yet taken by ``reduce_grad``."""
         return self._full.grad is not None
 
+    def discard_partial_grad(self) -> None:
+        """Drop what a backward that raised left: the gathered gradient, and a reduction's result (after it
+        completes)."""
+        self._full.grad = None
+        if self._reduce is not None:
+            self._reduce[0].wait()
+            self._reduce = None
+
     def reduce_grad(self, sync: bool) -> None:
         """Take the gathered gradient; keep it for later (no_sync) or start its reduce-scatter."""
         grad, self._full.grad = self._full.grad, None

@@ -128,10 +128,12 @@ class ShardState:
     # --- forward ------------------------------------------------------------------------------------
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if self._backward_task is not None:  # recomputed by activation checkpointing inside backward
+        if _in_backward():  # recomputed by activation checkpointing inside backward
             unit.unshard(async_op=False)
             unit.wait_and_use_views()
             return None
+        if unit.module is self.root and self._callback_queued:
+            self._abandon_backward()  # the last backward raised before its end: start clean
         if unit.module is self.root and self._forward_order.units:
             self._recording = False  # the first forward is over: prefetch from now on
         if self._recording:
@@ -155,7 +157,7 @@ class ShardState:
                 other.unshard(async_op=True)
 
     def _post_forward(self, unit: Unit, output: Any) -> None:
-        if self._backward_task is not None:  # a recomputation: its backward runs next, then frees it
+        if _in_backward():  # a recomputation: its backward runs next, then frees it
             return
         if self._recording:
             self._backward_order.record(unit)
@@ -209,6 +211,18 @@ class ShardState:
             for unit in self.units:
                 unit.reshard()
 
+    def _abandon_backward(self) -> None:
+        """Forget a backward that raised (its end-of-backward callback never ran): its partial gradients are
+        dropped (reductions under way are waited for, so ranks stay matched), every unit freed."""
+        self._callback_queued = False
+        self._backward_task = None
+        self._awaiting_backward = False
+        self._backward_started.clear()
+        for group in self.groups:
+            group.discard_partial_grad()
+        for unit in self.units:
+            unit.reshard()
+
     # --- queries used by the public functions -----------------------------------------------------------
 
     def unit_of(self, module: nn.Module, what: str) -> Unit:
@@ -229,6 +243,11 @@ class ShardState:
                                 "after backward (or before forward)")
         for unit in busy:
             unit.reshard()
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread (a forward now is a recomputation)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, ShardState] = weakref.WeakKeyDictionary()
