@@ -106,3 +106,20 @@ def test_peak_rss_stays_within_the_limit_for_a_checkpoint_several_times_larger(t
     # within the limit, but for what the plan and the reader hold beyond a bare start (~2 MiB here)
     assert peak <= limit + 8 * MIB, (peak / MIB, limit / MIB)
     assert diff(tmp_path / "src", tmp_path / "dst").equal
+
+
+def test_a_dcp_chunk_read_slice_by_slice_is_read_and_checked_once(tmp_path, monkeypatch):
+    """torch DCP keeps no per-block checksums: its reader checks a stored chunk by reading it whole, and keeps
+    it for the thread's next read, so that streaming it in slices does not read it once per slice."""
+    import torch.distributed.checkpoint as dcp
+    from shardckpt.formats.dcp import reader as dcp_reader
+
+    w = torch.randn(1 << 18)  # 1 MiB: 8 slices of 128 KiB
+    dcp.save({"w": w}, checkpoint_id=str(tmp_path / "src"), no_dist=True)
+    whole_reads = []
+    real = dcp_reader.read_whole
+    monkeypatch.setattr(dcp_reader, "read_whole", lambda *a, **k: whole_reads.append(1) or real(*a, **k))
+    monkeypatch.setattr(memory, "resident_bytes", lambda: 0)
+    convert(tmp_path / "src", tmp_path / "dst", memory_limit=512 << 10)
+    assert len(whole_reads) == 1
+    assert torch.equal(shardckpt.load_full(tmp_path / "dst")["w"], w)

@@ -12,7 +12,7 @@ from shardckpt.dist import collectives
 from shardckpt.errors import ShardingError
 from shardckpt.runtime.build import FLAT_PARAM_NAMES, WrapPolicy, assign_parameters, build_groups, unit_prefixes
 from shardckpt.runtime.config import BackwardPrefetch, MixedPrecision, ShardingStrategy, backward_prefetch_of
-from shardckpt.runtime.flat_group import FlatGroup
+from shardckpt.runtime.flat_group import FlatGroup, shards_changed
 from shardckpt.runtime.materialize import build_units
 from shardckpt.runtime.process_groups import resolve_groups
 from shardckpt.runtime.state import ShardState, Unit, register, sharded_root_of, state_of
@@ -232,6 +232,7 @@ def summon_full_params(module: nn.Module, writeback: bool = True) -> Iterator[No
         if writeback:  # not when the body raised
             for group, full in zip(state.groups, fulls):
                 group.write_back(full)
+            shards_changed()
     finally:
         for group in state.groups:
             group.drop_views()

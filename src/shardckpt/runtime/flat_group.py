@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from shardckpt.dist import collectives
 from shardckpt.dist.collectives import Handle
@@ -54,6 +55,24 @@ class NotGathered(torch.Tensor):
             "share a unit; or read it inside model.summon_full_params()")
 
 
+_EPOCH = [0]
+
+
+def shards_epoch() -> int:
+    """Bumped by every optimizer step (any optimizer: torch's global step hook) and every state-dict load into a
+    sharded model: a group kept gathered across one (``set_reshard_after_backward(False)``) is gathered again,
+    as writes that bypass autograd's version counter (fused optimizers, loads straight into the shards'
+    memory) would otherwise leave it serving the old weights."""
+    return _EPOCH[0]
+
+
+def shards_changed(*_: object) -> None:
+    _EPOCH[0] += 1
+
+
+register_optimizer_step_post_hook(shards_changed)
+
+
 def divide_factors(world: int) -> tuple[float, float]:
     """FSDP's split of the 1/world gradient average into a pre- and a post-reduction divide, so that
     low-precision sums neither overflow (divide before) nor underflow (divide only after)."""
@@ -94,8 +113,10 @@ class FlatGroup:
         self._gather_src: torch.Tensor | None = None
         self._reduce: tuple[Handle, torch.Tensor] | None = None
         self._pending_grad: torch.Tensor | None = None
-        self._gathered_version = -1  # flat_param's version the gathered buffer was made from
+        self._gathered_from = (-1, -1)  # (flat_param's version, shards_epoch()) the gathered buffer was made at
         self.unsharded = False
+        self._stand_ins = [NotGathered(member.name, prefix or "<root>", member.shape, compute_dtype)
+                           for member in self._members]
         self.drop_views()
 
     def __repr__(self) -> str:
@@ -122,13 +143,13 @@ class FlatGroup:
     def unshard(self, async_op: bool = False) -> None:
         """Start (or do) the all-gather of the flat parameter in the compute dtype; no-op if under way, or if
         gathered already from the shard as it is now (one kept gathered across an optimizer step is refreshed)."""
-        if self.unsharded and self._gathered_version != self.flat_param._version:
+        if self.unsharded and self._gathered_from != (self.flat_param._version, shards_epoch()):
             self.reshard()
         if self.unsharded or self._gather is not None:
             return
         storage = self._full.untyped_storage()
         storage.resize_(self._full.numel() * self._full.element_size())
-        self._gathered_version = self.flat_param._version
+        self._gathered_from = (self.flat_param._version, shards_epoch())
         self._gather_src = self.flat_param.detach().to(self._full.dtype)
         self._gather = collectives.all_gather(self._target, self._gather_src, self._groups.shard, async_op)
 
@@ -167,8 +188,7 @@ class FlatGroup:
 
     def drop_views(self) -> None:
         """Point every owner attribute at the member's ``NotGathered`` stand-in."""
-        for member in self._members:
-            stand_in = NotGathered(member.name, self.prefix or "<root>", member.shape, self._full.dtype)
+        for member, stand_in in zip(self._members, self._stand_ins):
             for module, attr in member.owners:
                 module.__dict__[attr] = stand_in
 

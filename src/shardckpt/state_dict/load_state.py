@@ -21,6 +21,7 @@ from shardckpt.checkpoint.load import load_pieces
 from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError, ShardingError
 from shardckpt.regions import FlatRange, Region, full_region
 from shardckpt.runtime import FlatLayout, groups, is_sharded
+from shardckpt.runtime.flat_group import shards_changed
 from shardckpt.state_dict.flat import LAYOUTS_KEY, held_region, shard_view
 from shardckpt.state_dict.model_state import buffers
 from shardckpt.state_dict.optim_state import (
@@ -218,6 +219,7 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
         return requests
 
     manifest = load_pieces(path, build, process_group=process_group, **load_kwargs)
+    shards_changed()  # read straight into the shards: groups kept gathered must gather again
     for state, key, value in scalars:
         state[key] = value
     for pg, values in zip(optimizer.param_groups if optimizer is not None else [], hyper):

@@ -11,6 +11,7 @@ from shardckpt.errors import IncompatibleCheckpointError, key_mismatch
 from shardckpt.regions import FlatRange, dim0_chunk, full_region
 from shardckpt.runtime import FlatGroup, groups, is_sharded
 from shardckpt.runtime.build import FLAT_PARAM_NAMES
+from shardckpt.runtime.flat_group import shards_changed
 from shardckpt.sharded_tensor import ShardedTensor
 from shardckpt.state_dict.flat import (
     LAYOUTS_KEY, copy_to_replicas, gather_members, local_key, rank0_shard_rank, replica_source, scatter_members,
@@ -193,6 +194,7 @@ def set_model_state(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType
     """
     if not is_sharded(model):
         return _set_plain(model, sd, sd_type, config, strict)
+    shards_changed()  # groups kept gathered must not serve the weights from before the load
     only0 = rank0_only(config)
     world_group = resolve_group()
     if only0:  # only rank 0 holds the values: it checks, and every rank follows its verdict

@@ -91,6 +91,7 @@ class DcpReader:
         self._check_files()
         self._infos = {name: TensorInfo(name, t.dtype, t.shape, None) for name, t in self.layout.tensors.items()}
         self._layouts: dict[tuple[str, tuple[int, ...]], ChunkLayout] = {}
+        self._last_whole = threading.local()  # (chunk key, its bytes read whole) per reading thread
         self._tree: Any = None
         self._lock = threading.Lock()
 
@@ -169,11 +170,22 @@ class DcpReader:
             layout = self._layouts[key] = archive_layout(self.storage, t, chunk)
         return layout
 
+    def _whole(self, t: StoredTensor, chunk: Chunk, layout: ChunkLayout) -> Any:
+        """The chunk read whole (and checked): kept for this thread's next read, so that a caller reading a
+        chunk slice by slice (``convert`` within its memory limit) reads and checks it once, not per slice."""
+        key = (t.name, chunk.box.offsets)
+        last = getattr(self._last_whole, "chunk", None)
+        if last is not None and last[0] == key:
+            return last[1]
+        self._last_whole.chunk = None  # the previous one is dropped before the next is read
+        whole = read_whole(self.storage, t, chunk, layout, self.verify)
+        self._last_whole.chunk = (key, whole)
+        return whole
+
     def _read_chunk(self, t: StoredTensor, chunk: Chunk, pieces: list) -> None:
         layout = self._chunk_layout(t, chunk)
         shape = t.shape
-        whole = read_whole(self.storage, t, chunk, layout, self.verify) \
-            if self.verify or layout.kind != "raw" or not layout.row_major else None
+        whole = self._whole(t, chunk, layout) if self.verify or layout.kind != "raw" or not layout.row_major else None
         for piece, target in pieces:
             if whole is not None:
                 src = view_of(whole, strided_view(piece, chunk.box, shape))
