@@ -125,8 +125,15 @@ def run(config: dict, world: int = 2) -> list[dict]:
     return results
 
 
-def _rss(results: list[dict]) -> str:
-    return ", ".join(f"{r['peak_rss'] / MIB:.0f} MiB" for r in results)
+def compare(base_label: str, base: list[dict], other_label: str, other: list[dict], same_key: str) -> dict:
+    """Print both configurations' peak RSS per rank and their ratio; whether ``same_key`` agrees on every rank."""
+    for label, results in ((base_label, base), (other_label, other)):
+        peaks = ", ".join(f"{r['peak_rss'] / MIB:.0f} MiB" for r in results)
+        print(f"  {label:30s} peak RSS per rank: {peaks}")
+    same = all(a[same_key] == b[same_key] for a, b in zip(base, other))
+    ratio = max(r["peak_rss"] for r in other) / max(r["peak_rss"] for r in base)
+    print(f"  {other_label} / {base_label} peak = {ratio:.2f}; {same_key} identical: {same}")
+    return {"ratio": ratio, "same": same}
 
 
 def main() -> None:
@@ -146,27 +153,19 @@ def main() -> None:
     acts = args.layers * args.tokens * 4 * args.dim * 4 * 2  # up and gelu outputs per block, fp32
     print(f"activations: {args.layers} blocks d={args.dim} (params {params / MIB:.0f} MiB), {args.tokens} tokens per "
           f"rank (~{acts / MIB:.0f} MiB of the blocks' hidden activations), FULL_SHARD, ws 2, {args.steps} steps")
-    for label, res in (("without checkpointing", plain), ("checkpoint inside each block", ckpt)):
-        print(f"  {label:30s} peak RSS per rank: {_rss(res)}")
-    same = all(a["losses"] == b["losses"] for a, b in zip(plain, ckpt))
-    ratio = max(r["peak_rss"] for r in ckpt) / max(r["peak_rss"] for r in plain)
-    print(f"  checkpointed / plain peak = {ratio:.2f}; losses identical: {same}")
-    report["activations"] = {"config": act, "plain": plain, "checkpointed": ckpt, "ratio": ratio, "same_losses": same}
+    report["activations"] = {"config": act, "plain": plain, "checkpointed": ckpt,
+                             **compare("without checkpointing", plain, "checkpointed", ckpt, "losses")}
 
     init = {"kind": "init", "layers": args.init_layers, "dim": args.init_dim}
     cpu, meta = run({**init, "meta": False}), run({**init, "meta": True})
     size = args.init_layers * (8 * args.init_dim ** 2 + 7 * args.init_dim) * 4
     print(f"init: {args.init_layers} blocks d={args.init_dim} ({size / MIB:.0f} MiB of fp32 parameters), sharded at ws 2")
-    for label, res in (("built on the CPU", cpu), ("built on meta (param_init_fn)", meta)):
-        print(f"  {label:30s} peak RSS per rank: {_rss(res)}")
-    same = all(a["shard_sum"] == b["shard_sum"] for a, b in zip(cpu, meta))
-    ratio = max(r["peak_rss"] for r in meta) / max(r["peak_rss"] for r in cpu)
-    print(f"  meta / cpu peak = {ratio:.2f}; shards identical (sums): {same}")
-    report["init"] = {"config": init, "cpu": cpu, "meta": meta, "ratio": ratio, "same_shards": same}
+    report["init"] = {"config": init, "cpu": cpu, "meta": meta,
+                      **compare("built on the CPU", cpu, "built on meta", meta, "shard_sum")}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
-    if not all(report[k].get("same_losses", report[k].get("same_shards")) for k in report):
+    if not all(part["same"] for part in report.values()):
         sys.exit(1)
 
 

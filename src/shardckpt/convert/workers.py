@@ -9,14 +9,15 @@ dies without a word (killed, out of memory) stops the others, and the parent rai
 """
 from __future__ import annotations
 
+import builtins
 import dataclasses
-import pickle
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
 from shardckpt.dist import collectives
 from shardckpt.dist.world import host_store, joined
+from shardckpt import errors
 from shardckpt.errors import CheckpointError
 
 
@@ -38,7 +39,7 @@ def convert_in_workers(workers: int, progress: Callable[[int, int], None] | None
             elif kind == "done":
                 reports[rank] = payload[0]
             else:
-                failures[rank] = payload[0]
+                failures[rank] = _rebuilt(*payload)
 
     store = host_store(workers)  # kept alive until the workers are done
     context = mp.start_processes(_worker, args=(workers, store.port, queue, src, dst, options), nprocs=workers,
@@ -72,13 +73,18 @@ def _worker(rank: int, world: int, port: int, queue, src: Any, dst: Any, options
                              progress=lambda done, total: queue.put(("progress", rank, done, total)), **options)
         queue.put(("done", rank, report))
     except Exception as e:  # sent to the parent, which raises it: every worker raises the same failure
-        queue.put(("failed", rank, _picklable(e)))
+        queue.put(("failed", rank, type(e).__module__, type(e).__qualname__, str(e)))
 
 
-def _picklable(error: Exception) -> Exception:
-    """``error`` if it survives pickling (the parent raises it as it is), else a CheckpointError with its text."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return CheckpointError(f"{type(error).__name__}: {error}")
+def _rebuilt(module: str, name: str, message: str) -> Exception:
+    """A worker's failure as the parent raises it: the same class for shardckpt's errors and Python's own
+    (sent by name and message, so that any exception arrives, picklable or not), else a CheckpointError
+    with its text."""
+    source = errors if module == errors.__name__ else builtins if module == "builtins" else None
+    cls = getattr(source, name, None) if source is not None else None
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            return cls(message)
+        except Exception:  # a class whose constructor wants more than a message
+            pass
+    return CheckpointError(f"{name}: {message}")
