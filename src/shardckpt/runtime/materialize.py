@@ -14,6 +14,8 @@ once all units are built, so that ranks may start from different initialisations
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 from typing import Callable
 
 import torch
@@ -68,17 +70,39 @@ def build_units(root: nn.Module, prefixes: list[str], members: dict[str, list[tu
              for prefix in prefixes}
     ready: set[int] = set()
     built: dict[str, list[FlatGroup]] = {}
+    materialised = False
     for name, module in root.named_modules():
         if _on_meta(module):
             materialize(name, module, device, param_init_fn)
+            materialised = True
         ready.add(id(module))
         for prefix in prefixes:
             if prefix not in built and needs[prefix] <= ready:
                 built[prefix] = _build_unit(members.pop(prefix), groups, sync_module_states,
                                             lambda chosen: build(prefix, chosen))
+                if materialised:
+                    _return_freed_memory()
     if sync_module_states:
         sync_from_rank0(list(root.buffers()), groups)
     return built
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc's; absent elsewhere
+    except (OSError, AttributeError):
+        return None
+
+
+def _return_freed_memory() -> None:
+    """Give the heap pages of a unit's dropped full tensors back to the system. glibc otherwise keeps them
+    for reuse (tensors of a few MiB come from its heap once it has raised its mmap threshold), and the next
+    units do not reuse them exactly: measured at ws 2, 16 units of 32 MiB, a rank peaked at 1.4-1.7 GiB instead
+    of 576 MiB, one run in two."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _build_unit(members: list[tuple[Member, torch.Tensor]], groups: Groups, sync_module_states: bool,
