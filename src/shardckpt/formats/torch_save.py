@@ -6,7 +6,13 @@ that names any other class or callable (a pickle that would run code) is refused
 ``CorruptCheckpointError`` naming the file, and nothing in it is executed. ``mmap`` keeps the tensors' bytes
 in the file: ``read`` copies just the requested region, so only the pages it touches are read from disk.
 Files in torch's legacy (pre-1.6, non-zip) format cannot be memory-mapped; they are loaded whole, still with
-``weights_only``.
+``weights_only``. ``safe_globals`` admits a few more classes by name (``formats.deepspeed.unpickle``): each is
+given as ``(stand_in, "module.Name")``, so the pickle's class is built as a harmless stand-in and its module is
+never imported.
+
+Memory: the pages of the mapped file a ``read`` touches are given back to the kernel after the copy
+(``madvise(MADV_DONTNEED)`` on the file's own mapping, which nothing writes to: a later read maps them again
+from the file), so reading a file of any size keeps resident only what the caller's destinations hold.
 
 Only local files (and ``file://``) are read: ``torch.load`` needs a seekable local file to map. A URL is refused
 with a ``CheckpointError`` that says to copy the file to local disk first (downloading it here would read the
@@ -22,8 +28,12 @@ checks: the first ``read`` checks them all (one pass over the file, so that no f
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import mmap
 import os
 import pickle
+import sys
 import zipfile
 from typing import Any, Mapping, Sequence
 
@@ -85,14 +95,17 @@ def _boxes(lo: int, hi: int, shape: tuple[int, ...]):
 class TorchSaveReader:
     """A ``CheckpointReader`` over one ``torch.save`` file (see the module's docstring)."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, safe_globals: Sequence[Any] = ()):
         self.path = os.path.abspath(local_path(path))
         if not os.path.isfile(self.path):
             raise CorruptCheckpointError(f"{self.path}: no such file")
         with open(self.path, "rb") as f:
             head = f.read(4)
+        self._mapped = head.startswith(ZIP_MAGIC)
+        admitted = torch.serialization.safe_globals(list(safe_globals)) if safe_globals else contextlib.nullcontext()
         try:
-            obj = torch.load(self.path, map_location="cpu", weights_only=True, mmap=head.startswith(ZIP_MAGIC))
+            with admitted:
+                obj = torch.load(self.path, map_location="cpu", weights_only=True, mmap=self._mapped)
         except pickle.UnpicklingError as e:
             raise CorruptCheckpointError(f"{self.path}: refused: torch.load(weights_only=True) found more than "
                                          f"tensors and plain containers, and shardckpt never unpickles arbitrary "
@@ -105,7 +118,8 @@ class TorchSaveReader:
         self._tensors: dict[str, torch.Tensor] = {}
         self._tree = self._walk(obj, ())
         self._infos = {n: TensorInfo(n, t.dtype, tuple(t.shape), None) for n, t in self._tensors.items()}
-        self._crcs_checked = not head.startswith(ZIP_MAGIC)
+        self._crcs_checked = not self._mapped
+        self._mapping = _file_mapping(self.path) if self._mapped else None
 
     def _check_crcs(self) -> None:
         """Every archive member against its zip CRC32 (``zipfile`` raises at the end of a member that fails)."""
@@ -183,4 +197,46 @@ class TorchSaveReader:
                     raise CorruptCheckpointError(f"{self.path}: tensor {c.info.name!r} holds a bool byte other "
                                                  "than 0 or 1")
                 c.flat[pos:pos + n].view(sizes).copy_(view)
+                self._release(view)
                 pos += n
+
+    def _release(self, view: torch.Tensor) -> None:
+        """Give the mapped file pages under ``view`` back to the kernel (whole pages inside the file's mapping)."""
+        if self._mapping is None or not view.numel():
+            return
+        span = (sum((s - 1) * st for s, st in zip(view.shape, view.stride())) + 1) * view.element_size()
+        lo = -(-view.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
+        hi = (view.data_ptr() + span) // mmap.PAGESIZE * mmap.PAGESIZE
+        for start, stop in self._mapping:
+            a, b = max(lo, start), min(hi, stop)
+            if a < b:
+                _madvise(a, b - a, _MADV_DONTNEED)
+
+
+_MADV_DONTNEED = 4
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+if _LIBC is not None:
+    _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _madvise(address: int, length: int, advice: int) -> None:
+    _LIBC.madvise(address, length, advice)  # advisory: a failure only leaves the pages resident
+
+
+def _file_mapping(path: str) -> list[tuple[int, int]] | None:
+    """The address ranges at which ``path`` is mapped into this process (Linux only; None elsewhere), so that
+    pages are only ever released inside the file's mapping, never in memory torch allocated. torch maps the
+    file private and writable; nothing here writes to it, so a released page maps again from the file."""
+    if _LIBC is None:
+        return None
+    ranges = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].rstrip("\n") == path:
+                    start, stop = (int(x, 16) for x in fields[0].split("-"))
+                    ranges.append((start, stop))
+    except OSError:
+        return None
+    return ranges
