@@ -3,7 +3,8 @@ format ``formats.detect.open_reader`` reads; the foreign ones through ``checkpoi
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import torch
 
@@ -20,7 +21,7 @@ from shardckpt.format.manifest import (
     parse_manifest,
 )
 from shardckpt.format.tree import TensorRef, leaves, path_name, set_at
-from shardckpt.formats.api import CheckpointReader, ReadRequest
+from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.native import NativeReader, read_manifest
 from shardckpt.formats.native.reader import check_data_file, read_index, record_problem
@@ -86,19 +87,46 @@ def _with_retries(group: Group, storage: Storage, work: Callable[[Storage, Manif
         raise_failures(outcomes)
 
 
-def load_pieces(path: str | os.PathLike, build: Callable[[Manifest], list[ReadRequest]], *,
+@dataclass(frozen=True)
+class ReaderContents:
+    """What ``load_pieces`` shows ``build`` of a checkpoint in another format: what a ``Manifest`` shows of
+    shardckpt's own (its tree, its tensors' shapes and dtypes by name, its metadata: none)."""
+
+    tree: Any
+    tensors: Mapping[str, TensorInfo]
+    metadata: dict = field(default_factory=dict)
+
+
+def load_pieces(path: str | os.PathLike, build: Callable[[Manifest | ReaderContents], list[ReadRequest]], *,
                 process_group: Any = None, verify_checksums: bool = True, io_threads: int = DEFAULT_IO_THREADS,
-                storage_options: dict | None = None) -> Manifest:
+                storage_options: dict | None = None) -> Manifest | ReaderContents:
     """Collective, lower-level ``load``: ``build`` turns the committed manifest into explicit requests.
 
     Used where destinations are not a state dict's leaves, e.g. slices of a runtime flat shard filled
     straight from a checkpoint of any type. Returns the manifest (for its plain values). Dtypes are cast.
+    A checkpoint in another format ``open_reader`` reads (DeepSpeed's, DCP's...) is shown to ``build`` as
+    ``ReaderContents`` instead, each rank opening its own reader.
     """
+    group, storage = resolve_group(process_group), open_storage(path, storage_options)
+    if not _is_native(group, storage):
+        reader = attempt(group.rank, lambda: open_reader(path, storage_options=storage_options,
+                                                         io_threads=io_threads, verify=verify_checksums))
+        if not isinstance(reader, NativeReader):  # (a native one: a manifest committed since; the path below)
+            outcome = reader if isinstance(reader, Failure) else attempt(group.rank, lambda: _read_built(reader, build))
+            raise_failures(group.all_gather(outcome))
+            return outcome
+
     def work(storage: Storage, manifest: Manifest) -> Manifest:
         NativeReader(storage, manifest, io_threads=io_threads, verify=verify_checksums).read(build(manifest))
         return manifest
 
-    return _with_retries(resolve_group(process_group), open_storage(path, storage_options), work)
+    return _with_retries(group, storage, work)
+
+
+def _read_built(reader: CheckpointReader, build: Callable[[ReaderContents], list[ReadRequest]]) -> ReaderContents:
+    contents = ReaderContents(reader.tree(), reader.tensors())
+    reader.read(build(contents))
+    return contents
 
 
 def _shared_manifest(group: Group, storage: Storage) -> Manifest:

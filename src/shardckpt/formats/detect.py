@@ -6,7 +6,9 @@ looked for) and a function that returns a reader, or ``None`` when the place doe
 - ``DIRECTORY_DETECTORS`` look at the path as a directory (or URL prefix): shardckpt's own format
   (``manifest.json``), then a Hugging Face safetensors directory (``model.safetensors.index.json``, or exactly
   one ``*.safetensors`` file), then a torch DCP directory (a ``.metadata`` file; after safetensors, so
-  that a Hugging Face directory written by DCP's HF writer is read as the safetensors it is).
+  that a Hugging Face directory written by DCP's HF writer is read as the safetensors it is), then a DeepSpeed
+  ZeRO checkpoint (``*_optim_states.pt`` files, or a ``latest`` file naming a directory of them; local only,
+  as ``torch.save`` files are).
 - ``FILE_DETECTORS`` look at the path as one file: a safetensors file (by its ``.safetensors`` name, or by its
   first bytes: an 8-byte header length that fits in the file, then ``{``), then a ``torch.save`` file (the zip
   magic, or a pickle's protocol marker; local files only, see ``formats/torch_save.py``).
@@ -22,15 +24,17 @@ import struct
 from dataclasses import dataclass, field
 from typing import Callable
 
-from shardckpt.errors import CheckpointNotFoundError
+from shardckpt.errors import CheckpointError, CheckpointNotFoundError
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.dcp import METADATA_NAME, DcpReader, is_dcp_dir
+from shardckpt.formats.deepspeed import DeepSpeedReader, tag_dir
+from shardckpt.formats.deepspeed.reader import LATEST, OPTIM_FILE
 from shardckpt.formats.native import NativeReader, read_manifest
 from shardckpt.formats.safetensors import (
     INDEX_NAME, MAX_HEADER_SIZE, SUFFIX, SafetensorsReader,
 )
-from shardckpt.formats.torch_save import TorchSaveReader, is_torch_save
+from shardckpt.formats.torch_save import TorchSaveReader, is_torch_save, local_path
 from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage, split_url
 
 HEAD_BYTES = 16  # what the file detectors see of a file's beginning
@@ -120,6 +124,18 @@ def _dcp(place: Place) -> CheckpointReader | None:
     return DcpReader(place.storage, io_threads=place.io_threads, verify=place.verify)
 
 
+def _deepspeed(place: Place) -> CheckpointReader | None:
+    try:
+        path = local_path(place.path)
+    except CheckpointError:  # a URL: say so if it holds DeepSpeed's files
+        names = place.storage.list_files() if place.is_dir else []
+        if LATEST in names or any(OPTIM_FILE.match(n) for n in names):
+            raise CheckpointError(f"{place.path}: a DeepSpeed checkpoint is read from local disk only (its "
+                                  "torch.save files are memory-mapped); copy it to a local directory first") from None
+        return None
+    return DeepSpeedReader(path) if tag_dir(path) is not None else None
+
+
 def _looks_like_safetensors(head: bytes, size: int) -> bool:
     if len(head) < 9:
         return False
@@ -148,6 +164,7 @@ DIRECTORY_DETECTORS: list[tuple[str, Detector]] = [
     (f"a shardckpt checkpoint (a directory with {MANIFEST_NAME})", _native),
     (f"a safetensors directory ({INDEX_NAME}, or exactly one *{SUFFIX} file)", _safetensors_directory),
     (f"a torch DCP checkpoint (a directory with {METADATA_NAME})", _dcp),
+    (f"a DeepSpeed ZeRO checkpoint (*_optim_states.pt files, or '{LATEST}' naming a directory of them)", _deepspeed),
 ]
 FILE_DETECTORS: list[tuple[str, Detector]] = [
     (f"a safetensors file (*{SUFFIX})", _safetensors_file),

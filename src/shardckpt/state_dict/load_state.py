@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from shardckpt.checkpoint.load import load_pieces
+from shardckpt.checkpoint.load import ReaderContents, load_pieces
 from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError, ShardingError
 from shardckpt.regions import FlatRange, Region, full_region
 from shardckpt.runtime import FlatLayout, groups, is_sharded
@@ -66,15 +66,16 @@ def _requests(model: nn.Module, index: int, tensor: torch.Tensor, resolve: Resol
 
 @dataclass
 class Saved:
-    """How the checkpoint names model and optimizer tensors (derived once from its manifest)."""
+    """How the checkpoint names model and optimizer tensors (derived once from its manifest, or what a reader of
+    another format shows: ``ReaderContents``)."""
 
-    manifest: Manifest
+    manifest: Manifest | ReaderContents
     id_names: dict[int, str] | None = None  # ID -> name (a FQN, or a LOCAL flat key); None: keyed by name
     local: dict[str, tuple[str, int, tuple]] = field(default_factory=dict)  # fqn -> (flat key, offset, shape)
     local_order: list[str] = field(default_factory=list)  # flat keys in layout order
 
     @classmethod
-    def of(cls, manifest: Manifest, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+    def of(cls, manifest: Manifest | ReaderContents, model: nn.Module, optimizer: torch.optim.Optimizer | None,
            optim_param_names: Sequence[str] | None) -> Saved:
         saved = cls(manifest)
         for key, layout in stored_layouts(manifest.tree).items():
@@ -178,7 +179,7 @@ def stored_layouts(tree: Any) -> dict[str, FlatLayout]:
     return layouts
 
 
-def _tree(manifest: Manifest, *path: str) -> Any:
+def _tree(manifest: Manifest | ReaderContents, *path: str) -> Any:
     node = manifest.tree
     for key in path:
         if not isinstance(node, dict) or key not in node:
@@ -191,7 +192,8 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
                process_group: Any = None, optim_param_names: Sequence[str] | None = None,
                **load_kwargs: Any) -> dict[str, Any]:
     """Load model (and optimizer) state saved by ``save_state`` (any type, world size, wrapping) or by
-    ``shardckpt.save({"model": m.state_dict(), "optim": o.state_dict()}, ...)`` of a plain model.
+    ``shardckpt.save({"model": m.state_dict(), "optim": o.state_dict()}, ...)`` of a plain model, or any
+    checkpoint ``formats.detect.open_reader`` reads as ``model`` and ``optim`` entries (a DeepSpeed ZeRO one).
 
     Optimizer state keyed by ID maps IDs to parameters by the ``param_names`` its param groups record
     (``save_state`` records them; so does torch for an optimizer built over ``model.named_parameters()``),
@@ -204,7 +206,7 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
     scalars: list[tuple[dict, str, Any]] = []
     hyper: list[dict] = []
 
-    def build(manifest: Manifest) -> list[ReadRequest]:
+    def build(manifest: Manifest | ReaderContents) -> list[ReadRequest]:
         scalars.clear()  # a retry (after a concurrent overwrite) starts over
         saved = Saved.of(manifest, model, optimizer, optim_param_names)
         resolve = functools.partial(saved.resolve, "model")
