@@ -36,12 +36,14 @@ from shardckpt.state_dict import (
     set_state_dict,
     state_dict_type,
 )
+from shardckpt.state_dict.zero_redundancy import load_zero_partition_state, zero_partition_state
 
 __all__ = [
     "save", "async_save", "AsyncSaver", "SaveHandle", "async_save_state", "load", "load_full", "latest_checkpoint", "ShardedTensor", "Box", "FlatRange",
     "StateDictType", "FullStateDictConfig", "ShardedStateDictConfig", "LocalStateDictConfig",
     "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig", "OptimStateKeyType",
     "get_state_dict", "set_state_dict", "state_dict_type", "save_state", "load_state", "rekey_optim_state_dict",
+    "zero_partition_state", "load_zero_partition_state",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompatibleCheckpointError", "ShardingError", "StorageError", "UnsupportedValueError",
 ]
