@@ -28,6 +28,7 @@ from shardckpt.formats.deepspeed import DeepSpeedReader
 from shardckpt.formats.detect import open_reader
 from shardckpt.regions import FlatRange, full_region
 from tests._dist import run_ranks
+from tests.formats._deepspeed_layout import write_like_deepspeed
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fixtures",
                         "deepspeed")
@@ -247,54 +248,11 @@ def _params() -> list[dict[str, torch.Tensor]]:
             {"d": torch.randn(2, generator=g), "c": torch.randn(5, generator=g)}]
 
 
-def _write_like_deepspeed(path: str, stage: int, world: int, groups: list[dict[str, torch.Tensor]]) -> None:
-    """DeepSpeed's layout (``partitions``' docstring), written independently of the reader: plain values only."""
-    os.makedirs(path)
-    shapes = [{n: torch.Size(t.shape) for n, t in g.items()} for g in groups]
-    flats: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    paddings = []
-    if stage <= 2:
-        for group in groups:
-            pads = [i % 2 for i in range(len(group))]  # alignment padding after every other parameter
-            parts = [x for (t, p) in zip(group.values(), pads) for x in (t.reshape(-1), torch.full((p,), 9.0))]
-            flat = torch.cat(parts)
-            flat = torch.cat([flat, torch.full((-len(flat) % (2 * world),), 9.0)])
-            paddings.append(pads)
-            for r, chunk in enumerate(flat.chunk(world)):
-                flats[r].append(chunk.clone())
-    else:
-        for r in range(world):
-            pieces = []
-            for t in [t for group in groups for t in group.values()]:
-                part = -(-t.numel() // world)
-                padded = torch.cat([t.reshape(-1), torch.full((part * world - t.numel(),), 9.0)])
-                pieces.append(padded[r * part:(r + 1) * part])
-            mine = torch.cat(pieces)
-            flats[r] = [s.clone() for s in mine.split([4, len(mine) - 4])]  # sub-groups cutting through parameters
-    module = {n: (t if stage <= 2 else torch.empty(0)) for g in groups for n, t in g.items()}
-    model = {"module": module, "buffer_names": [], "param_shapes": shapes, "frozen_param_shapes": None,
-             "shared_params": {}, "dp_world_size": world, "mp_world_size": 1, "global_steps": 3}
-    for r in range(world) if stage == 3 else [None]:
-        name = "mp_rank_00_model_states.pt" if r is None else f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
-        torch.save(model, os.path.join(path, name))
-    for r in range(world):
-        state = {i: {"step": torch.tensor(3.0), "exp_avg": f * 2, "exp_avg_sq": f * f} for i, f in enumerate(flats[r])}
-        groups_saved = [{"lr": 0.1 * (g + 1), "params": [g]} for g in range(len(groups))]
-        if stage <= 2:
-            osd = {"zero_stage": stage, "partition_count": [world] * len(groups),
-                   "single_partition_of_fp32_groups": flats[r], "param_alignment_paddings": paddings,
-                   "base_optimizer_state": {"state": state, "param_groups": groups_saved}}
-        else:
-            osd = {"zero_stage": 3, "partition_count": world, "fp32_flat_groups": flats[r],
-                   "optimizer_state_dict": {"state": state, "param_groups": groups_saved}}
-        torch.save({"optimizer_state_dict": osd}, os.path.join(path, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
-
-
 @pytest.mark.parametrize("stage", (2, 3))
 @pytest.mark.parametrize("world", (1, 3, 4))
 def test_layouts_beyond_the_fixtures_read_exactly(stage, world, tmp_path):
     groups = _params()
-    _write_like_deepspeed(str(tmp_path / "ck"), stage, world, groups)
+    write_like_deepspeed(str(tmp_path / "ck"), stage, world, groups)
     reader = DeepSpeedReader(tmp_path / "ck")
     got = _read_all(reader)
     for name, t in {n: t for g in groups for n, t in g.items()}.items():

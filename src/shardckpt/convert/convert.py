@@ -47,7 +47,7 @@ from shardckpt.checkpoint.save_plan import SavePlan, TensorPlan, plan_placed
 from shardckpt.checkpoint.stage import check_unique_names
 from shardckpt.checkpoint.writer import StreamedPiece, write_rank_files
 from shardckpt.convert.local_output import LocalAtWorldSize, no_layouts_error
-from shardckpt.convert.memory import DEFAULT_MEMORY_LIMIT, buffer_budget
+from shardckpt.convert.memory import DEFAULT_MEMORY_LIMIT, buffer_budget, read_reserve
 from shardckpt.convert.resume import conversion_generation, finished_rank
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
 from shardckpt.errors import CheckpointExistsError, UnsupportedValueError
@@ -181,7 +181,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     tick = _Progress(_share_bytes(plan, mine), progress)
     by_name = {o.name: o for o in outputs}
     kept: list[int] = []
-    buffers = _SliceBuffers(files_per_rank, max(_ALIGN, buffer_budget(limit, "convert") // files_per_rank))
+    budget = buffer_budget(limit, "convert", read_reserve(base, files_per_rank))
+    buffers = _SliceBuffers(files_per_rank, max(_ALIGN, budget // files_per_rank))
 
     def write(r: int):
         done = finished_rank(storage, plan, r)  # written by a killed run of this same conversion

@@ -23,15 +23,23 @@ def resident_bytes() -> int | None:
         return None
 
 
-def buffer_budget(memory_limit: int, what: str) -> int:
+def buffer_budget(memory_limit: int, what: str, reserve: int = 0) -> int:
     """The bytes of buffers that keep this process's resident memory within ``memory_limit``: the limit less
-    what the process holds now (0, with a warning, when it already holds that much)."""
+    what the process holds now and ``reserve`` (what reads will hold besides the buffers: ``read_reserve``); 0,
+    with a warning, when it already holds that much."""
     held = resident_bytes()
     if held is None:
-        return memory_limit
+        return max(0, memory_limit - reserve)
+    held += reserve
     if held >= memory_limit:
         warnings.warn(f"memory limit {memory_limit / 2**20:.0f} MiB for {what} is below the {held / 2**20:.0f} "
                       "MiB this process already holds (Python, torch, the plan); using the smallest buffers",
                       RuntimeWarning, stacklevel=3)
         return 0
     return memory_limit - held
+
+
+def read_reserve(reader: object, reads_at_once: int) -> int:
+    """What ``reads_at_once`` concurrent reads from ``reader`` hold besides their destinations: its
+    ``transient_read_bytes`` (memory-mapped readers: the file pages a read has touched and not yet given back)."""
+    return int(getattr(reader, "transient_read_bytes", 0)) * reads_at_once

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import mmap
 import os
 import pickle
 import sys
@@ -46,6 +45,7 @@ from shardckpt.formats.requests import check_requests
 from shardckpt.regions import Box, FlatRange
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format since torch 1.6 (a zip archive)
+RELEASE_BYTES = 1 << 20  # the mapped bytes a read copies before giving their pages back
 PICKLE_MAGIC = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # the legacy format: pickles, protocol 2+
 
 
@@ -95,6 +95,10 @@ def _boxes(lo: int, hi: int, shape: tuple[int, ...]):
 class TorchSaveReader:
     """A ``CheckpointReader`` over one ``torch.save`` file (see the module's docstring)."""
 
+    # What a read holds besides its destination (``convert.memory.read_reserve``): the folios around the step it
+    # copies, not yet given back, and the torch code that copying and unpickling bring in (measured ~3 MiB).
+    transient_read_bytes = 2 * RELEASE_BYTES + 2 * (2 << 20) + (2 << 20)
+
     def __init__(self, path: str | os.PathLike, *, safe_globals: Sequence[Any] = ()):
         self.path = os.path.abspath(local_path(path))
         if not os.path.isfile(self.path):
@@ -127,7 +131,7 @@ class TorchSaveReader:
             with zipfile.ZipFile(self.path) as zf:
                 for info in zf.infolist():
                     with zf.open(info) as member:
-                        while member.read(16 << 20):
+                        while member.read(1 << 20):  # small reads: a CRC pass adds no memory to speak of
                             pass
         except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
             raise CorruptCheckpointError(f"{self.path}: the archive is damaged ({e}); torch.load does not check "
@@ -196,17 +200,32 @@ class TorchSaveReader:
                 if view.dtype == torch.bool and n and int(view.view(torch.uint8).max()) > 1:
                     raise CorruptCheckpointError(f"{self.path}: tensor {c.info.name!r} holds a bool byte other "
                                                  "than 0 or 1")
-                c.flat[pos:pos + n].view(sizes).copy_(view)
-                self._release(view)
+                self._copy(view, c.flat[pos:pos + n].view(sizes))
                 pos += n
 
+    def _copy(self, view: torch.Tensor, dest: torch.Tensor) -> None:
+        """``dest.copy_(view)``, a contiguous ``view`` in steps of ``RELEASE_BYTES`` whose pages are given back
+        after each, so that no more than one step of the file's pages is resident at once (per thread)."""
+        if self._mapping is None or not view.is_contiguous() or not dest.is_contiguous():
+            dest.copy_(view)
+            self._release(view)
+            return
+        flat_view, flat_dest = view.reshape(-1), dest.reshape(-1)
+        step = max(1, RELEASE_BYTES // view.element_size())
+        for start in range(0, flat_view.numel(), step):
+            part = flat_view[start:start + step]
+            flat_dest[start:start + step].copy_(part)
+            self._release(part)
+
     def _release(self, view: torch.Tensor) -> None:
-        """Give the mapped file pages under ``view`` back to the kernel (whole pages inside the file's mapping)."""
+        """Give the mapped file pages under and around ``view`` back to the kernel (inside the file's mapping only:
+        pages another read still needs map again from the file, as nothing writes to them)."""
         if self._mapping is None or not view.numel():
             return
         span = (sum((s - 1) * st for s, st in zip(view.shape, view.stride())) + 1) * view.element_size()
-        lo = -(-view.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
-        hi = (view.data_ptr() + span) // mmap.PAGESIZE * mmap.PAGESIZE
+        # Outward to whole folios: a fault maps the page cache's large folio (up to 2 MiB) around the page touched.
+        lo = view.data_ptr() // _FOLIO * _FOLIO
+        hi = -(-(view.data_ptr() + span) // _FOLIO) * _FOLIO
         for start, stop in self._mapping:
             a, b = max(lo, start), min(hi, stop)
             if a < b:
@@ -214,6 +233,7 @@ class TorchSaveReader:
 
 
 _MADV_DONTNEED = 4
+_FOLIO = 2 << 20  # the largest page-cache folio a fault maps at once (a PMD)
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 if _LIBC is not None:
     _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

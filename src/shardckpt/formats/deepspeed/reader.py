@@ -93,6 +93,8 @@ def _has_optim_files(path: str) -> bool:
 class DeepSpeedReader:
     """A ``CheckpointReader`` over a DeepSpeed ZeRO checkpoint (see the module's docstring)."""
 
+    transient_read_bytes = TorchSaveReader.transient_read_bytes  # a read reads its files one after the other
+
     def __init__(self, path: str | os.PathLike):
         root = os.path.abspath(local_path(path))
         found = tag_dir(root)
