@@ -9,9 +9,11 @@ import os
 import torch
 
 
-def write_like_deepspeed(path: str, stage: int, world: int, groups: list[dict[str, torch.Tensor]]) -> None:
+def write_like_deepspeed(path: str, stage: int, world: int, groups: list[dict[str, torch.Tensor]],
+                         cut_subgroups: bool = True) -> None:
     """A ZeRO-``stage`` checkpoint of ``world`` ranks at ``path`` holding ``groups`` (param groups: name -> fp32
-    tensor); Adam-like state ``exp_avg = 2 t``, ``exp_avg_sq = t * t``, ``step = 3``."""
+    tensor); Adam-like state ``exp_avg = 2 t``, ``exp_avg_sq = t * t``, ``step = 3``. ``cut_subgroups``: ZeRO-3's
+    sub-groups cut through a parameter (DeepSpeed cuts between parameters; its ``zero_to_fp32`` reads only that)."""
     os.makedirs(path)
     shapes = [{n: torch.Size(t.shape) for n, t in g.items()} for g in groups]
     flats: list[list[torch.Tensor]] = [[] for _ in range(world)]
@@ -33,7 +35,7 @@ def write_like_deepspeed(path: str, stage: int, world: int, groups: list[dict[st
                 padded = torch.cat([t.reshape(-1), torch.full((part * world - t.numel(),), 9.0)])
                 pieces.append(padded[r * part:(r + 1) * part])
             mine = torch.cat(pieces)
-            flats[r] = [s.clone() for s in mine.split([4, len(mine) - 4])]  # sub-groups cutting through parameters
+            flats[r] = [s.clone() for s in mine.split([4, len(mine) - 4])] if cut_subgroups else [mine]
     module = {n: (t if stage <= 2 else torch.empty(0)) for g in groups for n, t in g.items()}
     model = {"module": module, "buffer_names": [], "param_shapes": shapes, "frozen_param_shapes": None,
              "shared_params": {}, "dp_world_size": world, "mp_world_size": 1, "global_steps": 3}

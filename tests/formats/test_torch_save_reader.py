@@ -246,6 +246,27 @@ def test_a_flipped_data_byte_is_caught_by_the_archive_crc(tmp_path):
         shardckpt.load_full(path)
 
 
+def test_a_read_checks_the_records_it_reads_and_only_those(tmp_path):
+    """Each tensor's storage record is checked when a read first touches it: a flipped byte in one tensor does
+    not stop reads of the others, and is caught on the read of its own, wherever in the record it is."""
+    path = tmp_path / "m.pt"
+    state = {"a": torch.arange(4096, dtype=torch.float32), "b": torch.arange(4096, dtype=torch.float32) + 0.5,
+             "c": torch.ones(3, dtype=torch.int64)}
+    torch.save(state, path)
+    raw = bytearray(path.read_bytes())
+    at = raw.find(state["b"][4000:4004].numpy().tobytes())
+    raw[at + 1] ^= 0x01
+    path.write_bytes(bytes(raw))
+    reader = TorchSaveReader(path)
+    for name in ("a", "c"):
+        dest = torch.empty_like(state[name])
+        reader.read([ReadRequest(name, full_region(dest.shape), dest)])
+        assert torch.equal(dest, state[name])
+    dest = torch.empty(2)
+    with pytest.raises(CorruptCheckpointError, match="m.pt: the archive is damaged"):
+        reader.read([ReadRequest("b", FlatRange(0, 2), dest)])  # far from the flipped byte: the record fails
+
+
 def test_reading_a_big_file_in_slices_keeps_only_the_slice_resident(tmp_path):
     """The mapped pages a read touched are given back: reading 96 MiB through one 4 MiB buffer stays near 4 MiB
     (without it, every page read stays in the process's resident set)."""

@@ -23,15 +23,20 @@ Tensors are named by their path in the loaded nesting, keys joined by ``.`` (``f
 nesting (dicts, lists, tuples) with every tensor replaced by ``TensorRef(name)`` and every other value kept as
 loaded; a file that holds a single tensor has the tree ``TensorRef("")``. ``crc32c`` is ``None``: torch.save
 stores no per-tensor checksum. But its zip archive keeps a CRC32 of every member, which ``torch.load`` never
-checks: the first ``read`` checks them all (one pass over the file, so that no flipped byte reaches a caller;
-``tensors()`` and ``tree()`` alone read nothing). The legacy format has no checksum at all.
+checks: a ``read`` checks the records of the tensors it reads, each record once (and, at the first read, the
+small records that hold no tensor: ``data.pkl`` and kin), so that no flipped byte reaches a caller and a read
+of some tensors reads no others (an export of a DeepSpeed checkpoint: the weights, not the optimizer state);
+``tensors()`` and ``tree()`` alone read nothing. Where the records cannot be located (no mapping known), the
+first read checks the whole archive. The legacy format has no checksum at all.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import os
 import pickle
+import struct
 import sys
 import zipfile
 from typing import Any, Mapping, Sequence
@@ -124,19 +129,65 @@ class TorchSaveReader:
         self._infos = {n: TensorInfo(n, t.dtype, tuple(t.shape), None) for n, t in self._tensors.items()}
         self._crcs_checked = not self._mapped
         self._mapping = _file_mapping(self.path) if self._mapped else None
+        self._records: tuple[list[int], list[zipfile.ZipInfo]] | None = None  # storage records by data offset
+        self._checked: set[str] = set()  # records whose CRC-32 passed
 
-    def _check_crcs(self) -> None:
-        """Every archive member against its zip CRC32 (``zipfile`` raises at the end of a member that fails)."""
+    def _check_crcs(self, infos: Sequence[zipfile.ZipInfo] | None = None) -> None:
+        """Archive members (default: all) against their zip CRC-32s (``zipfile`` raises at the end of a member
+        that fails), each once."""
         try:
             with zipfile.ZipFile(self.path) as zf:
-                for info in zf.infolist():
+                for info in zf.infolist() if infos is None else infos:
+                    if info.filename in self._checked:
+                        continue
                     with zf.open(info) as member:
                         while member.read(1 << 20):  # small reads: a CRC pass adds no memory to speak of
                             pass
+                    self._checked.add(info.filename)
         except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
             raise CorruptCheckpointError(f"{self.path}: the archive is damaged ({e}); torch.load does not check "
                                          "its CRCs, shardckpt does") from None
-        self._crcs_checked = True
+        if infos is None:
+            self._crcs_checked = True
+
+    def _check_tensor_records(self, names: set[str]) -> None:
+        """The CRC-32s of the storage records holding tensors ``names`` (and, once, of the small records that
+        are not storages: ``data.pkl`` and kin), so that a read checks what it reads and no more. Where the
+        records cannot be told apart (no mapping known), the whole archive, once."""
+        if self._mapping is None:
+            return self._check_crcs()
+        if self._records is None:
+            self._records = self._storage_records()
+            self._check_crcs([i for i in self._records[1] if "/data/" not in i.filename])
+        starts, infos = self._records
+        wanted = []
+        for name in names:
+            t = self._tensors[name]
+            if not t.numel():
+                continue
+            offset = _file_offset(self._mapping, t.untyped_storage().data_ptr())
+            i = bisect.bisect_right(starts, offset) - 1 if offset is not None else -1
+            if i < 0 or offset >= starts[i] + infos[i].compress_size:
+                return self._check_crcs()  # not where the records say: check everything rather than guess
+            wanted.append(infos[i])
+        self._check_crcs(wanted)
+
+    def _storage_records(self) -> tuple[list[int], list[zipfile.ZipInfo]]:
+        """Every archive record with the file offset of its first data byte, by offset (local headers read)."""
+        found = []
+        try:
+            with open(self.path, "rb") as f, zipfile.ZipFile(f) as zf:
+                for info in zf.infolist():
+                    f.seek(info.header_offset)
+                    local = f.read(30)
+                    if len(local) != 30 or local[:4] != ZIP_MAGIC:
+                        raise zipfile.BadZipFile(f"the local header of {info.filename!r} is damaged")
+                    name_len, extra_len = struct.unpack("<HH", local[26:30])
+                    found.append((info.header_offset + 30 + name_len + extra_len, info))
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, struct.error) as e:
+            raise CorruptCheckpointError(f"{self.path}: the archive is damaged ({e})") from None
+        found.sort(key=lambda x: x[0])
+        return [start for start, _ in found], [info for _, info in found]
 
     def _walk(self, obj: Any, path: tuple) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -182,7 +233,7 @@ class TorchSaveReader:
     def read(self, requests: Sequence[ReadRequest]) -> None:
         checked = check_requests(self._infos, requests, self.path)
         if not self._crcs_checked:
-            self._check_crcs()
+            self._check_tensor_records({c.info.name for c in checked})
         for c in checked:
             src = self._tensors[c.info.name]
             region = c.region
@@ -226,7 +277,7 @@ class TorchSaveReader:
         # Outward to whole folios: a fault maps the page cache's large folio (up to 2 MiB) around the page touched.
         lo = view.data_ptr() // _FOLIO * _FOLIO
         hi = -(-(view.data_ptr() + span) // _FOLIO) * _FOLIO
-        for start, stop in self._mapping:
+        for start, stop, _ in self._mapping:
             a, b = max(lo, start), min(hi, stop)
             if a < b:
                 _madvise(a, b - a, _MADV_DONTNEED)
@@ -243,8 +294,17 @@ def _madvise(address: int, length: int, advice: int) -> None:
     _LIBC.madvise(address, length, advice)  # advisory: a failure only leaves the pages resident
 
 
-def _file_mapping(path: str) -> list[tuple[int, int]] | None:
-    """The address ranges at which ``path`` is mapped into this process (Linux only; None elsewhere), so that
+def _file_offset(mapping: list[tuple[int, int, int]], address: int) -> int | None:
+    """The file offset that ``address`` maps (None: outside the mapping)."""
+    for start, stop, offset in mapping:
+        if start <= address < stop:
+            return address - start + offset
+    return None
+
+
+def _file_mapping(path: str) -> list[tuple[int, int, int]] | None:
+    """The address ranges (and file offsets) at which ``path`` is mapped into this process (Linux only; None
+    elsewhere), so that
     pages are only ever released inside the file's mapping, never in memory torch allocated. torch maps the
     file private and writable; nothing here writes to it, so a released page maps again from the file."""
     if _LIBC is None:
@@ -256,7 +316,7 @@ def _file_mapping(path: str) -> list[tuple[int, int]] | None:
                 fields = line.split(maxsplit=5)
                 if len(fields) == 6 and fields[5].rstrip("\n") == path:
                     start, stop = (int(x, 16) for x in fields[0].split("-"))
-                    ranges.append((start, stop))
+                    ranges.append((start, stop, int(fields[2], 16)))
     except OSError:
         return None
     return ranges
