@@ -25,6 +25,7 @@ from shardckpt.convert.export import export
 from shardckpt.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.formats.api import ReadRequest
 from shardckpt.formats.deepspeed import DeepSpeedReader
+from shardckpt.formats.deepspeed.unpickle import SAFE_GLOBALS
 from shardckpt.formats.detect import open_reader
 from shardckpt.regions import FlatRange, full_region
 from tests._dist import run_ranks
@@ -262,3 +263,26 @@ def test_layouts_beyond_the_fixtures_read_exactly(stage, world, tmp_path):
         assert got[f"optim.state.{name}.step"].item() == 3.0
     pgs = reader.tree()["optim"]["param_groups"]
     assert [pg["params"] for pg in pgs] == [list(g) for g in groups] and [pg["lr"] for pg in pgs] == [0.1, 0.2]
+
+
+def test_partitions_and_paddings_that_do_not_match_the_groups_are_refused(tmp_path):
+    ckpt = _copy(2, tmp_path)
+    path = os.path.join(ckpt, TAG, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with torch.serialization.safe_globals(SAFE_GLOBALS):  # DeepSpeed's objects as stand-ins, replaced below
+        state = torch.load(path, weights_only=True)
+    osd = state["optimizer_state_dict"]
+    osd["zero_stage"] = 2
+    del osd["loss_scaler"], osd["param_slice_mappings"]
+    state["optimizer_state_dict"]["param_alignment_paddings"] = [[0] * 6, [0]]
+    torch.save(state, path)
+    with pytest.raises(CorruptCheckpointError, match="alignment paddings for 2 param groups"):
+        DeepSpeedReader(ckpt)
+    state["optimizer_state_dict"]["param_alignment_paddings"] = "none"
+    torch.save(state, path)
+    with pytest.raises(CorruptCheckpointError, match="param_alignment_paddings is not"):
+        DeepSpeedReader(ckpt)
+    state["optimizer_state_dict"]["param_alignment_paddings"] = [[0] * 6]
+    state["optimizer_state_dict"]["single_partition_of_fp32_groups"].append(torch.zeros(3))
+    torch.save(state, path)
+    with pytest.raises(CorruptCheckpointError, match="2 fp32 partitions for 1 param groups"):
+        DeepSpeedReader(ckpt)

@@ -43,6 +43,9 @@ def zero12_segments(group_shapes: Sequence[Shapes], partition_sizes: Sequence[Se
     alignment padding after parameter ``i`` of group ``g`` (None: not recorded, none)."""
     out: dict[str, list[Segment]] = {}
     world = len(partition_sizes)
+    if paddings is not None and len(paddings) != len(group_shapes):
+        raise CorruptCheckpointError(f"{where}: alignment paddings for {len(paddings)} param groups, "
+                                     f"{len(group_shapes)} groups of parameters")
     for g, shapes in enumerate(group_shapes):
         sizes = [partition_sizes[r][g] for r in range(world)]
         starts = [0] + list(itertools.accumulate(sizes))

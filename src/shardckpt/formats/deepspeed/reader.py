@@ -116,9 +116,12 @@ class DeepSpeedReader:
                         for g, s in enumerate(self._list(m0, "param_shapes", model[0]))]
         if self.stage <= 2:
             flats = [self._refs(o, "single_partition_of_fp32_groups", f) for o, f in zip(osd, optim)]
-            paddings = osd[0].get("param_alignment_paddings")
+            for f, fl in zip(optim, flats):
+                if len(fl) != len(group_shapes):
+                    raise CorruptCheckpointError(f"{f.path}: {len(fl)} fp32 partitions for {len(group_shapes)} param "
+                                                 "groups (param_shapes)")
             segments = zero12_segments(group_shapes, [[self._numel(f, t) for t in fl] for f, fl in zip(optim, flats)],
-                                       paddings if isinstance(paddings, list) else None, self.path)
+                                       self._paddings(osd[0], optim[0]), self.path)
             base = [self._dict(o, "base_optimizer_state", f) for o, f in zip(osd, optim)]
         else:
             flats = [self._refs(o, "fp32_flat_groups", f) for o, f in zip(osd, optim)]
@@ -216,6 +219,17 @@ class DeepSpeedReader:
         if not all(isinstance(r, TensorRef) for r in refs):
             raise CorruptCheckpointError(f"{f.path}: {key!r} is not a list of tensors")
         return [r.name for r in refs]
+
+    @staticmethod
+    def _paddings(osd: dict, f: TorchSaveReader) -> list[list[int]] | None:
+        """``param_alignment_paddings`` (per group, per parameter), or None where DeepSpeed did not record them."""
+        paddings = osd.get("param_alignment_paddings")
+        if paddings is None:
+            return None
+        if not isinstance(paddings, list) or not all(isinstance(g, list) and all(type(p) is int and p >= 0 for p in g)
+                                                     for g in paddings):
+            raise CorruptCheckpointError(f"{f.path}: param_alignment_paddings is not a list of lists of counts")
+        return paddings
 
     @staticmethod
     def _numel(f: TorchSaveReader, tensor: str) -> int:
