@@ -25,9 +25,9 @@ import os
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 
 from shardckpt.checkpoint.load import load_full
+from shardckpt.dist.group import resolve_group
 from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.format.dtypes import DTYPES, dtype_name
 from shardckpt.regions import Box, FlatRange
@@ -38,7 +38,7 @@ PARTITION_KEY = "zero_partition"
 
 def zero_partition_state(optimizer: Any, param_names: Sequence[str] | None = None) -> dict:
     """This rank's part of ``optimizer``'s (a ``ZeroRedundancyOptimizer``) state, for ``shardckpt.save`` from
-    every rank (collective: one small ``all_gather_object`` of what each rank's state holds). ``param_names``:
+    every rank (collective: one small all-gather of what each rank's state holds). ``param_names``:
     the names of the parameters in ZeRO's order (its param groups', e.g. the model's ``named_parameters()``)."""
     params = _ordered_params(optimizer)
     if param_names is not None and len(param_names) != len(params):
@@ -47,9 +47,8 @@ def zero_partition_state(optimizer: Any, param_names: Sequence[str] | None = Non
     rank = optimizer.rank
     mine = {i: _describe(optimizer.optim.state.get(p, {})) for i, p in enumerate(params) if owners[i] == rank}
     described: dict[int, dict] = {}
-    everyone: list[Any] = [None] * dist.get_world_size(optimizer.process_group)
-    dist.all_gather_object(everyone, mine, group=optimizer.process_group)
-    for part in everyone:
+    ranks = resolve_group(optimizer.process_group)
+    for part in ranks.all_gather(mine):
         described.update(part)
     state = {}
     for i, p in enumerate(params):
@@ -67,8 +66,7 @@ def zero_partition_state(optimizer: Any, param_names: Sequence[str] | None = Non
         if param_names is not None:
             saved["param_names"] = [param_names[i] for i in ids]
         groups.append(saved)
-    world = dist.get_world_size(optimizer.process_group)
-    return {"state": state, "param_groups": groups, PARTITION_KEY: {"world_size": world, "owners": owners}}
+    return {"state": state, "param_groups": groups, PARTITION_KEY: {"world_size": ranks.world_size, "owners": owners}}
 
 
 def load_zero_partition_state(optimizer: Any, path: str | os.PathLike, *, key: str = "optim",
