@@ -39,6 +39,7 @@ import pickle
 import struct
 import sys
 import zipfile
+from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -225,7 +226,7 @@ class TorchSaveReader:
         return False
 
     def tensors(self) -> Mapping[str, TensorInfo]:
-        return dict(self._infos)
+        return MappingProxyType(self._infos)  # read-only, not a copy: the DeepSpeed reader asks per piece
 
     def tree(self) -> Any:
         return self._tree

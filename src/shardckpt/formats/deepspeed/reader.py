@@ -103,6 +103,7 @@ class DeepSpeedReader:
                                   f"'{LATEST}' file naming a directory with them)")
         self.path = found
         self._files: list[TorchSaveReader] = []
+        self._index: dict[int, int] = {}  # id(file reader) -> its place in _files
         optim = self._open_optim_files()
         osd = [self._dict(f, "optimizer_state_dict") for f in optim]
         self.world_size = len(optim)
@@ -114,18 +115,19 @@ class DeepSpeedReader:
         self._pieces: dict[str, list[_Piece]] = {}
         group_shapes = [self._shapes(s, model[0], f"param_shapes[{g}]")
                         for g, s in enumerate(self._list(m0, "param_shapes", model[0]))]
+        flats = [self._refs(o, "single_partition_of_fp32_groups" if self.stage <= 2 else "fp32_flat_groups", f)
+                 for o, f in zip(osd, optim)]
+        self._flat_numels = [[self._numel(f, t) for t in fl] for f, fl in zip(optim, flats)]
+        self._flat_dtype = optim[0].tensors()[flats[0][0]].dtype if flats[0] else torch.float32
         if self.stage <= 2:
-            flats = [self._refs(o, "single_partition_of_fp32_groups", f) for o, f in zip(osd, optim)]
             for f, fl in zip(optim, flats):
                 if len(fl) != len(group_shapes):
                     raise CorruptCheckpointError(f"{f.path}: {len(fl)} fp32 partitions for {len(group_shapes)} param "
                                                  "groups (param_shapes)")
-            segments = zero12_segments(group_shapes, [[self._numel(f, t) for t in fl] for f, fl in zip(optim, flats)],
-                                       self._paddings(osd[0], optim[0]), self.path)
+            segments = zero12_segments(group_shapes, self._flat_numels, self._paddings(osd[0], optim[0]), self.path)
             base = [self._dict(o, "base_optimizer_state", f) for o, f in zip(osd, optim)]
         else:
-            flats = [self._refs(o, "fp32_flat_groups", f) for o, f in zip(osd, optim)]
-            sizes = [[self._numel(f, t) for t in fl] for f, fl in zip(optim, flats)]
+            sizes = self._flat_numels
             if any(s != sizes[0] for s in sizes):
                 raise CorruptCheckpointError(f"{self.path}: the ranks' fp32_flat_groups differ in size: {sizes}")
             shapes = {n: s for group in group_shapes for n, s in group.items()}
@@ -145,8 +147,10 @@ class DeepSpeedReader:
         full = os.path.join(self.path, name)
         if not os.path.isfile(full):
             raise CorruptCheckpointError(f"{full}: missing (the DeepSpeed checkpoint in {self.path} needs it)")
-        self._files.append(TorchSaveReader(full, safe_globals=SAFE_GLOBALS))
-        return self._files[-1]
+        reader = TorchSaveReader(full, safe_globals=SAFE_GLOBALS)
+        self._index[id(reader)] = len(self._files)
+        self._files.append(reader)
+        return reader
 
     def _open_optim_files(self) -> list[TorchSaveReader]:
         by_rank: dict[int, str] = {}
@@ -176,9 +180,21 @@ class DeepSpeedReader:
         return files
 
     def _open_model_files(self) -> list[TorchSaveReader]:
+        """The model states that name the parameters (ZeRO-3: rank 0's; the other ranks' are opened only for their
+        pieces of frozen parameters, ``_rank_model_files``: unpickling them is most of the opening time)."""
         if self.stage <= 2:
             return [self._open(MODEL_FILE_12)]
-        return [self._open(MODEL_FILE_3.format(r)) for r in range(self.world_size)]
+        for r in range(1, self.world_size):
+            if not os.path.isfile(os.path.join(self.path, MODEL_FILE_3.format(r))):
+                raise CorruptCheckpointError(f"{os.path.join(self.path, MODEL_FILE_3.format(r))}: missing (the "
+                                             f"DeepSpeed checkpoint in {self.path} needs it)")
+        return [self._open(MODEL_FILE_3.format(0))]
+
+    def _rank_model_files(self, model: list[TorchSaveReader]) -> list[TorchSaveReader]:
+        """Every rank's model states (ZeRO-3), opened once."""
+        while len(model) < self.world_size:
+            model.append(self._open(MODEL_FILE_3.format(len(model))))
+        return model
 
     def _stage(self, osd: dict, f: TorchSaveReader) -> int:
         stage = osd.get("zero_stage")
@@ -272,12 +288,7 @@ class DeepSpeedReader:
         """A stored tensor presented whole: its pieces, shape and dtype."""
         info = f.tensors()[ref.name]
         n = math.prod(info.shape)
-        return ([_Piece(self._files.index(f), ref.name, 0, 0, n)] if n else []), info.shape, info.dtype
-
-    def _flat_dtype(self, f: TorchSaveReader) -> torch.dtype:
-        osd = self._dict(f, "optimizer_state_dict")
-        refs = self._refs(osd, "single_partition_of_fp32_groups" if self.stage <= 2 else "fp32_flat_groups", f)
-        return f.tensors()[refs[0]].dtype if refs else torch.float32
+        return ([_Piece(self._index[id(f)], ref.name, 0, 0, n)] if n else []), info.shape, info.dtype
 
     def _model(self, m0: dict, model: list[TorchSaveReader], trainable: dict, segments: dict[str, list[Segment]],
                flats: list[list[str]], optim: list[TorchSaveReader]) -> dict:
@@ -292,9 +303,9 @@ class DeepSpeedReader:
         for name in [n for n in names if n not in shared] + [n for n in names if n in shared]:
             key = f"model.{name}"
             if name in trainable:
-                pieces = [_Piece(self._files.index(optim[s.rank]), flats[s.rank][s.flat], s.start, s.at, s.count)
+                pieces = [_Piece(self._index[id(optim[s.rank])], flats[s.rank][s.flat], s.start, s.at, s.count)
                           for s in segments[name]]
-                out[name] = self._present(key, trainable[name], pieces, self._flat_dtype(optim[0]))
+                out[name] = self._present(key, trainable[name], pieces, self._flat_dtype)
             elif name in frozen:
                 pieces, dtype = self._frozen(name, frozen[name], model, module)
                 out[name] = self._present(key, frozen[name], pieces, dtype)
@@ -314,6 +325,8 @@ class DeepSpeedReader:
 
     def _frozen(self, name: str, shape: tuple, model: list[TorchSaveReader],
                 module: dict) -> tuple[list[_Piece], torch.dtype]:
+        if self.stage == 3:
+            model = self._rank_model_files(model)
         fragments = [f.tree().get("frozen_param_fragments") or {} for f in model]
         if self.stage <= 2:
             ref = fragments[0].get(name, module.get(name))  # ZeRO-1 may not keep fragments: the module holds it whole
@@ -327,7 +340,7 @@ class DeepSpeedReader:
             raise CorruptCheckpointError(f"{self.path}: the frozen parameter {name!r} lacks a rank's piece "
                                          "(frozen_param_fragments)")
         sizes = [math.prod(f.tensors()[r.name].shape) for f, r in zip(model, refs)]
-        return [_Piece(self._files.index(model[s.rank]), refs[s.rank].name, s.start, s.at, s.count)
+        return [_Piece(self._index[id(model[s.rank])], refs[s.rank].name, s.start, s.at, s.count)
                 for s in zero3_pieces(name, shape, sizes, self.path)], model[0].tensors()[refs[0].name].dtype
 
     def _optim(self, group_shapes: list[dict], segments: dict[str, list[Segment]], base: list[dict],
@@ -371,18 +384,13 @@ class DeepSpeedReader:
             for s in segments:
                 ref = states[s.rank].get(s.flat, {}).get(key) if isinstance(states[s.rank].get(s.flat), dict) else None
                 if not isinstance(ref, TensorRef) or \
-                        optim[s.rank].tensors()[ref.name].shape != (self._flat_numel(optim[s.rank], s, name),):
+                        optim[s.rank].tensors()[ref.name].shape != (self._flat_numels[s.rank][s.flat],):
                     raise CorruptCheckpointError(f"{optim[s.rank].path}: the optimizer's {key!r} of flat group "
                                                  f"{s.flat} is missing or not shaped like its partition")
-                pieces.append(_Piece(self._files.index(optim[s.rank]), ref.name, s.start, s.at, s.count))
+                pieces.append(_Piece(self._index[id(optim[s.rank])], ref.name, s.start, s.at, s.count))
             out[key] = self._present(f"optim.state.{name}.{key}", self._infos[f"model.{name}"].shape, pieces,
                                      stored.dtype)
         return out
-
-    def _flat_numel(self, f: TorchSaveReader, s: Segment, name: str) -> int:
-        osd = self._dict(f, "optimizer_state_dict")
-        key = "single_partition_of_fp32_groups" if self.stage <= 2 else "fp32_flat_groups"
-        return self._numel(f, self._refs(osd, key, f)[s.flat])
 
     def _facts(self, m0: dict) -> dict:
         facts = {"zero_stage": self.stage, "world_size": self.world_size, "tag": os.path.basename(self.path)}
