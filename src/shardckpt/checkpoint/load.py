@@ -113,7 +113,7 @@ def load_pieces(path: str | os.PathLike, build: Callable[[Manifest | ReaderConte
                                                          io_threads=io_threads, verify=verify_checksums))
         if not isinstance(reader, NativeReader):  # (a native one: a manifest committed since; the path below)
             outcome = reader if isinstance(reader, Failure) else attempt(group.rank, lambda: _read_built(reader, build))
-            raise_failures(group.all_gather(outcome))
+            raise_failures(group.all_gather(outcome if isinstance(outcome, Failure) else None))  # not the contents
             return outcome
 
     def work(storage: Storage, manifest: Manifest) -> Manifest:

@@ -39,7 +39,6 @@ import pickle
 import struct
 import sys
 import zipfile
-from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -226,7 +225,7 @@ class TorchSaveReader:
         return False
 
     def tensors(self) -> Mapping[str, TensorInfo]:
-        return MappingProxyType(self._infos)  # read-only, not a copy: the DeepSpeed reader asks per piece
+        return dict(self._infos)
 
     def tree(self) -> Any:
         return self._tree

@@ -104,6 +104,7 @@ class DeepSpeedReader:
         self.path = found
         self._files: list[TorchSaveReader] = []
         self._index: dict[int, int] = {}  # id(file reader) -> its place in _files
+        self._file_infos: list[Mapping[str, TensorInfo]] = []  # each file's tensors
         optim = self._open_optim_files()
         osd = [self._dict(f, "optimizer_state_dict") for f in optim]
         self.world_size = len(optim)
@@ -118,7 +119,7 @@ class DeepSpeedReader:
         flats = [self._refs(o, "single_partition_of_fp32_groups" if self.stage <= 2 else "fp32_flat_groups", f)
                  for o, f in zip(osd, optim)]
         self._flat_numels = [[self._numel(f, t) for t in fl] for f, fl in zip(optim, flats)]
-        self._flat_dtype = optim[0].tensors()[flats[0][0]].dtype if flats[0] else torch.float32
+        self._flat_dtype = self._infos_of(optim[0])[flats[0][0]].dtype if flats[0] else torch.float32
         if self.stage <= 2:
             for f, fl in zip(optim, flats):
                 if len(fl) != len(group_shapes):
@@ -150,7 +151,12 @@ class DeepSpeedReader:
         reader = TorchSaveReader(full, safe_globals=SAFE_GLOBALS)
         self._index[id(reader)] = len(self._files)
         self._files.append(reader)
+        self._file_infos.append(reader.tensors())
         return reader
+
+    def _infos_of(self, f: TorchSaveReader) -> Mapping[str, TensorInfo]:
+        """``f.tensors()``, listed once per file."""
+        return self._file_infos[self._index[id(f)]]
 
     def _open_optim_files(self) -> list[TorchSaveReader]:
         by_rank: dict[int, str] = {}
@@ -247,9 +253,8 @@ class DeepSpeedReader:
             raise CorruptCheckpointError(f"{f.path}: param_alignment_paddings is not a list of lists of counts")
         return paddings
 
-    @staticmethod
-    def _numel(f: TorchSaveReader, tensor: str) -> int:
-        info = f.tensors()[tensor]
+    def _numel(self, f: TorchSaveReader, tensor: str) -> int:
+        info = self._infos_of(f)[tensor]
         if len(info.shape) != 1:
             raise CorruptCheckpointError(f"{f.path}: {tensor!r} has shape {list(info.shape)}; a flat partition is 1-D")
         return info.shape[0]
@@ -272,7 +277,7 @@ class DeepSpeedReader:
         """Present tensor ``name`` of ``shape`` and ``dtype`` as ``pieces``, which must tile it in order."""
         covered = 0
         for p in pieces:
-            stored = self._files[p.file].tensors()[p.tensor]
+            stored = self._file_infos[p.file][p.tensor]
             if stored.dtype != dtype or p.at != covered or p.start + p.count > math.prod(stored.shape):
                 raise CorruptCheckpointError(f"{self._files[p.file].path}: {p.tensor!r} ({stored.dtype}, "
                                              f"{math.prod(stored.shape)} elements) cannot hold elements [{p.at}, "
@@ -286,7 +291,7 @@ class DeepSpeedReader:
 
     def _whole(self, f: TorchSaveReader, ref: TensorRef) -> tuple[list[_Piece], tuple[int, ...], torch.dtype]:
         """A stored tensor presented whole: its pieces, shape and dtype."""
-        info = f.tensors()[ref.name]
+        info = self._infos_of(f)[ref.name]
         n = math.prod(info.shape)
         return ([_Piece(self._index[id(f)], ref.name, 0, 0, n)] if n else []), info.shape, info.dtype
 
@@ -330,7 +335,7 @@ class DeepSpeedReader:
         fragments = [f.tree().get("frozen_param_fragments") or {} for f in model]
         if self.stage <= 2:
             ref = fragments[0].get(name, module.get(name))  # ZeRO-1 may not keep fragments: the module holds it whole
-            if not isinstance(ref, TensorRef) or model[0].tensors()[ref.name].shape != shape:
+            if not isinstance(ref, TensorRef) or self._infos_of(model[0])[ref.name].shape != shape:
                 raise CorruptCheckpointError(f"{model[0].path}: the frozen parameter {name!r} (shape {list(shape)}) "
                                              "is not saved whole")
             pieces, _, dtype = self._whole(model[0], ref)
@@ -339,9 +344,9 @@ class DeepSpeedReader:
         if not all(isinstance(r, TensorRef) for r in refs):
             raise CorruptCheckpointError(f"{self.path}: the frozen parameter {name!r} lacks a rank's piece "
                                          "(frozen_param_fragments)")
-        sizes = [math.prod(f.tensors()[r.name].shape) for f, r in zip(model, refs)]
+        sizes = [math.prod(self._infos_of(f)[r.name].shape) for f, r in zip(model, refs)]
         return [_Piece(self._index[id(model[s.rank])], refs[s.rank].name, s.start, s.at, s.count)
-                for s in zero3_pieces(name, shape, sizes, self.path)], model[0].tensors()[refs[0].name].dtype
+                for s in zero3_pieces(name, shape, sizes, self.path)], self._infos_of(model[0])[refs[0].name].dtype
 
     def _optim(self, group_shapes: list[dict], segments: dict[str, list[Segment]], base: list[dict],
                optim: list[TorchSaveReader]) -> dict:
@@ -375,7 +380,7 @@ class DeepSpeedReader:
             if not isinstance(value, TensorRef):
                 out[key] = value
                 continue
-            stored = optim[0].tensors()[value.name]
+            stored = self._infos_of(optim[0])[value.name]
             if stored.shape == ():
                 pieces, _, dtype = self._whole(optim[0], value)
                 out[key] = self._present(f"optim.state.{name}.{key}", (), pieces, dtype)
@@ -384,7 +389,7 @@ class DeepSpeedReader:
             for s in segments:
                 ref = states[s.rank].get(s.flat, {}).get(key) if isinstance(states[s.rank].get(s.flat), dict) else None
                 if not isinstance(ref, TensorRef) or \
-                        optim[s.rank].tensors()[ref.name].shape != (self._flat_numels[s.rank][s.flat],):
+                        self._infos_of(optim[s.rank])[ref.name].shape != (self._flat_numels[s.rank][s.flat],):
                     raise CorruptCheckpointError(f"{optim[s.rank].path}: the optimizer's {key!r} of flat group "
                                                  f"{s.flat} is missing or not shaped like its partition")
                 pieces.append(_Piece(self._index[id(optim[s.rank])], ref.name, s.start, s.at, s.count))
