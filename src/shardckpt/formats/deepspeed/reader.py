@@ -29,6 +29,7 @@ buffers hold, much less than one rank file. Local paths only (``torch.load`` map
 """
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import re
@@ -417,8 +418,13 @@ class DeepSpeedReader:
         per_file: dict[int, list[ReadRequest]] = defaultdict(list)
         for c in checked:
             pieces = self._pieces[c.info.name]
+            starts = [p.at for p in pieces]  # in order: the pieces tile the tensor
             for start, local, count in contiguous_runs(c.region, c.info.shape):
-                for p in pieces:
+                # only the pieces the run overlaps (a row-wise region of a ZeRO-3 tensor has many runs, many pieces)
+                for j in range(max(0, bisect.bisect_right(starts, start) - 1), len(pieces)):
+                    p = pieces[j]
+                    if p.at >= start + count:
+                        break
                     lo, hi = max(start, p.at), min(start + count, p.at + p.count)
                     if lo < hi:
                         per_file[p.file].append(ReadRequest(p.tensor, FlatRange(p.start + lo - p.at, p.start + hi - p.at),
