@@ -121,3 +121,26 @@ def test_object_store_debris_goes_by_age(backend):
     assert gc(backend.url, storage_options=backend.options, min_age_s=0) == ["data-abc123"]
     assert not backend.exists("data-abc123/rank-00000-0.bin")
     assert shardckpt.load_full(backend.url, storage_options=backend.options)["v"] == 2.0
+
+
+def test_a_temp_manifest_collected_before_its_writer_held_it_is_made_again(tmp_path, monkeypatch):
+    """The window between a writer creating its temporary manifest and holding it: a collector running there
+    removes the file (it looks abandoned); the writer sees its name gone and makes it again, and commits
+    (a concurrent-writers CI run once failed in this window with FileNotFoundError at the rename)."""
+    from shardckpt.io import local
+
+    storage = open_storage(str(tmp_path))
+    hold, collected = local._hold, []
+
+    def collector_first(fd: int) -> None:
+        if not collected:
+            for name in os.listdir(tmp_path):
+                if ".tmp-" in name:
+                    assert storage.remove_abandoned(name, 0.0)  # nobody holds it yet: removed
+                    collected.append(name)
+        hold(fd)
+
+    monkeypatch.setattr(local, "_hold", collector_first)
+    storage.put_atomic("manifest.json", b"{}")
+    assert collected and storage.read_bytes("manifest.json") == b"{}"
+    assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []

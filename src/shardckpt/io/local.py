@@ -38,8 +38,12 @@ class _LocalWriter:
 
     def __init__(self, path: str):
         self._path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        _hold(self._fd)  # a file being written is not debris (remove_abandoned), until closed
+        while True:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            _hold(self._fd)  # a file being written is not debris (remove_abandoned), until closed
+            if _still_named(path, self._fd):
+                break
+            os.close(self._fd)  # removed as abandoned between our open and our hold (as hold_dir): make it again
         self._pos = 0
         self._started = 0  # bytes [0, _started) are being written back
 
@@ -61,6 +65,14 @@ class _LocalWriter:
             os.fsync(self._fd)
         finally:
             os.close(self._fd)
+
+
+def _still_named(path: str, fd: int) -> bool:
+    """Whether ``path`` still names the file (or directory) open as ``fd``."""
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _hold(fd: int) -> None:
@@ -209,11 +221,8 @@ class LocalStorage:
                 raise CheckpointError(f"{url}: another live process is writing this directory") from None
             except OSError:  # no locks here (some network file systems): remove_abandoned removes nothing
                 return _DirHold(fd)
-            try:
-                if os.stat(url).st_ino == os.fstat(fd).st_ino:
-                    return _DirHold(fd)
-            except FileNotFoundError:
-                pass
+            if _still_named(url, fd):
+                return _DirHold(fd)
             os.close(fd)  # removed as abandoned between our mkdir and our lock: make it again
 
     def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False,
