@@ -103,3 +103,23 @@ def train(model: nn.Module, batches: list, *, rank: int = 0, world: int = 1,
         opt.step()
         losses.append(loss.item())
     return losses, norms
+
+
+def decay_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """Hugging Face / nanoGPT style: weight decay on parameters of 2+ dimensions except norms', none otherwise."""
+    norm_params = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm)
+                   for p in m.parameters(recurse=False)}
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 and id(p) not in norm_params else no_decay).append(p)
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def three_lr_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """Three learning rates; the third group holds only the one-element gates, which some ranks own none of."""
+    gates = [p for name, p in model.named_parameters() if name.endswith("gate")]
+    rest = decay_groups(model)
+    for group in rest:
+        group["params"] = [p for p in group["params"] if all(p is not g for g in gates)]
+    return [{**rest[0], "lr": 1e-2}, {**rest[1], "lr": 3e-3}, {"params": gates, "lr": 3e-2, "weight_decay": 0.0}]

@@ -10,7 +10,9 @@ from torch import nn
 
 from shardckpt.dist import collectives
 from shardckpt.errors import ShardingError
-from shardckpt.runtime.build import FLAT_PARAM_NAMES, WrapPolicy, assign_parameters, build_groups, unit_prefixes
+from shardckpt.runtime.build import (
+    FLAT_PARAM_NAMES, WrapPolicy, assign_parameters, build_groups, register_orig_params, unit_prefixes,
+)
 from shardckpt.runtime.config import BackwardPrefetch, MixedPrecision, ShardingStrategy, backward_prefetch_of
 from shardckpt.runtime.flat_group import FlatGroup, shards_changed
 from shardckpt.runtime.materialize import build_units
@@ -31,6 +33,7 @@ def shard(
     reshard_after_forward: bool | None = None,
     backward_prefetch: Any = BackwardPrefetch.BACKWARD_PRE,
     shared_params: Sequence[str] = (),
+    use_orig_params: bool = False,
 ) -> nn.Module:
     """Shard `module` in place (ZeRO-3 style) and return it.
 
@@ -56,15 +59,21 @@ def shard(
       they join the root's group, gathered for the whole step. Used elsewhere without it, such a parameter
       raises a ShardingError naming it and this fix (`runtime.flat_group.NotGathered`).
 
+    - `use_orig_params`: `parameters()` / `named_parameters()` yield the original parameters under their
+      original names, each this rank's piece of it (1-D, possibly empty), as FSDP1's ``use_orig_params=True``:
+      optimizer param groups may then be built per parameter (weight decay on matrices only, another learning
+      rate for embeddings). False (the default, as FSDP1): one flat shard per group (see docs/runtime.md).
+
     Every module the wrap policy names, and the root, gain FSDP2's methods: `unshard(async_op)`,
     `reshard()`, `set_reshard_after_forward`, `set_modules_to_forward_prefetch`,
     `set_modules_to_backward_prefetch`; the root also `set_requires_gradient_sync`,
     `set_reshard_after_backward` and `set_gradient_divide_factor` (see `ShardedUnit`, `ShardedModule`).
 
-    After sharding, `module.parameters()` yields one
-    flat shard per group (see `groups`), which is what an optimizer should be built over. The original
-    parameter names are plain tensor attributes while their group is gathered (during forward/backward,
-    or inside `summon_full_params`), and `NotGathered` stand-ins otherwise.
+    After sharding, `module.parameters()` yields one flat shard per group (see `groups`), or with
+    `use_orig_params` each original parameter's piece, which is what an optimizer should be built over. The
+    original parameter names are plain tensor attributes while their group is gathered (during
+    forward/backward, or inside `summon_full_params`); otherwise `NotGathered` stand-ins, or with
+    `use_orig_params` the registered pieces.
     """
     _check_not_sharded(module)
     if not isinstance(strategy, ShardingStrategy):
@@ -81,16 +90,22 @@ def shard(
     param_names = tuple(name for name, _ in module.named_parameters())
     if isinstance(shared_params, str):
         raise ShardingError("shared_params takes a sequence of parameter names, not one string")
+    if not isinstance(use_orig_params, bool):
+        raise ShardingError(f"use_orig_params must be a bool, got {use_orig_params!r}")
     members = assign_parameters(module, prefixes, frozenset(shared_params))
+    param_order = {id(sub): list(sub._parameters) for sub in module.modules()}
     built = build_units(module, prefixes, members, device, groups, bool(sync_module_states), param_init_fn,
                         lambda prefix, chosen: build_groups(module, prefix, chosen, groups, mp.param_dtype,
-                                                            mp.reduce_dtype))
+                                                            mp.reduce_dtype, use_orig_params))
     units = [Unit(module.get_submodule(prefix), prefix, built[prefix]) for prefix in prefixes
              if built[prefix] or prefix == ""]
-    _register_flat_params(units)
+    # Units in pre-order, trainable before frozen: the order of the flat shards in module.parameters().
+    flat_groups = [g for u in units for g in u.groups]
+    if use_orig_params:
+        register_orig_params(module, flat_groups, param_order)
+    else:
+        _register_flat_params(units)
     _cast_buffers(module, mp.buffer_dtype)
-    order = {id(p): i for i, p in enumerate(module.parameters())}
-    flat_groups = sorted((g for u in units for g in u.groups), key=lambda g: order[id(g.flat_param)])
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise ShardingError(f"reshard_after_forward must be a bool or None, got {reshard_after_forward!r}")
     state = ShardState(module, units, flat_groups, param_names, strategy, mixed_precision, reshard_after_forward,
@@ -168,7 +183,8 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def groups(module: nn.Module) -> list[FlatGroup]:
-    """The flat groups of a sharded model, in `module.parameters()` order of their flat shards.
+    """The flat groups of a sharded model, in `module.parameters()` order of their flat shards (the order they
+    would have with ``use_orig_params``).
 
     That order is the module's pre-order traversal (the root first, then wrapped submodules in
     `named_modules()` order), trainable before frozen within a module: the same on every rank and at
@@ -195,7 +211,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     `torch.nn.utils.clip_grad_norm_` would); return that norm (fp32, on the shards' device)."""
     state = _state(module, "clip_grad_norm_()")
     norm_type = float(norm_type)
-    trainable = [g for g in state.groups if g.flat_param.grad is not None]
+    trainable = [g for g in state.groups if g.local_grads()]
     device = state.groups[0].flat_param.device if state.groups else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
     for group in trainable:
@@ -208,7 +224,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     norm = total if norm_type == float("inf") else total ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for group in trainable:
-        group.flat_param.grad.mul_(coef.to(group.flat_param.grad.dtype))
+        for grad in group.local_grads():
+            grad.mul_(coef.to(grad.dtype))
     return norm
 
 

@@ -58,7 +58,8 @@ def assign_parameters(root: nn.Module, prefixes: list[str], shared: frozenset[st
 
 
 def build_groups(root: nn.Module, prefix: str, members: list[tuple[Member, torch.Tensor]], groups: Groups,
-                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> list[FlatGroup]:
+                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+                 use_orig_params: bool = False) -> list[FlatGroup]:
     """The unit's trainable group, then its frozen group (each only if it has members)."""
     module = root.get_submodule(prefix)
     built = []
@@ -76,5 +77,25 @@ def build_groups(root: nn.Module, prefix: str, members: list[tuple[Member, torch
                               groups.shard_size, requires_grad=requires_grad,
                               aliases=[m.aliases for m, _ in chosen])
         compute = param_dtype or master
-        built.append(FlatGroup(module, prefix, chosen, layout, groups, compute, reduce_dtype or compute))
+        built.append(FlatGroup(module, prefix, chosen, layout, groups, compute, reduce_dtype or compute,
+                               use_orig_params))
     return built
+
+
+def register_orig_params(root: nn.Module, groups: list[FlatGroup], order: dict[int, list[str]]) -> None:
+    """``use_orig_params``: put each member's parameter (this rank's piece) back under every name it had, and
+    restore each module's own parameter order (``order``: id(module) -> its names before sharding), so that
+    ``named_parameters()`` lists the original names in the unsharded model's order."""
+    touched: dict[int, nn.Module] = {}
+    for group in groups:
+        for member, param in zip(group.members, group.orig_params):
+            for module, attr in member.owners:
+                module._parameters[attr] = param
+                touched[id(module)] = module
+    for module in touched.values():
+        params = module._parameters
+        names = [n for n in order.get(id(module), []) if n in params] + [n for n in params
+                                                                         if n not in order.get(id(module), [])]
+        kept = [(n, params[n]) for n in names]
+        params.clear()
+        params.update(kept)

@@ -90,11 +90,14 @@ class FlatGroup:
     the owning module, '' for the root), `name` (a unique, non-empty key: the prefix, '<root>' for
     the root, plus '<frozen>' for the frozen group of a module), `module`, `groups` (the `Groups`:
     `shard` / `replicate` process groups, `shard_rank`, `shard_size`; `layout.shard_range(groups.shard_rank)`
-    is this rank's slice) and `unsharded` (whether the gathered compute buffer is allocated now).
+    is this rank's slice), `unsharded` (whether the gathered compute buffer is allocated now) and, with
+    ``use_orig_params``, `orig_params` (per member, an nn.Parameter over this rank's piece of it inside
+    `flat_param`: 1-D, possibly empty; what the optimizer holds then), else None.
     """
 
     def __init__(self, module: nn.Module, prefix: str, members: list[tuple[Member, torch.Tensor]],
-                 layout: FlatLayout, groups: Groups, compute_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+                 layout: FlatLayout, groups: Groups, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 use_orig_params: bool = False) -> None:
         self.module, self.prefix, self.layout = module, prefix, layout
         self.name = (prefix or "<root>") + ("" if layout.requires_grad else "<frozen>")
         self._members, self._groups = [member for member, _ in members], groups
@@ -117,12 +120,39 @@ class FlatGroup:
         self.unsharded = False
         self._stand_ins = [NotGathered(member.name, prefix or "<root>", member.shape, compute_dtype)
                            for member in self._members]
+        flat = self.flat_param.detach()
+        self.orig_params = [nn.Parameter(self.orig_piece(flat, j), requires_grad=layout.requires_grad)
+                            for j in range(len(self._members))] if use_orig_params else None
+        self._grad_views: list[torch.Tensor] = []  # the orig_params' .grad as finish_grad set them
         self.drop_views()
 
     def __repr__(self) -> str:
         layout = self.layout
         return (f"FlatGroup({self.name!r}, {len(layout.names)} members, numel={layout.numel}, "
                 f"shard {self._groups.shard_rank}/{layout.world_size} of {layout.shard_numel}, {layout.dtype})")
+
+    @property
+    def members(self) -> list[Member]:
+        return list(self._members)
+
+    def member_piece(self, flat_shard: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's elements of member ``index`` inside a flat-shard-shaped tensor (a view; empty if none)."""
+        piece = self.layout.member_in_shard(index, self._groups.shard_rank)
+        return flat_shard[:0] if piece is None else flat_shard[piece[1]:piece[1] + piece[2]]
+
+    def orig_piece(self, flat_shard: torch.Tensor, index: int) -> torch.Tensor:
+        """``member_piece`` shaped as ``use_orig_params`` exposes it: ``(1, ..., 1, n)`` with the member's number
+        of dimensions (1 for a 0-d member). FSDP1 exposes 1-D pieces, which silently turns recipes such as
+        "weight decay where ``p.dim() >= 2``" off for every matrix; the leading ones keep ``p.dim()``."""
+        piece = self.member_piece(flat_shard, index)
+        ndim = len(self._members[index].shape)
+        return piece.view((1,) * (ndim - 1) + (piece.numel(),)) if ndim > 1 else piece
+
+    def _shard_version(self) -> int:
+        """Changes whenever the local shard is written in place (through an original parameter too: a view made
+        by ``nn.Parameter`` has its own version counter)."""
+        version = self.flat_param._version
+        return version + sum(param._version for param in self.orig_params) if self.orig_params else version
 
     def _local_shard(self, params: list[torch.Tensor]) -> torch.Tensor:
         layout, rank = self.layout, self._groups.shard_rank
@@ -143,13 +173,13 @@ class FlatGroup:
     def unshard(self, async_op: bool = False) -> None:
         """Start (or do) the all-gather of the flat parameter in the compute dtype; no-op if under way, or if
         gathered already from the shard as it is now (one kept gathered across an optimizer step is refreshed)."""
-        if self.unsharded and self._gathered_from != (self.flat_param._version, shards_epoch()):
+        if self.unsharded and self._gathered_from != (self._shard_version(), shards_epoch()):
             self.reshard()
         if self.unsharded or self._gather is not None:
             return
         storage = self._full.untyped_storage()
         storage.resize_(self._full.numel() * self._full.element_size())
-        self._gathered_from = (self.flat_param._version, shards_epoch())
+        self._gathered_from = (self._shard_version(), shards_epoch())
         self._gather_src = self.flat_param.detach().to(self._full.dtype)
         self._gather = collectives.all_gather(self._target, self._gather_src, self._groups.shard, async_op)
 
@@ -187,10 +217,14 @@ class FlatGroup:
         self.drop_views()
 
     def drop_views(self) -> None:
-        """Point every owner attribute at the member's ``NotGathered`` stand-in."""
+        """Point every owner attribute at the member's ``NotGathered`` stand-in; with ``use_orig_params``, let it
+        read the registered parameter (this rank's piece) again, as FSDP1 does."""
         for member, stand_in in zip(self._members, self._stand_ins):
             for module, attr in member.owners:
-                module.__dict__[attr] = stand_in
+                if self.orig_params is None:
+                    module.__dict__[attr] = stand_in
+                else:
+                    module.__dict__.pop(attr, None)
 
     # --- gradients ------------------------------------------------------------------------------
 
@@ -256,10 +290,35 @@ class FlatGroup:
         if self._post_divide != 1:
             out.div_(self._post_divide)
         grad = out.to(self.flat_param.dtype)
-        if self.flat_param.grad is None:
+        current = self._accumulated_grad()
+        if current is None:
             self.flat_param.grad = grad
         else:
-            self.flat_param.grad += grad
+            self.flat_param.grad = current.add_(grad)
+        if self.orig_params is not None:
+            self._grad_views = [self.orig_piece(self.flat_param.grad, j) for j in range(len(self._members))]
+            for param, view in zip(self.orig_params, self._grad_views):
+                param.grad = view
+
+    def _accumulated_grad(self) -> torch.Tensor | None:
+        """The gradient a new one adds to: `flat_param.grad`, or with ``use_orig_params`` what the original
+        parameters' ``.grad`` say now (the optimizer's ``zero_grad()`` set them to None, or code replaced some):
+        None when all are None, else the flat gradient with those members zeroed or copied in."""
+        if self.orig_params is None:
+            return self.flat_param.grad
+        grads = [param.grad for param in self.orig_params]
+        if all(grad is None for grad in grads):
+            return None
+        flat, fresh = self.flat_param.grad, self.flat_param.grad is None
+        if fresh:
+            flat = torch.zeros_like(self.flat_param, memory_format=torch.contiguous_format).detach()
+        views = self._grad_views if not fresh else [None] * len(grads)
+        for j, (grad, view) in enumerate(zip(grads, views)):
+            if grad is None:
+                self.member_piece(flat, j).zero_()
+            elif grad is not view:
+                self.member_piece(flat, j).copy_(grad.reshape(-1))
+        return flat
 
     # --- full master parameters (summon_full_params) ----------------------------------------------
 
@@ -280,14 +339,26 @@ class FlatGroup:
         with torch.no_grad():
             self.flat_param.copy_(full[start:stop])
 
+    def local_grads(self) -> list[torch.Tensor]:
+        """This rank's gradient, as disjoint tensors: the flat shard's, or with ``use_orig_params`` the original
+        parameters' (their `.grad`, which are views of the flat one unless code replaced them)."""
+        if self.orig_params is not None:
+            grads = [param.grad for param in self.orig_params]
+            if self.flat_param.grad is None or any(g is not v for g, v in zip(grads, self._grad_views)):
+                return [grad for grad in grads if grad is not None]
+        return [] if self.flat_param.grad is None else [self.flat_param.grad]
+
     def local_grad_norm_power(self, norm_type: float) -> torch.Tensor | None:
-        """sum(|g|^p) (or max |g| for inf) over the local gradient shard, in fp32; None without a gradient."""
-        grad = self.flat_param.grad
-        if grad is None:
+        """sum(|g|^p) (or max |g| for inf) over the local gradient, in fp32; None without a gradient."""
+        grads = self.local_grads()
+        if not grads:
             return None
+        parts = [grad.detach().float() for grad in grads if grad.numel()]
+        if not parts:  # this rank holds only padding of the group
+            return torch.zeros((), dtype=torch.float32, device=self.flat_param.device)
         if norm_type == float("inf"):
-            return grad.detach().abs().max().float()
-        return torch.linalg.vector_norm(grad.detach().float(), norm_type) ** norm_type
+            return torch.stack([part.abs().max() for part in parts]).max()
+        return sum(torch.linalg.vector_norm(part, norm_type) ** norm_type for part in parts)
 
     @property
     def groups(self) -> Groups:
