@@ -11,7 +11,7 @@ import shardckpt
 from shardckpt import StateDictType
 from tests.runtime import _model
 from tests.runtime._model import Block
-from tests.state_dict._train import _clone, new_run, steps
+from tests.state_dict._train import clone_state, new_run, steps
 
 FULL, SHARDED, LOCAL = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT
 STEPS = 2
@@ -32,7 +32,7 @@ def fsdp1_run(batches) -> tuple[Any, Any, list[float]]:
 
 def _plain(obj: Any) -> Any:
     """A deep copy with tensors cloned (so nothing aliases live training state)."""
-    return _clone(obj)
+    return clone_state(obj)
 
 
 def _gather_flat(local: torch.Tensor) -> torch.Tensor:

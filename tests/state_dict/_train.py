@@ -56,16 +56,16 @@ def full_state(model, optim) -> dict:
     """Model and optimizer state as full tensors keyed by name, copied (rank 0 only, None elsewhere)."""
     sd = shardckpt.get_state_dict(model, optim, type=StateDictType.FULL_STATE_DICT,
                                   config=shardckpt.FullStateDictConfig(rank0_only=True))
-    return _clone(sd) if dist.get_rank() == 0 else None
+    return clone_state(sd) if dist.get_rank() == 0 else None
 
 
-def _clone(obj):
+def clone_state(obj):
     if torch.is_tensor(obj):
         return obj.detach().clone()
     if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
+        return {k: clone_state(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_clone(v) for v in obj]
+        return [clone_state(v) for v in obj]
     return obj
 
 

@@ -1,1 +1,1 @@
-"""Offline tools over the read interface (``formats``): ``diff`` now; ``convert`` and ``export`` next."""
+"""Offline tools over the read interface (``formats``): ``convert``, ``export`` and ``diff``."""

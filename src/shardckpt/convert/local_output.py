@@ -28,7 +28,7 @@ from shardckpt.regions import FlatRange, contiguous_runs
 from shardckpt.runtime import FlatLayout
 from shardckpt.state_dict.flat import LAYOUTS_KEY
 from shardckpt.state_dict.load_state import stored_layouts
-from shardckpt.state_dict.logical import is_local, logical_view
+from shardckpt.state_dict.logical import is_local, logical_view, per_parameter_state
 from shardckpt.state_dict.merge_split import _at_world_size
 from shardckpt.state_dict.param_ids import resolve_id_names
 from shardckpt.state_dict.rekey import key_type_of
@@ -61,6 +61,8 @@ class LocalAtWorldSize:
             name: (stored[key], self.layouts[key]) for name, key in _flat_tensors(tree, infos, stored).items()}
         self._infos = {name: TensorInfo(name, info.dtype, (self.flat[name][1].padded_numel,), None)
                        if name in self.flat else info for name, info in infos.items()}
+        # use_orig_params: stored tensor name -> (flat key, member) of optimizer state kept per parameter
+        self.member_state = _member_state_tensors(tree, infos, self.layouts)
         self._tree = copy.deepcopy(tree)
         self._tree["model"][LAYOUTS_KEY] = {key: layout.to_dict() for key, layout in self.layouts.items()}
 
@@ -71,7 +73,12 @@ class LocalAtWorldSize:
         return self._tree
 
     def piece_region(self, name: str, rank: int) -> FlatRange | None:
-        """The flat range output rank ``rank`` holds of flat tensor ``name``; None for a tensor stored whole."""
+        """The flat range output rank ``rank`` holds of flat tensor ``name`` (or of the member whose per-parameter
+        optimizer state ``name`` is); None for a tensor stored whole."""
+        if name in self.member_state:  # the member's elements that rank holds in its flat shard
+            key, j = self.member_state[name]
+            piece = self.layouts[key].member_in_shard(j, rank)
+            return FlatRange(0, 0) if piece is None else FlatRange(piece[0], piece[0] + piece[2])
         if name not in self.flat:
             return None
         return FlatRange(*self.flat[name][1].shard_range(rank))
@@ -122,4 +129,28 @@ def _flat_tensors(tree: dict, infos: Mapping[str, TensorInfo], layouts: dict[str
         for value in entry.values():
             if isinstance(value, TensorRef) and tuple(infos[value.name].shape) == (layouts[key].padded_numel,):
                 out[value.name] = key
+    return out
+
+
+def _member_state_tensors(tree: dict, infos: Mapping[str, TensorInfo], layouts: dict[str, FlatLayout],
+                          ) -> dict[str, tuple[str, int]]:
+    """Stored tensor name -> (flat key, member index), for optimizer state a ``use_orig_params`` run keeps per
+    parameter (keyed by member name or by an ID naming one) with the member's shape."""
+    optim = tree.get("optim")
+    state = optim.get("state") if isinstance(optim, dict) else None
+    if not isinstance(state, dict):
+        return {}
+    groups = optim.get("param_groups") or []
+    by_id = key_type_of({"state": state, "param_groups": groups}) is OptimStateKeyType.PARAM_ID
+    id_names = resolve_id_names(groups, None, lambda: dict(enumerate(layouts))) if by_id else {}
+    if not per_parameter_state(optim, layouts, id_names):
+        return {}
+    where = {name: (key, j) for key, layout in layouts.items() for j, name in enumerate(layout.names)}
+    out = {}
+    for k, entry in state.items():
+        key, j = where[id_names.get(k, k)]
+        for value in (entry.values() if isinstance(entry, dict) else ()):
+            if isinstance(value, TensorRef) and tuple(infos[value.name].shape) == layouts[key].shapes[j] and \
+                    layouts[key].shapes[j]:
+                out[value.name] = (key, j)
     return out

@@ -20,12 +20,12 @@ from torch import nn
 from shardckpt.checkpoint.load import ReaderContents, load_pieces
 from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError, ShardingError
 from shardckpt.regions import FlatRange, Region, full_region
-from shardckpt.runtime import FlatLayout, groups, is_sharded
+from shardckpt.runtime import FlatGroup, FlatLayout, groups, is_sharded
 from shardckpt.runtime.flat_group import shards_changed
-from shardckpt.state_dict.flat import LAYOUTS_KEY, held_region, shard_view
+from shardckpt.state_dict.flat import LAYOUTS_KEY, MemberPiece, flat_pieces, held_region
 from shardckpt.state_dict.model_state import buffers
 from shardckpt.state_dict.optim_state import (
-    _by_param, init_optim_state, match_param_groups, plain_names, unsharded_param_names,
+    _held, init_optim_state, match_param_groups, names_by_group, plain_names, unsharded_param_names,
 )
 from shardckpt.state_dict.per_param import shaped_like
 from shardckpt.state_dict.param_ids import positional_names, resolve_id_names, unknown_ids
@@ -41,27 +41,21 @@ from shardckpt.formats.api import ReadRequest
 Resolve = Callable[[tuple[str, ...], tuple[int, ...], FlatRange], tuple[str, Region]]
 
 
-def _params(model: nn.Module) -> list[tuple[tuple[str, ...], torch.Tensor]]:
-    """The tensors this rank's model owns, with their member names: flat shards, or plain parameters."""
-    if is_sharded(model):
-        return [(group.layout.names, group.flat_param) for group in groups(model)]
-    return [((name,), p) for name, p in model.named_parameters()]
-
-
-def _requests(model: nn.Module, index: int, tensor: torch.Tensor, resolve: Resolve) -> Iterator[ReadRequest]:
-    """Reads filling what this rank holds of each member of parameter ``index``, inside ``tensor`` (the
-    parameter itself, or optimizer state shaped like it)."""
-    if not is_sharded(model):
-        names, p = _params(model)[index]
-        yield ReadRequest(*resolve(names, tuple(p.shape), FlatRange(0, p.numel())), tensor.detach())
-        return
-    group = groups(model)[index]
+def _piece_requests(group: FlatGroup, pieces: list[MemberPiece], resolve: Resolve) -> Iterator[ReadRequest]:
+    """Reads filling each member piece (of the flat shard, of an original parameter, or of optimizer state
+    shaped like either) this rank holds."""
     layout, rank = group.layout, group.groups.shard_rank
-    for j, name in enumerate(layout.names):
-        region = held_region(layout, j, rank)
-        if region is not None:
-            yield ReadRequest(*resolve((name,) + layout.aliases[j], layout.shapes[j], region),
-                              shard_view(layout, tensor.detach(), j, rank))
+    for j, piece, _ in pieces:
+        if piece is not None:
+            yield ReadRequest(*resolve((layout.names[j],) + layout.aliases[j], layout.shapes[j],
+                                       held_region(layout, j, rank)), piece)
+
+
+def _model_requests(model: nn.Module, resolve: Resolve) -> list[ReadRequest]:
+    if not is_sharded(model):
+        return [ReadRequest(*resolve((name,), tuple(p.shape), FlatRange(0, p.numel())), p.detach())
+                for name, p in model.named_parameters()]
+    return [r for group in groups(model) for r in _piece_requests(group, flat_pieces(group, group.flat_param), resolve)]
 
 
 @dataclass
@@ -73,6 +67,7 @@ class Saved:
     id_names: dict[int, str] | None = None  # ID -> name (a FQN, or a LOCAL flat key); None: keyed by name
     local: dict[str, tuple[str, int, tuple]] = field(default_factory=dict)  # fqn -> (flat key, offset, shape)
     local_order: list[str] = field(default_factory=list)  # flat keys in layout order
+    optim_flat: bool = False  # optimizer state keyed by flat key (LOCAL of flat shards), not by parameter
 
     @classmethod
     def of(cls, manifest: Manifest | ReaderContents, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -88,18 +83,25 @@ class Saved:
             groups = optim.get("param_groups") or []
             saved.id_names = resolve_id_names(groups, optim_param_names,
                                               lambda: saved._unrecorded_ids(model, optimizer, groups))
+        if isinstance(optim, dict) and isinstance(optim.get("state"), dict):
+            keys = [(saved.id_names or {}).get(k, k) for k in optim["state"]]
+            saved.optim_flat = any(k in saved.local_order for k in keys)
         return saved
 
     def _unrecorded_ids(self, model: nn.Module, optimizer: torch.optim.Optimizer, groups: list) -> dict[int, str]:
         """IDs the checkpoint does not name. LOCAL state's IDs always meant its flat parameters in layout order;
         ``save_state`` wrote IDs in the unsharded ``named_parameters()`` order before it recorded names; a
-        plain torch optimizer's IDs map onto a live plain optimizer as torch maps them. Else: refused."""
+        plain torch optimizer's IDs map onto a live plain optimizer (or one over a ``use_orig_params`` model's
+        parameters) as torch maps them. Else: refused."""
         if self.local_order:
             return dict(enumerate(self.local_order))
         if self.manifest.metadata.get("optim_key") == OptimStateKeyType.PARAM_ID.value:
             return dict(enumerate(unsharded_param_names(model)))
         if not is_sharded(model):
             return positional_names(groups, plain_names(model, optimizer), "optim_param_names")
+        helds = _held(model, optimizer)
+        if helds and not helds[0].whole_shard:  # original parameters: an order of their own, as a plain optimizer's
+            return positional_names(groups, names_by_group(helds, optimizer), "optim_param_names")
         raise unknown_ids("optim_param_names")
 
     @functools.cached_property
@@ -115,7 +117,7 @@ class Saved:
         """The saved tensor and region holding ``region`` of parameter ``names[0]``, whose shape is ``shape``."""
         optim = prefix == "optim.state"
         for name in names:
-            if name in self.local:
+            if name in self.local and (self.optim_flat or not optim):
                 key, offset, saved_shape = self.local[name]
                 key = self._optim_key(key) if optim else key
                 found, region = f"{prefix}.{key}{suffix}", FlatRange(offset + region.start, offset + region.stop)
@@ -137,13 +139,14 @@ class Saved:
 
     def stored_flat(self, names: tuple[str, ...]) -> bool:
         """Whether the checkpoint holds this parameter inside a LOCAL flat tensor."""
-        return any(name in self.local for name in names)
+        return self.optim_flat and any(name in self.local for name in names)
 
     def optim_entry(self, names: tuple[str, ...]) -> dict:
         """The saved optimizer state of parameter ``names[0]`` (tensors as TensorRef); {} if none."""
         state = _tree(self.manifest, "optim", "state") or {}
         for name in names:
-            entry = state.get(self._optim_key(self.local[name][0] if name in self.local else name))
+            flat_key = name in self.local and self.optim_flat
+            entry = state.get(self._optim_key(self.local[name][0] if flat_key else name))
             if isinstance(entry, dict):
                 return entry
         return {}
@@ -209,15 +212,14 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
     def build(manifest: Manifest | ReaderContents) -> list[ReadRequest]:
         scalars.clear()  # a retry (after a concurrent overwrite) starts over
         saved = Saved.of(manifest, model, optimizer, optim_param_names)
-        resolve = functools.partial(saved.resolve, "model")
-        requests = [r for i, (_, p) in enumerate(_params(model)) for r in _requests(model, i, p, resolve)]
+        requests = _model_requests(model, functools.partial(saved.resolve, "model"))
         for name, buf in buffers(model).items():
             requests.append(ReadRequest(f"model.{name}", full_region(buf.shape), buf.detach()))
         if optimizer is not None:
-            requests += _optim_requests(model, optimizer, saved, scalars)
+            params = _optimizer_params(model, optimizer)
+            requests += _optim_requests(optimizer, params, saved, scalars)
             # Checked here, before any data is read, so that a refusal leaves model and optimizer as they were.
-            hyper[:] = match_param_groups(saved.param_groups_by_name(), optimizer,
-                                          _optimizer_param_names(model, optimizer))
+            hyper[:] = match_param_groups(saved.param_groups_by_name(), optimizer, [p.members for p in params])
         return requests
 
     manifest = load_pieces(path, build, process_group=process_group, **load_kwargs)
@@ -229,18 +231,38 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
     return {k: v for k, v in manifest.tree.items() if k not in ("model", "optim") and not isinstance(v, TensorRef)}
 
 
-def _optimizer_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    if is_sharded(model):
-        return [list(g.layout.names) for g in _by_param(model, optimizer)]
-    return [[name] for names in plain_names(model, optimizer) for name in names]
+@dataclass
+class _OptimParam:
+    param: torch.Tensor
+    names: tuple[str, ...]  # every name of every member (a checkpoint may hold state under any)
+    members: list[str]  # primary member names (what param groups list)
+    requests: Callable[[torch.Tensor, Resolve], list[ReadRequest]]  # reads filling state shaped like param
 
 
-def _optim_requests(model: nn.Module, optimizer: torch.optim.Optimizer, saved: Saved,
+def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[_OptimParam]:
+    """Each parameter the optimizer holds: its member names (aliases too) and how to request its state's pieces."""
+    if not is_sharded(model):
+        name_of = dict(enumerate(n for names in plain_names(model, optimizer) for n in names))
+        params = [p for pg in optimizer.param_groups for p in pg["params"]]
+        return [_OptimParam(p, (name_of[i],), [name_of[i]],
+                            lambda t, resolve, n=name_of[i], p=p: [ReadRequest(
+                                *resolve((n,), tuple(p.shape), FlatRange(0, p.numel())), t.detach())])
+                for i, p in enumerate(params)]
+    out = []
+    for held in _held(model, optimizer):
+        layout = held.group.layout
+        names = tuple(n for j in held.members for n in (layout.names[j],) + layout.aliases[j])
+        out.append(_OptimParam(held.param, names, held.names,
+                               lambda t, resolve, h=held: list(_piece_requests(h.group, h.pieces(t), resolve))))
+    return out
+
+
+def _optim_requests(optimizer: torch.optim.Optimizer, params: list[_OptimParam], saved: Saved,
                     scalars: list) -> list[ReadRequest]:
     """Requests for every sharded optimizer state slice; scalar entries go to ``scalars`` for afterwards."""
     requests = []
-    for i, (names, param) in enumerate(_params(model)):
-        state = optimizer.state.get(param, {})
+    for held in params:
+        state, names = optimizer.state.get(held.param, {}), held.names
         if not state:
             continue
         given = saved.optim_entry(names)
@@ -252,10 +274,10 @@ def _optim_requests(model: nn.Module, optimizer: torch.optim.Optimizer, saved: S
             raise IncompatibleCheckpointError(
                 f"the checkpoint's optimizer state for {names[0]!r} holds {sorted(given)}, this optimizer keeps "
                 f"{sorted(state)}: was it saved from a different kind of optimizer?")
-        sharded = [k for k, v in state.items() if _per_param(v, param, names, given[k], saved)]
+        sharded = [k for k, v in state.items() if _per_param(v, held.param, names, given[k], saved)]
         for key in sharded:
-            resolve = functools.partial(saved.resolve, "optim.state", suffix=f".{key}")
-            requests.extend(_requests(model, i, state[key], resolve))
+            requests.extend(held.requests(state[key], functools.partial(saved.resolve, "optim.state",
+                                                                        suffix=f".{key}")))
         for key in [k for k in state if k not in sharded]:
             value = given[key]
             if isinstance(value, TensorRef):

@@ -145,6 +145,17 @@ def recorded_param_names(reader: CheckpointReader) -> list[str] | None:
     return names
 
 
+def per_parameter_state(optim: dict, layouts: Mapping[str, FlatLayout], id_names: Mapping[int, str]) -> bool:
+    """Whether a LOCAL checkpoint's optimizer state is per original parameter (saved with ``use_orig_params``:
+    keyed by member name or by an ID naming one, each tensor shaped like its member) rather than per flat
+    group (keyed by flat key)."""
+    groups = optim.get("param_groups") or []
+    keys = list(optim.get("state") or {}) + [p for pg in groups if isinstance(pg, dict) for p in pg.get("params", [])]
+    names = [id_names.get(k, k) for k in keys]
+    members = {name for layout in layouts.values() for name in layout.names}
+    return bool(names) and all(name in members for name in names)
+
+
 def _where(reader: CheckpointReader) -> str:
     storage = getattr(reader, "storage", None)
     url = getattr(storage, "url", None)
@@ -228,6 +239,8 @@ class _Builder:
             raise CorruptCheckpointError(f"{self.where}: optim.state or optim.param_groups is malformed")
         by_id = key_type_of({"state": state, "param_groups": groups}) is OptimStateKeyType.PARAM_ID
         id_names = resolve_id_names(groups, None, lambda: dict(enumerate(self.layouts))) if by_id else {}
+        if per_parameter_state(optim, self.layouts, id_names):
+            return copy.deepcopy(optim)  # use_orig_params: keyed and shaped per parameter already, as FULL has it
 
         def layout_of(key: Any, what: str) -> FlatLayout:
             flat_key = id_names.get(key) if by_id else key

@@ -14,7 +14,8 @@ from shardckpt.runtime.build import FLAT_PARAM_NAMES
 from shardckpt.runtime.flat_group import shards_changed
 from shardckpt.sharded_tensor import ShardedTensor
 from shardckpt.state_dict.flat import (
-    LAYOUTS_KEY, copy_to_replicas, gather_members, local_key, rank0_shard_rank, replica_source, scatter_members,
+    LAYOUTS_KEY, MemberPiece, copy_to_replicas, flat_pieces, gather_members, local_key, rank0_shard_rank,
+    replica_source, scatter_members,
 )
 from shardckpt.state_dict.redistribute import Move, assemble_chunks, exchange
 from shardckpt.state_dict.types import FullStateDictConfig, StateDictConfig, StateDictType
@@ -77,13 +78,13 @@ def _chunk_shape(shape: tuple[int, ...], region: FlatRange) -> tuple[int, ...]:
 # ------------------------------------------------------------------------------------------------ get
 
 
-def _group_state(group: FlatGroup, flat_tensors: list[torch.Tensor], sd_type: StateDictType,
-                 config: StateDictConfig) -> list[list[Any]]:
-    """Each flat tensor's members as FULL tensors or SHARDED chunks (None where this rank gets nothing)."""
+def member_values(group: FlatGroup, pieces: list[MemberPiece], sd_type: StateDictType,
+                  config: StateDictConfig) -> list[Any]:
+    """Each member piece's member as a FULL tensor or SHARDED chunk (None where this rank gets nothing)."""
     world, rank = group.groups.shard_size, group.groups.shard_rank
-    pieces = gather_members(group, flat_tensors, member_regions(sd_type, config, group))
-    return [[None if t is None else as_type(_offload(t, config), shape, sd_type, rank, world)
-             for t, shape in zip(row, group.layout.shapes)] for row in pieces]
+    got = gather_members(group, pieces, member_regions(sd_type, config, group))
+    return [None if t is None else as_type(_offload(t, config), group.layout.shapes[j], sd_type, rank, world)
+            for (j, _, _), t in zip(pieces, got)]
 
 
 def local_value(group: FlatGroup, flat: torch.Tensor, config: StateDictConfig) -> ShardedTensor:
@@ -103,7 +104,7 @@ def get_model_state(model: nn.Module, sd_type: StateDictType, config: StateDictC
             out[local_key(group)] = local_value(group, group.flat_param, config)
             layouts[local_key(group)] = group.layout.to_dict()
             continue
-        (values,) = _group_state(group, [group.flat_param], sd_type, config)
+        values = member_values(group, flat_pieces(group, group.flat_param), sd_type, config)
         for j, value in enumerate(values):
             if value is not None and keep:
                 for name in (group.layout.names[j],) + group.layout.aliases[j]:
@@ -212,11 +213,11 @@ def set_model_state(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType
                 _set_local(group, group.flat_param, sd[local_key(group)], local_key(group))
             continue
         layout, rank, world = group.layout, group.groups.shard_rank, group.groups.shard_size
-        skip = {j for j, name in enumerate(layout.names) if name in missing}
-        srcs = [member_source(_value(sd, (name,) + layout.aliases[j]), name, layout.shapes[j], sd_type, rank, world)
-                if source and j not in skip else None for j, name in enumerate(layout.names)]
-        scatter_members(group, [group.flat_param], [srcs], member_regions(sd_type, config, group),
-                        everywhere=sd_type is FULL and not only0, skip=skip)
+        pieces = [piece for piece in flat_pieces(group, group.flat_param) if layout.names[piece[0]] not in missing]
+        srcs = [member_source(_value(sd, (layout.names[j],) + layout.aliases[j]), layout.names[j], layout.shapes[j],
+                              sd_type, rank, world) if source else None for j, _, _ in pieces]
+        scatter_members(group, pieces, srcs, member_regions(sd_type, config, group),
+                        everywhere=sd_type is FULL and not only0)
         if only0:
             fill_replicas(group, [group.flat_param], replicas)
     bufs = buffers(model)

@@ -13,9 +13,11 @@ from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.runtime import FlatGroup, groups, is_sharded
 from shardckpt.runtime.state import state_of
 from shardckpt.sharded_tensor import ShardedTensor
-from shardckpt.state_dict.flat import local_key, scatter_members
+from shardckpt.regions import FlatRange
+from shardckpt.state_dict.flat import Held, held_params, held_region, local_key, scatter_members
 from shardckpt.state_dict.model_state import (
-    LOCAL, SHARDED, _group_state, _set_local, fill_replicas, local_value, member_regions, member_source, rank0_only,
+    LOCAL, SHARDED, _offload, _set_local, fill_replicas, local_value, member_regions, member_source, member_values,
+    rank0_only,
 )
 from shardckpt.state_dict.param_ids import NOT_HYPER, hyper_parameters, positional_names
 from shardckpt.state_dict.per_param import is_per_param, per_param_keys, shaped_like
@@ -33,26 +35,50 @@ def unsharded_param_names(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters()]
 
 
-def _flat_keys(state: dict, group: FlatGroup) -> list[str]:
-    """State entries shaped like the flat shard: they are sharded like the parameter itself."""
-    return [k for k, v in state.items() if shaped_like(v, (group.layout.shard_numel,))]
+def _per_member_keys(state: dict, held: Held) -> list[str]:
+    """State entries shaped like the parameter (a flat shard, or a member's piece): sharded like it."""
+    return [k for k, v in state.items() if shaped_like(v, tuple(held.param.shape))]
 
 
-def _by_param(model: nn.Module, optim: torch.optim.Optimizer) -> list[FlatGroup]:
-    """The flat group of each parameter the optimizer holds, in its order."""
-    owner = {id(g.flat_param): g for g in groups(model)}
+def _held(model: nn.Module, optim: torch.optim.Optimizer) -> list[Held]:
+    """What each parameter the optimizer holds is, in its order."""
+    owner = held_params(groups(model))
     out = []
     for pg in optim.param_groups:
         for p in pg["params"]:
             if id(p) not in owner:
-                raise IncompatibleCheckpointError("the optimizer holds a parameter that is not a flat shard of this "
-                                                  "sharded model: build it over model.parameters() after shard()")
+                raise IncompatibleCheckpointError(
+                    "the optimizer holds a parameter that is not a parameter of this sharded model: build it over "
+                    "model.parameters() (or named_parameters()) after shard()")
             out.append(owner[id(p)])
+    if len({h.whole_shard for h in out}) > 1:
+        raise IncompatibleCheckpointError("the optimizer holds both flat shards and original parameters of the "
+                                          "sharded model: build it over model.parameters() after shard()")
     return out
 
 
-def _member_names(group: FlatGroup, sd_type: StateDictType) -> list[str]:
-    return [local_key(group)] if sd_type is LOCAL else list(group.layout.names)
+def names_by_group(helds: list[Held], optim: torch.optim.Optimizer) -> list[list[str]]:
+    """Per param group, the names of an optimizer's original parameters (``use_orig_params``), in its order."""
+    return [[h.names[0] for h in helds[start:start + len(pg["params"])]]
+            for pg, start in zip(optim.param_groups, _starts(optim))]
+
+
+def _state_names(held: Held, sd_type: StateDictType) -> list[str]:
+    """How a state dict of ``sd_type`` names the optimizer state of ``held``: its members, or LOCAL's flat key."""
+    return [local_key(held.group)] if sd_type is LOCAL and held.whole_shard else held.names
+
+
+def _check_same_everywhere(helds: list[Held], states: list[dict]) -> None:
+    """With original parameters an optimizer might keep state for a parameter on some ranks only (one whose
+    piece is empty there); every rank must list the same entries, or the exchanges would pair wrong pieces."""
+    mine = [(sorted(map(str, state)), sorted(map(str, _per_member_keys(state, h)))) for h, state in zip(helds, states)]
+    everyone = resolve_group().all_gather(mine)
+    for i, h in enumerate(helds):
+        if any(theirs[i] != mine[i] for theirs in everyone):
+            raise IncompatibleCheckpointError(
+                f"the optimizer state of {h.names[0]!r} differs between ranks "
+                f"{[theirs[i] for theirs in everyone]} (keys, per-parameter keys): give every rank's optimizer the "
+                "same parameters, stepped the same number of times")
 
 
 def get_optim_state(model: nn.Module, optim: torch.optim.Optimizer, sd_type: StateDictType,
@@ -61,37 +87,65 @@ def get_optim_state(model: nn.Module, optim: torch.optim.Optimizer, sd_type: Sta
     keep = not rank0_only(config) or resolve_group().rank == 0
     if not is_sharded(model):
         return _get_plain(model, optim, sd_type, key_type) if keep else {}
-    flat_groups = _by_param(model, optim)
+    helds = _held(model, optim)
+    states = [optim.state.get(p, {}) for pg in optim.param_groups for p in pg["params"]]
+    flat = all(h.whole_shard for h in helds)
+    if not flat:
+        _check_same_everywhere(helds, states)
     state_out: dict[str, Any] = {}
-    for group, param in zip(flat_groups, (p for pg in optim.param_groups for p in pg["params"])):
-        state = optim.state.get(param, {})
-        if not state:
-            continue
-        flat_keys = _flat_keys(state, group)
-        scalars = {k: v for k, v in state.items() if k not in flat_keys}
-        if sd_type is LOCAL:
-            state_out[local_key(group)] = {k: local_value(group, v, config) if k in flat_keys else v
-                                           for k, v in state.items()}
-            continue
-        rows = _group_state(group, [state[k] for k in flat_keys], sd_type, config)
-        for j, name in enumerate(group.layout.names):
-            if keep:
-                state_out[name] = {k: rows[flat_keys.index(k)][j] if k in flat_keys else _copy(scalars[k])
-                                   for k in state}
+    if sd_type is LOCAL:
+        for held, state in zip(helds, states):
+            if state:
+                keys = _per_member_keys(state, held)
+                state_out[_state_names(held, LOCAL)[0]] = {
+                    k: _local_state(held, v, config) if k in keys else v for k, v in state.items()}
+    else:
+        for group in groups(model):
+            mine = [(h, state) for h, state in zip(helds, states) if h.group is group and state]
+            _gather_group_state(group, mine, sd_type, config, state_out if keep else {})
     # Parameters in the unsharded model's order, as a plain optimizer over it would list them.
     position = {name: i for i, name in enumerate(unsharded_param_names(model))}
-    in_order = (lambda names: names) if sd_type is LOCAL else (lambda names: sorted(names, key=position.get))
+    flat_keys = sd_type is LOCAL and flat
+    in_order = (lambda names: names) if flat_keys else (lambda names: sorted(names, key=position.get))
     groups_out = []
     for pg, start in zip(optim.param_groups, _starts(optim)):
-        names = [name for g in flat_groups[start:start + len(pg["params"])] for name in _member_names(g, sd_type)]
+        names = [name for h in helds[start:start + len(pg["params"])] for name in _state_names(h, sd_type)]
         groups_out.append({**hyper_parameters(pg), "params": in_order(names)})
     if not keep:
         return {}
     out = {"state": {name: state_out[name] for name in in_order(list(state_out))}, "param_groups": groups_out}
     if key_type is OptimStateKeyType.PARAM_ID:
-        order = [local_key(g) for g in groups(model)] if sd_type is LOCAL else unsharded_param_names(model)
+        order = [local_key(g) for g in groups(model)] if flat_keys else unsharded_param_names(model)
         out = rekey_optim_state_dict(out, key_type, order)  # records the names: self-describing
     return out
+
+
+def _gather_group_state(group: FlatGroup, mine: list[tuple[Held, dict]], sd_type: StateDictType,
+                        config: StateDictConfig, out: dict[str, Any]) -> None:
+    """The FULL or SHARDED state of every member of ``group`` the optimizer holds, by member name, into ``out``
+    (one exchange for the group): per-member entries gathered, scalars copied from the parameter's own state
+    (a flat shard's are every member's)."""
+    pieces, where = [], []
+    for held, state in mine:
+        for k in _per_member_keys(state, held):
+            for piece in held.pieces(state[k]):
+                pieces.append(piece)
+                where.append((k, piece[0]))
+    values = dict(zip(where, member_values(group, pieces, sd_type, config))) if pieces else {}
+    for held, state in mine:
+        for j in held.members:
+            out[group.layout.names[j]] = {k: values[(k, j)] if (k, j) in values else _copy(v) for k, v in state.items()}
+
+
+def _local_state(held: Held, value: torch.Tensor, config: StateDictConfig) -> ShardedTensor:
+    """LOCAL optimizer state as held: a flat shard's (see ``local_value``), or a member's piece as the flat range of
+    the member it is (empty where the rank holds none): per-parameter state that reshards by name."""
+    if held.whole_shard:
+        return local_value(held.group, value, config)
+    (j,) = held.members
+    layout = held.group.layout
+    region = held_region(layout, j, held.group.groups.shard_rank) or FlatRange(0, 0)
+    return ShardedTensor(_offload(value, config).reshape(-1), layout.shapes[j], region)
 
 
 def _counts(optim: torch.optim.Optimizer) -> list[int]:
@@ -136,13 +190,20 @@ def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, s
     group0 = resolve_group()
     source = group0.rank == 0 if only0 else True
     init_optim_state(optim)
-    flat_groups = _by_param(model, optim)
+    helds = _held(model, optim)
     params = [p for pg in optim.param_groups for p in pg["params"]]
+    states = [optim.state.get(p, {}) for p in params]
+    orig = not all(h.whole_shard for h in helds)
+    if orig:
+        _check_same_everywhere(helds, states)
     named: dict[str, dict] = {"osd": {}}
 
     def check() -> tuple[dict, list]:
-        named["osd"] = keyed_by_name(osd, optim_param_names)  # a sharded optimizer has no order of its own
-        return _small_parts(named["osd"], flat_groups, params, optim, sd_type)
+        # Original parameters have an order of their own, as a plain optimizer's do; flat shards have none.
+        fallback = (lambda: positional_names(osd.get("param_groups", []), names_by_group(helds, optim),
+                                             "optim_param_names")) if orig else None
+        named["osd"] = keyed_by_name(osd, optim_param_names, fallback)
+        return _small_parts(named["osd"], helds, states, optim, sd_type)
 
     # Plain parts (scalars, hyper-parameters) are small: take them from rank 0 when only it has them.
     # Checked before any data moves; with rank0_only rank 0 checks and every rank follows its verdict.
@@ -152,36 +213,71 @@ def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, s
     raise_failures([small])
     scalars, hyper = small
     osd, replicas = named["osd"], {}
-    for i, (group, param) in enumerate(zip(flat_groups, params)):
-        state = optim.state.get(param, {})
-        flat_keys = _flat_keys(state, group)
-        if sd_type is LOCAL:
-            given = osd["state"].get(local_key(group), {})
-            for k in flat_keys:
-                _set_local(group, state[k], given.get(k), f"{local_key(group)}.{k}")
-        elif flat_keys:
-            rank, world = group.groups.shard_rank, group.groups.shard_size
-            sources = [[member_source(osd["state"][name][k], f"{name}.{k}", group.layout.shapes[j], sd_type, rank,
-                                      world) if source else None
-                        for j, name in enumerate(group.layout.names)] for k in flat_keys]
-            scatter_members(group, [state[k] for k in flat_keys], sources, member_regions(sd_type, config, group),
-                            everywhere=sd_type is StateDictType.FULL_STATE_DICT and not only0)
-            if only0:
-                fill_replicas(group, [state[k] for k in flat_keys], replicas)
+    if sd_type is LOCAL:
+        for held, state in zip(helds, states):
+            (key,) = _state_names(held, LOCAL)
+            given = osd["state"].get(key, {})
+            for k in _per_member_keys(state, held):
+                _set_local_state(held, state[k], given.get(k), f"{key}.{k}")
+    else:
+        for group in groups(model):
+            mine = [(h, state) for h, state in zip(helds, states) if h.group is group and state]
+            _scatter_group_state(group, mine, osd if source else None, sd_type, config, only0, replicas)
+    for i, state in enumerate(states):
         for k, v in scalars.get(i, {}).items():
             state[k] = v.to(state[k].device) if torch.is_tensor(v) and torch.is_tensor(state.get(k)) else v
     for pg, values in zip(optim.param_groups, hyper):
         pg.update(values)
 
 
-def _small_parts(osd: dict, flat_groups: list[FlatGroup], params: list, optim: torch.optim.Optimizer,
+def _scatter_group_state(group: FlatGroup, mine: list[tuple[Held, dict]], osd: dict | None, sd_type: StateDictType,
+                         config: StateDictConfig, only0: bool, replicas: dict[int, int]) -> None:
+    """Fill the per-member optimizer state of ``group``'s parameters from a FULL or SHARDED ``osd`` keyed by name
+    (None on ranks that hold none of it: rank0_only), in one exchange."""
+    rank, world = group.groups.shard_rank, group.groups.shard_size
+    pieces, sources, targets = [], [], []
+    for held, state in mine:
+        for k in _per_member_keys(state, held):
+            targets.append(state[k])
+            for piece in held.pieces(state[k]):
+                j = piece[0]
+                name = group.layout.names[j]
+                pieces.append(piece)
+                sources.append(None if osd is None else member_source(
+                    osd["state"][name][k], f"{name}.{k}", group.layout.shapes[j], sd_type, rank, world))
+    if not pieces:
+        return
+    scatter_members(group, pieces, sources, member_regions(sd_type, config, group),
+                    everywhere=sd_type is StateDictType.FULL_STATE_DICT and not only0)
+    if only0:
+        fill_replicas(group, targets, replicas)
+
+
+def _set_local_state(held: Held, target: torch.Tensor, value: Any, key: str) -> None:
+    """LOCAL optimizer state into ``target``: a flat shard's, or a member's piece as ``_local_state`` gives it."""
+    if held.whole_shard:
+        _set_local(held.group, target, value, key)
+        return
+    (j,) = held.members
+    layout = held.group.layout
+    want = held_region(layout, j, held.group.groups.shard_rank) or FlatRange(0, 0)
+    if not isinstance(value, ShardedTensor) or value.global_shape != layout.shapes[j] or \
+            value.region.numel != want.numel or (want.numel and value.region != want):
+        raise IncompatibleCheckpointError(
+            f"{key!r}: this LOCAL state was made with another world size or wrapping (it holds "
+            f"{getattr(value, 'region', None)} of {getattr(value, 'global_shape', None)}, this rank holds {want} "
+            f"of {layout.shapes[j]}); use shardckpt.load_state() to reshard it")
+    with torch.no_grad():
+        target.view(-1).copy_(value.local.reshape(-1))
+
+
+def _small_parts(osd: dict, helds: list[Held], states: list[dict], optim: torch.optim.Optimizer,
                  sd_type: StateDictType) -> tuple[dict, list]:
     """Per parameter (by position: they travel to other ranks) its scalar state (from its first member), per
     optimizer group its hyper-parameters; checking that the state dict fits this optimizer."""
     scalars: dict[int, dict] = {}
-    for i, (group, param) in enumerate(zip(flat_groups, params)):
-        state = optim.state.get(param, {})
-        names = _member_names(group, sd_type)
+    for i, (held, state) in enumerate(zip(helds, states)):
+        names = _state_names(held, sd_type)
         for name in names:
             if state and name not in osd.get("state", {}):
                 raise IncompatibleCheckpointError(f"optimizer state dict has no state for {name!r}")
@@ -191,16 +287,16 @@ def _small_parts(osd: dict, flat_groups: list[FlatGroup], params: list, optim: t
                 raise IncompatibleCheckpointError(
                     f"optimizer state for {names[0]!r} holds {sorted(given)}, this optimizer keeps {sorted(state)}: "
                     "was it saved from a different kind of optimizer?")
-            flat_keys = _flat_keys(state, group)
-            scalars[i] = {k: _copy(v) for k, v in given.items() if k not in flat_keys}
+            keys = _per_member_keys(state, held)
+            scalars[i] = {k: _copy(v) for k, v in given.items() if k not in keys}
             if sd_type is not LOCAL:  # shapes, before any data moves
+                group = held.group
                 rank, world = group.groups.shard_rank, group.groups.shard_size
-                for j, name in enumerate(names):
-                    for k in flat_keys:
+                for j, name in zip(held.members, names):
+                    for k in keys:
                         member_source(osd["state"][name][k], f"{name}.{k}", group.layout.shapes[j], sd_type, rank,
                                       world)
-    names = [_member_names(g, sd_type) for g in flat_groups]
-    return scalars, match_param_groups(osd.get("param_groups", []), optim, names)
+    return scalars, match_param_groups(osd.get("param_groups", []), optim, [_state_names(h, sd_type) for h in helds])
 
 
 def match_param_groups(given_groups: list[dict], optim: torch.optim.Optimizer,
