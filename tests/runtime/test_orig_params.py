@@ -184,6 +184,9 @@ def _zero_grad_forms(_: None) -> dict[str, Any]:
     _model.loss_fn(model, *batch).backward()
     twice_ok = all(torch.allclose(params[n].grad, 2 * g) for n, g in once.items())
     model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        model(batch[0])
+    released = all(g.flat_param.grad is None for g in runtime.groups(model))  # not kept through the next step
     _model.loss_fn(model, *batch).backward()
     after_none = all(torch.equal(params[n].grad, g) for n, g in once.items())
     model.zero_grad(set_to_none=False)
@@ -192,12 +195,13 @@ def _zero_grad_forms(_: None) -> dict[str, Any]:
     _model.loss_fn(model, *batch).backward()
     by_hand = torch.equal(params["blocks.0.fc1.weight"].grad, once["blocks.0.fc1.weight"] + 1)
     others = all(torch.equal(params[n].grad, g) for n, g in once.items() if n != "blocks.0.fc1.weight")
-    return {"twice": twice_ok, "after_none": after_none, "by_hand": by_hand, "others": others}
+    return {"twice": twice_ok, "released": released, "after_none": after_none, "by_hand": by_hand,
+            "others": others}
 
 
 def test_zero_grad_and_hand_set_gradients_are_respected() -> None:
     for result in run_ranks(2, _zero_grad_forms, None):
-        assert result == {"twice": True, "after_none": True, "by_hand": True, "others": True}
+        assert result == {"twice": True, "released": True, "after_none": True, "by_hand": True, "others": True}
 
 
 def _written_through_a_piece(_: None) -> bool:

@@ -312,7 +312,7 @@ class FlatGroup:
         flat, fresh = self.flat_param.grad, self.flat_param.grad is None
         if fresh:
             flat = torch.zeros_like(self.flat_param, memory_format=torch.contiguous_format).detach()
-        views = self._grad_views if not fresh else [None] * len(grads)
+        views = self._grad_views if not fresh and self._grad_views else [None] * len(grads)
         for j, (grad, view) in enumerate(zip(grads, views)):
             if grad is None:
                 self.member_piece(flat, j).zero_()
@@ -338,6 +338,14 @@ class FlatGroup:
         start, stop = self.layout.shard_range(self._groups.shard_rank)
         with torch.no_grad():
             self.flat_param.copy_(full[start:stop])
+
+    def release_dropped_grad(self) -> None:
+        """With ``use_orig_params``, once every original parameter's ``.grad`` is None (``optimizer.zero_grad()``),
+        drop the flat gradient they were views of, so that it is not kept through the next forward and backward
+        (the flat form's ``zero_grad()`` drops it itself)."""
+        if self.orig_params is not None and all(param.grad is None for param in self.orig_params):
+            self.flat_param.grad = None
+            self._grad_views = []
 
     def local_grads(self) -> list[torch.Tensor]:
         """This rank's gradient, as disjoint tensors: the flat shard's, or with ``use_orig_params`` the original

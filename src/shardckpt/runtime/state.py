@@ -134,6 +134,9 @@ class ShardState:
             return None
         if unit.module is self.root and self._callback_queued:
             self._abandon_backward()  # the last backward raised before its end: start clean
+        if unit.module is self.root:
+            for group in self.groups:
+                group.release_dropped_grad()
         if unit.module is self.root and self._forward_order.units:
             self._recording = False  # the first forward is over: prefetch from now on
         if self._recording:
