@@ -297,3 +297,44 @@ def test_zero_dim_empty_and_tiny_parameters_round_trip_and_reshard(tmp_path):
         assert_same_state(state, saved["want"], f"in memory {where}")
     for where, state in run_ranks(2, _odd_load, str(tmp_path))[0].items():
         assert_same_state(state, saved["want"], f"{where} saved at ws 3, loaded at ws 2")
+
+
+def _permuted_groups(model, order: str) -> list[dict]:
+    """The three groups, listed and filled in another order: ``reversed`` reverses both."""
+    groups = _model.three_lr_groups(model)
+    if order == "reversed":
+        groups = [{**g, "params": list(reversed(g["params"]))} for g in reversed(groups)]
+    return groups
+
+
+def _permuted(root: str) -> dict:
+    """Saved from an optimizer whose groups and parameters run in reverse, loaded into one in model order (and
+    the reverse), by name and by ID: every parameter gets its own state and its own group's hyper-parameters."""
+    out = {}
+    for saved_order, load_order in (("reversed", "model"), ("model", "reversed")):
+        model = shard(_model.make_model(), wrap=(Block,), use_orig_params=True)
+        optim = torch.optim.AdamW(_permuted_groups(model, saved_order), lr=1e-2, weight_decay=0.1)
+        steps(model, optim, _model.make_batches(2))
+        want = full_state(model, optim)
+        for key in KEYS:
+            path = f"{root}/{saved_order}-{key.name}"
+            shardckpt.save_state(model, optim, path, type=SHARDED, optim_key=key)
+            fresh = shard(_model.make_model(), wrap=(Block,), use_orig_params=True)
+            fresh_optim = torch.optim.AdamW(_permuted_groups(fresh, load_order), lr=1e-2, weight_decay=0.1)
+            shardckpt.load_state(fresh, fresh_optim, path)
+            got = full_state(fresh, fresh_optim)
+            if got is not None:  # rank 0: group order differs, so compare per parameter and per learning rate
+                lr_of = lambda sd: {n: g["lr"] for g in sd["optim"]["param_groups"] for n in g["params"]}  # noqa
+                out[(saved_order, key.name)] = (
+                    all(torch.equal(got["optim"]["state"][n][k], v) for n, s in want["optim"]["state"].items()
+                        for k, v in s.items()) and lr_of(got) == lr_of(want),
+                    sorted(g["lr"] for g in got["optim"]["param_groups"]))
+    return out
+
+
+def test_permuted_optimizer_orders_load_by_parameter(tmp_path):
+    out = run_ranks(3, _permuted, str(tmp_path))[0]
+    assert len(out) == 4
+    for where, (same, lrs) in out.items():
+        assert same, where
+        assert lrs == [3e-3, 1e-2, 3e-2], where

@@ -60,7 +60,8 @@ def shard(
       raises a ShardingError naming it and this fix (`runtime.flat_group.NotGathered`).
 
     - `use_orig_params`: `parameters()` / `named_parameters()` yield the original parameters under their
-      original names, each this rank's piece of it (1-D, possibly empty), as FSDP1's ``use_orig_params=True``:
+      original names, each this rank's piece of it (possibly empty; shaped ``(1, ..., 1, k)`` to keep
+      ``p.dim()``), as FSDP1's ``use_orig_params=True``:
       optimizer param groups may then be built per parameter (weight decay on matrices only, another learning
       rate for embeddings). False (the default, as FSDP1): one flat shard per group (see docs/runtime.md).
 

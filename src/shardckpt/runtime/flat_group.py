@@ -92,7 +92,7 @@ class FlatGroup:
     `shard` / `replicate` process groups, `shard_rank`, `shard_size`; `layout.shard_range(groups.shard_rank)`
     is this rank's slice), `unsharded` (whether the gathered compute buffer is allocated now) and, with
     ``use_orig_params``, `orig_params` (per member, an nn.Parameter over this rank's piece of it inside
-    `flat_param`: 1-D, possibly empty; what the optimizer holds then), else None.
+    `flat_param`, possibly empty, see `orig_piece`; what the optimizer holds then), else None.
     """
 
     def __init__(self, module: nn.Module, prefix: str, members: list[tuple[Member, torch.Tensor]],
