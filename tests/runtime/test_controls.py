@@ -182,18 +182,18 @@ def _table_model() -> torch.nn.Module:
     return model
 
 
-def _shared_table() -> dict[str, Any]:
+def _shared_table(orig: bool) -> dict[str, Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
     batches = _model.make_batches(STEPS)
     reference = _table_model()
     ref_losses, _ = _model.train(reference, batches)
-    model = runtime.shard(_table_model(), wrap=(Block,))
+    model = runtime.shard(_table_model(), wrap=(Block,), use_orig_params=orig)
     try:
         _model.train(model, batches, rank=rank, world=world)
         error = None
     except ShardingError as e:
         error = str(e)
-    shared = runtime.shard(_table_model(), wrap=(Block,), shared_params=["blocks.0.table"])
+    shared = runtime.shard(_table_model(), wrap=(Block,), shared_params=["blocks.0.table"], use_orig_params=orig)
     losses, _ = _model.train(shared, batches, rank=rank, world=world)
     names = [n for n, _ in reference.named_parameters()]
     got = _helpers.full_params(shared, names)
@@ -203,8 +203,11 @@ def _shared_table() -> dict[str, Any]:
     return {"error": error, "losses": _helpers.global_mean(losses), "reference": ref_losses, "worst": worst}
 
 
-def test_a_parameter_used_outside_its_unit_fails_clearly_or_works_when_shared() -> None:
-    for r in run_ranks(2, _shared_table):
+@pytest.mark.parametrize("orig", [False, True], ids=["flat", "orig_params"])
+def test_a_parameter_used_outside_its_unit_fails_clearly_or_works_when_shared(orig: bool) -> None:
+    """With ``use_orig_params`` too: the name reads this rank's piece between steps, but not in another unit's
+    forward (a piece of the (5, 14) table could broadcast: at ws 5 it is shaped (1, 14))."""
+    for r in run_ranks(2, _shared_table, orig):
         assert r["error"] is not None and "'blocks.0.table'" in r["error"] and "shared_params" in r["error"], r
         torch.testing.assert_close(r["losses"], r["reference"], rtol=2e-6, atol=0)
         assert r["worst"] < 2e-6, r["worst"]

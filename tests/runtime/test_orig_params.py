@@ -229,3 +229,108 @@ def test_writes_through_the_pieces_are_not_served_stale() -> None:
 def test_use_orig_params_must_be_a_bool() -> None:
     with pytest.raises(ShardingError, match="use_orig_params"):
         runtime.shard(_model.make_model(), use_orig_params="yes")
+
+
+def _frozen_after_shard(_: None) -> dict[str, Any]:
+    """A parameter frozen after ``shard`` gets no gradient and stays put, as on the unsharded model; a frozen one
+    made trainable is refused by name at the next forward (it could never get a gradient)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    reference, model = _model.make_model(), runtime.shard(_model.make_model(), wrap=(Block,), use_orig_params=True)
+    for m in (reference, model):
+        m.blocks[1].fc1.weight.requires_grad_(False)
+        m.ln_f.requires_grad_(False)
+    ref_losses = train(reference, "decay")
+    losses = _helpers.global_mean(train(model, "decay", rank=rank, world=world, clip=False))
+    full = _named_full(model)
+    grads = {n: p.grad is None for n, p in model.named_parameters() if n in ("blocks.1.fc1.weight", "ln_f.bias")}
+    unfrozen = runtime.shard(_model.make_model(), wrap=(Block,), use_orig_params=True)
+    unfrozen.blocks[0].ln1.bias.requires_grad_(True)
+    try:
+        _model.loss_fn(unfrozen, *_model.local_slice(_model.make_batches(1)[0], rank, world))
+        error = None
+    except ShardingError as e:
+        error = str(e)
+    return {"losses": losses, "reference": ref_losses, "no_grad": grads, "error": error,
+            "diff": _helpers.max_param_diff(full, {n: p.detach() for n, p in reference.named_parameters()}),
+            "unchanged": torch.equal(full["blocks.1.fc1.weight"], _model.make_model().blocks[1].fc1.weight)}
+
+
+def test_requires_grad_changed_after_shard() -> None:
+    for r in run_ranks(2, _frozen_after_shard, None):
+        torch.testing.assert_close(r["losses"], r["reference"], rtol=2e-6, atol=0)
+        assert r["diff"][0] < 2e-6 and r["unchanged"], r["diff"]
+        assert r["no_grad"] == {"blocks.1.fc1.weight": True, "ln_f.bias": True}
+        assert "'blocks.0.ln1.bias'" in r["error"] and "before shard()" in r["error"], r["error"]
+
+
+def _composed(feature: str) -> dict[bool, dict[str, Any]]:
+    """The runtime's other features with the original parameters exposed: bit for bit the flat form's training."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from tests.runtime.test_checkpointing import _full_params, _prepare
+    from tests.runtime.test_init import _init_fn
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for orig in (False, True):
+        options: dict[str, Any] = {"use_orig_params": orig}
+        if feature == "meta":
+            with torch.device("meta"):
+                model = _model.TinyTransformer()
+            options["param_init_fn"] = _init_fn({id(m): n for n, m in model.named_modules()})
+        else:
+            model = _model.make_model(seed=rank if feature == "sync_module_states" else 0)
+        if feature.startswith("wrapper_before") or feature.startswith("inner"):
+            _prepare(feature, model)
+        model = runtime.shard(model, wrap=(Block,), sync_module_states=feature == "sync_module_states",
+                              device="cpu", **options)
+        if feature == "wrapper_after":
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        if feature == "kept_gathered":
+            model.set_reshard_after_backward(False)
+            model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1]])
+        losses = train(model, "one", rank=rank, world=world, clip=True)
+        names = [n for n, _ in _model.make_model().named_parameters()]
+        out[orig] = {"losses": losses, "params": _full_params(model, names),
+                     "names": [n for n, _ in model.named_parameters()]}
+    return out
+
+
+@pytest.mark.parametrize("feature", ["meta", "sync_module_states", "inner_part_reentrant", "wrapper_before",
+                                     "wrapper_after", "kept_gathered"])
+def test_the_runtime_features_compose_with_original_parameters(feature: str) -> None:
+    for result in run_ranks(2, _composed, feature):
+        assert result[True]["losses"] == result[False]["losses"], feature
+        for name, value in result[False]["params"].items():
+            assert torch.equal(result[True]["params"][name], value), (feature, name)
+        plain = [n for n, _ in _model.make_model().named_parameters()]
+        assert result[True]["names"] == plain or feature.startswith("wrapper"), result[True]["names"]
+        assert len(result[True]["names"]) == len(plain)
+
+
+def _summoned(_: None) -> dict[str, Any]:
+    """Inside ``summon_full_params`` ``named_parameters()`` yields the full parameters too (FSDP1's semantics), and
+    writes through them persist; outside, the very parameter objects the optimizer holds come back."""
+    model = runtime.shard(_model.make_model(), wrap=(Block,), use_orig_params=True)
+    before = list(model.parameters())
+    plain = dict(_model.make_model().named_parameters())
+    with model.summon_full_params(writeback=True):
+        inside = dict(model.named_parameters())
+        same = {n: torch.equal(p, plain[n]) for n, p in inside.items()}
+        attr = torch.equal(model.blocks[0].fc1.weight, plain["blocks.0.fc1.weight"])
+        with torch.no_grad():
+            inside["blocks.1.fc2.weight"].mul_(2)
+    after = list(model.parameters())
+    full = _named_full(model)
+    return {"same": same, "names": list(inside), "attr": attr,
+            "requires_grad": {n: p.requires_grad for n, p in inside.items()},
+            "restored": len(after) == len(before) and all(a is b for a, b in zip(after, before)),
+            "written": torch.equal(full["blocks.1.fc2.weight"], plain["blocks.1.fc2.weight"] * 2)}
+
+
+def test_summon_full_params_lists_the_full_parameters() -> None:
+    plain = _model.make_model()
+    for r in run_ranks(3, _summoned, None):
+        assert r["names"] == [n for n, _ in plain.named_parameters()]
+        assert all(r["same"].values()), r["same"]
+        assert r["requires_grad"] == {n: p.requires_grad for n, p in plain.named_parameters()}
+        assert r["attr"] and r["restored"] and r["written"], r

@@ -124,6 +124,7 @@ class FlatGroup:
         self.orig_params = [nn.Parameter(self.orig_piece(flat, j), requires_grad=layout.requires_grad)
                             for j in range(len(self._members))] if use_orig_params else None
         self._grad_views: list[torch.Tensor] = []  # the orig_params' .grad as finish_grad set them
+        self._guard = False  # with orig_params: the root's forward is running (see guard_reads)
         self.drop_views()
 
     def __repr__(self) -> str:
@@ -217,14 +218,39 @@ class FlatGroup:
         self.drop_views()
 
     def drop_views(self) -> None:
-        """Point every owner attribute at the member's ``NotGathered`` stand-in; with ``use_orig_params``, let it
-        read the registered parameter (this rank's piece) again, as FSDP1 does."""
-        for member, stand_in in zip(self._members, self._stand_ins):
+        """Point every owner attribute at the member's ``NotGathered`` stand-in; with ``use_orig_params``, outside
+        the root's forward, let it read the registered parameter (this rank's piece) again, as FSDP1 does."""
+        stand_ins = self.orig_params is None or self._guard
+        for j, (member, stand_in) in enumerate(zip(self._members, self._stand_ins)):
             for module, attr in member.owners:
-                if self.orig_params is None:
+                if stand_ins:
                     module.__dict__[attr] = stand_in
                 else:
                     module.__dict__.pop(attr, None)
+                if self.orig_params is not None:  # the piece again after summon_full_params
+                    module._parameters[attr] = self.orig_params[j]
+
+    def guard_reads(self, on: bool) -> None:
+        """With ``use_orig_params``: while the root's forward runs (``on``), names of members not gathered hold the
+        ``NotGathered`` stand-in, so that another unit's forward reading one fails naming it instead of computing
+        with this rank's piece (a ``(1, k)`` piece can broadcast silently); between steps they read the pieces
+        (optimizer recipes, FSDP1's semantics)."""
+        if self.orig_params is not None and self._guard != on:
+            self._guard = on
+            if not self.unsharded:
+                self.drop_views()
+
+    def check_requires_grad(self) -> None:
+        """With ``use_orig_params``: refuse, naming it, a frozen member made trainable after ``shard`` (frozen
+        members are flattened apart, into a group without gradients: it would silently never train)."""
+        if self.orig_params is None or self.layout.requires_grad:
+            return
+        for member, param in zip(self._members, self.orig_params):
+            if param.requires_grad:
+                raise ShardingError(
+                    f"parameter {member.name!r} was frozen when the model was sharded and has requires_grad=True "
+                    "now: frozen parameters are sharded apart, without gradients. Set requires_grad before "
+                    "shard(); freezing after shard() is fine (the parameter gets no .grad)")
 
     # --- gradients ------------------------------------------------------------------------------
 
@@ -298,7 +324,7 @@ class FlatGroup:
         if self.orig_params is not None:
             self._grad_views = [self.orig_piece(self.flat_param.grad, j) for j in range(len(self._members))]
             for param, view in zip(self.orig_params, self._grad_views):
-                param.grad = view
+                param.grad = view if param.requires_grad else None  # frozen after shard(): no gradient, as FSDP1
 
     def _accumulated_grad(self) -> torch.Tensor | None:
         """The gradient a new one adds to: `flat_param.grad`, or with ``use_orig_params`` what the original
@@ -329,10 +355,16 @@ class FlatGroup:
         return full
 
     def set_master_views(self, full: torch.Tensor) -> None:
-        for member, offset, numel in zip(self._members, self.layout.offsets, self.layout.numels):
+        """Point every owner attribute at the member's part of ``full``; with ``use_orig_params``,
+        ``named_parameters()`` yields them too (as parameters over ``full``, as FSDP1's), until ``drop_views``."""
+        for j, (member, offset, numel) in enumerate(zip(self._members, self.layout.offsets, self.layout.numels)):
             view = full[offset:offset + numel].view(member.shape)
+            if self.orig_params is not None:
+                registered = nn.Parameter(view, requires_grad=self.orig_params[j].requires_grad)
             for module, attr in member.owners:
                 module.__dict__[attr] = view
+                if self.orig_params is not None:
+                    module._parameters[attr] = registered
 
     def write_back(self, full: torch.Tensor) -> None:
         start, stop = self.layout.shard_range(self._groups.shard_rank)

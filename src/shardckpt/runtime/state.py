@@ -137,6 +137,9 @@ class ShardState:
         if unit.module is self.root:
             for group in self.groups:
                 group.release_dropped_grad()
+                group.guard_reads(True)
+        for group in unit.groups:
+            group.check_requires_grad()
         if unit.module is self.root and self._forward_order.units:
             self._recording = False  # the first forward is over: prefetch from now on
         if self._recording:
@@ -168,6 +171,9 @@ class ShardState:
         self._awaiting_backward |= grad_enabled
         if not grad_enabled or unit.reshard_after_forward:  # without grad no backward follows
             unit.reshard()
+        if unit.module is self.root:
+            for group in self.groups:
+                group.guard_reads(False)
         if grad_enabled:
             tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
             for tensor in tensors:
