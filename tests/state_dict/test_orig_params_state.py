@@ -96,10 +96,11 @@ def test_every_type_and_key_resumes_exactly(saved, load_world):
     assert groups[2]["params"] == ["blocks.0.gate", "blocks.1.gate"]
 
 
-def _local_converts_offline(root: str, out: str) -> dict:
-    """A LOCAL checkpoint saved at ws 2, converted offline to LOCAL at this world size, loads as LOCAL here."""
+def _local_converts_offline(root: str, out: str, key: OptimStateKeyType) -> dict:
+    """A LOCAL checkpoint saved at ws 2, converted offline to LOCAL at this world size, loads as LOCAL here into
+    the state dict the job gives (keyed by ``key``: IDs numbered as the job numbers them)."""
     model, optim = orig_run()
-    sd = shardckpt.get_state_dict(model, optim, type=LOCAL)
+    sd = shardckpt.get_state_dict(model, optim, type=LOCAL, optim_key=key)
     shardckpt.load(sd, out)
     shardckpt.set_state_dict(model, optim, sd, type=LOCAL)
     return full_state(model, optim)
@@ -113,11 +114,12 @@ def test_a_local_checkpoint_converts_offline_through_its_layouts(saved, tmp_path
     assert diff(tmp_path / "full", _path(root, FULL, key)).equal
     convert(src, tmp_path / "sharded4", world_size=4, type="sharded")
     assert diff(tmp_path / "sharded4", _path(root, FULL, key)).equal
-    if key is OptimStateKeyType.PARAM_NAME:  # LOCAL output numbers IDs by flat group: by name only
-        convert(src, tmp_path / "local3", world_size=3, type="local")
-        assert diff(tmp_path / "local3", src).equal
-        state = run_ranks(3, _local_converts_offline, root, str(tmp_path / "local3"))[0]
-        assert_same_state(state, reference["state"], "LOCAL converted to ws 3")
+    for out_key in KEYS:  # rekeyed (name -> ID, ID -> name) or kept as it is
+        out = tmp_path / f"local3-{out_key.name}"
+        convert(src, out, world_size=3, type="local", optim_key=out_key)
+        assert diff(out, _path(root, LOCAL, out_key)).equal  # what the job saved keyed that way
+        state = run_ranks(3, _local_converts_offline, root, str(out), out_key)[0]
+        assert_same_state(state, reference["state"], f"LOCAL by {key.name} converted to ws 3 by {out_key.name}")
 
 
 def _plain_run() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

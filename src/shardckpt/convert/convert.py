@@ -147,9 +147,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     else:
         reader = logical_view(base, param_names=param_names)
         metadata.pop("param_names", None)  # a FULL or SHARDED output has no flat layouts to go with them
-    # IDs number FULL and SHARDED output's parameters as the job's FULL state dict does, LOCAL output's flat
-    # groups as torch does (param groups' order); stored LOCAL IDs without recorded names follow the layouts
+    # IDs number FULL and SHARDED output's parameters as the job's FULL state dict does, and so LOCAL output's
+    # per-parameter state (use_orig_params); LOCAL output's flat groups as torch does (param groups' order);
+    # stored LOCAL IDs without recorded names follow the layouts
     local = out_type == "local"
+    by_flat_group = local and not reader.per_parameter_optim
     # Rekeyed only when the source keys it the other way: then the output records the names its IDs stand for
     # and the new key type; otherwise state and metadata stay as they are (an ID-keyed state without names
     # keeps the numbering its own metadata, or torch's param-group order, gives it).
@@ -158,7 +160,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
                                      and key_type_of(source_optim) not in (None, key_type)):
         key_type = None
     rekey = None if key_type is None else functools.partial(
-        _rekeyed, key_type=key_type, id_order=None if local else param_names or recorded_param_names(base),
+        _rekeyed, key_type=key_type, id_order=None if by_flat_group else param_names or recorded_param_names(base),
         stored_order=(lambda: dict(enumerate(reader.layouts))) if local else None)
     encoded_tree, outputs = _select(reader, only, exclude, dtype, rekey)
     if key_type is not None and isinstance(encoded_tree.get("optim"), dict):

@@ -61,8 +61,9 @@ class LocalAtWorldSize:
             name: (stored[key], self.layouts[key]) for name, key in _flat_tensors(tree, infos, stored).items()}
         self._infos = {name: TensorInfo(name, info.dtype, (self.flat[name][1].padded_numel,), None)
                        if name in self.flat else info for name, info in infos.items()}
-        # use_orig_params: stored tensor name -> (flat key, member) of optimizer state kept per parameter
-        self.member_state = _member_state_tensors(tree, infos, self.layouts)
+        # use_orig_params: whether the optimizer state is kept per parameter, and stored tensor name -> (flat key,
+        # member) of its tensors
+        self.per_parameter_optim, self.member_state = _member_state_tensors(tree, infos, self.layouts)
         self._tree = copy.deepcopy(tree)
         self._tree["model"][LAYOUTS_KEY] = {key: layout.to_dict() for key, layout in self.layouts.items()}
 
@@ -133,18 +134,18 @@ def _flat_tensors(tree: dict, infos: Mapping[str, TensorInfo], layouts: dict[str
 
 
 def _member_state_tensors(tree: dict, infos: Mapping[str, TensorInfo], layouts: dict[str, FlatLayout],
-                          ) -> dict[str, tuple[str, int]]:
-    """Stored tensor name -> (flat key, member index), for optimizer state a ``use_orig_params`` run keeps per
-    parameter (keyed by member name or by an ID naming one) with the member's shape."""
+                          ) -> tuple[bool, dict[str, tuple[str, int]]]:
+    """Whether the optimizer state is what a ``use_orig_params`` run keeps, per parameter (keyed by member name or
+    by an ID naming one), and stored tensor name -> (flat key, member index) of its tensors shaped like members."""
     optim = tree.get("optim")
     state = optim.get("state") if isinstance(optim, dict) else None
     if not isinstance(state, dict):
-        return {}
+        return False, {}
     groups = optim.get("param_groups") or []
     by_id = key_type_of({"state": state, "param_groups": groups}) is OptimStateKeyType.PARAM_ID
     id_names = resolve_id_names(groups, None, lambda: dict(enumerate(layouts))) if by_id else {}
     if not per_parameter_state(optim, layouts, id_names):
-        return {}
+        return False, {}
     where = {name: (key, j) for key, layout in layouts.items() for j, name in enumerate(layout.names)}
     out = {}
     for k, entry in state.items():
@@ -153,4 +154,4 @@ def _member_state_tensors(tree: dict, infos: Mapping[str, TensorInfo], layouts: 
             if isinstance(value, TensorRef) and tuple(infos[value.name].shape) == layouts[key].shapes[j] and \
                     layouts[key].shapes[j]:
                 out[value.name] = (key, j)
-    return out
+    return True, out
