@@ -27,6 +27,7 @@ from shardckpt.state_dict.model_state import buffers
 from shardckpt.state_dict.optim_state import (
     _held, init_optim_state, match_param_groups, names_by_group, plain_names, unsharded_param_names,
 )
+from shardckpt.state_dict.optim_checks import check_members_agree, same_value
 from shardckpt.state_dict.per_param import shaped_like
 from shardckpt.state_dict.param_ids import positional_names, resolve_id_names, unknown_ids
 from shardckpt.state_dict.rekey import key_type_of
@@ -151,6 +152,17 @@ class Saved:
                 return entry
         return {}
 
+    def same_value(self, a: Any, b: Any) -> bool:
+        """Whether two saved optimizer state values are equal: tensors by dtype, shape and checksum (equal where a
+        format stores no checksum), plain values by value."""
+        if isinstance(a, TensorRef) and isinstance(b, TensorRef):
+            infos = [self.manifest.tensors.get(ref.name) for ref in (a, b)]
+            if any(info is None for info in infos):
+                return False
+            (x, y) = [(info.dtype, tuple(info.shape), info.crc32c) for info in infos]
+            return x[:2] == y[:2] and (x[2] is None or y[2] is None or x[2] == y[2])
+        return not isinstance(a, TensorRef) and not isinstance(b, TensorRef) and same_value(a, b)
+
     def param_groups_by_name(self) -> list[dict]:
         """The saved param groups, with every parameter given as its member FQNs."""
         out = []
@@ -208,16 +220,18 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
         init_optim_state(optimizer)
     scalars: list[tuple[dict, str, Any]] = []
     hyper: list[dict] = []
+    stateless: list[torch.Tensor] = []  # parameters saved without optimizer state (no gradient yet)
 
     def build(manifest: Manifest | ReaderContents) -> list[ReadRequest]:
         scalars.clear()  # a retry (after a concurrent overwrite) starts over
+        stateless.clear()
         saved = Saved.of(manifest, model, optimizer, optim_param_names)
         requests = _model_requests(model, functools.partial(saved.resolve, "model"))
         for name, buf in buffers(model).items():
             requests.append(ReadRequest(f"model.{name}", full_region(buf.shape), buf.detach()))
         if optimizer is not None:
             params = _optimizer_params(model, optimizer)
-            requests += _optim_requests(optimizer, params, saved, scalars)
+            requests += _optim_requests(optimizer, params, saved, scalars, stateless)
             # Checked here, before any data is read, so that a refusal leaves model and optimizer as they were.
             hyper[:] = match_param_groups(saved.param_groups_by_name(), optimizer, [p.members for p in params])
         return requests
@@ -226,6 +240,8 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
     shards_changed()  # read straight into the shards: groups kept gathered must gather again
     for state, key, value in scalars:
         state[key] = value
+    for param in stateless:  # as torch's load_state_dict leaves a parameter its state dict keeps none for
+        optimizer.state.pop(param, None)
     for pg, values in zip(optimizer.param_groups if optimizer is not None else [], hyper):
         pg.update(values)
     return {k: v for k, v in manifest.tree.items() if k not in ("model", "optim") and not isinstance(v, TensorRef)}
@@ -236,6 +252,7 @@ class _OptimParam:
     param: torch.Tensor
     names: tuple[str, ...]  # every name of every member (a checkpoint may hold state under any)
     members: list[str]  # primary member names (what param groups list)
+    member_names: list[tuple[str, ...]]  # per member, its names
     requests: Callable[[torch.Tensor, Resolve], list[ReadRequest]]  # reads filling state shaped like param
 
 
@@ -244,32 +261,36 @@ def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> lis
     if not is_sharded(model):
         name_of = dict(enumerate(n for names in plain_names(model, optimizer) for n in names))
         params = [p for pg in optimizer.param_groups for p in pg["params"]]
-        return [_OptimParam(p, (name_of[i],), [name_of[i]],
+        return [_OptimParam(p, (name_of[i],), [name_of[i]], [(name_of[i],)],
                             lambda t, resolve, n=name_of[i], p=p: [ReadRequest(
                                 *resolve((n,), tuple(p.shape), FlatRange(0, p.numel())), t.detach())])
                 for i, p in enumerate(params)]
     out = []
     for held in _held(model, optimizer):
         layout = held.group.layout
-        names = tuple(n for j in held.members for n in (layout.names[j],) + layout.aliases[j])
-        out.append(_OptimParam(held.param, names, held.names,
+        per_member = [(layout.names[j],) + layout.aliases[j] for j in held.members]
+        out.append(_OptimParam(held.param, tuple(n for names in per_member for n in names), held.names, per_member,
                                lambda t, resolve, h=held: list(_piece_requests(h.group, h.pieces(t), resolve))))
     return out
 
 
 def _optim_requests(optimizer: torch.optim.Optimizer, params: list[_OptimParam], saved: Saved,
-                    scalars: list) -> list[ReadRequest]:
-    """Requests for every sharded optimizer state slice; scalar entries go to ``scalars`` for afterwards."""
+                    scalars: list, stateless: list) -> list[ReadRequest]:
+    """Requests for every sharded optimizer state slice; scalar entries go to ``scalars`` for afterwards, parameters
+    the checkpoint keeps no state for to ``stateless`` (one left out of the optimizer that saved it is refused
+    with the param groups)."""
     requests = []
     for held in params:
         state, names = optimizer.state.get(held.param, {}), held.names
         if not state:
             continue
-        given = saved.optim_entry(names)
-        if not given:
-            raise IncompatibleCheckpointError(
-                f"the checkpoint holds no optim state for {names[0]!r}, which this optimizer keeps "
-                f"{sorted(state)} for: was it left out of the optimizer that saved it? Build this one without it")
+        entries = [saved.optim_entry(names)] if saved.stored_flat(names) else \
+            [saved.optim_entry(member) for member in held.member_names]
+        per_member = {k for k, v in state.items() if shaped_like(v, held.param.shape)}
+        if not check_members_agree(held.members, entries, saved.same_value, per_member.__contains__):
+            stateless.append(held.param)
+            continue
+        given = entries[0]
         if set(given) != set(state):
             raise IncompatibleCheckpointError(
                 f"the checkpoint's optimizer state for {names[0]!r} holds {sorted(given)}, this optimizer keeps "

@@ -203,8 +203,16 @@ def set_model_state(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType
         verdict = world_group.broadcast(verdict)
         raise_failures([verdict])
         missing, unexpected = verdict
-    else:
-        missing, unexpected = _check_state(model, sd, sd_type, strict)
+    else:  # every rank checks its own; a failure on one is raised on all, before any exchange could wait for it
+        verdicts = world_group.all_gather(attempt(world_group.rank, lambda: _check_state(model, sd, sd_type, strict)))
+        raise_failures(verdicts)
+        missing, unexpected = verdicts[world_group.rank]
+        other = next((r for r, v in enumerate(verdicts) if v[0] != verdicts[0][0]), None)
+        if other is not None:  # the same verdict on every rank: all raise
+            raise IncompatibleCheckpointError(
+                f"the state dicts given differ between ranks in the entries they leave out (rank 0 misses "
+                f"{verdicts[0][0][:5]}, rank {other} {verdicts[other][0][:5]}): a state dict given on rank 0 only "
+                "loads with FullStateDictConfig(rank0_only=True)")
     source = world_group.rank == 0 if only0 else True
     replicas: dict[int, int] = {}  # id(Groups) -> the replica that holds global rank 0 (rank0_only)
     for group in groups(model):

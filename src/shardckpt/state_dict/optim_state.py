@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from shardckpt.dist.group import attempt, raise_failures, resolve_group
+from shardckpt.dist.group import Failure, attempt, raise_failures, resolve_group
 from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.runtime import FlatGroup, groups, is_sharded
 from shardckpt.runtime.state import state_of
@@ -18,6 +18,9 @@ from shardckpt.state_dict.flat import Held, held_params, held_region, local_key,
 from shardckpt.state_dict.model_state import (
     LOCAL, SHARDED, _offload, _set_local, fill_replicas, local_value, member_regions, member_source, member_values,
     rank0_only,
+)
+from shardckpt.state_dict.optim_checks import (
+    agree, check_members_agree, check_same_optimizer, fingerprint, same_value,
 )
 from shardckpt.state_dict.param_ids import NOT_HYPER, hyper_parameters, positional_names
 from shardckpt.state_dict.per_param import is_per_param, per_param_keys, shaped_like
@@ -68,17 +71,25 @@ def _state_names(held: Held, sd_type: StateDictType) -> list[str]:
     return [local_key(held.group)] if sd_type is LOCAL and held.whole_shard else held.names
 
 
-def _check_same_everywhere(helds: list[Held], states: list[dict]) -> None:
-    """With original parameters an optimizer might keep state for a parameter on some ranks only (one whose
-    piece is empty there); every rank must list the same entries, or the exchanges would pair wrong pieces."""
-    mine = [(sorted(map(str, state)), sorted(map(str, _per_member_keys(state, h)))) for h, state in zip(helds, states)]
-    everyone = resolve_group().all_gather(mine)
-    for i, h in enumerate(helds):
-        if any(theirs[i] != mine[i] for theirs in everyone):
-            raise IncompatibleCheckpointError(
-                f"the optimizer state of {h.names[0]!r} differs between ranks "
-                f"{[theirs[i] for theirs in everyone]} (keys, per-parameter keys): give every rank's optimizer the "
-                "same parameters, stepped the same number of times")
+def _held_everywhere(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[list[Held], list[dict]]:
+    """What the optimizer holds (``_held``) and its state per parameter, checked to be alike on every rank
+    (collective; see ``optim_checks``)."""
+    found: dict[str, Any] = {}
+
+    def look() -> tuple[list[list[str]], list[tuple]]:
+        found["helds"] = helds = _held(model, optim)
+        found["states"] = states = [optim.state.get(p, {}) for pg in optim.param_groups for p in pg["params"]]
+        entries = []
+        for h, state in zip(helds, states):
+            keys = _per_member_keys(state, h)
+            entries.append((sorted(map(str, state)), sorted(map(str, keys)),
+                            {str(k): fingerprint(v) for k, v in state.items() if k not in keys}))
+        return [[h.names[0] for h in helds[start:start + len(pg["params"])]]
+                for pg, start in zip(optim.param_groups, _starts(optim))], entries
+
+    _, everyone = agree(resolve_group(), look)
+    check_same_optimizer(everyone)
+    return found["helds"], found["states"]
 
 
 def get_optim_state(model: nn.Module, optim: torch.optim.Optimizer, sd_type: StateDictType,
@@ -87,11 +98,8 @@ def get_optim_state(model: nn.Module, optim: torch.optim.Optimizer, sd_type: Sta
     keep = not rank0_only(config) or resolve_group().rank == 0
     if not is_sharded(model):
         return _get_plain(model, optim, sd_type, key_type) if keep else {}
-    helds = _held(model, optim)
-    states = [optim.state.get(p, {}) for pg in optim.param_groups for p in pg["params"]]
+    helds, states = _held_everywhere(model, optim)
     flat = all(h.whole_shard for h in helds)
-    if not flat:
-        _check_same_everywhere(helds, states)
     state_out: dict[str, Any] = {}
     if sd_type is LOCAL:
         for held, state in zip(helds, states):
@@ -190,12 +198,9 @@ def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, s
     group0 = resolve_group()
     source = group0.rank == 0 if only0 else True
     init_optim_state(optim)
-    helds = _held(model, optim)
+    helds, states = _held_everywhere(model, optim)
     params = [p for pg in optim.param_groups for p in pg["params"]]
-    states = [optim.state.get(p, {}) for p in params]
     orig = not all(h.whole_shard for h in helds)
-    if orig:
-        _check_same_everywhere(helds, states)
     named: dict[str, dict] = {"osd": {}}
 
     def check() -> tuple[dict, list]:
@@ -210,8 +215,20 @@ def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, s
     small = attempt(group0.rank, check) if source else None
     if only0:
         small = group0.broadcast(small)
-    raise_failures([small])
-    scalars, hyper = small
+        raise_failures([small])
+    else:  # a check failing on some ranks only must not leave the others waiting in the exchanges below
+        verdicts = group0.all_gather(small if isinstance(small, Failure) else small[2])
+        raise_failures(verdicts)
+        other = next((r for r, v in enumerate(verdicts) if v != verdicts[0]), None)
+        if other is not None:
+            names = [helds[i].names[0] for i in sorted(set(verdicts[0]) ^ set(verdicts[other]))]
+            raise IncompatibleCheckpointError(
+                f"the optimizer state dicts given differ between ranks: rank 0's and rank {other}'s disagree on "
+                f"whether {names[:5]} have state: give every rank the state dict saved (a state dict given on rank "
+                "0 only loads with FullStateDictConfig(rank0_only=True))")
+    scalars, hyper, stateless = small
+    for i in stateless:  # saved without state (no gradient yet): loaded as torch loads it, without
+        states[i] = {}
     osd, replicas = named["osd"], {}
     if sd_type is LOCAL:
         for held, state in zip(helds, states):
@@ -228,6 +245,8 @@ def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, s
             state[k] = v.to(state[k].device) if torch.is_tensor(v) and torch.is_tensor(state.get(k)) else v
     for pg, values in zip(optim.param_groups, hyper):
         pg.update(values)
+    for i in stateless:
+        optim.state.pop(params[i], None)
 
 
 def _scatter_group_state(group: FlatGroup, mine: list[tuple[Held, dict]], osd: dict | None, sd_type: StateDictType,
@@ -272,31 +291,35 @@ def _set_local_state(held: Held, target: torch.Tensor, value: Any, key: str) -> 
 
 
 def _small_parts(osd: dict, helds: list[Held], states: list[dict], optim: torch.optim.Optimizer,
-                 sd_type: StateDictType) -> tuple[dict, list]:
-    """Per parameter (by position: they travel to other ranks) its scalar state (from its first member), per
-    optimizer group its hyper-parameters; checking that the state dict fits this optimizer."""
+                 sd_type: StateDictType) -> tuple[dict, list, list[int]]:
+    """Per parameter (by position: they travel to other ranks) its scalar state, per optimizer group its
+    hyper-parameters, and the positions of parameters the state dict keeps no state for (the optimizer that saved
+    it had none: no gradient yet); checking that the state dict fits this optimizer."""
     scalars: dict[int, dict] = {}
+    stateless = []
+    saved = osd.get("state", {})
     for i, (held, state) in enumerate(zip(helds, states)):
+        if not state:
+            continue
         names = _state_names(held, sd_type)
-        for name in names:
-            if state and name not in osd.get("state", {}):
-                raise IncompatibleCheckpointError(f"optimizer state dict has no state for {name!r}")
-        if state:
-            given = osd["state"][names[0]]
-            if set(given) != set(state):
-                raise IncompatibleCheckpointError(
-                    f"optimizer state for {names[0]!r} holds {sorted(given)}, this optimizer keeps {sorted(state)}: "
-                    "was it saved from a different kind of optimizer?")
-            keys = _per_member_keys(state, held)
-            scalars[i] = {k: _copy(v) for k, v in given.items() if k not in keys}
-            if sd_type is not LOCAL:  # shapes, before any data moves
-                group = held.group
-                rank, world = group.groups.shard_rank, group.groups.shard_size
-                for j, name in zip(held.members, names):
-                    for k in keys:
-                        member_source(osd["state"][name][k], f"{name}.{k}", group.layout.shapes[j], sd_type, rank,
-                                      world)
-    return scalars, match_param_groups(osd.get("param_groups", []), optim, [_state_names(h, sd_type) for h in helds])
+        keys = _per_member_keys(state, held)
+        if not check_members_agree(names, [saved.get(name) for name in names], same_value, keys.__contains__):
+            stateless.append(i)
+            continue
+        given = saved[names[0]]
+        if set(given) != set(state):
+            raise IncompatibleCheckpointError(
+                f"optimizer state for {names[0]!r} holds {sorted(given)}, this optimizer keeps {sorted(state)}: "
+                "was it saved from a different kind of optimizer?")
+        scalars[i] = {k: _copy(v) for k, v in given.items() if k not in keys}
+        if sd_type is not LOCAL:  # shapes, before any data moves
+            group = held.group
+            rank, world = group.groups.shard_rank, group.groups.shard_size
+            for j, name in zip(held.members, names):
+                for k in keys:
+                    member_source(saved[name][k], f"{name}.{k}", group.layout.shapes[j], sd_type, rank, world)
+    hyper = match_param_groups(osd.get("param_groups", []), optim, [_state_names(h, sd_type) for h in helds])
+    return scalars, hyper, stateless
 
 
 def match_param_groups(given_groups: list[dict], optim: torch.optim.Optimizer,
@@ -307,10 +330,15 @@ def match_param_groups(given_groups: list[dict], optim: torch.optim.Optimizer,
     optimizer group must sit in one saved group with the same hyper-parameter keys.
     """
     group_of = {name: i for i, pg in enumerate(given_groups) for name in pg.get("params", [])}
+    # An empty group (a recipe's group that came out empty) takes the saved empty groups' values in order.
+    empty = iter([i for i, pg in enumerate(given_groups) if not pg.get("params")])
     hyper = []
     for pg, start in zip(optim.param_groups, _starts(optim)):
         names = [n for member_names in names_of_param[start:start + len(pg["params"])] for n in member_names]
-        found = {group_of.get(n) for n in names}
+        found = {group_of.get(n) for n in names} if names else {next(empty, -1)}
+        if found == {-1}:  # none saved: nothing in it to load for
+            hyper.append(hyper_parameters(pg))
+            continue
         if None in found or len(found) != 1:
             raise IncompatibleCheckpointError(
                 f"the saved param_groups do not match this optimizer's: parameters {names[:3]}... are "
