@@ -188,3 +188,36 @@ def test_an_empty_param_group_round_trips(tmp_path):
     for where, (state, lr) in result["got"].items():
         assert_same_state(state, result["want"], where)
         assert lr == 0.5, where
+
+
+def _untouched(_: None) -> dict[str, Any]:
+    """A state dict refused by set_state_dict leaves model and optimizer as they were: every check runs first."""
+    model, optim = _run()
+    steps(model, optim, _model.make_batches(2))
+    out = {}
+    for sd_type in TYPES:
+        sd = shardckpt.get_state_dict(model, optim, type=sd_type)
+        bad_optim = {**sd, "optim": {**sd["optim"], "param_groups": [
+            {k: v for k, v in pg.items() if k != "amsgrad"} for pg in sd["optim"]["param_groups"]]}}
+        model_keys = list(sd["model"])
+        bad_model = {**sd, "model": {**sd["model"], model_keys[-2]: sd["model"][model_keys[0]]}}  # a late key wrong
+        for what, bad in (("optim", bad_optim), ("model", bad_model)):
+            fresh, fresh_optim = _run()
+            steps(fresh, fresh_optim, _model.make_batches(1, seed=5))
+            before = full_state(fresh, fresh_optim)
+            out[(sd_type.name, what)] = (_refused(lambda: shardckpt.set_state_dict(fresh, fresh_optim, bad,
+                                                                                   type=sd_type), ""),
+                                         before, full_state(fresh, fresh_optim))
+    flat, flat_optim = _run(orig=False)
+    sd = shardckpt.get_state_dict(model, optim, type=LOCAL)
+    out["other form"] = _refused(lambda: shardckpt.set_state_dict(flat, flat_optim, sd, type=LOCAL), "load_state")
+    return out
+
+
+def test_a_refused_state_dict_changes_nothing():
+    result = run_ranks(2, _untouched, None)[0]
+    assert "use_orig_params=True" in result.pop("other form")
+    assert len(result) == 6
+    for where, (message, before, after) in result.items():
+        assert message, where
+        assert_same_state(after, before, f"{where}: {message}")

@@ -14,7 +14,7 @@ from shardckpt.checkpoint.save import save
 from shardckpt.runtime.api import ModuleStateHandlers
 from shardckpt.runtime.state import state_of
 from shardckpt.state_dict.model_state import get_model_state, rank0_only, set_model_state
-from shardckpt.state_dict.optim_state import get_optim_state, set_optim_state, unsharded_param_names
+from shardckpt.state_dict.optim_state import get_optim_state, prepare_optim_state, unsharded_param_names
 from shardckpt.state_dict.types import (
     OptimStateKeyType,
     StateDictConfig,
@@ -60,9 +60,12 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, st
     """
     config = resolve_config(type, config)
     # With FULL rank0_only the other ranks have nothing to give: they may pass {}.
-    set_model_state(model, state_dict.get("model", {}), type, config, strict)
-    if optimizer is not None and ("optim" in state_dict or rank0_only(config)):
-        set_optim_state(model, optimizer, state_dict.get("optim", {}), type, config, optim_param_names)
+    load_optim = prepare_optim_state(model, optimizer, state_dict.get("optim", {}), type, config,
+                                     optim_param_names) \
+        if optimizer is not None and ("optim" in state_dict or rank0_only(config)) else None
+    set_model_state(model, state_dict.get("model", {}), type, config, strict)  # checked before anything moves
+    if load_optim is not None:
+        load_optim()
 
 
 _SETTINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ShardState -> (type, config)

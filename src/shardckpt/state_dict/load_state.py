@@ -24,9 +24,9 @@ from shardckpt.runtime import FlatGroup, FlatLayout, groups, is_sharded
 from shardckpt.runtime.flat_group import shards_changed
 from shardckpt.state_dict.flat import LAYOUTS_KEY, MemberPiece, flat_pieces, held_region
 from shardckpt.state_dict.model_state import buffers
-from shardckpt.state_dict.optim_state import (
-    _held, init_optim_state, match_param_groups, names_by_group, plain_names, unsharded_param_names,
-)
+from shardckpt.state_dict.optim_state import _held, init_optim_state, names_by_group, unsharded_param_names
+from shardckpt.state_dict.param_groups import match_param_groups
+from shardckpt.state_dict.plain_optim import plain_names
 from shardckpt.state_dict.optim_checks import check_members_agree, same_value
 from shardckpt.state_dict.per_param import shaped_like
 from shardckpt.state_dict.param_ids import positional_names, resolve_id_names, unknown_ids

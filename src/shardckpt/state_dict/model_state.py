@@ -149,12 +149,21 @@ def _check_state(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType,
     unexpected = [k for k in sd if k not in known]
     if strict:
         check_keys(missing, unexpected, "state dict")
-    if sd_type is not LOCAL:
-        for group in groups(model):
-            rank, world = group.groups.shard_rank, group.groups.shard_size
-            for j, name in enumerate(group.layout.names):
-                member_source(_value(sd, (name,) + group.layout.aliases[j]), name, group.layout.shapes[j], sd_type,
-                              rank, world)
+    for group in groups(model):
+        if sd_type is LOCAL:
+            if local_key(group) not in missing:
+                local_source(group, sd[local_key(group)], local_key(group))
+            continue
+        rank, world = group.groups.shard_rank, group.groups.shard_size
+        for j, name in enumerate(group.layout.names):
+            member_source(_value(sd, (name,) + group.layout.aliases[j]), name, group.layout.shapes[j], sd_type,
+                          rank, world)
+    for name, buf in buffers(model).items():
+        value = sd.get(name)
+        value = value.local if isinstance(value, ShardedTensor) else value
+        if value is not None and (not torch.is_tensor(value) or tuple(value.shape) != tuple(buf.shape)):
+            raise IncompatibleCheckpointError(f"buffer {name!r}: the state dict holds {value!r:.80}, the model's has "
+                                              f"shape {list(buf.shape)}")
     return missing, unexpected
 
 
@@ -246,6 +255,12 @@ def fill_replicas(group: FlatGroup, flat_tensors: list[torch.Tensor], sources: d
 
 
 def _set_local(group: FlatGroup, flat: torch.Tensor, value: Any, key: str) -> None:
+    with torch.no_grad():
+        flat.copy_(local_source(group, value, key))
+
+
+def local_source(group: FlatGroup, value: Any, key: str) -> torch.Tensor:
+    """A LOCAL state-dict value's data for this rank's flat shard of ``group``, checked to be that shard."""
     layout, rank = group.layout, group.groups.shard_rank
     start, stop = layout.shard_range(rank)
     if value is None:
@@ -256,8 +271,7 @@ def _set_local(group: FlatGroup, flat: torch.Tensor, value: Any, key: str) -> No
             f"{key!r}: this LOCAL state was made with another world size or wrapping (it holds "
             f"{getattr(value, 'region', None)} of {getattr(value, 'global_shape', None)}, this rank holds "
             f"{FlatRange(start, stop)} of ({layout.padded_numel},)); use shardckpt.load_state() to reshard it")
-    with torch.no_grad():
-        flat.copy_(value.local)
+    return value.local
 
 
 def _broadcast_buffers(bufs: dict[str, torch.Tensor], sd: dict[str, Any]) -> None:

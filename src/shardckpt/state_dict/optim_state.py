@@ -3,7 +3,8 @@ group; its flat-shaped state (e.g. Adam's ``exp_avg``) converts exactly like the
 scalars (e.g. ``step``) are replicated to every member."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -16,15 +17,16 @@ from shardckpt.sharded_tensor import ShardedTensor
 from shardckpt.regions import FlatRange
 from shardckpt.state_dict.flat import Held, held_params, held_region, local_key, scatter_members
 from shardckpt.state_dict.model_state import (
-    LOCAL, SHARDED, _offload, _set_local, fill_replicas, local_value, member_regions, member_source, member_values,
+    LOCAL, _offload, fill_replicas, local_source, local_value, member_regions, member_source, member_values,
     rank0_only,
 )
 from shardckpt.state_dict.optim_checks import (
     agree, check_members_agree, check_same_optimizer, fingerprint, same_value,
 )
-from shardckpt.state_dict.param_ids import NOT_HYPER, hyper_parameters, positional_names
-from shardckpt.state_dict.per_param import is_per_param, per_param_keys, shaped_like
-from shardckpt.state_dict.redistribute import assemble_chunks
+from shardckpt.state_dict.param_groups import group_starts, match_param_groups
+from shardckpt.state_dict.param_ids import hyper_parameters, positional_names
+from shardckpt.state_dict.per_param import shaped_like
+from shardckpt.state_dict.plain_optim import check_plain, get_plain, set_plain
 from shardckpt.state_dict.rekey import keyed_by_name, rekey_optim_state_dict
 from shardckpt.state_dict.types import OptimStateKeyType, StateDictConfig, StateDictType
 
@@ -63,7 +65,7 @@ def _held(model: nn.Module, optim: torch.optim.Optimizer) -> list[Held]:
 def names_by_group(helds: list[Held], optim: torch.optim.Optimizer) -> list[list[str]]:
     """Per param group, the names of an optimizer's original parameters (``use_orig_params``), in its order."""
     return [[h.names[0] for h in helds[start:start + len(pg["params"])]]
-            for pg, start in zip(optim.param_groups, _starts(optim))]
+            for pg, start in zip(optim.param_groups, group_starts(optim))]
 
 
 def _state_names(held: Held, sd_type: StateDictType) -> list[str]:
@@ -85,7 +87,7 @@ def _held_everywhere(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[li
             entries.append((sorted(map(str, state)), sorted(map(str, keys)),
                             {str(k): fingerprint(v) for k, v in state.items() if k not in keys}))
         return [[h.names[0] for h in helds[start:start + len(pg["params"])]]
-                for pg, start in zip(optim.param_groups, _starts(optim))], entries
+                for pg, start in zip(optim.param_groups, group_starts(optim))], entries
 
     _, everyone = agree(resolve_group(), look)
     check_same_optimizer(everyone)
@@ -97,7 +99,7 @@ def get_optim_state(model: nn.Module, optim: torch.optim.Optimizer, sd_type: Sta
     init_optim_state(optim)  # so that a fresh optimizer's state dict has the structure to load into
     keep = not rank0_only(config) or resolve_group().rank == 0
     if not is_sharded(model):
-        return _get_plain(model, optim, sd_type, key_type) if keep else {}
+        return get_plain(model, optim, sd_type, key_type) if keep else {}
     helds, states = _held_everywhere(model, optim)
     flat = all(h.whole_shard for h in helds)
     state_out: dict[str, Any] = {}
@@ -116,7 +118,7 @@ def get_optim_state(model: nn.Module, optim: torch.optim.Optimizer, sd_type: Sta
     flat_keys = sd_type is LOCAL and flat
     in_order = (lambda names: names) if flat_keys else (lambda names: sorted(names, key=position.get))
     groups_out = []
-    for pg, start in zip(optim.param_groups, _starts(optim)):
+    for pg, start in zip(optim.param_groups, group_starts(optim)):
         names = [name for h in helds[start:start + len(pg["params"])] for name in _state_names(h, sd_type)]
         groups_out.append({**hyper_parameters(pg), "params": in_order(names)})
     if not keep:
@@ -156,10 +158,6 @@ def _local_state(held: Held, value: torch.Tensor, config: StateDictConfig) -> Sh
     return ShardedTensor(_offload(value, config).reshape(-1), layout.shapes[j], region)
 
 
-def _counts(optim: torch.optim.Optimizer) -> list[int]:
-    return [len(pg["params"]) for pg in optim.param_groups]
-
-
 def _copy(value: Any) -> Any:
     return value.detach().clone() if torch.is_tensor(value) else value
 
@@ -189,11 +187,16 @@ def init_optim_state(optim: torch.optim.Optimizer) -> None:
     optim.zero_grad(set_to_none=True)
 
 
-def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, sd_type: StateDictType,
-                    config: StateDictConfig, optim_param_names: Sequence[str] | None = None) -> None:
+def prepare_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, sd_type: StateDictType,
+                        config: StateDictConfig, optim_param_names: Sequence[str] | None = None,
+                        ) -> Callable[[], None]:
+    """Check that ``osd`` loads into ``optim`` (collective: on every rank, or on none), and return what loads it;
+    nothing moves before. ``set_state_dict`` checks the optimizer state before the model state moves."""
     if not is_sharded(model):
-        _set_plain(model, optim, osd, sd_type, optim_param_names)
-        return
+        group = resolve_group()
+        checked = attempt(group.rank, lambda: check_plain(model, optim, osd, optim_param_names))
+        raise_failures(group.all_gather(checked if isinstance(checked, Failure) else None))
+        return functools.partial(set_plain, optim, *checked)
     only0 = rank0_only(config)
     group0 = resolve_group()
     source = group0.rank == 0 if only0 else True
@@ -229,24 +232,29 @@ def set_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, s
     scalars, hyper, stateless = small
     for i in stateless:  # saved without state (no gradient yet): loaded as torch loads it, without
         states[i] = {}
-    osd, replicas = named["osd"], {}
-    if sd_type is LOCAL:
-        for held, state in zip(helds, states):
-            (key,) = _state_names(held, LOCAL)
-            given = osd["state"].get(key, {})
-            for k in _per_member_keys(state, held):
-                _set_local_state(held, state[k], given.get(k), f"{key}.{k}")
-    else:
-        for group in groups(model):
-            mine = [(h, state) for h, state in zip(helds, states) if h.group is group and state]
-            _scatter_group_state(group, mine, osd if source else None, sd_type, config, only0, replicas)
-    for i, state in enumerate(states):
-        for k, v in scalars.get(i, {}).items():
-            state[k] = v.to(state[k].device) if torch.is_tensor(v) and torch.is_tensor(state.get(k)) else v
-    for pg, values in zip(optim.param_groups, hyper):
-        pg.update(values)
-    for i in stateless:
-        optim.state.pop(params[i], None)
+
+    def apply() -> None:
+        osd, replicas = named["osd"], {}
+        if sd_type is LOCAL:
+            for held, state in zip(helds, states):
+                (key,) = _state_names(held, LOCAL)
+                given = osd["state"].get(key, {})
+                for k in _per_member_keys(state, held):
+                    with torch.no_grad():
+                        state[k].view(-1).copy_(_local_state_source(held, given.get(k), f"{key}.{k}").reshape(-1))
+        else:
+            for group in groups(model):
+                mine = [(h, state) for h, state in zip(helds, states) if h.group is group and state]
+                _scatter_group_state(group, mine, osd if source else None, sd_type, config, only0, replicas)
+        for i, state in enumerate(states):
+            for k, v in scalars.get(i, {}).items():
+                state[k] = v.to(state[k].device) if torch.is_tensor(v) and torch.is_tensor(state.get(k)) else v
+        for pg, values in zip(optim.param_groups, hyper):
+            pg.update(values)
+        for i in stateless:
+            optim.state.pop(params[i], None)
+
+    return apply
 
 
 def _scatter_group_state(group: FlatGroup, mine: list[tuple[Held, dict]], osd: dict | None, sd_type: StateDictType,
@@ -272,11 +280,11 @@ def _scatter_group_state(group: FlatGroup, mine: list[tuple[Held, dict]], osd: d
         fill_replicas(group, targets, replicas)
 
 
-def _set_local_state(held: Held, target: torch.Tensor, value: Any, key: str) -> None:
-    """LOCAL optimizer state into ``target``: a flat shard's, or a member's piece as ``_local_state`` gives it."""
+def _local_state_source(held: Held, value: Any, key: str) -> torch.Tensor:
+    """LOCAL optimizer state's data for ``held`` (a flat shard's, or a member's piece as ``_local_state`` gives it),
+    checked to be what this rank holds."""
     if held.whole_shard:
-        _set_local(held.group, target, value, key)
-        return
+        return local_source(held.group, value, key)
     (j,) = held.members
     layout = held.group.layout
     want = held_region(layout, j, held.group.groups.shard_rank) or FlatRange(0, 0)
@@ -286,8 +294,7 @@ def _set_local_state(held: Held, target: torch.Tensor, value: Any, key: str) -> 
             f"{key!r}: this LOCAL state was made with another world size or wrapping (it holds "
             f"{getattr(value, 'region', None)} of {getattr(value, 'global_shape', None)}, this rank holds {want} "
             f"of {layout.shapes[j]}); use shardckpt.load_state() to reshard it")
-    with torch.no_grad():
-        target.view(-1).copy_(value.local.reshape(-1))
+    return value.local
 
 
 def _small_parts(osd: dict, helds: list[Held], states: list[dict], optim: torch.optim.Optimizer,
@@ -312,98 +319,13 @@ def _small_parts(osd: dict, helds: list[Held], states: list[dict], optim: torch.
                 f"optimizer state for {names[0]!r} holds {sorted(given)}, this optimizer keeps {sorted(state)}: "
                 "was it saved from a different kind of optimizer?")
         scalars[i] = {k: _copy(v) for k, v in given.items() if k not in keys}
-        if sd_type is not LOCAL:  # shapes, before any data moves
-            group = held.group
-            rank, world = group.groups.shard_rank, group.groups.shard_size
-            for j, name in zip(held.members, names):
-                for k in keys:
+        group = held.group  # shapes and regions, before any data moves
+        rank, world = group.groups.shard_rank, group.groups.shard_size
+        for j, name in zip(held.members, names):
+            for k in keys:
+                if sd_type is LOCAL:
+                    _local_state_source(held, saved[name][k], f"{name}.{k}")
+                else:
                     member_source(saved[name][k], f"{name}.{k}", group.layout.shapes[j], sd_type, rank, world)
     hyper = match_param_groups(osd.get("param_groups", []), optim, [_state_names(h, sd_type) for h in helds])
     return scalars, hyper, stateless
-
-
-def match_param_groups(given_groups: list[dict], optim: torch.optim.Optimizer,
-                       names_of_param: list[list[str]]) -> list[dict]:
-    """Hyper-parameters for each of the optimizer's param groups, from saved groups that list member names.
-
-    ``names_of_param[i]``: the member names of the optimizer's i-th parameter. Every parameter of one
-    optimizer group must sit in one saved group with the same hyper-parameter keys.
-    """
-    group_of = {name: i for i, pg in enumerate(given_groups) for name in pg.get("params", [])}
-    # An empty group (a recipe's group that came out empty) takes the saved empty groups' values in order.
-    empty = iter([i for i, pg in enumerate(given_groups) if not pg.get("params")])
-    hyper = []
-    for pg, start in zip(optim.param_groups, _starts(optim)):
-        names = [n for member_names in names_of_param[start:start + len(pg["params"])] for n in member_names]
-        found = {group_of.get(n) for n in names} if names else {next(empty, -1)}
-        if found == {-1}:  # none saved: nothing in it to load for
-            hyper.append(hyper_parameters(pg))
-            continue
-        if None in found or len(found) != 1:
-            raise IncompatibleCheckpointError(
-                f"the saved param_groups do not match this optimizer's: parameters {names[:3]}... are "
-                f"{'missing from' if None in found else 'spread over several of'} its param groups")
-        given = given_groups[found.pop()]
-        if set(given) - NOT_HYPER != set(pg) - NOT_HYPER:
-            raise IncompatibleCheckpointError(f"param group hyper-parameters {sorted(set(given) - NOT_HYPER)} differ "
-                                              f"from this optimizer's {sorted(set(pg) - NOT_HYPER)}: a different "
-                                              "kind of optimizer?")
-        hyper.append(hyper_parameters(given))
-    return hyper
-
-
-def _starts(optim: torch.optim.Optimizer) -> list[int]:
-    counts = _counts(optim)
-    return [sum(counts[:i]) for i in range(len(counts))]
-
-
-# ------------------------------------------------------------------------------------- plain models
-
-
-def plain_names(model: nn.Module, optim: torch.optim.Optimizer) -> list[list[str]]:
-    """The names of a plain model's optimizer's parameters, group by group (torch's ID order)."""
-    name_of = {id(p): name for name, p in model.named_parameters()}
-    if any(id(p) not in name_of for pg in optim.param_groups for p in pg["params"]):
-        raise IncompatibleCheckpointError("the optimizer holds a tensor that is not a parameter of this model: "
-                                          "build it over the model's parameters")
-    return [[name_of[id(p)] for p in pg["params"]] for pg in optim.param_groups]
-
-
-def _get_plain(model: nn.Module, optim: torch.optim.Optimizer, sd_type: StateDictType,
-               key_type: OptimStateKeyType) -> dict:
-    osd = optim.state_dict()
-    names = [name for group_names in plain_names(model, optim) for name in group_names]  # torch's ID -> name
-    state = {names[i]: dict(entry) for i, entry in osd["state"].items()}
-    groups_ = [{**hyper_parameters(pg), "params": [names[i] for i in pg["params"]]} for pg in osd["param_groups"]]
-    if sd_type is SHARDED:
-        g = resolve_group()
-        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-        keys = per_param_keys((shapes[name], entry) for name, entry in state.items())
-        for name, entry in state.items():
-            for k, v in entry.items():
-                if is_per_param(k, v, shapes[name], keys, name, strict=False):
-                    entry[k] = ShardedTensor.from_full(v, g.rank, g.world_size)
-    out = {"state": state, "param_groups": groups_}
-    return rekey_optim_state_dict(out, key_type, unsharded_param_names(model))
-
-
-def _set_plain(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, sd_type: StateDictType,
-               optim_param_names: Sequence[str] | None) -> None:
-    """By name; ID-keyed state without recorded or given names maps onto this optimizer's own param
-    groups, position by position, as torch's ``load_state_dict`` does."""
-    live = plain_names(model, optim)
-    osd = keyed_by_name(osd, optim_param_names,
-                        lambda: positional_names(osd.get("param_groups", []), live, "optim_param_names"))
-    names = [name for group_names in live for name in group_names]
-    position = {name: i for i, name in enumerate(names)}
-    hyper = match_param_groups(osd["param_groups"], optim, [[name] for name in names])
-    g = resolve_group()
-    chunks = {(name, k): v for name, entry in osd["state"].items() for k, v in entry.items()
-              if isinstance(v, ShardedTensor)}
-    whole = assemble_chunks(chunks, g.rank, g.world_size, g.pg)
-    # State for parameters this optimizer does not hold is left out, as load_state does.
-    state = {position[name]: {k: whole.get((name, k), v) for k, v in entry.items()}
-             for name, entry in osd["state"].items() if name in position}
-    groups_ = [{**values, "params": list(range(start, start + len(pg["params"])))}
-               for values, pg, start in zip(hyper, optim.param_groups, _starts(optim))]
-    optim.load_state_dict({"state": state, "param_groups": groups_})
