@@ -316,7 +316,7 @@ def _summoned(_: None) -> dict[str, Any]:
     with model.summon_full_params(writeback=True):
         inside = dict(model.named_parameters())
         same = {n: torch.equal(p, plain[n]) for n, p in inside.items()}
-        attr = torch.equal(model.blocks[0].fc1.weight, plain["blocks.0.fc1.weight"])
+        attr = model.blocks[0].fc1.weight is inside["blocks.0.fc1.weight"] and model.head.weight is inside["tok.weight"]
         with torch.no_grad():
             inside["blocks.1.fc2.weight"].mul_(2)
     after = list(model.parameters())
@@ -334,3 +334,40 @@ def test_summon_full_params_lists_the_full_parameters() -> None:
         assert all(r["same"].values()), r["same"]
         assert r["requires_grad"] == {n: p.requires_grad for n, p in plain.named_parameters()}
         assert r["attr"] and r["restored"] and r["written"], r
+
+
+class _ReadsDevice(Block):
+    """A block that places its input by the next block's weight's device (as code written for FSDP1 does)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        nxt = self.next_block[0]
+        assert nxt.fc1.weight.device == x.device and nxt.fc1.weight.is_floating_point() and not nxt.fc1.weight.is_cuda
+        return super().forward(x.to(nxt.fc1.weight.device))
+
+
+def _forward_raises(_: None) -> dict[str, Any]:
+    """After a forward that raised (and one under no_grad), the names read the pieces again; a stand-in tells its
+    device and dtype to another unit's forward, as the piece would."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = _model.make_model()
+    model.blocks[0].__class__ = _ReadsDevice
+    object.__setattr__(model.blocks[0], "next_block", [model.blocks[1]])
+    model = runtime.shard(model, wrap=(Block,), use_orig_params=True)
+    batch = _model.local_slice(_model.make_batches(1)[0], rank, world)
+    piece = model.blocks[1].fc1.weight
+    out = {"reads_device": _model.loss_fn(model, *batch).item() > 0}
+    hook = model.blocks[1].register_forward_pre_hook(lambda m, a: 1 / 0)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(ZeroDivisionError):
+            model(batch[0])
+        out[f"after raise, grad={grad}"] = model.blocks[1].fc1.weight is piece
+    hook.remove()
+    with torch.no_grad():
+        model(batch[0])
+    out["after no_grad"] = model.blocks[1].fc1.weight is piece
+    return out
+
+
+def test_the_names_read_the_pieces_after_any_forward() -> None:
+    for result in run_ranks(2, _forward_raises, None):
+        assert all(result.values()), result

@@ -139,6 +139,9 @@ def _differ_between_ranks(_: None) -> dict[str, list[str]]:
         out[f"rank 0 only, orig={orig}"] = [_refused(
             lambda: shardckpt.set_state_dict(fresh, fresh_optim, given, type=FULL), "rank")]
         broken = sd if rank == 0 else {"model": sd["model"], "optim": {**sd["optim"], "state": {}}}
+        out[f"no optimizer state on rank 0 only, orig={orig}"] = [_refused(
+            lambda: shardckpt.set_state_dict(fresh, fresh_optim, sd if rank else {"model": sd["model"]}, type=FULL),
+            r"optimizer state on ranks \[1, 2\] only")]
         out[f"optimizer state on rank 0 only, orig={orig}"] = [_refused(
             lambda: shardckpt.set_state_dict(fresh, fresh_optim, broken, type=FULL), "rank")]
     return out
@@ -147,7 +150,7 @@ def _differ_between_ranks(_: None) -> dict[str, list[str]]:
 def test_what_differs_between_ranks_is_refused_on_every_rank():
     results = run_ranks(3, _differ_between_ranks, None)
     for rank, result in enumerate(results):
-        assert len(result) == 6, result
+        assert len(result) == 8, result
         for message in result["pieces left out"]:
             assert "only on rank 0" in message and "gate" in message, message
         for message in result["scalar per rank"]:

@@ -31,13 +31,24 @@ class NotGathered(torch.Tensor):
     deep inside the module that read it (a parameter read outside its unit's forward and backward)."""
 
     _READABLE = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.shape.__get__,
-                 torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__, torch.Tensor.requires_grad.__get__}
+                 torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__, torch.Tensor.requires_grad.__get__,
+                 torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.element_size}
 
     @staticmethod
-    def __new__(cls, name: str, unit: str, shape: tuple[int, ...], dtype: torch.dtype) -> NotGathered:
+    def __new__(cls, name: str, unit: str, shape: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device) -> NotGathered:
         stand_in = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"))
-        stand_in.member, stand_in.unit = name, unit
+        stand_in.member, stand_in.unit, stand_in._real_device = name, unit, device
         return stand_in
+
+    @property
+    def device(self) -> torch.device:
+        """The member's device (code that places inputs by a parameter's device reads it; the data is on meta)."""
+        return self._real_device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self._real_device.type == "cuda"
 
     def __repr__(self) -> str:
         return f"NotGathered({self.member!r} of unit {self.unit!r})"
@@ -118,8 +129,8 @@ class FlatGroup:
         self._pending_grad: torch.Tensor | None = None
         self._gathered_from = (-1, -1)  # (flat_param's version, shards_epoch()) the gathered buffer was made at
         self.unsharded = False
-        self._stand_ins = [NotGathered(member.name, prefix or "<root>", member.shape, compute_dtype)
-                           for member in self._members]
+        self._stand_ins = [NotGathered(member.name, prefix or "<root>", member.shape, compute_dtype,
+                                       self.flat_param.device) for member in self._members]
         flat = self.flat_param.detach()
         self.orig_params = [nn.Parameter(self.orig_piece(flat, j), requires_grad=layout.requires_grad)
                             for j in range(len(self._members))] if use_orig_params else None
@@ -359,12 +370,12 @@ class FlatGroup:
         ``named_parameters()`` yields them too (as parameters over ``full``, as FSDP1's), until ``drop_views``."""
         for j, (member, offset, numel) in enumerate(zip(self._members, self.layout.offsets, self.layout.numels)):
             view = full[offset:offset + numel].view(member.shape)
-            if self.orig_params is not None:
-                registered = nn.Parameter(view, requires_grad=self.orig_params[j].requires_grad)
+            if self.orig_params is not None:  # the attribute and named_parameters() give the same object
+                view = nn.Parameter(view, requires_grad=self.orig_params[j].requires_grad)
             for module, attr in member.owners:
                 module.__dict__[attr] = view
                 if self.orig_params is not None:
-                    module._parameters[attr] = registered
+                    module._parameters[attr] = view
 
     def write_back(self, full: torch.Tensor) -> None:
         start, stop = self.layout.shard_range(self._groups.shard_rank)

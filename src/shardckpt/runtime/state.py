@@ -112,6 +112,7 @@ class ShardState:
         self._forward_order, self._backward_order = _Order(), _Order()
         self._recording = True
         self._callback_queued = False
+        self._root_forward_finished = True  # False from the root's pre-forward until its post-forward hook ran
         self._backward_task: int | None = None  # the autograd graph task of the backward under way
         self._awaiting_backward = False  # a forward with grad ran; its backward has not finished
         self._backward_started: set[int] = set()  # units whose backward began in the pass under way
@@ -124,6 +125,7 @@ class ShardState:
             unit.module.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
             for group in unit.groups:
                 group.register_grad_hook(self._on_grad_ready)
+        self.root.register_forward_hook(lambda *_: self._after_root_forward(), always_call=True)
 
     # --- forward ------------------------------------------------------------------------------------
 
@@ -136,10 +138,10 @@ class ShardState:
             self._abandon_backward()  # the last backward raised before its end: start clean
         if unit.module is self.root:
             for group in self.groups:
+                group.check_requires_grad()  # before anything is gathered
                 group.release_dropped_grad()
-                group.guard_reads(True)
-        for group in unit.groups:
-            group.check_requires_grad()
+            self._guard_reads(True)
+            self._root_forward_finished = False
         if unit.module is self.root and self._forward_order.units:
             self._recording = False  # the first forward is over: prefetch from now on
         if self._recording:
@@ -153,6 +155,23 @@ class ShardState:
                             (args, kwargs))
         return None
 
+    def _after_root_forward(self) -> None:
+        """After the root's forward, whatever happened (after its post-forward hook; also when it raised): the names
+        read the pieces again; a forward that raised frees what it gathered, and its partial order is forgotten."""
+        if _in_backward():
+            return
+        if not self._root_forward_finished:
+            if self._recording:
+                self._forward_order, self._backward_order = _Order(), _Order()
+            for unit in self.units:
+                unit.reshard()
+        self._guard_reads(False)
+
+    def _guard_reads(self, on: bool) -> None:
+        if not _in_backward():  # a recomputed root forward leaves the names as they are
+            for group in self.groups:
+                group.guard_reads(on)
+
     def _prefetch(self, order: _Order, unit: Unit, step: int, chosen: list[Unit] | None) -> None:
         """Start the all-gather of the units ``chosen`` for this one, else of the unit `step` places away in
         `order` (from the second step on), to overlap with compute."""
@@ -165,15 +184,13 @@ class ShardState:
     def _post_forward(self, unit: Unit, output: Any) -> None:
         if _in_backward():  # a recomputation: its backward runs next, then frees it
             return
+        self._root_forward_finished |= unit.module is self.root
         if self._recording:
             self._backward_order.record(unit)
         grad_enabled = unit.forward_had_grad = torch.is_grad_enabled()
         self._awaiting_backward |= grad_enabled
         if not grad_enabled or unit.reshard_after_forward:  # without grad no backward follows
             unit.reshard()
-        if unit.module is self.root:
-            for group in self.groups:
-                group.guard_reads(False)
         if grad_enabled:
             tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
             for tensor in tensors:

@@ -11,6 +11,8 @@ from torch import nn
 
 from shardckpt.checkpoint.async_save import SaveHandle, async_save
 from shardckpt.checkpoint.save import save
+from shardckpt.dist.group import resolve_group
+from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.runtime.api import ModuleStateHandlers
 from shardckpt.runtime.state import state_of
 from shardckpt.state_dict.model_state import get_model_state, rank0_only, set_model_state
@@ -62,10 +64,21 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, st
     # With FULL rank0_only the other ranks have nothing to give: they may pass {}.
     load_optim = prepare_optim_state(model, optimizer, state_dict.get("optim", {}), type, config,
                                      optim_param_names) \
-        if optimizer is not None and ("optim" in state_dict or rank0_only(config)) else None
+        if optimizer is not None and (rank0_only(config) or _optim_given(state_dict)) else None
     set_model_state(model, state_dict.get("model", {}), type, config, strict)  # checked before anything moves
     if load_optim is not None:
         load_optim()
+
+
+def _optim_given(state_dict: dict[str, Any]) -> bool:
+    """Whether the state dicts hold optimizer state, the same answer on every rank (collective)."""
+    given = resolve_group().all_gather("optim" in state_dict)
+    if len(set(given)) > 1:
+        raise IncompatibleCheckpointError(
+            f"the state dicts given hold optimizer state on ranks {[r for r, g in enumerate(given) if g]} only: give "
+            "every rank its own (a FULL state dict given on rank 0 only loads with "
+            "FullStateDictConfig(rank0_only=True))")
+    return given[0]
 
 
 _SETTINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ShardState -> (type, config)

@@ -8,23 +8,32 @@
 """
 from __future__ import annotations
 
+import hashlib
+import pickle
 import zlib
 from typing import Any, Callable, Sequence
 
 import torch
 
-from shardckpt.dist.group import Group, attempt, raise_failures
+from shardckpt.dist.group import Failure, Group, attempt, raise_failures
 from shardckpt.errors import IncompatibleCheckpointError
 
 _PLAIN = (int, float, str, bool, type(None))
 
 
 def fingerprint(value: Any) -> Any:
-    """What two state values compare by: a tensor's dtype, shape and the CRC of its bytes; a plain value itself."""
+    """What two state values compare by: a tensor's dtype, shape and the CRC of its bytes (a meta or sparse one's
+    dtype, shape and layout); containers element by element; a plain value itself."""
     if torch.is_tensor(value):
-        t = value.detach().to("cpu").contiguous().reshape(-1)
+        if value.is_meta or value.layout != torch.strided:
+            return ("tensor", str(value.dtype), tuple(value.shape), str(value.layout))
+        t = value.detach().resolve_conj().resolve_neg().to("cpu").contiguous().reshape(-1)
         return ("tensor", str(t.dtype), tuple(value.shape), zlib.crc32(t.view(torch.uint8).numpy().tobytes()))
-    return value if isinstance(value, _PLAIN) else repr(value)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(fingerprint(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((fingerprint(k), fingerprint(v)) for k, v in value.items()))
+    return value if isinstance(value, _PLAIN) else (type(value).__name__, repr(value))
 
 
 def same_value(a: Any, b: Any) -> bool:
@@ -32,12 +41,16 @@ def same_value(a: Any, b: Any) -> bool:
 
 
 def agree(group: Group, look: Callable[[], Any]) -> tuple[Any, list[Any]]:
-    """Run ``look`` on every rank and all-gather what it found (collective); a rank's failure is raised on every
-    rank. Returns (this rank's result, every rank's)."""
+    """Run ``look`` on every rank and compare what it found (collective): only a digest travels unless ranks
+    differ, then every rank's finding does. A rank's failure is raised on every rank. Returns (this rank's
+    finding, every rank's, or None when all are the same)."""
     mine = attempt(group.rank, look)
-    everyone = group.all_gather(mine)
-    raise_failures(everyone)
-    return mine, everyone
+    digest = mine if isinstance(mine, Failure) else hashlib.sha256(pickle.dumps(mine)).hexdigest()
+    digests = group.all_gather(digest)
+    raise_failures(digests)
+    if all(d == digests[0] for d in digests):
+        return mine, None
+    return mine, group.all_gather(mine)
 
 
 def check_same_optimizer(everyone: list[tuple[list[list[str]], list[tuple]]]) -> None:
@@ -61,14 +74,17 @@ def check_same_optimizer(everyone: list[tuple[list[list[str]], list[tuple]]]) ->
             if entries[i][:2] != entries0[i][:2]:
                 raise IncompatibleCheckpointError(
                     f"the optimizer state of {name!r} differs between ranks: rank 0 keeps {entries0[i][0]} "
-                    f"(per-parameter {entries0[i][1]}), rank {rank} {entries[i][0]} (per-parameter {entries[i][1]}): "
-                    "give every rank's optimizer the same parameters, stepped the same number of times")
+                    f"(shaped like the parameter: {entries0[i][1]}), rank {rank} {entries[i][0]} (shaped like it: "
+                    f"{entries[i][1]}): give every rank's optimizer the same parameters, stepped the same number of "
+                    "times; an optimizer whose state is not elementwise (Adafactor's factored moments) cannot keep "
+                    "it per piece of a parameter: use it with the flat form")
             for key in entries0[i][2]:
                 if entries[i][2][key] != entries0[i][2][key]:
                     raise IncompatibleCheckpointError(
                         f"optimizer state {key!r} of {name!r} differs between ranks (rank 0: {entries0[i][2][key]!r:.60}, "
                         f"rank {rank}: {entries[i][2][key]!r:.60}): state not shaped like its parameter is kept once "
-                        "per parameter, so it must be the same on every rank")
+                        "per parameter, so it must be the same on every rank (an optimizer whose state is not "
+                        "elementwise cannot keep it per piece of a parameter: use it with the flat form)")
 
 
 def check_members_agree(names: Sequence[str], entries: Sequence[dict | None], same: Callable[[Any, Any], bool],

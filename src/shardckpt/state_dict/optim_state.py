@@ -90,7 +90,8 @@ def _held_everywhere(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[li
                 for pg, start in zip(optim.param_groups, group_starts(optim))], entries
 
     _, everyone = agree(resolve_group(), look)
-    check_same_optimizer(everyone)
+    if everyone is not None:
+        check_same_optimizer(everyone)
     return found["helds"], found["states"]
 
 
