@@ -14,7 +14,7 @@ holding the tied embedding/head and the final norm), FULL_SHARD, AdamW, fp32:
 Configurations are interleaved within each repeat; reported: the median over repeats of each run's median
 step time (after warm-up), the peak RSS per rank, and the ratios to ``flat``.
 
-    python benchmarks/bench_orig_params.py                   # ~3 min
+    python benchmarks/bench_orig_params.py                   # ~10 min on 2 cores
     python benchmarks/bench_orig_params.py --quick           # ~40 s
     python benchmarks/bench_orig_params.py --json /tmp/bench/orig.json
 """
