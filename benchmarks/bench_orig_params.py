@@ -35,18 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench_runtime_memory import peak_rss
-from runtime_step import GPT, Block, Config
+from runtime_step import GPT, Block, Config, decay_groups
 
 MIB = 1 << 20
 FORMS = ("flat", "orig", "orig+groups", "fsdp2+groups")
-
-
-def decay_groups(model: nn.Module) -> list[dict]:
-    norms = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters(recurse=False)}
-    params = [p for _, p in model.named_parameters()]
-    decay = [p for p in params if p.dim() >= 2 and id(p) not in norms]
-    rest = [p for p in params if not (p.dim() >= 2 and id(p) not in norms)]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
 
 
 def build(form: str, cfg: Config) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -3,6 +3,7 @@
     python benchmarks/runtime_step.py                       # one process (CPU: small config)
     torchrun --nproc-per-node 8 benchmarks/runtime_step.py  # 8 ranks (CUDA: ~1B parameters, bf16)
     python benchmarks/runtime_step.py --config small --steps 10 --strategy SHARD_GRAD_OP
+    python benchmarks/runtime_step.py --orig-params         # the flat form vs use_orig_params (decay groups)
 
 Both runs use the same model, data, wrapping (one group per block, the root holding embeddings,
 final norm and the tied head), AdamW and mixed precision (bf16 compute, fp32 reduce on CUDA; fp32
@@ -11,6 +12,7 @@ on CPU). Prints the median step time of each on rank 0, and their ratio (ours / 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import statistics
@@ -90,8 +92,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_steps(model: nn.Module, cfg: Config, device: torch.device, steps: int, warmup: int) -> list[float]:
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+def one_group(model: nn.Module) -> list[dict]:
+    return [{"params": list(model.parameters())}]
+
+
+def decay_groups(model: nn.Module) -> list[dict]:
+    """The decay recipe of every LLM codebase: weight decay on 2-D parameters except norms', none on the rest."""
+    norms = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters(recurse=False)}
+    params = [p for _, p in model.named_parameters()]
+    decay = [p for p in params if p.dim() >= 2 and id(p) not in norms]
+    rest = [p for p in params if not (p.dim() >= 2 and id(p) not in norms)]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _time_steps(model: nn.Module, cfg: Config, device: torch.device, steps: int, warmup: int,
+                groups: Callable[[nn.Module], list[dict]] = one_group) -> list[float]:
+    optim = torch.optim.AdamW(groups(model), lr=1e-4)
     gen = torch.Generator(device="cpu").manual_seed(dist.get_rank())
     times = []
     for step in range(warmup + steps):
@@ -109,11 +125,12 @@ def _time_steps(model: nn.Module, cfg: Config, device: torch.device, steps: int,
     return times
 
 
-def _build_ours(cfg: Config, device: torch.device, strategy: str, bf16: bool) -> nn.Module:
+def _build_ours(cfg: Config, device: torch.device, strategy: str, bf16: bool, orig: bool = False) -> nn.Module:
     mp = runtime.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     with torch.device(device):
         model = GPT(cfg)
-    return runtime.shard(model, strategy=runtime.ShardingStrategy[strategy], wrap=(Block,), mixed_precision=mp)
+    return runtime.shard(model, strategy=runtime.ShardingStrategy[strategy], wrap=(Block,), mixed_precision=mp,
+                         use_orig_params=orig)
 
 
 def _build_fsdp2(cfg: Config, device: torch.device, strategy: str, bf16: bool) -> nn.Module:
@@ -132,18 +149,35 @@ def _build_fsdp2(cfg: Config, device: torch.device, strategy: str, bf16: bool) -
 
 
 def _measure(name: str, build: Callable[[], nn.Module], cfg: Config, device: torch.device,
-             steps: int, warmup: int) -> float:
-    torch.manual_seed(0)
-    model = build()
-    median = statistics.median(_time_steps(model, cfg, device, steps, warmup))
-    if dist.get_rank() == 0:
-        peak = f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else ""
-        print(f"{name:>10}: median step {median * 1e3:9.1f} ms over {steps} steps{peak}", flush=True)
-    del model
+             steps: int, warmup: int, groups: Callable[[nn.Module], list[dict]] = one_group) -> float:
+    # The previous run's model, optimizer and hooks hold reference cycles: collect them, or their GPU memory
+    # counts in this run's peak.
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    torch.manual_seed(0)
+    model = build()
+    median = statistics.median(_time_steps(model, cfg, device, steps, warmup, groups))
+    if dist.get_rank() == 0:
+        peak = (f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB (held before: "
+                f"{start / 2**30:.2f} GiB)") if device.type == "cuda" else ""
+        print(f"{name:>10}: median step {median * 1e3:9.1f} ms over {steps} steps{peak}", flush=True)
+    del model
     return median
+
+
+def _compare_orig_params(cfg: Config, device: torch.device, args: argparse.Namespace, bf16: bool) -> None:
+    """``use_orig_params`` (issue 20) next to the flat form: the same single group (the same arithmetic), the
+    decay recipe's two groups over the original parameters, and FSDP2 with that recipe."""
+    forms = [("flat", lambda: _build_ours(cfg, device, args.strategy, bf16), one_group),
+             ("orig", lambda: _build_ours(cfg, device, args.strategy, bf16, orig=True), one_group),
+             ("orig+groups", lambda: _build_ours(cfg, device, args.strategy, bf16, orig=True), decay_groups),
+             ("FSDP2+groups", lambda: _build_fsdp2(cfg, device, args.strategy, bf16), decay_groups)]
+    times = {name: _measure(name, build, cfg, device, args.steps, args.warmup, groups) for name, build, groups in forms}
+    if dist.get_rank() == 0:
+        print("     ratios to flat: " + ", ".join(f"{n} {t / times['flat']:.3f}" for n, t in times.items()), flush=True)
 
 
 def main() -> None:
@@ -152,6 +186,9 @@ def main() -> None:
     parser.add_argument("--strategy", default="FULL_SHARD", choices=["FULL_SHARD", "SHARD_GRAD_OP"])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--orig-params", action="store_true",
+                        help="the flat form against use_orig_params=True (one group; decay groups) and FSDP2 with "
+                             "the decay groups")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -162,12 +199,15 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"{cfg} on {device.type} x {dist.get_world_size()} ranks, {args.strategy}, "
               f"{'bf16 compute' if cuda else 'fp32'}", flush=True)
-    ours = _measure("shardckpt", lambda: _build_ours(cfg, device, args.strategy, cuda), cfg, device,
-                    args.steps, args.warmup)
-    theirs = _measure("FSDP2", lambda: _build_fsdp2(cfg, device, args.strategy, cuda), cfg, device,
-                      args.steps, args.warmup)
-    if dist.get_rank() == 0:
-        print(f"     ratio: {ours / theirs:.3f} (shardckpt / FSDP2)", flush=True)
+    if args.orig_params:
+        _compare_orig_params(cfg, device, args, cuda)
+    else:
+        ours = _measure("shardckpt", lambda: _build_ours(cfg, device, args.strategy, cuda), cfg, device,
+                        args.steps, args.warmup)
+        theirs = _measure("FSDP2", lambda: _build_fsdp2(cfg, device, args.strategy, cuda), cfg, device,
+                          args.steps, args.warmup)
+        if dist.get_rank() == 0:
+            print(f"     ratio: {ours / theirs:.3f} (shardckpt / FSDP2)", flush=True)
     dist.destroy_process_group()
 
 

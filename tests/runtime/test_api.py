@@ -164,3 +164,24 @@ def test_misuse_gives_clear_errors() -> None:
     }
     for case, fragment in expected.items():
         assert fragment in messages[case], (case, messages[case])
+
+
+@pytest.mark.parametrize("orig", [False, True], ids=["flat", "orig_params"])
+def test_a_sharded_model_is_freed_with_its_last_reference(orig: bool) -> None:
+    """Nothing global keeps a sharded model (and its shards, gradients, gathered buffers) alive: a training job
+    that builds models again and again (a sweep, an evaluation copy) would otherwise run out of GPU memory."""
+    import gc
+    import weakref
+
+    import shardckpt
+
+    model = runtime.shard(_model.make_model(), wrap=(_model.Block,), use_orig_params=orig)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _model.loss_fn(model, *_model.make_batches(1)[0]).backward()
+    optim.step()
+    with shardckpt.state_dict_type(model, shardckpt.StateDictType.SHARDED_STATE_DICT):
+        shardckpt.get_state_dict(model, optim, type=shardckpt.StateDictType.SHARDED_STATE_DICT)
+    refs = [weakref.ref(model), weakref.ref(runtime.groups(model)[0].flat_param)]
+    del model, optim
+    gc.collect()
+    assert all(ref() is None for ref in refs)

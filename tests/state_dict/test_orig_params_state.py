@@ -340,3 +340,41 @@ def test_permuted_optimizer_orders_load_by_parameter(tmp_path):
     for where, (same, lrs) in out.items():
         assert same, where
         assert lrs == [3e-3, 1e-2, 3e-2], where
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_cuda_with_nccl(tmp_path, monkeypatch):
+    """On a GPU, in a NCCL world of one: bf16 compute with clipping and no_sync trains bit for bit as the flat form,
+    the decay recipe as the unsharded model, and every type and key saves and resumes exactly, state on the GPU."""
+    from shardckpt.runtime import MixedPrecision
+    from tests.runtime.test_orig_params import train
+
+    on_cpu = _model.make_batches
+    monkeypatch.setattr(_model, "make_batches", lambda *a, **k: [(i.cuda(), t.cuda()) for i, t in on_cpu(*a, **k)])
+    dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        params = {}
+        for orig in (False, True):
+            model = shard(_model.make_model().cuda(), wrap=(Block,), mixed_precision=mp, use_orig_params=orig)
+            losses = train(model, "one", clip=True, accumulate=True)
+            params[orig] = (losses, _helpers.full_params(model, list(dict(_model.make_model().named_parameters()))))
+        assert params[True][0] == params[False][0]
+        assert all(torch.equal(params[True][1][n], v) for n, v in params[False][1].items())
+        reference, model = _model.make_model().cuda(), shard(_model.make_model().cuda(), wrap=(Block,),
+                                                              use_orig_params=True)
+        torch.testing.assert_close(train(model, "decay"), train(reference, "decay"), rtol=2e-5, atol=0)
+        optim = torch.optim.AdamW(_model.three_lr_groups(model), lr=1e-2, weight_decay=0.1)
+        steps(model, optim, _model.make_batches(2))
+        want = full_state(model, optim)
+        for sd_type in TYPES:
+            for key in KEYS:
+                path = _path(str(tmp_path), sd_type, key)
+                shardckpt.save_state(model, optim, path, type=sd_type, optim_key=key)
+                fresh = shard(_model.make_model().cuda(), wrap=(Block,), use_orig_params=True)
+                fresh_optim = torch.optim.AdamW(_model.three_lr_groups(fresh), lr=1e-2, weight_decay=0.1)
+                shardckpt.load_state(fresh, fresh_optim, path)
+                assert_same_state(full_state(fresh, fresh_optim), want, f"{sd_type.name} {key.name} on cuda")
+                assert all(v.is_cuda for s in fresh_optim.state.values() for k, v in s.items() if k != "step")
+    finally:
+        dist.destroy_process_group()

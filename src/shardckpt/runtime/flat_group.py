@@ -1,6 +1,7 @@
 """FlatGroup: one flat parameter, its local shard, its gathered buffer and its gradient reduction."""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -266,9 +267,12 @@ class FlatGroup:
     # --- gradients ------------------------------------------------------------------------------
 
     def register_grad_hook(self, hook: Callable[[FlatGroup], None]) -> None:
-        """Call `hook(self)` once per backward, when the gathered parameter's gradient is complete."""
+        """Call `hook(self)` (a bound method) once per backward, when the gathered parameter's gradient is complete.
+        Both are held weakly: the garbage collector does not look into a tensor's post-accumulate-grad hooks, so a
+        reference from there back to the model would keep every sharded model alive forever."""
         if self.layout.requires_grad:
-            self._full.register_post_accumulate_grad_hook(lambda _: hook(self))
+            group, method = weakref.ref(self), weakref.WeakMethod(hook)
+            self._full.register_post_accumulate_grad_hook(lambda _: method()(group()))
 
     @property
     def has_gathered_grad(self) -> bool:

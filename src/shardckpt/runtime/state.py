@@ -1,7 +1,7 @@
 """The per-model runtime state and the module/autograd hooks that drive gathering and reduction.
 
-One `ShardState` per `shard()` call, kept in a registry keyed by the root module (no state is hung on
-the user's submodules). Each wrapped module (and the root) is a `Unit` with up to two FlatGroups
+One `ShardState` per `shard()` call, kept on the root module (no state is hung on the user's
+submodules). Each wrapped module (and the root) is a `Unit` with up to two FlatGroups
 (trainable and frozen members). The sequence, per unit:
 
 forward:  pre-hook: all-gather (or wait for the prefetch), point the original names at views,
@@ -276,20 +276,24 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-_STATES: weakref.WeakKeyDictionary[nn.Module, ShardState] = weakref.WeakKeyDictionary()
-# Every module inside a sharded tree -> its root, to refuse sharding (part of) a sharded model again.
-_MEMBERS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+# The state lives on its root module (a reference cycle the garbage collector frees with the model): a registry
+# keyed by the root would keep every sharded model alive forever, since its state refers back to the root.
+_STATE_ATTR = "_shardckpt_state"
+# Every module inside a sharded tree -> its root (held weakly), to refuse sharding (part of) a sharded model again.
+_MEMBERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 
 
 def register(state: ShardState) -> None:
-    _STATES[state.root] = state
+    state.root.__dict__[_STATE_ATTR] = state
+    root = weakref.ref(state.root)
     for module in state.root.modules():
-        _MEMBERS[module] = state.root
+        _MEMBERS[module] = root
 
 
 def state_of(module: nn.Module) -> ShardState | None:
-    return _STATES.get(module)
+    return module.__dict__.get(_STATE_ATTR)
 
 
 def sharded_root_of(module: nn.Module) -> nn.Module | None:
-    return _MEMBERS.get(module)
+    root = _MEMBERS.get(module)
+    return None if root is None else root()
