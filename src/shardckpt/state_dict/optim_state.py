@@ -86,8 +86,7 @@ def _held_everywhere(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[li
             keys = _per_member_keys(state, h)
             entries.append((sorted(map(str, state)), sorted(map(str, keys)),
                             {str(k): fingerprint(v) for k, v in state.items() if k not in keys}))
-        return [[h.names[0] for h in helds[start:start + len(pg["params"])]]
-                for pg, start in zip(optim.param_groups, group_starts(optim))], entries
+        return names_by_group(helds, optim), entries
 
     _, everyone = agree(resolve_group(), look)
     if everyone is not None:
@@ -207,7 +206,7 @@ def prepare_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dic
     orig = not all(h.whole_shard for h in helds)
     named: dict[str, dict] = {"osd": {}}
 
-    def check() -> tuple[dict, list]:
+    def check() -> tuple[dict, list, list[int]]:
         # Original parameters have an order of their own, as a plain optimizer's do; flat shards have none.
         fallback = (lambda: positional_names(osd.get("param_groups", []), names_by_group(helds, optim),
                                              "optim_param_names")) if orig else None
@@ -220,16 +219,8 @@ def prepare_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dic
     if only0:
         small = group0.broadcast(small)
         raise_failures([small])
-    else:  # a check failing on some ranks only must not leave the others waiting in the exchanges below
-        verdicts = group0.all_gather(small if isinstance(small, Failure) else small[2])
-        raise_failures(verdicts)
-        other = next((r for r, v in enumerate(verdicts) if v != verdicts[0]), None)
-        if other is not None:
-            names = [helds[i].names[0] for i in sorted(set(verdicts[0]) ^ set(verdicts[other]))]
-            raise IncompatibleCheckpointError(
-                f"the optimizer state dicts given differ between ranks: rank 0's and rank {other}'s disagree on "
-                f"whether {names[:5]} have state: give every rank the state dict saved (a state dict given on rank "
-                "0 only loads with FullStateDictConfig(rank0_only=True))")
+    else:
+        _agree_on_verdicts(small, helds)
     scalars, hyper, stateless = small
     for i in stateless:  # saved without state (no gradient yet): loaded as torch loads it, without
         states[i] = {}
@@ -256,6 +247,20 @@ def prepare_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dic
             optim.state.pop(params[i], None)
 
     return apply
+
+
+def _agree_on_verdicts(small: Any, helds: list[Held]) -> None:
+    """Raise on every rank if the check failed on any, or if ranks disagree on which parameters are saved without
+    state (collective): either would leave the other ranks waiting in, or pairing wrong pieces in, the exchanges."""
+    verdicts = resolve_group().all_gather(small if isinstance(small, Failure) else small[2])
+    raise_failures(verdicts)
+    other = next((r for r, v in enumerate(verdicts) if v != verdicts[0]), None)
+    if other is not None:
+        names = [helds[i].names[0] for i in sorted(set(verdicts[0]) ^ set(verdicts[other]))]
+        raise IncompatibleCheckpointError(
+            f"the optimizer state dicts given differ between ranks: rank 0's and rank {other}'s disagree on "
+            f"whether {names[:5]} have state: give every rank the state dict saved (a state dict given on rank "
+            "0 only loads with FullStateDictConfig(rank0_only=True))")
 
 
 def _scatter_group_state(group: FlatGroup, mine: list[tuple[Held, dict]], osd: dict | None, sd_type: StateDictType,
