@@ -59,6 +59,16 @@ def full_state(model, optim) -> dict:
     return clone_state(sd) if dist.get_rank() == 0 else None
 
 
+def load_each_type(new_run, root: str) -> dict[str, dict | None]:
+    """Per StateDictType, a fresh ``new_run()``'s full state after ``load_state`` of ``{root}/{type name}``."""
+    out = {}
+    for sd_type in TYPES:
+        model, optim = new_run()
+        shardckpt.load_state(model, optim, f"{root}/{sd_type.name}")
+        out[sd_type.name] = full_state(model, optim)
+    return out
+
+
 def clone_state(obj):
     if torch.is_tensor(obj):
         return obj.detach().clone()

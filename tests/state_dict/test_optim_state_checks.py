@@ -15,7 +15,7 @@ from shardckpt.runtime import shard
 from tests._dist import run_ranks
 from tests.runtime import _model
 from tests.runtime._model import Block
-from tests.state_dict._train import TYPES, assert_same_state, full_state, steps
+from tests.state_dict._train import TYPES, assert_same_state, full_state, load_each_type, steps
 
 FULL, SHARDED, LOCAL = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT
 
@@ -51,12 +51,7 @@ def _stateless(root: str) -> dict[str, Any]:
 
 
 def _stateless_load(root: str) -> dict[str, Any]:
-    out = {}
-    for sd_type in TYPES:
-        model, optim = _run()
-        shardckpt.load_state(model, optim, f"{root}/{sd_type.name}")
-        out[sd_type.name] = full_state(model, optim)
-    return out
+    return load_each_type(_run, root)
 
 
 def test_a_parameter_without_optimizer_state_loads_without_it(tmp_path):

@@ -18,7 +18,7 @@ from tests._dist import run_ranks
 from tests.runtime import _helpers, _model
 from tests.runtime._model import Block
 from tests.state_dict._train import (
-    STEPS_AFTER, STEPS_BEFORE, TYPES, clone_state, assert_same_state, full_state, steps,
+    STEPS_AFTER, STEPS_BEFORE, TYPES, clone_state, assert_same_state, full_state, load_each_type, steps,
 )
 
 FULL, SHARDED, LOCAL = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT
@@ -283,12 +283,7 @@ def _odd_save(root: str) -> dict:
 
 
 def _odd_load(root: str) -> dict:
-    out = {}
-    for sd_type in TYPES:
-        model, optim = _odd_run()
-        shardckpt.load_state(model, optim, f"{root}/{sd_type.name}")
-        out[sd_type.name] = full_state(model, optim)
-    return out
+    return load_each_type(_odd_run, root)
 
 
 def test_zero_dim_empty_and_tiny_parameters_round_trip_and_reshard(tmp_path):
