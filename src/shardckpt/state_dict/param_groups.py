@@ -51,9 +51,6 @@ def _other_form_hint(saved: list[str], ours: list[str]) -> str:
 
 
 def group_starts(optim: torch.optim.Optimizer) -> list[int]:
-    counts = _counts(optim)
+    """Where each param group's parameters start in the optimizer's order of all its parameters."""
+    counts = [len(pg["params"]) for pg in optim.param_groups]
     return [sum(counts[:i]) for i in range(len(counts))]
-
-
-def _counts(optim: torch.optim.Optimizer) -> list[int]:
-    return [len(pg["params"]) for pg in optim.param_groups]
