@@ -18,7 +18,8 @@ Each process group gets one ``AsyncSaver`` (created by its first ``async_save``,
   for it (its buffers are being written), whatever the path. An error is never dropped: ``wait()``
   raises it; if any rank has not seen it, the next call raises it on every rank (the ranks agree over
   the idle side group) and saves nothing. A save in flight when the interpreter exits is finished first
-  (or its error printed).
+  (or its error printed); then the savers drop their side groups, so that torch frees them before
+  finalization.
 
 Value semantics: the checkpoint holds the values at the moment ``async_save`` returned. CPU tensors are
 copied before it returns; CUDA tensors are copied to pinned buffers on a side stream that the current
@@ -144,25 +145,32 @@ class AsyncSaver:
                 self._last._future.exception()
             self.buffers.release()
 
-    def _wait_at_exit(self) -> None:
+    def _close_at_exit(self) -> None:
+        """Finish the save in flight (or print its unseen error), then let go of the side group: the last
+        reference to a gloo group, once the caller destroyed its process groups, must go while the interpreter
+        is alive (a gloo group freed during finalization aborts the process: "terminate called without an
+        active exception")."""
         last = self._last
         if last is not None:
             error = last._future.exception()
             if error is not None and not last.observed:
                 print(f"shardckpt: the async save to {last.path} failed: {error!r}", file=sys.stderr)
+        self.side = self._planned = None
 
 
 _live: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
 
 
-def _wait_for_saves_at_exit() -> None:
-    """A save in flight when the interpreter exits is finished (or its error printed), not dropped. Runs
-    before concurrent.futures refuses new work at exit (registered after it, run before it)."""
+def _close_savers_at_exit() -> None:
+    """A save in flight when the interpreter exits is finished (or its error printed), not dropped; then the
+    savers let go of their groups. Runs before concurrent.futures refuses new work at exit (registered after
+    it, run before it)."""
     for saver in list(_live):
-        saver._wait_at_exit()
+        saver._close_at_exit()
+    _savers.clear()
 
 
-threading._register_atexit(_wait_for_saves_at_exit)  # noqa: SLF001 - the hook concurrent.futures uses itself
+threading._register_atexit(_close_savers_at_exit)  # noqa: SLF001 - the hook concurrent.futures uses itself
 
 
 _savers: dict[Any, AsyncSaver] = {}
