@@ -12,7 +12,8 @@ from shardckpt.convert.diff import diff
 
 EPILOG = """compares: the tensors each side holds (by name), their shapes and dtypes, their values (by checksum
 where both sides store one, else read in bounded slices), and the plain values. Exact (bit for bit) unless
---atol/--rtol is given. Exit 0: equal; 1: they differ; 2: a side is unreadable.
+--atol/--rtol is given; a tolerance applies to floating-point values only (integers and bools are always
+compared exactly). Exit 0: equal; 1: they differ; 2: a side is unreadable.
 
 examples:
   shardckpt diff /ckpt/step-1000 /converted/step-1000
