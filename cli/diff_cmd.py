@@ -6,7 +6,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options
+from shardckpt.cli.options import STORAGE_HELP, add_storage_options, non_negative, storage_options
 
 from shardckpt.convert.diff import diff
 
@@ -28,8 +28,8 @@ def register(sub) -> None:
                        epilog=EPILOG + "\n" + STORAGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("a", help="a checkpoint, file or fsspec URL (shardckpt, torch DCP, safetensors, torch.save)")
     p.add_argument("b", help="the other one")
-    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance for values (default 0: exact)")
-    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance for values (default 0: exact)")
+    p.add_argument("--atol", type=non_negative, default=0.0, help="absolute tolerance for values (default 0: exact)")
+    p.add_argument("--rtol", type=non_negative, default=0.0, help="relative tolerance for values (default 0: exact)")
     add_storage_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)

@@ -50,7 +50,7 @@ from shardckpt.convert.local_output import LocalAtWorldSize, no_layouts_error
 from shardckpt.convert.memory import DEFAULT_MEMORY_LIMIT, buffer_budget, read_reserve
 from shardckpt.convert.resume import conversion_generation, finished_rank
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
-from shardckpt.errors import CheckpointExistsError, UnsupportedValueError
+from shardckpt.errors import CheckpointExistsError, IncompatibleCheckpointError, UnsupportedValueError
 from shardckpt.format.codecs import Compression
 from shardckpt.format.dtypes import DTYPES, dtype_name, itemsize
 from shardckpt.format.manifest import MANIFEST_NAME
@@ -69,6 +69,10 @@ TYPES = ("full", "sharded", "local")  # output types
 _TYPE_NAMES = {t.value: t.name.removesuffix("_STATE_DICT").lower() for t in StateDictType}  # as stored -> TYPES
 _STORED_TYPES = {name: value for value, name in _TYPE_NAMES.items()}  # TYPES -> as save_state stores it
 _ALIGN = 64  # the cast slice's offset in a slice buffer (any element size divides it)
+
+
+class ConversionRequestError(IncompatibleCheckpointError, ValueError):
+    """What was asked cannot be made of this source: a selection that keeps nothing, or a cast of LOCAL output."""
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
         if source_type != "local":
             raise no_layouts_error(str(src), source_type)
         if dtype is not None:
-            raise ValueError("dtype: LOCAL output keeps the flat layouts' dtypes; cast with type='sharded' or 'full'")
+            raise ConversionRequestError("dtype: LOCAL output keeps the flat layouts' dtypes; cast with type='sharded' or 'full'")
         reader: CheckpointReader = LocalAtWorldSize(base, world, str(src))
     else:
         reader = logical_view(base, param_names=param_names)
@@ -166,7 +170,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     if key_type is not None and isinstance(encoded_tree.get("optim"), dict):
         metadata["optim_key"] = key_type.value
     if out_type == "local" and not is_local(encoded_tree):
-        raise ValueError(f"only={list(only)} exclude={list(exclude)} leave out model.{LAYOUTS_KEY}: LOCAL output "
+        raise ConversionRequestError(f"only={list(only)} exclude={list(exclude)} leave out model.{LAYOUTS_KEY}: LOCAL output "
                          "keeps the flat layouts")
     storage = open_storage(dst, dst_storage_options)
     if not overwrite and storage.exists(MANIFEST_NAME):
@@ -263,7 +267,7 @@ def _select(reader: CheckpointReader, only: Sequence[str], exclude: Sequence[str
     keep, drop = wanted_keys(only or None), wanted_keys(exclude) if exclude else (lambda name: False)
     tree = pick(source, (), lambda name: keep(name) and not drop(name))
     if not tree:
-        raise ValueError(f"nothing to convert: only={list(only)} exclude={list(exclude)} leave no entry of the source")
+        raise ConversionRequestError(f"nothing to convert: only={list(only)} exclude={list(exclude)} leave no entry of the source")
     if rekey is not None and isinstance(tree.get("optim"), dict) and "state" in tree["optim"]:
         tree["optim"] = {**tree["optim"], **rekey(tree["optim"])}
     infos = reader.tensors()
