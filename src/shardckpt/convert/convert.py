@@ -188,7 +188,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     by_name = {o.name: o for o in outputs}
     kept: list[int] = []
     budget = buffer_budget(limit, "convert", read_reserve(base, files_per_rank))
-    buffers = _SliceBuffers(files_per_rank, max(_ALIGN, budget // files_per_rank))
+    buffers = _SliceBuffers(files_per_rank, max(_ALIGN, min(budget // files_per_rank, _largest_slice(outputs))))
 
     def write(r: int):
         done = finished_rank(storage, plan, r)  # written by a killed run of this same conversion
@@ -369,6 +369,13 @@ def _in_rank_order(shares: list, world: int) -> list:
         for r, result in share.items():
             results[r] = result
     return results
+
+
+def _largest_slice(outputs: list[_Output]) -> int:
+    """The most bytes one slice buffer can need: a whole output tensor, as read and as cast (a limit above
+    that would only allocate what is never used: 64 GiB asked of a small checkpoint was 32 GiB allocated)."""
+    return max((math.prod(o.source.shape) * (itemsize(o.source.dtype) + (itemsize(o.dtype) if o.dtype != o.source.dtype
+                                                                          else 0)) for o in outputs), default=0) + _ALIGN
 
 
 class _SliceBuffers:
