@@ -6,13 +6,14 @@ import json
 import sys
 from dataclasses import asdict
 
-from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options
+from shardckpt.cli.options import STORAGE_HELP, add_storage_options, non_negative, storage_options
 
 from shardckpt.convert.diff import diff
 
 EPILOG = """compares: the tensors each side holds (by name), their shapes and dtypes, their values (by checksum
 where both sides store one, else read in bounded slices), and the plain values. Exact (bit for bit) unless
---atol/--rtol is given. Exit 0: equal; 1: they differ; 2: a side is unreadable.
+--atol/--rtol is given; a tolerance applies to floating-point values only (integers and bools are always
+compared exactly). Exit 0: equal; 1: they differ; 2: a side is unreadable.
 
 examples:
   shardckpt diff /ckpt/step-1000 /converted/step-1000
@@ -27,8 +28,8 @@ def register(sub) -> None:
                        epilog=EPILOG + "\n" + STORAGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("a", help="a checkpoint, file or fsspec URL (shardckpt, torch DCP, safetensors, torch.save)")
     p.add_argument("b", help="the other one")
-    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance for values (default 0: exact)")
-    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance for values (default 0: exact)")
+    p.add_argument("--atol", type=non_negative, default=0.0, help="absolute tolerance for values (default 0: exact)")
+    p.add_argument("--rtol", type=non_negative, default=0.0, help="relative tolerance for values (default 0: exact)")
     add_storage_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)

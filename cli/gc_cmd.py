@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options
+from shardckpt.cli.options import STORAGE_HELP, add_storage_options, non_negative, storage_options
 
 from shardckpt.checkpoint.gc import REMOTE_MIN_AGE_S, gc
 
@@ -26,7 +26,7 @@ def register(sub) -> None:
                        epilog=EPILOG + "\n" + STORAGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", help="checkpoint directory or fsspec URL")
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
-    p.add_argument("--min-age", type=float, metavar="SECONDS",
+    p.add_argument("--min-age", type=non_negative, metavar="SECONDS",
                    help="keep entries newer than this (default: by lock on local disk, the ages above otherwise)")
     add_storage_options(p)
     p.set_defaults(run=run)

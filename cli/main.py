@@ -14,13 +14,15 @@ from shardckpt.errors import CheckpointError
 
 SUBCOMMANDS = (inspect_cmd, verify_cmd, convert_cmd, export_cmd, diff_cmd, gc_cmd, demo_cmd)
 
-EXIT_OK, EXIT_FAILED_CHECK, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED_CHECK, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+TRACEBACK_ENV = "SHARDCKPT_TRACEBACK"  # set to 1 to see an internal error's traceback
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardckpt", description="Distributed checkpoints for sharded PyTorch models.",
-        epilog="Exit codes: 0 success, 1 a failed check (corruption, mismatch), 2 bad usage or unreadable input.")
+        epilog="Exit codes: 0 success, 1 a failed check (corruption, mismatch), 2 bad usage or unreadable input, "
+               f"3 an internal error (a bug in shardckpt: {TRACEBACK_ENV}=1 shows its traceback).")
     parser.add_argument("--version", action="version", version=f"shardckpt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in SUBCOMMANDS:
@@ -46,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"shardckpt {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - a bug: still one line, and the way to its traceback
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        print(f"shardckpt {args.command}: internal error: {type(e).__name__}: {e} (a bug in shardckpt, please "
+              f"report it with the output of the same command run with {TRACEBACK_ENV}=1)", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 def _show_warning(command: str, message, category, filename, lineno, file=None, line=None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from shardckpt.convert.rename import Renames
@@ -32,11 +33,39 @@ def add_storage_options(parser: argparse.ArgumentParser) -> None:
                         help="an fsspec storage option (repeatable; see below)")
 
 
-def _value(text: str) -> Any:
+def _value(key: str, text: str) -> Any:
+    """JSON where it parses; a plain string otherwise, unless it looks like a JSON object or list (a typo there
+    would reach the backend as a string)."""
     try:
         return json.loads(text)
-    except ValueError:
+    except ValueError as e:
+        if text.lstrip()[:1] in ("{", "["):
+            raise argparse.ArgumentTypeError(f"--storage-option {key}={text}: not valid JSON ({e})") from None
         return text
+
+
+def non_negative(text: str) -> float:
+    """An argparse type: a finite number >= 0 (a tolerance, an age in seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def bounded_int(low: int, high: int):
+    """An argparse type: an int in ``[low, high]``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {text!r}")
+        return value
+    return parse
 
 
 def storage_options(args: argparse.Namespace) -> dict | None:
@@ -52,7 +81,7 @@ def storage_options(args: argparse.Namespace) -> dict | None:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise argparse.ArgumentTypeError(f"--storage-option {item!r}: {part!r} is already a value")
-        node[leaf] = _value(text)
+        node[leaf] = _value(key, text)
     return out or None
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from shardckpt.cli.options import STORAGE_HELP, add_rename_map, add_storage_options, storage_options
+from shardckpt.cli.options import STORAGE_HELP, add_rename_map, add_storage_options, bounded_int, storage_options
 from shardckpt.cli.progress import Progress
 
 from shardckpt.checkpoint.describe import foreign_format
@@ -44,7 +44,7 @@ def register(sub) -> None:
     p.add_argument("--only", nargs="+", metavar="PREFIX", help="with --against: what export was given")
     p.add_argument("--strip-prefix", metavar="P", help="with --against: what export was given")
     add_rename_map(p, "with --against: what export was given, ")
-    p.add_argument("--threads", type=int, default=DEFAULT_IO_THREADS,
+    p.add_argument("--threads", type=bounded_int(1, 256), default=DEFAULT_IO_THREADS,
                    help=f"parallel reads (default {DEFAULT_IO_THREADS})")
     p.set_defaults(run=run)
 

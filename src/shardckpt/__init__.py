@@ -9,6 +9,7 @@ from shardckpt.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     ShardingError,
+    StorageConfigError,
     StorageError,
     UnsupportedValueError,
 )
@@ -45,5 +46,5 @@ __all__ = [
     "get_state_dict", "set_state_dict", "state_dict_type", "save_state", "load_state", "rekey_optim_state_dict",
     "zero_partition_state", "load_zero_partition_state",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
-    "IncompatibleCheckpointError", "ShardingError", "StorageError", "UnsupportedValueError",
+    "IncompatibleCheckpointError", "ShardingError", "StorageConfigError", "StorageError", "UnsupportedValueError",
 ]

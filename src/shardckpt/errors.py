@@ -26,6 +26,11 @@ class StorageError(CheckpointError, OSError):
     """The storage kept failing (after retries, within their deadline) to read or write the named object."""
 
 
+class StorageConfigError(CheckpointError, ValueError):
+    """A URL or storage options the storage backend does not accept: an unknown protocol, no bucket, an option
+    it does not know or of the wrong type, credentials that are incomplete."""
+
+
 class UnsupportedValueError(CheckpointError, TypeError):
     """A state-dict value that shardckpt cannot store (neither a tensor nor a plain JSON-able value)."""
 

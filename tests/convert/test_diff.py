@@ -116,3 +116,45 @@ def test_bad_tolerances_are_refused(tmp_path):
     save_file({"w": torch.ones(3)}, tmp_path / "a.safetensors")
     with pytest.raises(ValueError):
         diff(tmp_path / "a.safetensors", tmp_path / "a.safetensors", atol=-1)
+
+
+@pytest.mark.parametrize("dtype, value", [(torch.int64, 2**60), (torch.int32, 2**24), (torch.uint64, 2**63),
+                                          (torch.int16, 2**14), (torch.uint8, 200)])
+@pytest.mark.parametrize("tolerance", [{}, {"atol": 0.5}, {"rtol": 1e-30}, {"atol": 10.0, "rtol": 1.0}])
+def test_integers_are_compared_exactly_whatever_the_tolerance(tmp_path, dtype, value, tolerance):
+    save_file({"i": torch.tensor([value, 3], dtype=dtype)}, tmp_path / "a.safetensors")
+    save_file({"i": torch.tensor([value + 1, 3], dtype=dtype)}, tmp_path / "b.safetensors")
+    (d,) = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", **tolerance).differences
+    assert d.kind == "values" and "1 of 2 elements differ" in d.detail
+    assert d.max_abs_error == 1 and isinstance(d.max_abs_error, int)  # exact, not through a float
+    assert d.detail.endswith("max abs error 1")
+
+
+def test_integer_errors_are_exact_at_the_extremes(tmp_path):
+    save_file({"i": torch.tensor([-2**63, 7], dtype=torch.int64)}, tmp_path / "a.safetensors")
+    save_file({"i": torch.tensor([2**63 - 1, 7], dtype=torch.int64)}, tmp_path / "b.safetensors")
+    (d,) = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors").differences
+    assert d.max_abs_error == 2**64 - 1  # overflows int64, and float64 would round it
+
+
+def test_integers_of_other_widths_are_compared_as_integers(tmp_path):
+    save_file({"i": torch.tensor([2**24, 5], dtype=torch.int32)}, tmp_path / "a.safetensors")
+    save_file({"i": torch.tensor([2**24 + 1, 5], dtype=torch.int64)}, tmp_path / "b.safetensors")
+    report = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", atol=0.5)
+    assert sorted(d.kind for d in report.differences) == ["dtype", "values"]
+    assert next(d for d in report.differences if d.kind == "values").max_abs_error == 1
+
+
+def test_an_integer_meeting_a_float_is_compared_in_float64(tmp_path):
+    save_file({"i": torch.tensor([2**24 + 1], dtype=torch.int64)}, tmp_path / "a.safetensors")
+    save_file({"i": torch.tensor([2**24], dtype=torch.float32)}, tmp_path / "b.safetensors")
+    report = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", rtol=1e-12)
+    values = next(d for d in report.differences if d.kind == "values")  # float32 would call them equal
+    assert values.max_abs_error == 1.0
+
+
+def test_bool_tensors_ignore_tolerances(tmp_path):
+    save_file({"m": torch.tensor([True, False])}, tmp_path / "a.safetensors")
+    save_file({"m": torch.tensor([True, True])}, tmp_path / "b.safetensors")
+    (d,) = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", atol=5.0, rtol=5.0).differences
+    assert d.kind == "values" and d.max_abs_error == 1

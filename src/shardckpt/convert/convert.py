@@ -50,7 +50,7 @@ from shardckpt.convert.local_output import LocalAtWorldSize, no_layouts_error
 from shardckpt.convert.memory import DEFAULT_MEMORY_LIMIT, buffer_budget, read_reserve
 from shardckpt.convert.resume import conversion_generation, finished_rank
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
-from shardckpt.errors import CheckpointExistsError, UnsupportedValueError
+from shardckpt.errors import CheckpointExistsError, IncompatibleCheckpointError, UnsupportedValueError
 from shardckpt.format.codecs import Compression
 from shardckpt.format.dtypes import DTYPES, dtype_name, itemsize
 from shardckpt.format.manifest import MANIFEST_NAME
@@ -69,6 +69,10 @@ TYPES = ("full", "sharded", "local")  # output types
 _TYPE_NAMES = {t.value: t.name.removesuffix("_STATE_DICT").lower() for t in StateDictType}  # as stored -> TYPES
 _STORED_TYPES = {name: value for value, name in _TYPE_NAMES.items()}  # TYPES -> as save_state stores it
 _ALIGN = 64  # the cast slice's offset in a slice buffer (any element size divides it)
+
+
+class ConversionRequestError(IncompatibleCheckpointError, ValueError):
+    """What was asked cannot be made of this source: a selection that keeps nothing, or a cast of LOCAL output."""
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
         if source_type != "local":
             raise no_layouts_error(str(src), source_type)
         if dtype is not None:
-            raise ValueError("dtype: LOCAL output keeps the flat layouts' dtypes; cast with type='sharded' or 'full'")
+            raise ConversionRequestError("dtype: LOCAL output keeps the flat layouts' dtypes; cast with type='sharded' or 'full'")
         reader: CheckpointReader = LocalAtWorldSize(base, world, str(src))
     else:
         reader = logical_view(base, param_names=param_names)
@@ -166,7 +170,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     if key_type is not None and isinstance(encoded_tree.get("optim"), dict):
         metadata["optim_key"] = key_type.value
     if out_type == "local" and not is_local(encoded_tree):
-        raise ValueError(f"only={list(only)} exclude={list(exclude)} leave out model.{LAYOUTS_KEY}: LOCAL output "
+        raise ConversionRequestError(f"only={list(only)} exclude={list(exclude)} leave out model.{LAYOUTS_KEY}: LOCAL output "
                          "keeps the flat layouts")
     storage = open_storage(dst, dst_storage_options)
     if not overwrite and storage.exists(MANIFEST_NAME):
@@ -184,7 +188,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     by_name = {o.name: o for o in outputs}
     kept: list[int] = []
     budget = buffer_budget(limit, "convert", read_reserve(base, files_per_rank))
-    buffers = _SliceBuffers(files_per_rank, max(_ALIGN, budget // files_per_rank))
+    buffers = _SliceBuffers(files_per_rank, max(_ALIGN, min(budget // files_per_rank, _largest_slice(outputs))))
 
     def write(r: int):
         done = finished_rank(storage, plan, r)  # written by a killed run of this same conversion
@@ -263,7 +267,7 @@ def _select(reader: CheckpointReader, only: Sequence[str], exclude: Sequence[str
     keep, drop = wanted_keys(only or None), wanted_keys(exclude) if exclude else (lambda name: False)
     tree = pick(source, (), lambda name: keep(name) and not drop(name))
     if not tree:
-        raise ValueError(f"nothing to convert: only={list(only)} exclude={list(exclude)} leave no entry of the source")
+        raise ConversionRequestError(f"nothing to convert: only={list(only)} exclude={list(exclude)} leave no entry of the source")
     if rekey is not None and isinstance(tree.get("optim"), dict) and "state" in tree["optim"]:
         tree["optim"] = {**tree["optim"], **rekey(tree["optim"])}
     infos = reader.tensors()
@@ -365,6 +369,13 @@ def _in_rank_order(shares: list, world: int) -> list:
         for r, result in share.items():
             results[r] = result
     return results
+
+
+def _largest_slice(outputs: list[_Output]) -> int:
+    """The most bytes one slice buffer can need: a whole output tensor, as read and as cast (a limit above
+    that would only allocate what is never used: 64 GiB asked of a small checkpoint was 32 GiB allocated)."""
+    return max((math.prod(o.source.shape) * (itemsize(o.source.dtype) + (itemsize(o.dtype) if o.dtype != o.source.dtype
+                                                                          else 0)) for o in outputs), default=0) + _ALIGN
 
 
 class _SliceBuffers:

@@ -3,8 +3,12 @@
 Tensors are compared by checksum where both sides store one for the same dtype and shape (no data is
 read then), otherwise by value, in slices of at most ``slice_bytes`` per side, so that memory stays bounded
 whatever the checkpoint's size. With ``atol = rtol = 0`` (the default) values must be equal bit for bit
-(NaN payloads and -0.0 count); with a tolerance, ``torch.isclose`` decides (NaN equals NaN). Tensors of
-different dtypes are compared as values of their promoted dtype, and the dtype difference is reported.
+(NaN payloads and -0.0 count); with a tolerance, ``torch.isclose`` decides for floating-point (and complex)
+values (NaN equals NaN). Integer and bool values are compared exactly, always: a tolerance applies to
+floating-point values only, and an integer's error is exact (a Python int, computed without overflow or a
+round trip through float). Tensors of different dtypes are compared as values of their promoted dtype
+(float64 / complex128 when an integer meets a floating-point type, so that no integer is rounded to a
+narrower float), and the dtype difference is reported.
 
 LOCAL checkpoints (flat groups plus their layouts) are compared as stored when both sides have the same
 layouts; otherwise (another world size or wrapping, or a LOCAL and a FULL/SHARDED/foreign checkpoint) both
@@ -18,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
 import torch
 
 from shardckpt.format.dtypes import itemsize
@@ -30,6 +35,8 @@ from shardckpt.state_dict.logical import is_local, logical_view
 from shardckpt.tensor_views import as_bytes
 
 SLICE_BYTES = 64 << 20  # per side and per read: the memory a comparison holds
+# hi - lo of two integers of n bytes wraps in their own type, but is exact read as unsigned: it is < 2**(8n)
+_UNSIGNED = {1: numpy.uint8, 2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}
 
 
 @dataclass(frozen=True)
@@ -37,7 +44,7 @@ class Difference:
     name: str
     kind: str  # "only in A", "only in B", "shape", "dtype", "values", "plain value"
     detail: str
-    max_abs_error: float | None = None
+    max_abs_error: float | int | None = None  # an int for integer values (exact), else a float
 
 
 @dataclass
@@ -138,11 +145,11 @@ def _diff_tensor(ra: CheckpointReader, rb: CheckpointReader, ia: TensorInfo, ib:
     elif ia.crc32c is not None and ia.crc32c == ib.crc32c:  # the same bytes: equal under any tolerance
         report.by_checksum += 1
         return
-    dtype = ia.dtype if same_dtype else torch.promote_types(ia.dtype, ib.dtype)
+    dtype = _comparison_dtype(ia.dtype, ib.dtype)
     exact = same_dtype and atol == rtol == 0
     numel = math.prod(ia.shape)
     step = max(1, slice_bytes // max(itemsize(ia.dtype), itemsize(ib.dtype)))
-    mismatched, worst, first = 0, 0.0, None
+    mismatched, worst, first = 0, None, None
     for lo in range(0, numel, step):
         hi = min(numel, lo + step)
         xa, xb = torch.empty(hi - lo, dtype=ia.dtype), torch.empty(hi - lo, dtype=ib.dtype)
@@ -154,26 +161,50 @@ def _diff_tensor(ra: CheckpointReader, rb: CheckpointReader, ia: TensorInfo, ib:
         if bad.any():
             mismatched += int(bad.sum())
             first = lo + int(bad.nonzero()[0]) if first is None else first
-            worst = max(worst, _max_abs_error(xa[bad], xb[bad]))
+            error = _max_abs_error(xa[bad], xb[bad])
+            worst = error if worst is None else max(worst, error)
     if mismatched:
+        shown = f"{worst}" if isinstance(worst, int) else f"{worst:.6g}"
         report.differences.append(Difference(
             ia.name, "values", f"{mismatched} of {numel} elements differ (first at flat index {first}); max abs "
-                               f"error {worst:.6g}", worst))
+                               f"error {shown}", worst))
+
+
+def _comparison_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The dtype two sides are compared in: their own when equal; the promoted one, but never a float narrower
+    than float64 (complex128) when an integer or bool side meets a floating-point (complex) one."""
+    if a == b:
+        return a
+    promoted = torch.promote_types(a, b)
+    if _is_float(a) == _is_float(b):
+        return promoted
+    return torch.complex128 if promoted.is_complex else torch.float64
+
+
+def _is_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
 
 
 def _mismatches(x: torch.Tensor, y: torch.Tensor, exact: bool, atol: float, rtol: float) -> torch.Tensor:
+    """Which elements differ: bit for bit when ``exact``; by value (exactly for integers and bools, within the
+    tolerance for floating-point values) otherwise."""
     if exact:
         size = x.element_size()
         return (_bits(x).view(-1, size) != _bits(y).view(-1, size)).any(dim=1)
-    if x.dtype == torch.bool:
+    if not _is_float(x.dtype):
         return x != y
     return ~torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True)
 
 
-def _max_abs_error(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Largest |x - y| over differing elements: 0 for two NaNs (bits differ), inf for NaN against a number."""
+def _max_abs_error(x: torch.Tensor, y: torch.Tensor) -> float | int:
+    """Largest |x - y| over differing elements: 0 for two NaNs (bits differ), inf for NaN against a number;
+    for integers an exact int (the difference of two int64 values may not fit in an int64)."""
     if x.dtype == torch.bool:
-        return 1.0
+        return 1
+    if not _is_float(x.dtype):
+        xn, yn = x.numpy(), y.numpy()
+        hi, lo = numpy.maximum(xn, yn), numpy.minimum(xn, yn)
+        return int(numpy.subtract(hi, lo, dtype=hi.dtype).view(_UNSIGNED[hi.itemsize]).max()) if hi.size else 0
     wide = torch.complex128 if x.is_complex() else torch.float64
     x, y = x.to(wide), y.to(wide)
     d = (x - y).abs()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from shardckpt.errors import CheckpointError
+from shardckpt.errors import CheckpointError, StorageConfigError
 from shardckpt.io.local import LocalStorage
 from shardckpt.io.protocol import DirHold, FileWriter, Storage
 from shardckpt.io.remote import FsspecStorage
@@ -18,7 +18,9 @@ DEFAULT_IO_THREADS = 4  # concurrent reads per rank (load, verify)
 def open_storage(path: str | os.PathLike, storage_options: dict | None = None) -> Storage:
     """Local paths (and ``file://``) get the fast local backend; other URLs go through fsspec.
 
-    ``storage_options`` go to the fsspec filesystem (e.g. ``{"endpoint_url": ...}`` for s3fs).
+    ``storage_options`` go to the fsspec filesystem (e.g. ``{"endpoint_url": ...}`` for s3fs). A URL or
+    options the backend does not accept (an unknown protocol, no bucket, an option of the wrong type)
+    raise ``StorageConfigError`` here, before any read or write.
     """
     path = os.fspath(path)
     options = dict(storage_options or {})
@@ -26,17 +28,51 @@ def open_storage(path: str | os.PathLike, storage_options: dict | None = None) -
         return LocalStorage(path)
     if path.startswith("file://"):
         return LocalStorage(path[len("file://"):])
+    s3 = path.startswith(("s3://", "s3a://"))
     try:
         import fsspec
-        tuning = S3Tuning.take_from(options) if path.startswith(("s3://", "s3a://")) else None
+    except ImportError as e:  # pragma: no cover - fsspec is a dependency
+        raise CheckpointError(f"cannot open {path}: {e}. Install the backend: pip install fsspec") from e
+    try:
+        tuning = S3Tuning.take_from(options) if s3 else None
         fs, root = fsspec.core.url_to_fs(path, **options)
+        storage = _storage(fs, root, tuning)
+        _check_options(storage, path)
     except ImportError as e:
-        hint = "pip install 'shardckpt[s3]'" if path.startswith(("s3://", "s3a://")) else "pip install the fsspec backend"
+        hint = "pip install 'shardckpt[s3]'" if s3 else "pip install the fsspec backend"
         raise CheckpointError(f"cannot open {path}: {e}. Install the backend: {hint}") from e
+    except (CheckpointError, OSError):
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the backend says of the URL or the options
+        raise StorageConfigError(f"cannot open {path}: {type(e).__name__}: {e}. Check the URL and the storage "
+                                 f"options ({_option_names(storage_options)}; --storage-option KEY=VALUE)") from e
+    return storage
+
+
+def _storage(fs, root: str, tuning: S3Tuning | None) -> Storage:
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     if tuning is not None and hasattr(fs, "_call_s3"):
         return S3Storage(fs, root, protocol, tuning)
     return FsspecStorage(fs, root, protocol)
+
+
+def _check_options(storage: Storage, path: str) -> None:
+    """Make the backend take its options now: s3fs builds its client (which checks every option and the
+    credentials' shape, without a request); other backends answer one lookup of the root (an ``OSError``,
+    such as a refused connection, is left for the real operation to report)."""
+    if isinstance(storage, S3Storage):
+        if not storage.root or storage.root.startswith("/"):
+            raise StorageConfigError(f"{path}: no bucket in the URL; expected s3://BUCKET/PREFIX")
+        storage.fs.connect()
+        return
+    try:
+        storage.fs.exists(storage.root)
+    except OSError:
+        pass
+
+
+def _option_names(options: dict | None) -> str:
+    return "given: " + ", ".join(sorted(map(str, options))) if options else "none given"
 
 
 def split_url(path: str | os.PathLike) -> tuple[str, str]:

@@ -21,12 +21,13 @@ off unless ``config_kwargs`` sets them, so that a deadline bounds a request's wh
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
-from shardckpt.errors import CorruptCheckpointError, StorageError
+from shardckpt.errors import CheckpointError, CorruptCheckpointError, StorageConfigError, StorageError
 from shardckpt.io.protocol import missing
 from shardckpt.io.remote import FsspecStorage
 
@@ -53,14 +54,29 @@ class S3Tuning:
     def take_from(cls, options: dict) -> S3Tuning:
         """The tuning in ``options`` (s3fs storage options), which are changed for s3fs: the keys it does
         not know are taken out, and botocore's own retries are turned off unless the caller configured
-        them (``config_kwargs={"retries": ...}``), so that every retry is ours: jittered, within the deadline."""
-        part = int(options.get("default_block_size", PART_SIZE))
-        tuning = cls(max(part, _MIN_PART), max(1, int(options.get("max_concurrency", CONCURRENCY))),
-                     float(options.pop("retry_deadline_s", RETRY_DEADLINE_S)))
-        config = dict(options.get("config_kwargs") or {})
+        them (``config_kwargs={"retries": ...}``), so that every retry is ours: jittered, within the deadline.
+        A value of the wrong type raises ``StorageConfigError`` naming the option."""
+        part = _option(options, "default_block_size", PART_SIZE, int, options.get)
+        concurrency = _option(options, "max_concurrency", CONCURRENCY, int, options.get)
+        deadline = _option(options, "retry_deadline_s", RETRY_DEADLINE_S, float, options.pop)
+        config = options.get("config_kwargs") or {}
+        if not isinstance(config, dict):
+            raise StorageConfigError(f"storage option config_kwargs: expected a JSON object of botocore Config "
+                                     f"arguments, got {config!r}")
+        config = dict(config)
         config.setdefault("retries", {"max_attempts": 1})
         options["config_kwargs"] = config
-        return tuning
+        return cls(max(part, _MIN_PART), max(1, concurrency), deadline)
+
+
+def _option(options: dict, name: str, default: float, kind: type, take: Callable) -> Any:
+    """A positive, finite number option (ints for sizes and counts; bools and strings are not numbers)."""
+    value = take(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0 \
+            or (kind is int and value != int(value)):
+        what = "a positive integer" if kind is int else "a positive number of seconds"
+        raise StorageConfigError(f"storage option {name}: expected {what}, got {value!r}")
+    return kind(value)
 
 
 def _client_error(e: BaseException):
@@ -114,7 +130,10 @@ class S3Storage(FsspecStorage):
         """The pause before the next attempt after ``e`` (full jitter), or raise: ``e`` itself when it is not
         transient, a ``StorageError`` when the pause would pass the deadline."""
         if not _retryable(e):
-            raise e
+            if isinstance(e, (OSError, CheckpointError, KeyError)):
+                raise e
+            # botocore's own errors (no credentials, a parameter it refuses) are not OSErrors: name the object
+            raise StorageError(f"{self._display(path)}: {what} failed: {type(e).__name__}: {e}") from e
         pause = random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2 ** tries))
         if time.monotonic() + pause >= start + self.tuning.retry_deadline_s:
             raise StorageError(f"{self._display(path)}: {what} failed after {tries} attempts in "
