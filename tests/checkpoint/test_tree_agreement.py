@@ -23,7 +23,7 @@ from shardckpt.format.tree import PerRankValues
 from shardckpt.tensor_views import as_bytes
 from tests._dist import run_ranks
 
-WORLDS = tuple(int(w) for w in os.environ.get("AGREE_WORLDS", "2,3,4").split(","))
+WORLDS = (2, 3, 4)
 MODES = ("save", "async_save")
 _W = torch.arange(30, dtype=torch.float32).reshape(10, 3)  # "model.w", sharded by rows
 
@@ -312,7 +312,7 @@ def test_each_case_round_trips_or_is_refused_on_every_rank_before_the_commit(sav
         assert repr(key(world)) in outcome["message"] and rank_named, (mode, case, outcome["message"])
         refused += 1
     print(f"\nws {world}: {ok} round trips, {refused} refusals on every rank ({len(MODES)} modes x "
-          f"{len(ROUND_TRIPS)} + {len(REFUSED)} cases), the previous checkpoint intact after each refusal")
+          f"({len(ROUND_TRIPS)} + {len(REFUSED)} cases)), the previous checkpoint intact after each refusal")
     assert (ok, refused) == (len(MODES) * len(ROUND_TRIPS), len(MODES) * len(REFUSED))
 
 

@@ -138,6 +138,8 @@ def before_destroy(callback: Callable[[Any], BaseException | None]) -> None:
     first error a callback returns is raised after the groups are destroyed (an exception a callback raises
     propagates at once, destroying nothing). A caller that bound ``destroy_process_group`` before this
     module was imported calls torch's own."""
+    if not dist.is_available():  # no process groups to destroy
+        return
     with _hook_lock:
         c10d = dist.distributed_c10d
         if not getattr(c10d.destroy_process_group, "_shardckpt_hook", False):
