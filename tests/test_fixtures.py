@@ -13,8 +13,10 @@ from shardckpt.checkpoint.describe import describe
 from shardckpt.checkpoint.verify import verify
 from shardckpt.format.checksum import crc32c
 from shardckpt.format.manifest import FORMAT_VERSION
+from shardckpt.format.tree import PerRankValues
 from shardckpt.tensor_views import as_bytes
 from tests._dist import run_ranks
+from tests.storage._util import zeros_like_tree
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 VERSIONS = list(range(1, FORMAT_VERSION + 1))
@@ -24,18 +26,22 @@ def _fixture(version: int) -> str:
     return os.path.join(ROOT, f"v{version}")
 
 
-def _expected(version: int) -> dict:
+def _make_fixture():
     spec = importlib.util.spec_from_file_location("make_fixture", os.path.join(ROOT, "make_fixture.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.expected(version)
+    return module
+
+
+def _expected(version: int) -> dict:
+    return _make_fixture().expected(version)
 
 
 def _tensors(tree, prefix=""):
     if isinstance(tree, torch.Tensor):
         yield prefix, tree
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
+    elif isinstance(tree, (dict, list)):  # lists: the per-rank values of v4
+        for k, v in tree.items() if isinstance(tree, dict) else enumerate(tree):
             yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
 
 
@@ -59,6 +65,9 @@ def test_fixture_loads_bit_exact_and_verifies(version):
     _assert_bit_equal(got, want)
     assert got["step"] == 42 and got["note"] == f"golden v{version}"
     assert got["optim"]["param_groups"] == want["optim"]["param_groups"]
+    if version >= 4:
+        assert isinstance(got["loader"], PerRankValues) and got["loader"] == want["loader"]
+        assert [v["pos"] for v in got["mixed"]] == [0, 1, 2]
     report = verify(_fixture(version))
     assert report.ok and report.version == version and report.manifest_checksum == (version >= 2)
 
@@ -92,3 +101,37 @@ def _load_sharded(version: int) -> None:
 def test_fixture_reshards_on_load(version):
     # At ws 2 most reads are partial: v1 checks whole chunks, v2 its 16-byte blocks.
     run_ranks(2, _load_sharded, version)
+
+
+def _per_rank_target(version: int) -> dict:
+    """The whole v4 fixture as a target: zeros, and ``PerRank``s for its per-rank values."""
+    target = zeros_like_tree(_expected(version))
+    target.update(rng=shardckpt.PerRank(torch.zeros(5, dtype=torch.int64)), loader=shardckpt.PerRank(None),
+                  mixed=shardckpt.PerRank({"pos": -1, "buf": torch.zeros(2, 3)}), step=0)
+    return target
+
+
+def _load_per_rank(version: int) -> str:
+    """The v4 fixture's per-rank values (saved by 3 ranks) loaded into ``PerRank``s: rank r < 3 gets rank r's,
+    bit for bit; at ws 4, rank 3 is refused (on every rank) with strict, and keeps its values without."""
+    rank, strict = dist.get_rank(), dist.get_world_size() <= 3
+    target = _per_rank_target(version)
+    shardckpt.load(target, _fixture(version), strict=strict)
+    got = {k: target[k].value for k in ("rng", "loader", "mixed")}
+    if rank >= 3:
+        assert got["loader"] is None and got["mixed"]["pos"] == -1
+        assert not got["rng"].any() and not got["mixed"]["buf"].any()
+    else:
+        mine = _make_fixture().per_rank(rank)
+        _assert_bit_equal(got, mine)
+        assert got["loader"] == mine["loader"] and got["mixed"]["pos"] == rank
+    assert target["step"] == 42
+    if not strict:
+        with pytest.raises(shardckpt.IncompatibleCheckpointError, match="'rng'.*saved by 3 ranks, so rank 3"):
+            shardckpt.load(_per_rank_target(version), _fixture(version))
+    return "ok"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_v4_per_rank_values_load_by_rank(world):
+    assert run_ranks(world, _load_per_rank, 4) == ["ok"] * world

@@ -19,7 +19,7 @@ from shardckpt.checkpoint.latest import latest_checkpoint
 from shardckpt.checkpoint.load import load, load_full
 from shardckpt.checkpoint.save import save
 from shardckpt.regions import Box, FlatRange
-from shardckpt.sharded_tensor import ShardedTensor
+from shardckpt.sharded_tensor import PerRank, ShardedTensor
 from shardckpt.state_dict import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -40,7 +40,7 @@ from shardckpt.state_dict import (
 from shardckpt.state_dict.zero_redundancy import load_zero_partition_state, zero_partition_state
 
 __all__ = [
-    "save", "async_save", "AsyncSaver", "SaveHandle", "async_save_state", "load", "load_full", "latest_checkpoint", "ShardedTensor", "Box", "FlatRange",
+    "save", "async_save", "AsyncSaver", "SaveHandle", "async_save_state", "load", "load_full", "latest_checkpoint", "ShardedTensor", "PerRank", "Box", "FlatRange",
     "StateDictType", "FullStateDictConfig", "ShardedStateDictConfig", "LocalStateDictConfig",
     "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig", "OptimStateKeyType",
     "get_state_dict", "set_state_dict", "state_dict_type", "save_state", "load_state", "rekey_optim_state_dict",

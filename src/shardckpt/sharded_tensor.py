@@ -1,8 +1,9 @@
-"""``ShardedTensor``: one rank's piece of a global tensor, the unit ``shardckpt.save`` and ``load`` understand."""
+"""The wrappers ``shardckpt.save`` and ``load`` understand around a rank's values: ``ShardedTensor`` (one rank's
+piece of a global tensor) and ``PerRank`` (a value of this rank's own, one per rank under one key)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -75,3 +76,20 @@ class ShardedTensor:
         """Shard ``index`` of ``count`` equal flat shards of a full tensor (a view, no copy)."""
         region = even_flat_shard(full.numel(), index, count)
         return cls(full.reshape(-1)[region.start:region.stop], tuple(full.shape), region)
+
+
+@dataclass
+class PerRank:
+    """This rank's own value under a key whose value differs from rank to rank (RNG state, a data loader's
+    position). Every rank puts a ``PerRank`` under the same key; ``value`` is any savable value of this rank
+    (whole tensors, JSON-able values, nested containers of both; no ``ShardedTensor``/DTensor, no nested
+    ``PerRank``). The checkpoint stores one value per saving rank.
+
+    ``load`` into a ``PerRank`` gives rank ``r`` the value saved by rank ``r`` (tensors filled in place, plain
+    values replaced in ``value``), whatever the world size: a smaller world leaves the values of the missing
+    ranks unread; in a larger one, a rank the save did not have raises ``IncompatibleCheckpointError`` unless
+    ``strict=False``, which leaves its ``value`` as it is. ``load_full`` gives every rank's value, as a list
+    by rank.
+    """
+
+    value: Any

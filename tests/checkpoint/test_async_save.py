@@ -351,3 +351,104 @@ def test_the_side_group_is_freed_before_the_interpreter_finalizes(tmp_path):
         assert proc.returncode == 0, err
         assert "side group freed" in out, out + err
     assert torch.equal(shardckpt.load_full(str(tmp_path / "ckpt"))["w"], torch.arange(10.0))
+
+
+_IN_FLIGHT_AT_DESTROY = textwrap.dedent("""
+    import os, sys, threading, time
+    import torch, torch.distributed as dist
+    import shardckpt
+    from shardckpt.checkpoint import async_save as async_module
+
+    def in_destroy() -> bool:
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        while frame is not None:
+            if frame.f_code.co_name == "destroy_process_group":
+                return True
+            frame = frame.f_back
+        return False
+
+    real = async_module.persist
+
+    def persist_once_destroy_began(*args, **kwargs):
+        # Deterministically in flight at the destroy: the write starts once the main thread is inside
+        # destroy_process_group (or once the groups are gone, which is how the save was lost).
+        while not in_destroy() and dist.is_initialized():
+            time.sleep(0.01)
+        return real(*args, **kwargs)
+
+    async_module.persist = persist_once_destroy_began
+    rank, path = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    full = torch.arange(1 << 16, dtype=torch.float32)
+    shardckpt.async_save({"w": shardckpt.ShardedTensor.from_full(full, rank, 2), "step": 7}, path)
+    dist.destroy_process_group()  # no wait(): the README example's last lines without it
+    print("destroyed", flush=True)
+""")
+
+
+def _run_pair(script: str, *args: str) -> list[tuple[int, str, str]]:
+    """Run ``script`` as ranks 0 and 1 of a gloo world of two real processes; (status, stdout, stderr) each."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(rank), *args], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outs = [proc.communicate(timeout=180) for proc in procs]
+    return [(proc.returncode, out, err) for proc, (out, err) in zip(procs, outs)]
+
+
+def test_destroy_process_group_finishes_the_save_in_flight(tmp_path):
+    # It destroyed the side group under the save: "Group ... is not registered", nothing committed, exit 0.
+    path = str(tmp_path / "ckpt")
+    for status, out, err in _run_pair(_IN_FLIGHT_AT_DESTROY, path):
+        assert status == 0 and "destroyed" in out, err
+        assert "failed" not in err, err
+    got = shardckpt.load_full(path)
+    assert got["step"] == 7 and torch.equal(got["w"], torch.arange(1 << 16, dtype=torch.float32))
+    assert verify(path).ok
+
+
+def test_a_save_failing_in_flight_at_destroy_raises_there_on_every_rank(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    path = str(tmp_path / "file" / "ckpt")
+    for status, out, err in _run_pair(_IN_FLIGHT_AT_DESTROY, path):
+        assert status == 1 and "destroyed" not in out, (out, err)
+        assert "NotADirectoryError" in err and f"the async save to {path}, in flight at " \
+            "destroy_process_group(), failed: nothing was committed there" in err, err
+
+
+_EXIT_AFTER = textwrap.dedent("""
+    import atexit, sys, torch, shardckpt
+    atexit.register(lambda: print("the program's own exit handler ran", flush=True))
+    path, how = sys.argv[1], sys.argv[2]
+    shardckpt.async_save({"w": torch.arange(1 << 20, dtype=torch.float32), "step": 9}, path)
+    if how == "raise":
+        raise RuntimeError("the training loop raised")
+    if how == "sys.exit":
+        sys.exit(0)
+""")
+
+
+@pytest.mark.parametrize("how", ["end", "sys.exit", "raise"])
+def test_a_save_in_flight_at_exit_is_finished_however_the_program_ends(tmp_path, how):
+    path = str(tmp_path / "ckpt")
+    proc = subprocess.run([sys.executable, "-c", _EXIT_AFTER, path, how], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert proc.returncode == (1 if how == "raise" else 0), proc.stderr
+    assert "the program's own exit handler ran" in proc.stdout
+    got = shardckpt.load_full(path)
+    assert got["step"] == 9 and torch.equal(got["w"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("how", ["end", "sys.exit"])
+def test_a_save_failing_in_flight_at_exit_makes_the_exit_status_1(tmp_path, how):
+    # It printed the error and exited 0: a lost checkpoint reported as success.
+    (tmp_path / "file").write_text("not a directory")
+    path = str(tmp_path / "file" / "ckpt")
+    proc = subprocess.run([sys.executable, "-c", _EXIT_AFTER, path, how], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert proc.returncode == 1, proc.stderr
+    assert f"shardckpt: the async save to {path} failed: NotADirectoryError" in proc.stderr
+    assert "nothing was committed there" in proc.stderr
+    assert "the program's own exit handler ran" in proc.stdout  # the other exit handlers still run

@@ -17,9 +17,14 @@ Each process group gets one ``AsyncSaver`` (created by its first ``async_save``,
 - one background thread. **One save at a time**: a call while the previous save is in flight first waits
   for it (its buffers are being written), whatever the path. An error is never dropped: ``wait()``
   raises it; if any rank has not seen it, the next call raises it on every rank (the ranks agree over
-  the idle side group) and saves nothing. A save in flight when the interpreter exits is finished first
-  (or its error printed); then the savers drop their side groups, so that torch frees them before
-  finalization.
+  the idle side group) and saves nothing.
+
+Ends: ``torch.distributed.destroy_process_group()`` first finishes the save in flight on a group it
+destroys (hooked: ``dist.group.before_destroy``), then lets go of the saver, and raises that save's error,
+unseen so far, once the groups are gone (every rank has the same). A save in flight when the interpreter
+exits (no destroy, an exception, ``sys.exit``) is finished first; if it failed unseen, its error is printed
+and the exit status is 1. Either way the side groups are let go while the interpreter is alive (a gloo
+group freed during finalization aborts the process).
 
 Value semantics: the checkpoint holds the values at the moment ``async_save`` returned. CPU tensors are
 copied before it returns; CUDA tensors are copied to pinned buffers on a side stream that the current
@@ -29,6 +34,7 @@ commit protocol of ``save`` applies unchanged.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import sys
@@ -39,7 +45,7 @@ from typing import Any
 
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, Planned, persist, plan
 from shardckpt.checkpoint.stage import StagingBuffers, stage
-from shardckpt.dist.group import LOCAL, Failure, Group, attempt, resolve_group, side_group
+from shardckpt.dist.group import LOCAL, Failure, Group, attempt, before_destroy, destroys, resolve_group, side_group
 from shardckpt.errors import CheckpointError
 
 __all__ = ["async_save", "AsyncSaver", "SaveHandle", "saver_for", "release"]
@@ -94,6 +100,9 @@ class AsyncSaver:
         """``shardckpt.save``'s options; returns once the state is staged (collective, like ``save``)."""
         path = os.fspath(path)
         with self._lock:
+            if self.side is None:
+                raise CheckpointError("this AsyncSaver's process group was destroyed; use shardckpt.async_save "
+                                      "(or a new AsyncSaver) on the new one")
             self._finish_previous()
             pg = self.side.pg if self.side.pg is not None else LOCAL
             staged = stage(state_dict, process_group=pg, metadata=metadata, buffers=self.buffers)
@@ -145,36 +154,72 @@ class AsyncSaver:
                 self._last._future.exception()
             self.buffers.release()
 
-    def _close_at_exit(self) -> None:
-        """Finish the save in flight (or print its unseen error), then let go of the side group: the last
-        reference to a gloo group, once the caller destroyed its process groups, must go while the interpreter
-        is alive (a gloo group freed during finalization aborts the process: "terminate called without an
-        active exception")."""
-        last = self._last
+    def close(self) -> tuple[str, BaseException] | None:
+        """Finish the save in flight, then let go of the side group and the plan (the saver is done: a gloo
+        group whose last reference goes during finalization aborts the process, "terminate called without an
+        active exception"). Returns that save's path and error if the caller has not seen it (seen from now)."""
+        last, unseen = self._last, None
         if last is not None:
             error = last._future.exception()
             if error is not None and not last.observed:
-                print(f"shardckpt: the async save to {last.path} failed: {error!r}", file=sys.stderr)
+                last.observed, unseen = True, (last.path, error)
         self.side = self._planned = None
+        return unseen
 
 
 _live: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
+_savers: dict[Any, AsyncSaver] = {}  # by id of the process group (saver_for)
+_savers_lock = threading.Lock()
+
+
+def _close_before_destroy(group: Any) -> BaseException | None:
+    """``destroy_process_group(group)`` is about to run: finish the saves in flight on the groups it destroys
+    (every rank's background goes on until its own destroy, so each finishes) and drop their savers."""
+    with _savers_lock:
+        closing = [s for s in list(_live) if s.side is not None and
+                   (destroys(group, s.group.pg) or destroys(group, s.side.pg))]
+        for key in [k for k, s in _savers.items() if s in closing]:
+            del _savers[key]
+    unseen = [u for u in (saver.close() for saver in closing) if u is not None]
+    if not unseen:
+        return None
+    path, error = unseen[0]
+    note = f"shardckpt: the async save to {path}, in flight at destroy_process_group(), failed: nothing was " \
+        "committed there"
+    if hasattr(error, "add_note") and note not in getattr(error, "__notes__", ()):  # Python >= 3.11
+        error.add_note(note)
+    return error
+
+
+before_destroy(_close_before_destroy)
 
 
 def _close_savers_at_exit() -> None:
-    """A save in flight when the interpreter exits is finished (or its error printed), not dropped; then the
-    savers let go of their groups. Runs before concurrent.futures refuses new work at exit (registered after
-    it, run before it)."""
-    for saver in list(_live):
-        saver._close_at_exit()
+    """A save in flight when the interpreter exits is finished, not dropped; then the savers let go of their
+    groups. An unseen failure is printed and makes the exit status 1. Runs before concurrent.futures refuses
+    new work at exit (registered after it, run before it)."""
+    unseen = [u for u in (saver.close() for saver in list(_live)) if u is not None]
+    for path, error in unseen:
+        print(f"shardckpt: the async save to {path} failed: {error!r}; nothing was committed there",
+              file=sys.stderr, flush=True)
     _savers.clear()
+    if unseen:
+        atexit.register(_exit_status_1)  # runs first among the exit handlers
+
+
+def _exit_status_1() -> None:
+    """Run the other exit handlers, then end with status 1: an exit handler cannot set the status otherwise."""
+    atexit.unregister(_exit_status_1)
+    atexit._run_exitfuncs()  # noqa: SLF001
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(1)
 
 
 threading._register_atexit(_close_savers_at_exit)  # noqa: SLF001 - the hook concurrent.futures uses itself
-
-
-_savers: dict[Any, AsyncSaver] = {}
-_savers_lock = threading.Lock()
 
 
 def _forget_savers_in_child() -> None:

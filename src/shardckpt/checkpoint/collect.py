@@ -1,4 +1,5 @@
-"""Normalise a state dict's tensor leaves (plain tensors, ShardedTensor, DTensor) into local pieces."""
+"""Normalise a state dict's tensor leaves (plain tensors, ShardedTensor, DTensor, and the tensors of this rank's
+``PerRank`` values) into local pieces."""
 from __future__ import annotations
 
 import math
@@ -9,8 +10,8 @@ import torch
 
 from shardckpt.errors import UnsupportedValueError
 from shardckpt.regions import Box, FlatRange, Region, canonical, full_region
-from shardckpt.sharded_tensor import ShardedTensor
-from shardckpt.format.tree import Path, leaves, path_name
+from shardckpt.sharded_tensor import PerRank, ShardedTensor
+from shardckpt.format.tree import Path, holds_per_rank, leaves, path_name
 
 try:
     from torch.distributed.tensor import DTensor
@@ -20,6 +21,25 @@ except ImportError:  # pragma: no cover - torch without DTensor
 
 def is_tensor_like(value: Any) -> bool:
     return isinstance(value, (torch.Tensor, ShardedTensor))
+
+
+def is_saved_leaf(value: Any) -> bool:
+    """The leaves of a state dict given to save or load: tensors and ``PerRank`` values (a dict holding one is
+    not a plain value)."""
+    return is_tensor_like(value) or isinstance(value, PerRank)
+
+
+def per_rank_leaves(path: Path, value: PerRank, rank: int) -> list[tuple[Path, Any]]:
+    """The leaves of this rank's ``PerRank`` value at ``path``, with their stored paths (``path + (rank,)``).
+    Its tensors are whole tensors of this rank."""
+    found = list(leaves(value.value, is_tensor_like, path + (rank,)))
+    for leaf_path, leaf in found:
+        if isinstance(leaf, ShardedTensor) or (DTensor and isinstance(leaf, DTensor)):
+            raise UnsupportedValueError(f"{path_name(path)!r}: a PerRank holds this rank's whole tensors, not a "
+                                        f"{type(leaf).__name__} ({path_name(leaf_path)!r})")
+        if holds_per_rank(leaf):
+            raise UnsupportedValueError(f"{path_name(path)!r}: a PerRank may not hold per-rank values")
+    return found
 
 
 @dataclass(frozen=True)
@@ -71,11 +91,23 @@ def to_piece(path: Path, value: Any) -> LocalPiece:
     raise UnsupportedValueError(f"{name!r} is not a tensor")
 
 
-def local_pieces(state_dict: Any) -> list[LocalPiece]:
-    """Every tensor leaf of ``state_dict``, in traversal order."""
+def local_pieces(state_dict: Any, rank: int = 0) -> list[LocalPiece]:
+    """Every tensor leaf of ``state_dict``, in traversal order; a tensor of this rank's ``PerRank`` value is a
+    piece only this rank holds, named with the rank (``rng.1``)."""
     if not isinstance(state_dict, dict):
         raise UnsupportedValueError(f"a state dict must be a dict, got {type(state_dict).__name__}")
-    return [to_piece(path, v) for path, v in leaves(state_dict, is_tensor_like) if is_tensor_like(v)]
+    out = []
+    for path, v in leaves(state_dict, is_saved_leaf):
+        if isinstance(v, PerRank):
+            out += [_own_piece(p, t) for p, t in per_rank_leaves(path, v, rank) if is_tensor_like(t)]
+        elif is_tensor_like(v):
+            out.append(to_piece(path, v))
+    return out
+
+
+def _own_piece(path: Path, t: torch.Tensor) -> LocalPiece:
+    """A whole tensor stored by the one rank that holds it (a per-rank value)."""
+    return LocalPiece(path_name(path), path, t, tuple(t.shape), full_region(t.shape), replicated=False)
 
 
 def region_key(region: Region, shape: tuple[int, ...]) -> tuple:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 import torch
 
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
-from shardckpt.checkpoint.load_any import load_reader, wanted_keys
+from shardckpt.checkpoint.load_any import load_reader, pick, tensor_refs, wanted_keys
 from shardckpt.checkpoint.match import match
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.format.manifest import (
@@ -20,7 +20,7 @@ from shardckpt.format.manifest import (
     min_stored_bytes,
     parse_manifest,
 )
-from shardckpt.format.tree import TensorRef, leaves, path_name, set_at
+from shardckpt.format.tree import TensorRef
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.native import NativeReader, read_manifest
@@ -59,11 +59,12 @@ def load(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
                                                          io_threads=io_threads, verify=verify_checksums))
         if not isinstance(reader, NativeReader):  # (a native one: a manifest committed since; the path below)
             outcome = reader if isinstance(reader, Failure) else \
-                attempt(group.rank, lambda: _load_from(reader, state_dict, strict))
+                attempt(group.rank, lambda: _load_from(reader, state_dict, strict, group.rank))
             raise_failures(group.all_gather(outcome))
             return
-    _with_retries(group, storage, lambda storage, manifest: _load_into(state_dict, storage, manifest, strict,
-                                                                       verify_checksums, io_threads))
+    _with_retries(group, storage, lambda storage, manifest: _load_from(
+        NativeReader(storage, manifest, io_threads=io_threads, verify=verify_checksums), state_dict, strict,
+        group.rank))
 
 
 def _is_native(group: Group, storage: Storage) -> bool:
@@ -149,19 +150,12 @@ def _generation_changed(group: Group, storage: Storage, manifest: Manifest) -> b
     return group.broadcast(current) != manifest.generation
 
 
-def _load_into(state_dict: dict, storage: Storage, manifest: Manifest, strict: bool, verify: bool,
-               io_threads: int) -> None:
-    _load_from(NativeReader(storage, manifest, io_threads=io_threads, verify=verify), state_dict, strict)
-
-
-def _load_from(reader: CheckpointReader, state_dict: dict, strict: bool) -> None:
+def _load_from(reader: CheckpointReader, state_dict: dict, strict: bool, rank: int) -> None:
     for view in _READER_VIEWS:
         reader = view(reader, state_dict)
-    matched = match(reader.tree(), reader.tensors(), state_dict, strict)
+    matched = match(reader.tree(), reader.tensors(), state_dict, strict, rank)
     reader.read(matched.requests)
     matched.write_back()
-    for value_path, value in matched.values:
-        set_at(state_dict, value_path, value)
 
 
 def load_full(path: str | os.PathLike, keys: Iterable[str] | None = None, *, verify_checksums: bool = True,
@@ -185,17 +179,11 @@ def load_full(path: str | os.PathLike, keys: Iterable[str] | None = None, *, ver
     wanted = wanted_keys(keys)
 
     def work(storage: Storage, manifest: Manifest) -> dict:
-        out: dict = {}
-        chosen = [(p, leaf) for p, leaf in leaves(manifest.tree, lambda v: isinstance(v, TensorRef))
-                  if wanted(path_name(p))]
-        _check_files_before_allocating(storage, manifest, [leaf for _, leaf in chosen])
-        for leaf_path, leaf in chosen:
-            if isinstance(leaf, TensorRef):
-                entry = manifest.tensors[leaf.name]
-                leaf = torch.empty(entry.shape, dtype=entry.dtype)
-            _insert(out, manifest.tree, leaf_path, leaf)
-        _load_into(out, storage, manifest, strict=False, verify=verify_checksums, io_threads=io_threads)
-        return out
+        picked = pick(manifest.tree, (), wanted)
+        refs = [TensorRef(name) for name in dict.fromkeys(tensor_refs(picked))]
+        _check_files_before_allocating(storage, manifest, refs)
+        reader = NativeReader(storage, manifest, io_threads=io_threads, verify=verify_checksums)
+        return load_reader(reader, keys, where=storage.url(MANIFEST_NAME))
 
     return _with_retries(resolve_group(LOCAL), storage, work)
 
@@ -223,22 +211,3 @@ def _check_files_before_allocating(storage: Storage, manifest: Manifest, leaves_
                 if problem:
                     raise CorruptCheckpointError(f"{storage.url(manifest.files[f].path)}: tensor {entry.name!r} "
                                                  f"chunk {i} {problem}")
-
-
-def _insert(out: dict, tree: Any, path: tuple, leaf: Any) -> None:
-    """Place ``leaf`` at ``path`` in ``out``, creating containers shaped like those of ``tree`` on the way."""
-    node, src = out, tree
-    for key in path[:-1]:
-        src = src[key]
-        if isinstance(node, dict):
-            node = node.setdefault(key, {} if isinstance(src, dict) else [])
-        else:
-            while len(node) <= key:
-                node.append(None)
-            if node[key] is None:
-                node[key] = {} if isinstance(src, dict) else []
-            node = node[key]
-    if isinstance(node, list):
-        while len(node) <= path[-1]:
-            node.append(None)
-    node[path[-1]] = leaf

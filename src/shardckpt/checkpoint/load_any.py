@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from shardckpt.errors import CheckpointError, CorruptCheckpointError
-from shardckpt.format.tree import TensorRef, contains, path_name
+from shardckpt.format.tree import PerRankValues, TensorRef, contains, path_name
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
 from shardckpt.regions import Box
 
@@ -51,12 +51,18 @@ def pick(node: Any, path: tuple, wanted: Callable[[str], bool]) -> Any:
         kept: Any = {k: v for k, child in node.items() if (v := pick(child, path + (k,), wanted)) is not _SKIP}
     else:
         picked = {i: v for i, child in enumerate(node) if (v := pick(child, path + (i,), wanted)) is not _SKIP}
-        kept = [picked.get(i) for i in range(max(picked) + 1 if picked else 0)]
-        kept = tuple(kept) if isinstance(node, tuple) else kept
+        kept = _like(node, [picked.get(i) for i in range(max(picked) + 1 if picked else 0)])
     return _SKIP if path and not kept else kept
 
 
-def _refs(node: Any) -> Iterable[str]:
+def _like(node: list | tuple, items: list) -> Any:
+    """``items`` in a sequence of ``node``'s type (a tuple, a list, or stored per-rank values)."""
+    return tuple(items) if isinstance(node, tuple) else PerRankValues(items) if isinstance(node, PerRankValues) \
+        else items
+
+
+def tensor_refs(node: Any) -> Iterable[str]:
+    """The names of the tensors a (decoded) tree refers to."""
     stack = [node]
     while stack:
         item = stack.pop()
@@ -75,8 +81,7 @@ def replace_refs(node: Any, tensors: Mapping[str, Any]) -> Any:
         return node  # a plain value, exactly as the reader gave it
     if isinstance(node, dict):
         return {k: replace_refs(v, tensors) for k, v in node.items()}
-    items = [replace_refs(v, tensors) for v in node]
-    return tuple(items) if isinstance(node, tuple) else items
+    return _like(node, [replace_refs(v, tensors) for v in node])
 
 
 def memory_limit() -> int | None:
@@ -132,7 +137,7 @@ def load_reader(reader: CheckpointReader, keys: Iterable[str] | None = None, *, 
     if picked is _SKIP:  # a lone tensor (a torch.save file of one tensor) that ``keys`` leaves out
         return {}
     infos = reader.tensors()
-    names = list(dict.fromkeys(_refs(picked)))
+    names = list(dict.fromkeys(tensor_refs(picked)))
     unknown = [n for n in names if n not in infos]
     if unknown:
         raise CorruptCheckpointError(f"{where}: the checkpoint's tree names tensor {unknown[0]!r}, which it does "

@@ -1,4 +1,7 @@
-"""Matching a state dict's leaves to a checkpoint: one read request per tensor leaf, the saved plain values."""
+"""Matching a state dict's leaves to a checkpoint: one read request per tensor leaf, the saved plain values.
+
+A ``PerRank`` leaf of rank ``r`` matches the value rank ``r`` saved under its key (``format.tree.PerRankValues``):
+its own tensors and plain values, named as stored (``rng.1``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,23 +9,29 @@ from typing import Any, Mapping
 
 import torch
 
-from shardckpt.checkpoint.collect import is_tensor_like, to_piece
+from shardckpt.checkpoint.collect import is_saved_leaf, is_tensor_like, to_piece
 from shardckpt.errors import IncompatibleCheckpointError, key_mismatch
-from shardckpt.format.tree import Path, TensorRef, leaves, path_name
+from shardckpt.format.tree import Path, PerRankValues, TensorRef, leaves, path_name, set_at
 from shardckpt.formats.api import ReadRequest, TensorInfo
+from shardckpt.sharded_tensor import PerRank
 
 
 @dataclass
 class Matched:
     requests: list[ReadRequest]
     staged: list[tuple[torch.Tensor, torch.Tensor]]  # (caller's non-contiguous tensor, contiguous copy read into)
-    values: list[tuple[Path, Any]]  # where the saved plain values go
+    values: list[tuple[Any, Path, Any]]  # (state dict or PerRank, path in it, saved plain value)
 
     def write_back(self) -> None:
-        """Copy staged reads into the caller's tensors (after every read succeeded)."""
+        """Copy staged reads into the caller's tensors and set the plain values (after every read succeeded)."""
         with torch.no_grad():
             for dest, copy in self.staged:
                 dest.copy_(copy.view(dest.shape))
+        for root, path, value in self.values:
+            if isinstance(root, PerRank) and not path:
+                root.value = value
+            else:
+                set_at(root.value if isinstance(root, PerRank) else root, path, value)
 
 
 def _request(path: Path, value: Any, entry: TensorInfo, strict: bool, staged: list) -> ReadRequest:
@@ -41,32 +50,72 @@ def _request(path: Path, value: Any, entry: TensorInfo, strict: bool, staged: li
     return ReadRequest(entry.name, piece.region, dest)
 
 
-def match(tree: Any, tensors: Mapping[str, TensorInfo], state_dict: dict, strict: bool) -> Matched:
-    """Requests for the tensors and ``(path, saved value)`` for the plain values; strict raises on any mismatch.
+def _is_stored_leaf(value: Any) -> bool:
+    return isinstance(value, (TensorRef, PerRankValues))
+
+
+def match(tree: Any, tensors: Mapping[str, TensorInfo], state_dict: dict, strict: bool, rank: int = 0) -> Matched:
+    """Requests for the tensors and where the saved plain values go; strict raises on any mismatch. ``rank``: the
+    loading rank, whose ``PerRank`` leaves take the values the rank of that number saved.
 
     ``tree`` and ``tensors`` are a reader's (``CheckpointReader.tree()``/``tensors()``; for shardckpt's own
     format the manifest's tree and entries, which have the same fields)."""
-    saved = {path_name(p): v for p, v in leaves(tree, lambda v: isinstance(v, TensorRef))}
-    wanted = list(leaves(state_dict, is_tensor_like))
-    names = {path_name(p) for p, _ in wanted}
-    out, missing = Matched([], [], []), []
-    for path, value in wanted:
-        name = path_name(path)
-        if name not in saved:
-            missing.append(name)
-            continue
-        stored = saved[name]
-        if is_tensor_like(value) != isinstance(stored, TensorRef):
-            kinds = ("a tensor", "a plain value")
-            raise IncompatibleCheckpointError(
-                f"{name!r}: the checkpoint holds {kinds[not isinstance(stored, TensorRef)]}, the state dict "
-                f"{kinds[not is_tensor_like(value)]}")
-        if isinstance(stored, TensorRef):
-            out.requests.append(_request(path, value, tensors[stored.name], strict, out.staged))
-        else:
-            out.values.append((path, stored))
-    unexpected = sorted(set(saved) - names)
+    out = Matched([], [], [])
+    saved = {path_name(p): v for p, v in leaves(tree, _is_stored_leaf)}
+    missing, unexpected = _match_leaves(saved, list(leaves(state_dict, is_saved_leaf)), state_dict, 0, tensors,
+                                        strict, rank, out)
     if strict and (missing or unexpected):
         raise key_mismatch("state dict and checkpoint do not match (missing: in the state dict, not the "
                            "checkpoint)", missing, unexpected, "Pass strict=False to load the keys both have.")
     return out
+
+
+def _match_leaves(saved: dict[str, Any], wanted: list[tuple[Path, Any]], root: Any, skip: int,
+                  tensors: Mapping[str, TensorInfo], strict: bool, rank: int, out: Matched) -> tuple[list, list]:
+    """Match ``wanted`` leaves (paths from the top; ``root`` holds them below the first ``skip`` keys) to the
+    ``saved`` leaves by name; returns the names missing and unexpected."""
+    missing, unexpected = [], []
+    names = set()
+    for path, value in wanted:
+        name = path_name(path)
+        names.add(name)
+        if name not in saved:
+            missing.append(name)
+            continue
+        stored = saved[name]
+        if isinstance(value, PerRank) or isinstance(stored, PerRankValues):
+            more = _match_per_rank(path, value, stored, tensors, strict, rank, out)
+            missing += more[0]
+            unexpected += more[1]
+        elif is_tensor_like(value) != isinstance(stored, TensorRef):
+            kinds = ("a tensor", "a plain value")
+            raise IncompatibleCheckpointError(
+                f"{name!r}: the checkpoint holds {kinds[not isinstance(stored, TensorRef)]}, the state dict "
+                f"{kinds[not is_tensor_like(value)]}")
+        elif isinstance(stored, TensorRef):
+            out.requests.append(_request(path, value, tensors[stored.name], strict, out.staged))
+        else:
+            out.values.append((root, path[skip:], stored))
+    return missing, unexpected + sorted(set(saved) - names)
+
+
+def _match_per_rank(path: Path, value: Any, stored: Any, tensors: Mapping[str, TensorInfo], strict: bool,
+                    rank: int, out: Matched) -> tuple[list, list]:
+    name = path_name(path)
+    if not isinstance(value, PerRank):
+        raise IncompatibleCheckpointError(
+            f"{name!r}: the checkpoint holds per-rank values (one per saving rank, {len(stored)}): load this "
+            "rank's into a shardckpt.PerRank(...) under that key, or every rank's with load_full")
+    if not isinstance(stored, PerRankValues):
+        raise IncompatibleCheckpointError(f"{name!r}: the checkpoint holds one value for all ranks, not per-rank "
+                                          "values: load it without shardckpt.PerRank")
+    if rank >= len(stored):
+        if strict:
+            raise IncompatibleCheckpointError(
+                f"{name!r}: its per-rank values were saved by {len(stored)} ranks, so rank {rank} has none; load "
+                "with strict=False to keep this rank's value as it is")
+        return [], []
+    mine = path + (rank,)
+    saved = {path_name(p): v for p, v in leaves(stored[rank], lambda v: isinstance(v, TensorRef), mine)}
+    return _match_leaves(saved, list(leaves(value.value, is_tensor_like, mine)), value, len(mine), tensors, strict,
+                         rank, out)

@@ -31,15 +31,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardckpt._version import __version__
+from shardckpt.checkpoint.agree import digest, fill_per_rank, holds_per_rank, per_rank_names, refuse_difference
 from shardckpt.checkpoint.save_plan import PieceInfo, SavePlan, WriteTask, make_save_plan
 from shardckpt.checkpoint.gc import collect
 from shardckpt.checkpoint.stage import Staged, stage
 from shardckpt.checkpoint.writer import RankResult, write_rank_files
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures, resolve_group
-from shardckpt.errors import CheckpointError, CheckpointExistsError
+from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from shardckpt.format.dtypes import DTYPES
 from shardckpt.format.codecs import Compression
-from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorEntry, parse_manifest, version_for
+from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorEntry, check_tree, parse_manifest, version_for
+from shardckpt.format.tree import decode
 from shardckpt.io import Storage, open_storage
 
 __all__ = ["save", "stage", "plan", "persist", "Staged", "Planned", "DEFAULT_FILES_PER_RANK"]
@@ -54,8 +56,9 @@ def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
 
     Called collectively on every rank of ``process_group`` (default: the default group, or a world of one
     when torch.distributed is not initialised). Values may be plain tensors (full or replicated: stored
-    once, by one rank), ``ShardedTensor``s, torch DTensors, or plain JSON-able values. ``metadata`` is a
-    JSON-able dict stored in the manifest. A committed checkpoint at ``path`` is replaced only with
+    once, by one rank), ``ShardedTensor``s, torch DTensors, plain JSON-able values, or ``PerRank`` values
+    (one per rank). Every rank gives the same keys, nesting and plain values (checked by ``plan``).
+    ``metadata`` is a JSON-able dict stored in the manifest. A committed checkpoint at ``path`` is replaced only with
     ``overwrite=True``; readers then see the complete old or the complete new checkpoint. Each rank writes
     ``files_per_rank`` data files in parallel (rank 0's value counts). ``compress="zstd"`` (or
     ``"zstd:LEVEL"``, -7..22; rank 0's value counts) stores each chunk as zstd frames, floating-point data
@@ -73,7 +76,8 @@ def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
 class Planned:
     """This rank's part of a save plan: where its files go and which chunks it writes.
 
-    ``save_plan`` (the whole plan: every tensor's chunks and writers) is on rank 0 only, which commits."""
+    ``save_plan`` (the whole plan: every tensor's chunks and writers) and ``tree`` (the encoded tree to commit,
+    every rank's ``PerRank`` values in it) are on rank 0 only, which commits."""
 
     group: Group
     storage: Storage
@@ -85,6 +89,8 @@ class Planned:
     overwrite: bool = False
     infos: list[PieceInfo] = field(default_factory=list)  # this rank's, as planned (for reuse)
     gathered: list | None = None  # every rank's infos (rank 0 only, for reuse)
+    tree: Any = None
+    version: int | None = None  # the format version of the indexes and manifest
 
     @property
     def data_dir(self) -> str:
@@ -94,10 +100,12 @@ class Planned:
 def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
          files_per_rank: int = DEFAULT_FILES_PER_RANK, storage_options: dict | None = None,
          compress: str | None = None, reuse: Planned | None = None) -> Planned:
-    """Save step 2 of 3 (collective): rank 0 gathers every rank's piece infos, checks them, refuses an
-    existing checkpoint unless ``overwrite``, and sends each rank its write tasks and the compression
-    (rank 0's ``files_per_rank`` and ``compress`` count). Raises on every rank if any rank failed to stage
-    or to open ``path``, or if planning failed. Writes nothing.
+    """Save step 2 of 3 (collective): rank 0 gathers every rank's piece infos and a digest of its tree, checks
+    that the trees agree (``checkpoint.agree``; if not, every rank raises ``UnsupportedValueError`` naming the
+    first key where a rank's differs from rank 0's) and the tensors, refuses an existing checkpoint unless
+    ``overwrite``, and sends each rank its write tasks and the compression (rank 0's ``files_per_rank`` and
+    ``compress`` count). Raises on every rank if any rank failed to stage or to open ``path``, or if
+    planning failed. Writes nothing.
 
     ``reuse``: the ``Planned`` of an earlier save over the same group. A rank whose pieces are as they were
     then sends a marker instead of its infos; if every rank does (and the options are the same), rank 0
@@ -105,30 +113,54 @@ def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, 
     state, whose shapes do not change)."""
     group = resolve_group(process_group)
 
-    def local() -> Storage:
+    def local() -> _Report:
         if staged.rank != group.rank:
             raise ValueError(f"this Staged was staged as rank {staged.rank}, but this is rank {group.rank} of "
                              "the process group given to plan(); stage and plan with the same group")
-        return open_storage(path, storage_options)
+        storage = open_storage(path, storage_options)
+        unchanged = reuse is not None and reuse.infos == staged.infos
+        return _Report(storage, _UNCHANGED if unchanged else staged.infos, digest(staged.tree), staged.per_rank)
 
-    storage = staged.failure or attempt(group.rank, local)
-    unchanged = reuse is not None and reuse.infos == staged.infos
-    gathered = group.gather(storage if isinstance(storage, Failure) else _UNCHANGED if unchanged else staged.infos)
+    report = staged.failure or attempt(group.rank, local)
+    gathered = group.gather(report if isinstance(report, Failure) else dataclasses.replace(report, storage=None))
     whole = None
     if group.is_coordinator:
-        merged = storage if isinstance(storage, Failure) else \
-            attempt(0, lambda: _with_reused(gathered, reuse, files_per_rank, compress))
-        if isinstance(merged, Failure):
-            whole = merged
-        else:
-            gathered, reused = merged
-            whole = _plan_on_coordinator(storage, gathered, overwrite, files_per_rank, compress, reused)
-    mine = group.scatter(_per_rank(whole, group.world_size) if group.is_coordinator else None)
-    raise_failures([storage, mine])
-    generation, tasks, per_rank, compression = mine
-    return Planned(group, storage, generation, tasks, per_rank, compression,
-                   whole if group.is_coordinator else None, overwrite, staged.infos,
-                   gathered if group.is_coordinator else None)
+        whole = _plan_on_coordinator(report, gathered, staged.tree, reuse, overwrite, files_per_rank, compress)
+    mine = group.scatter(_per_rank(whole, gathered) if group.is_coordinator else None)
+    if isinstance(mine, _Differs):
+        _refuse_differing_trees(group, staged, mine)
+    raise_failures([mine, report])  # the same (the first failing rank's) on every rank
+    generation, tasks, per_rank, compression, version = mine
+    coordinator = group.is_coordinator
+    return Planned(group, report.storage, generation, tasks, per_rank, compression,
+                   whole[0] if coordinator else None, overwrite, staged.infos,
+                   whole[2] if coordinator else None, whole[1] if coordinator else None, version)
+
+
+@dataclass(frozen=True)
+class _Report:
+    """What a rank sends ``plan``'s rank 0: its piece infos (or ``_UNCHANGED``), the digest of its encoded tree
+    and its ``PerRank`` values (its storage stays on the rank)."""
+
+    storage: Storage | None
+    infos: Any
+    digest: bytes
+    per_rank: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Differs:
+    """Rank 0's answer when the trees' digests differ: its tree, for the ranks whose digest differs from its own
+    (None for the others); every rank then checks its own and all raise the first difference."""
+
+    tree: Any
+
+
+def _refuse_differing_trees(group: Group, staged: Staged, differs: _Differs) -> None:
+    outcome = attempt(group.rank, lambda: differs.tree is not None and refuse_difference(differs.tree, staged.tree,
+                                                                                        group.rank))
+    raise_failures(group.all_gather(outcome if isinstance(outcome, Failure) else None))
+    raise CheckpointError("cannot save: the ranks' state dicts differ, though no rank found where")
 
 
 @dataclass(frozen=True)
@@ -177,13 +209,18 @@ def persist(staged: Staged, planned: Planned) -> None:
     raise_failures([outcome])
 
 
-def _plan_on_coordinator(storage: Storage, gathered: list, overwrite: bool, files_per_rank: int,
-                         compress: str | None, reused: SavePlan | None) -> SavePlan | Failure:
-    failures = [g for g in gathered if isinstance(g, Failure)]
+def _plan_on_coordinator(report: _Report | Failure, gathered: list, tree: Any, reuse: Planned | None,
+                         overwrite: bool, files_per_rank: int, compress: str | None) -> tuple | Failure | _Differs:
+    """``(SavePlan, tree to commit, every rank's infos)``, or why not (a failure, or trees that differ)."""
+    failures = [g for g in [report] + gathered if isinstance(g, Failure)]
     if failures:
         return failures[0]
+    if any(g.digest != gathered[0].digest for g in gathered):
+        return _Differs(tree)
 
-    def make() -> SavePlan:
+    def make() -> tuple:
+        infos, reused = _with_reused([g.infos for g in gathered], reuse, files_per_rank, compress)
+        storage = report.storage
         if not overwrite and storage.exists(MANIFEST_NAME):
             raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: a checkpoint already exists; pass "
                                         "overwrite=True to replace it")
@@ -191,16 +228,35 @@ def _plan_on_coordinator(storage: Storage, gathered: list, overwrite: bool, file
             raise ValueError(f"files_per_rank must be an int in 1..64, got {files_per_rank!r}")
         generation = uuid.uuid4().hex[:16]
         if reused is not None:
-            return dataclasses.replace(reused, generation=generation)
-        return make_save_plan(gathered, generation, files_per_rank, Compression.parse(compress))
+            save_plan = dataclasses.replace(reused, generation=generation)
+        else:
+            save_plan = make_save_plan(infos, generation, files_per_rank, Compression.parse(compress))
+        whole_tree = fill_per_rank(tree, [g.per_rank for g in gathered])
+        _check_loadable(whole_tree, save_plan, storage)
+        return save_plan, whole_tree, infos
 
     return attempt(0, make)
 
 
-def _per_rank(whole: SavePlan | Failure, world_size: int) -> list:
+def _check_loadable(encoded_tree: Any, save_plan: SavePlan, storage: Storage) -> None:
+    """The tree names every planned tensor once, under unique names (what a load checks), before anything is
+    written: a guard, as the ranks' agreement already implies it."""
+    where = storage.url(MANIFEST_NAME)
+    try:
+        check_tree(decode(encoded_tree, where, per_rank=True), save_plan.tensors, True, where)
+    except CorruptCheckpointError as e:
+        raise CheckpointError(f"cannot save: the checkpoint would not load ({e})") from None
+
+
+def _per_rank(whole: tuple | Failure | _Differs, gathered: list) -> list:
     if isinstance(whole, Failure):
-        return [whole] * world_size
-    return [(whole.generation, whole.tasks[r], whole.files_per_rank, whole.compression) for r in range(world_size)]
+        return [whole] * len(gathered)
+    if isinstance(whole, _Differs):
+        return [_Differs(whole.tree if g.digest != gathered[0].digest else None) for g in gathered]
+    save_plan, tree, _ = whole
+    version = version_for(save_plan.compression is not None, holds_per_rank(tree))
+    return [(save_plan.generation, save_plan.tasks[r], save_plan.files_per_rank, save_plan.compression, version)
+            for r in range(len(gathered))]
 
 
 def data_dir(generation: str) -> str:
@@ -213,11 +269,11 @@ def _write(planned: Planned, staged: Staged, holds: list) -> RankResult | None:
     holds.append(planned.storage.hold_dir(planned.data_dir))
     base = f"{planned.data_dir}/rank-{planned.group.rank:05d}"
     return write_rank_files(planned.storage, base, planned.tasks, staged.pieces, planned.files_per_rank,
-                            planned.compression)
+                            planned.compression, planned.version)
 
 
 def _commit(planned: Planned, results: list, staged: Staged) -> None:
-    commit(planned.storage, planned.save_plan, planned.generation, results, planned.group.world_size, staged.tree,
+    commit(planned.storage, planned.save_plan, planned.generation, results, planned.group.world_size, planned.tree,
            staged.metadata, planned.overwrite)
 
 
@@ -229,11 +285,14 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
     racing to one new path exactly one commits, the others get ``CheckpointExistsError`` (their data removed)."""
     failures = [r for r in results if isinstance(r, Failure)]
     if failures:
-        try:
-            storage.remove_dir(data_dir(generation))
-        except Exception:  # noqa: BLE001 - the failure is what counts (the store may be gone); debris is gc's
-            pass
+        _remove_quietly(storage, data_dir(generation))
         raise_failures(failures)
+    version = version_for(save_plan.compression is not None, holds_per_rank(encoded_tree))
+    try:
+        _check_versions(results, version, encoded_tree)
+    except CheckpointError:
+        _remove_quietly(storage, data_dir(generation))
+        raise
     first_file, files = {}, []
     for rank, result in enumerate(results):
         if result is not None:
@@ -250,9 +309,15 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
     previous = _previous_generation(storage)
     manifest = Manifest(world_size=world_size, generation=generation, tree=None, tensors=tensors,
                         files=files, metadata=metadata or {}, created_by=f"shardckpt {__version__}",
-                        version=version_for(save_plan.compression is not None))
+                        version=version)
+    data = manifest.to_bytes(encoded_tree)
     try:
-        storage.put_atomic(MANIFEST_NAME, manifest.to_bytes(encoded_tree), exclusive=not overwrite)
+        parse_manifest(data, storage.url(MANIFEST_NAME))  # never commit what no load would read
+    except CorruptCheckpointError as e:
+        _remove_quietly(storage, data_dir(generation))
+        raise CheckpointError(f"cannot save: the checkpoint would not load ({e}); nothing was committed") from None
+    try:
+        storage.put_atomic(MANIFEST_NAME, data, exclusive=not overwrite)
     except FileExistsError:
         if _previous_generation(storage) != generation:  # the same: a run of the same conversion committed it
             storage.remove_dir(data_dir(generation))
@@ -263,6 +328,26 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
             storage.remove_dir(data_dir(previous))
         collect(storage)  # what interrupted saves left here (checkpoint/gc.py)
     except (OSError, CheckpointError):
+        pass
+
+
+def _check_versions(results: list, version: int, encoded_tree: Any) -> None:
+    """The indexes were written at the manifest's format version (a writer that was not told of per-rank
+    values writes an older one, which a load of the new manifest would refuse)."""
+    written = {r.version for r in results if r is not None and r.version is not None} - {version}
+    if not written:
+        return
+    names = per_rank_names(encoded_tree)
+    why = f"the tree holds per-rank values ({', '.join(map(repr, names[:3]))}), which need" if names else \
+        "the manifest is"
+    raise CheckpointError(f"cannot commit: {why} format v{version}, but the data files' indexes were written as "
+                          f"v{min(written)}; give the writer version={version} (checkpoint.writer.write_rank_files)")
+
+
+def _remove_quietly(storage: Storage, path: str) -> None:
+    try:
+        storage.remove_dir(path)
+    except Exception:  # noqa: BLE001 - the failure is what counts (the store may be gone); debris is gc's
         pass
 
 

@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from shardckpt.checkpoint.collect import LocalPiece, region_from_key, region_key
-from shardckpt.errors import CheckpointError
+from shardckpt.errors import CheckpointError, UnsupportedValueError
 from shardckpt.regions import Region, check_tiling, flat_bounds, full_region
 from shardckpt.format.dtypes import DTYPES, dtype_name, itemsize
 from shardckpt.format.chunks import Chunks, compact_chunks
@@ -72,21 +72,22 @@ def make_save_plan(infos: list[list[PieceInfo]], generation: str, files_per_rank
     replicated: dict[str, TensorPlan] = {}
     pieces: dict[str, list[tuple[int, Region]]] = {}
     seen: dict[str, set] = {}
+    first: dict[str, tuple[int, PieceInfo]] = {}  # by name: the first rank that holds it, and what it holds
     for rank, rank_infos in enumerate(infos):
         for info in rank_infos:
-            plan = tensors.setdefault(info.name, TensorPlan(info.dtype, info.shape))
-            if (plan.dtype, plan.shape) != (info.dtype, info.shape):
-                raise CheckpointError(f"cannot save {info.name!r}: rank {rank} has {info.dtype}{list(info.shape)}, "
-                                      f"another rank {plan.dtype}{list(plan.shape)}")
+            known = first.get(info.name)
+            if known is None:
+                first[info.name] = (rank, info)
+                tensors[info.name] = TensorPlan(info.dtype, info.shape)
+            elif (info.dtype, info.shape, info.replicated) != (known[1].dtype, known[1].shape, known[1].replicated):
+                raise _disagreement(info, rank, *known)
+            plan = tensors[info.name]
             if info.replicated:
                 replicated[info.name] = plan
             elif info.owner and info.region not in seen.setdefault(info.name, set()):
                 # An identical region on another rank is a replica (e.g. HYBRID_SHARD): stored once.
                 seen[info.name].add(info.region)
                 pieces.setdefault(info.name, []).append((rank, region_from_key(info.region)))
-            if info.name in replicated and info.name in pieces:
-                raise CheckpointError(f"cannot save {info.name!r}: it is a plain tensor on some ranks and sharded "
-                                      "on others")
     for name, owned in pieces.items():
         plan = tensors[name]
         _check_shards(name, [r for _, r in owned], plan.shape)
@@ -95,6 +96,16 @@ def make_save_plan(infos: list[list[PieceInfo]], generation: str, files_per_rank
                 plan.regions.append(region)
                 plan.writers.append(rank)
     return plan_placed(tensors, set(replicated), world, generation, files_per_rank, compression)
+
+
+def _disagreement(info: PieceInfo, rank: int, first_rank: int, first: PieceInfo) -> UnsupportedValueError:
+    """Ranks hold one tensor name in different dtypes or shapes, or plain (replicated) on some and sharded on others."""
+    def held(i: PieceInfo) -> str:
+        return f"{i.dtype}{list(i.shape)}" + (" as a plain tensor" if i.replicated else " sharded")
+
+    return UnsupportedValueError(f"cannot save {info.name!r}: rank {first_rank} holds {held(first)}, rank {rank} "
+                                 f"{held(info)}; every rank must hold one tensor of the same dtype and shape, plain "
+                                 "on every rank or sharded on every rank")
 
 
 def plan_placed(tensors: dict[str, TensorPlan], replicated: set[str], world: int, generation: str,

@@ -2,9 +2,10 @@
 
 ``stage`` turns a state dict into a ``Staged``: each tensor piece this rank may write as a contiguous CPU
 tensor with its conjugate/negative bits resolved (its bytes are what goes into the data file), the
-encoded tree of plain values (on rank 0, which commits it) and the metadata. ``plan`` and ``persist``
-(``checkpoint/save.py``) then decide where the bytes go and write them; nothing after ``stage`` reads the
-caller's state dict.
+encoded tree of plain values (every rank's, which ``plan`` checks agree; rank 0's is committed), this
+rank's ``PerRank`` values (encoded, their tensors named with the rank: ``rng.1``) and the metadata.
+``plan`` and ``persist`` (``checkpoint/save.py``) then decide where the bytes go and write them; nothing
+after ``stage`` reads the caller's state dict.
 
 Copies, and what a ``Staged`` aliases:
 
@@ -27,17 +28,20 @@ collectives. Its error is kept in ``Staged.failure`` and ``plan`` raises it on e
 from __future__ import annotations
 
 import copy as copy_module
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from shardckpt.checkpoint.collect import LocalPiece, is_tensor_like, local_pieces
+from shardckpt.checkpoint.agree import marker
+from shardckpt.checkpoint.collect import LocalPiece, is_saved_leaf, is_tensor_like, local_pieces, per_rank_leaves
 from shardckpt.checkpoint.save_plan import PieceInfo
 from shardckpt.dist.group import Failure, attempt, resolve_group
 from shardckpt.errors import UnsupportedValueError
-from shardckpt.format.tree import check_savable_depth, encode, leaves, path_name
+from shardckpt.format.tree import Path, check_savable_depth, encode, leaves, path_name
+from shardckpt.sharded_tensor import PerRank
 from shardckpt.tensor_views import as_bytes
 
 
@@ -47,9 +51,10 @@ class Staged:
 
     ``pieces``: by name, what this rank may write; each ``data`` is a contiguous CPU tensor (see the module
     docstring for when it aliases the caller's tensor). ``infos``: what ``plan`` tells rank 0 about every
-    tensor leaf. ``tree``: the encoded tree of plain values (rank 0 only; None elsewhere). ``aliased``: the
-    names whose buffer is a view of the caller's tensor (empty with ``copy=True``). ``failure``: this rank's
-    staging error, raised on every rank by ``plan``.
+    tensor leaf. ``tree``: the encoded tree, each ``PerRank`` as a marker (``checkpoint.agree``).
+    ``per_rank``: by name, this rank's ``PerRank`` values, encoded. ``aliased``: the names whose buffer is a
+    view of the caller's tensor (empty with ``copy=True``). ``failure``: this rank's staging error, raised on
+    every rank by ``plan``.
     """
 
     rank: int
@@ -59,6 +64,7 @@ class Staged:
     metadata: dict | None
     aliased: frozenset[str]
     failure: Failure | None = None
+    per_rank: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def buffer(self, name: str) -> torch.Tensor:
         """The bytes that will be written for ``name``: a flat uint8 view of its staged tensor (no copy)."""
@@ -74,29 +80,34 @@ def stage(state_dict: dict, *, process_group: Any = None, metadata: dict | None 
           copy: bool = False, buffers: StagingBuffers | None = None) -> Staged:
     """Stage this rank's part of ``state_dict`` on the host (save step 1 of 3; local, no collectives).
 
-    ``process_group`` only tells this rank its place (rank 0 encodes the tree); it must be the group later
-    given to ``plan``. ``metadata``: a JSON-able dict for the manifest (rank 0's is stored). ``copy``: also
-    copy CPU tensors that could be shared (contiguous ones), so that the caller may modify them before
-    ``persist`` returns. ``buffers``: copy every piece into these reused host buffers instead (a snapshot,
+    ``process_group`` only tells this rank its place (``PerRank`` values are stored as this rank's); it must be
+    the group later given to ``plan``. ``metadata``: a JSON-able dict for the manifest (rank 0's is stored).
+    ``copy``: also copy CPU tensors that could be shared (contiguous ones), so that the caller may modify them
+    before ``persist`` returns. ``buffers``: copy every piece into these reused host buffers instead (a snapshot,
     like ``copy``, without allocating when shapes repeat; CUDA pieces are copied asynchronously: call
     ``buffers.synchronize()`` before ``persist``). Errors are returned in ``Staged.failure`` (``plan``
     raises them on every rank).
     """
     group = resolve_group(process_group)
-    staged = attempt(group.rank, lambda: _stage(state_dict, group.rank, group.is_coordinator, metadata, copy,
-                                                buffers))
+    staged = attempt(group.rank, lambda: _stage(state_dict, group.rank, metadata, copy, buffers))
     if isinstance(staged, Failure):
         return Staged(group.rank, {}, [], None, None, frozenset(), staged)
     return staged
 
 
-def _stage(state_dict: dict, rank: int, coordinator: bool, metadata: dict | None, copy: bool,
+def _stage(state_dict: dict, rank: int, metadata: dict | None, copy: bool,
            buffers: StagingBuffers | None) -> Staged:
     check_savable_depth(state_dict)
-    check_unique_names(state_dict)
-    pieces = local_pieces(state_dict)
+    check_unique_names(state_dict, rank)
+    pieces = local_pieces(state_dict, rank)
     infos = [PieceInfo.of(p) for p in pieces]
-    tree = encode(state_dict, is_tensor_like) if coordinator else None
+    parts: dict[str, Any] = {}
+
+    def per_rank(value: PerRank, path: Path) -> dict:
+        parts[path_name(path)] = encode(value.value, is_tensor_like, path + (rank,))
+        return marker(path_name(path))
+
+    tree = encode(state_dict, is_tensor_like, per_rank=per_rank)
     if metadata is not None:
         try:
             json.dumps(metadata, allow_nan=False)
@@ -118,7 +129,7 @@ def _stage(state_dict: dict, rank: int, coordinator: bool, metadata: dict | None
             aliased.add(piece.name)
     if buffers is not None:
         buffers.end()
-    return Staged(rank, host, infos, tree, metadata, frozenset(aliased))
+    return Staged(rank, host, infos, tree, metadata, frozenset(aliased), per_rank=parts)
 
 
 class StagingBuffers:
@@ -209,12 +220,16 @@ def host_tensor(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, bool
     return out, shares
 
 
-def check_unique_names(state_dict: dict) -> None:
-    """Loads match entries by their keys joined with '.', so two entries may not share that name."""
+def check_unique_names(state_dict: dict, rank: int = 0) -> None:
+    """Loads match entries by their keys joined with '.', so two entries may not share that name (this rank's
+    ``PerRank`` values named as stored: ``rng.<rank>...``)."""
     seen: set[str] = set()
-    for leaf_path, _ in leaves(state_dict, is_tensor_like):
-        name = path_name(leaf_path)
-        if name in seen:
-            raise UnsupportedValueError(f"two state-dict entries are both named {name!r} once their keys are "
-                                        "joined with '.' (e.g. a key 'a.b' beside 'a' -> 'b'); rename one")
-        seen.add(name)
+    for leaf_path, value in leaves(state_dict, is_saved_leaf):
+        names = [path_name(leaf_path)]
+        if isinstance(value, PerRank):
+            names += [path_name(p) for p, _ in per_rank_leaves(leaf_path, value, rank)]
+        for name in names:
+            if name in seen:
+                raise UnsupportedValueError(f"two state-dict entries are both named {name!r} once their keys are "
+                                            "joined with '.' (e.g. a key 'a.b' beside 'a' -> 'b'); rename one")
+            seen.add(name)

@@ -55,6 +55,7 @@ Piece = Union[LocalPiece, StreamedPiece]
 class RankResult:
     files: list[FileEntry]  # one per slot, in slot order
     crc_terms: dict[str, int]  # per tensor: XOR of this rank's chunks' checksum terms
+    version: int | None = None  # the format version of the indexes written (None: not told)
 
 
 def _staged_bytes(piece: LocalPiece) -> torch.Tensor:
@@ -146,11 +147,12 @@ def _write_chunk(writer, piece: Piece, compression: Compression | None) -> tuple
 
 
 def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: list[WriteTask],
-                    pieces: dict[str, Piece], compression: Compression | None = None,
+                    pieces: dict[str, Piece], compression: Compression | None = None, version: int | None = None,
                     ) -> tuple[FileEntry, dict[str, int]]:
     """Write the tasks' chunks in order (offsets aligned) and the file's index; both durable on return.
 
-    ``pieces``: by name, staged pieces (``Staged.pieces``) or streamed ones."""
+    ``pieces``: by name, staged pieces (``Staged.pieces``) or streamed ones. ``version``: the manifest's format
+    version, which the index carries (default: ``version_for`` the compression)."""
     records: dict[tuple[str, int], ChunkRecord] = {}
     terms: dict[str, int] = {}
     writer, pos = storage.open_writer(data_path), 0
@@ -167,7 +169,7 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
             pos += record.stored_length
     finally:
         writer.close()
-    index = index_to_bytes(records, version_for(compression is not None), BLOCK_SIZE)
+    index = index_to_bytes(records, version or version_for(compression is not None), BLOCK_SIZE)
     index_writer = storage.open_writer(index_path)
     index_writer.write(memoryview(index))
     index_writer.close()
@@ -175,14 +177,15 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
 
 
 def write_rank_files(storage: Storage, base: str, tasks: list[WriteTask], pieces: dict[str, Piece],
-                     files_per_rank: int, compression: Compression | None = None) -> RankResult:
+                     files_per_rank: int, compression: Compression | None = None,
+                     version: int | None = None) -> RankResult:
     """One data file per slot (``<base>-<slot>.bin``), written in parallel: one writer per file, because
     buffered writes to a single file serialise on its lock."""
     by_slot = [[t for t in tasks if t.slot == k] for k in range(files_per_rank)]
 
     def write(k: int) -> tuple[FileEntry, dict[str, int]]:
         return write_data_file(storage, f"{base}-{k}.bin", f"{base}-{k}.index.json", by_slot[k], pieces,
-                               compression)
+                               compression, version)
 
     with ThreadPoolExecutor(files_per_rank, thread_name_prefix="shardckpt-write") as pool:
         written = list(pool.map(write, range(files_per_rank)))
@@ -190,4 +193,4 @@ def write_rank_files(storage: Storage, base: str, tasks: list[WriteTask], pieces
     for _, file_terms in written:
         for name, term in file_terms.items():
             terms[name] = terms.get(name, 0) ^ term
-    return RankResult([entry for entry, _ in written], terms)
+    return RankResult([entry for entry, _ in written], terms, version or version_for(compression is not None))

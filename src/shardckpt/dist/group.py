@@ -1,7 +1,9 @@
 """The object collectives save, load and the state-dict layer need, over a torch process group or a world of one."""
 from __future__ import annotations
 
+import functools
 import pickle
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
@@ -122,3 +124,43 @@ def side_group(group: Group, given: Any = None) -> Group:
                          "(dist.new_group(ranks, backend='gloo')) and pass it as background_group")
     pg = dist.new_group(dist.get_process_group_ranks(group.pg), backend="gloo")
     return Group(pg, dist.get_rank(pg), dist.get_world_size(pg))
+
+
+# Called with the group about to be destroyed (None: every group) before torch destroys it; each returns an
+# error to raise once the groups are gone, or None.
+_BEFORE_DESTROY: list[Callable[[Any], BaseException | None]] = []
+_hook_lock = threading.Lock()
+
+
+def before_destroy(callback: Callable[[Any], BaseException | None]) -> None:
+    """Have ``torch.distributed.destroy_process_group(group)`` call ``callback(group)`` first (``group`` None
+    when every group goes), e.g. to finish collectives a background thread runs on a group about to go. The
+    first error a callback returns is raised after the groups are destroyed (an exception a callback raises
+    propagates at once, destroying nothing). A caller that bound ``destroy_process_group`` before this
+    module was imported calls torch's own."""
+    if not dist.is_available():  # no process groups to destroy
+        return
+    with _hook_lock:
+        c10d = dist.distributed_c10d
+        if not getattr(c10d.destroy_process_group, "_shardckpt_hook", False):
+            hooked = _hooked(c10d.destroy_process_group)
+            c10d.destroy_process_group = dist.destroy_process_group = hooked
+        if callback not in _BEFORE_DESTROY:
+            _BEFORE_DESTROY.append(callback)
+
+
+def _hooked(destroy: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(destroy)
+    def destroy_process_group(group: Any = None) -> None:
+        errors = [e for e in (callback(group) for callback in list(_BEFORE_DESTROY)) if e is not None]
+        destroy(group)
+        if errors:
+            raise errors[0]
+
+    destroy_process_group._shardckpt_hook = True  # type: ignore[attr-defined]
+    return destroy_process_group
+
+
+def destroys(group: Any, pg: Any) -> bool:
+    """Whether ``destroy_process_group(group)`` destroys ``pg`` (destroying the default group destroys all)."""
+    return group is None or group is pg or group is dist.GroupMember.WORLD

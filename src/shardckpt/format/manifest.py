@@ -34,15 +34,20 @@ from shardckpt.format.validate import (
 )
 
 FORMAT_NAME = "shardckpt"
-FORMAT_VERSION = 3  # the newest version this shardckpt reads and writes
-# A save without compression writes v2 (what v2 readers read); with compression on, v3 (FORMAT.md).
+FORMAT_VERSION = 4  # the newest version this shardckpt reads and writes
+# A save writes the oldest version that holds it, so that older readers read what they can (FORMAT.md,
+# "Compatibility"): v2 without compression, v3 with it, v4 when its tree holds per-rank values.
 UNCOMPRESSED_VERSION = 2
 COMPRESSED_VERSION = 3
+PER_RANK_VERSION = 4
 
 
-def version_for(compressed: bool) -> int:
-    """The format version a save writes: v3 only when its chunks may be compressed (FORMAT.md, "Compatibility")."""
-    return COMPRESSED_VERSION if compressed else UNCOMPRESSED_VERSION
+def version_for(compressed: bool, per_rank: bool = False) -> int:
+    """The format version a save writes: v4 if its tree holds per-rank values, else v3 if its chunks may be
+    compressed, else v2."""
+    return PER_RANK_VERSION if per_rank else COMPRESSED_VERSION if compressed else UNCOMPRESSED_VERSION
+
+
 MANIFEST_NAME = "manifest.json"
 # The checksum prefix: exactly these bytes with 8 lowercase hex digits; the CRC32C covers every byte after it.
 _SEAL = re.compile(rb'\{"crc32c":"([0-9a-f]{8})",')
@@ -174,8 +179,8 @@ def _manifest_from_doc(doc: dict, version: int, where: str) -> Manifest:
                for name, t in tensors_doc.items()}
     if not isinstance(doc.get("tree"), dict):
         raise CorruptCheckpointError(f"{where}: 'tree' must be an object (a state dict)")
-    tree = decode(doc["tree"], where)
-    _check_tree(tree, tensors, strict, where)
+    tree = decode(doc["tree"], where, per_rank=version >= PER_RANK_VERSION)
+    check_tree(tree, tensors, strict, where)
     metadata = doc.get("metadata", {})
     if not isinstance(metadata, dict):
         raise CorruptCheckpointError(f"{where}: 'metadata' must be an object")
@@ -254,7 +259,7 @@ def _tensor_from_json(name: str, obj: Any, files: list[FileEntry], stored: int, 
     return entry
 
 
-def _check_tree(tree: Any, tensors: dict[str, TensorEntry], strict: bool, where: str) -> None:
+def check_tree(tree: Any, tensors: dict[str, TensorEntry], strict: bool, where: str) -> None:
     """Every tensor referenced once, and every leaf's dotted name unique (loads match leaves by that name)."""
     found = list(leaves(tree, lambda v: isinstance(v, TensorRef)))
     seen: set[str] = set()

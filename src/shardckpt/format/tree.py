@@ -7,6 +7,9 @@ Encoding (FORMAT.md, "tree"):
 - a dict whose keys are all strings not starting with ``$`` is a JSON object; any other dict is
   ``{"$dict": [[key, value], ...]}`` (keys are scalars, e.g. the int parameter IDs of optimizer state).
 - a tensor is ``{"$tensor": name}``, where ``name`` is its path's keys joined by ``.``.
+- per-rank values (format v4) are ``{"$per_rank": [value of rank 0, value of rank 1, ...]}``, named like
+  a list's items (``rng.1``); decoded as ``PerRankValues``. ``save`` builds them from every rank's
+  ``PerRank`` (``encode``'s ``per_rank`` hook gives this rank's part).
 
 Leaves are tensors and tensor-free subtrees: a tensor-free subtree (e.g. ``param_groups``) is one value.
 Nesting is limited to ``MAX_DEPTH`` levels, checked without recursion before any recursive walk, on save
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from shardckpt.errors import CorruptCheckpointError, UnsupportedValueError
+from shardckpt.sharded_tensor import PerRank
 
 Path = tuple[Any, ...]
 _SCALARS = (type(None), bool, int, str)
@@ -43,6 +47,14 @@ def depth_exceeds(obj: Any, limit: int = MAX_DEPTH) -> bool:
     return False
 
 
+class PerRankValues(list):
+    """Stored per-rank values: the value each saving rank put under one key in a ``PerRank``, by rank. A list
+    (``load_full`` gives it); ``save`` stores one as per-rank values again."""
+
+    def __repr__(self) -> str:
+        return f"PerRankValues({list.__repr__(self)})"
+
+
 @dataclass(frozen=True)
 class TensorRef:
     """A tensor's place in a decoded tree: the name of its entry in the manifest."""
@@ -63,9 +75,10 @@ def _children(obj: Any) -> Iterator[tuple[Any, Any]] | None:
 
 
 def leaves(obj: Any, is_tensor: Callable[[Any], bool], path: Path = ()) -> Iterator[tuple[Path, Any]]:
-    """Yield ``(path, leaf)`` for every tensor and every maximal tensor-free subtree under ``obj``."""
+    """Yield ``(path, leaf)`` for every tensor and every maximal tensor-free subtree under ``obj`` ("tensor":
+    what ``is_tensor`` holds true, which may be a container, e.g. ``PerRankValues``)."""
     kids = _children(obj)
-    if kids is None or (path and not contains(obj, is_tensor)):
+    if kids is None or is_tensor(obj) or (path and not contains(obj, is_tensor)):
         yield path, obj
         return
     for key, value in kids:
@@ -99,8 +112,31 @@ def check_savable_depth(obj: Any) -> None:
                                     "flatten it")
 
 
-def encode(obj: Any, is_tensor: Callable[[Any], bool], path: Path = ()) -> Any:
+PerRankHook = Callable[[PerRank, Path], Any]
+
+
+def holds(obj: Any, found: Callable[[Any], bool]) -> bool:
+    """Whether ``obj`` or a value nested in it is ``found`` (iterative: safe at any depth)."""
+    stack = [obj]
+    while stack:
+        node = stack.pop()
+        if found(node):
+            return True
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return False
+
+
+def holds_per_rank(obj: Any) -> bool:
+    """Whether ``obj`` is or holds a ``PerRank`` or ``PerRankValues``."""
+    return holds(obj, lambda node: isinstance(node, (PerRank, PerRankValues)))
+
+
+def encode(obj: Any, is_tensor: Callable[[Any], bool], path: Path = (), per_rank: PerRankHook | None = None) -> Any:
     """The JSON form of ``obj``; tensors become ``{"$tensor": name}``. Unsupported values raise, naming the key.
+    A ``PerRank`` is encoded by ``per_rank(value, path)`` (``save``'s; without it, a ``PerRank`` is refused).
 
     Callers check the depth first (``check_savable_depth``)."""
     if is_tensor(obj):
@@ -109,38 +145,48 @@ def encode(obj: Any, is_tensor: Callable[[Any], bool], path: Path = ()) -> Any:
         return obj if math.isfinite(obj) else {"$float": repr(obj)}
     if isinstance(obj, _SCALARS):
         return obj
+    if isinstance(obj, PerRank):
+        if per_rank is None:
+            raise UnsupportedValueError(f"{path_name(path)!r}: a PerRank may not hold another one, and belongs in "
+                                        "a state dict given to save")
+        return per_rank(obj, path)
+    if isinstance(obj, PerRankValues):
+        if any(holds_per_rank(v) for v in obj):
+            raise UnsupportedValueError(f"{path_name(path)!r}: per-rank values may not hold per-rank values")
+        return {"$per_rank": [encode(v, is_tensor, path + (i,)) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [encode(v, is_tensor, path + (i,)) for i, v in enumerate(obj)]
+        return [encode(v, is_tensor, path + (i,), per_rank) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
-        return {"$tuple": [encode(v, is_tensor, path + (i,)) for i, v in enumerate(obj)]}
+        return {"$tuple": [encode(v, is_tensor, path + (i,), per_rank) for i, v in enumerate(obj)]}
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("$") for k in obj):
-            return {k: encode(v, is_tensor, path + (k,)) for k, v in obj.items()}
+            return {k: encode(v, is_tensor, path + (k,), per_rank) for k, v in obj.items()}
         for k in obj:
             if not isinstance(k, _KEY_TYPES):
                 raise UnsupportedValueError(
                     f"state dict key {path_name(path + (k,))!r} has type {type(k).__name__}; keys must be "
                     "str, int, float, bool or None")
-        return {"$dict": [[encode(k, is_tensor), encode(v, is_tensor, path + (k,))] for k, v in obj.items()]}
+        return {"$dict": [[encode(k, is_tensor), encode(v, is_tensor, path + (k,), per_rank)] for k, v in obj.items()]}
     raise UnsupportedValueError(
         f"state dict value {path_name(path)!r} has type {type(obj).__name__}; shardckpt stores tensors and "
         "plain values (None, bool, int, float, str, list, tuple, dict). Convert it first (e.g. to a dict).")
 
 
-def decode(data: Any, where: str) -> Any:
-    """Inverse of ``encode`` for untrusted input; tensors become ``TensorRef``. ``where`` names the file."""
+def decode(data: Any, where: str, per_rank: bool = False) -> Any:
+    """Inverse of ``encode`` for untrusted input; tensors become ``TensorRef``. ``where`` names the file.
+    ``per_rank``: whether ``$per_rank`` may occur (format v4 on; never inside another)."""
     # The JSON form nests deeper than the value ($dict pairs, $tuple): allow for that, bounded all the same.
     if depth_exceeds(data, 3 * MAX_DEPTH):
         raise CorruptCheckpointError(f"{where}: the state-dict tree is nested more than {MAX_DEPTH} levels deep")
-    value = _decode(data, where)
+    value = _decode(data, where, per_rank)
     if depth_exceeds(value):
         raise CorruptCheckpointError(f"{where}: the state-dict tree is nested more than {MAX_DEPTH} levels deep")
     return value
 
 
-def _decode(data: Any, where: str) -> Any:
+def _decode(data: Any, where: str, per_rank: bool) -> Any:
     if isinstance(data, (list,)):
-        return [_decode(v, where) for v in data]
+        return [_decode(v, where, per_rank) for v in data]
     if not isinstance(data, dict):
         if isinstance(data, float) and not math.isfinite(data):  # e.g. 1e400: must be written {"$float": "inf"}
             raise CorruptCheckpointError(f"{where}: the number {data!r} is not finite; non-finite floats are "
@@ -155,25 +201,27 @@ def _decode(data: Any, where: str) -> Any:
         if tag == "$float" and body in ("nan", "inf", "-inf"):
             return float(body)
         if tag == "$tuple" and isinstance(body, list):
-            return tuple(_decode(v, where) for v in body)
+            return tuple(_decode(v, where, per_rank) for v in body)
         if tag == "$dict" and isinstance(body, list):
-            return _decode_pairs(body, where)
+            return _decode_pairs(body, where, per_rank)
+        if tag == "$per_rank" and isinstance(body, list) and per_rank:
+            return PerRankValues(_decode(v, where, False) for v in body)
     if any(k.startswith("$") for k in data):
         raise CorruptCheckpointError(f"{where}: unknown tag in state-dict tree object {sorted(data)[:3]}")
-    return {k: _decode(v, where) for k, v in data.items()}
+    return {k: _decode(v, where, per_rank) for k, v in data.items()}
 
 
-def _decode_pairs(pairs: list, where: str) -> dict:
+def _decode_pairs(pairs: list, where: str, per_rank: bool) -> dict:
     out = {}
     for pair in pairs:
         if not (isinstance(pair, list) and len(pair) == 2):
             raise CorruptCheckpointError(f"{where}: a $dict entry must be a [key, value] pair, got {pair!r}")
-        key = _decode(pair[0], where)
+        key = _decode(pair[0], where, False)
         if not isinstance(key, _KEY_TYPES):
             raise CorruptCheckpointError(f"{where}: a $dict key must be a scalar, got {str(key)[:40]}")
         if key in out:  # Python equality: 1, 1.0 and true are one key, so the saved dict cannot have held both
             raise CorruptCheckpointError(f"{where}: $dict keys {key!r} collide")
-        out[key] = _decode(pair[1], where)
+        out[key] = _decode(pair[1], where, per_rank)
     if all(isinstance(k, str) and not k.startswith("$") for k in out):
         raise CorruptCheckpointError(f"{where}: a $dict whose keys are all plain strings must be a JSON object")
     return out
