@@ -33,7 +33,8 @@ from shardckpt.state_dict.param_ids import positional_names, resolve_id_names, u
 from shardckpt.state_dict.rekey import key_type_of
 from shardckpt.state_dict.types import OptimStateKeyType
 from shardckpt.format.manifest import Manifest
-from shardckpt.format.tree import TensorRef
+from shardckpt.dist.group import resolve_group
+from shardckpt.format.tree import PerRankValues, TensorRef, path_name
 from shardckpt.formats.api import ReadRequest
 
 
@@ -214,19 +215,26 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
     (``save_state`` records them; so does torch for an optimizer built over ``model.named_parameters()``),
     else by ``optim_param_names`` (the names of IDs 0, 1, ...), else, into a plain model, by this
     optimizer's own param groups as torch's ``load_state_dict`` does; otherwise it is refused.
-    Collective. Returns the checkpoint's other plain top-level values (e.g. ``{"step": 1000}``).
+    Collective. Returns the checkpoint's other top-level entries (e.g. ``{"step": 1000}``, what ``save_state``
+    was given as ``extra``): plain values as stored, tensors read whole onto the CPU, and per-rank values
+    (``shardckpt.PerRank``) as this rank's own; a rank the save did not have is refused by name, before any
+    data is read.
     """
     if optimizer is not None:
         init_optim_state(optimizer)
     scalars: list[tuple[dict, str, Any]] = []
     hyper: list[dict] = []
     stateless: list[torch.Tensor] = []  # parameters saved without optimizer state (no gradient yet)
+    extras: dict[str, Any] = {}
+    rank = resolve_group(process_group).rank
 
     def build(manifest: Manifest | ReaderContents) -> list[ReadRequest]:
         scalars.clear()  # a retry (after a concurrent overwrite) starts over
         stateless.clear()
+        extras.clear()
         saved = Saved.of(manifest, model, optimizer, optim_param_names)
-        requests = _model_requests(model, functools.partial(saved.resolve, "model"))
+        requests = _extra_requests(manifest, rank, extras)
+        requests += _model_requests(model, functools.partial(saved.resolve, "model"))
         for name, buf in buffers(model).items():
             requests.append(ReadRequest(f"model.{name}", full_region(buf.shape), buf.detach()))
         if optimizer is not None:
@@ -244,7 +252,35 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
         optimizer.state.pop(param, None)
     for pg, values in zip(optimizer.param_groups if optimizer is not None else [], hyper):
         pg.update(values)
-    return {k: v for k, v in manifest.tree.items() if k not in ("model", "optim") and not isinstance(v, TensorRef)}
+    return extras
+
+
+def _extra_requests(manifest: Manifest | ReaderContents, rank: int, out: dict[str, Any]) -> list[ReadRequest]:
+    """Fill ``out`` with the top-level entries besides ``model`` and ``optim`` as this rank gets them (see
+    ``load_state``), and return the reads of their tensors."""
+    requests: list[ReadRequest] = []
+
+    def own(node: Any, path: tuple) -> Any:
+        if isinstance(node, PerRankValues):
+            if rank >= len(node):
+                raise IncompatibleCheckpointError(
+                    f"{path_name(path)!r}: its per-rank values were saved by {len(node)} ranks, so rank {rank} has "
+                    "none; load it with shardckpt.load into a PerRank target with strict=False to keep your own")
+            return own(node[rank], path)
+        if isinstance(node, TensorRef):
+            info = manifest.tensors[node.name]
+            tensor = torch.empty(tuple(info.shape), dtype=info.dtype)
+            requests.append(ReadRequest(node.name, full_region(tensor.shape), tensor))
+            return tensor
+        if isinstance(node, dict):
+            return {k: own(v, path + (k,)) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(own(v, path + (i,)) for i, v in enumerate(node))
+        return node
+
+    tree = manifest.tree if isinstance(manifest.tree, dict) else {}
+    out.update({k: own(v, (k,)) for k, v in tree.items() if k not in ("model", "optim")})
+    return requests
 
 
 @dataclass

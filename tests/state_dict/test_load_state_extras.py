@@ -1,0 +1,56 @@
+"""What ``load_state`` returns besides the model and optimizer: the ``extra`` entries ``save_state`` was given,
+tensors read whole and per-rank values as each rank's own."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardckpt
+from shardckpt import PerRank, StateDictType
+from shardckpt.runtime import shard
+from tests._dist import run_ranks
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return shard(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)), wrap=(nn.Linear,))
+
+
+def _save(path: str) -> None:
+    rank = dist.get_rank()
+    extra = {"step": 7, "rng": PerRank(torch.tensor([rank, 10 * rank])), "loader": PerRank({"epoch": 1, "at": rank}),
+             "scale": torch.arange(3.0), "nested": {"t": torch.ones(2, dtype=torch.int64), "plain": [1, "x"]}}
+    shardckpt.save_state(_model(), None, path, type=StateDictType.SHARDED_STATE_DICT, extra=extra)
+
+
+def _load(path: str) -> object:
+    try:
+        return shardckpt.load_state(_model(), None, path)
+    except shardckpt.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_extras_come_back_with_their_tensors_and_each_rank_its_own_per_rank_value(tmp_path):
+    path = str(tmp_path / "ck")
+    run_ranks(2, _save, path)
+    for rank, extra in enumerate(run_ranks(2, _load, path)):
+        assert extra["step"] == 7 and extra["nested"]["plain"] == [1, "x"]
+        assert torch.equal(extra["rng"], torch.tensor([rank, 10 * rank])) and extra["loader"] == {"epoch": 1, "at": rank}
+        assert torch.equal(extra["scale"], torch.arange(3.0))
+        assert torch.equal(extra["nested"]["t"], torch.ones(2, dtype=torch.int64))
+
+
+def test_a_rank_the_save_did_not_have_is_refused_on_every_rank(tmp_path):
+    path = str(tmp_path / "ck")
+    run_ranks(2, _save, path)
+    for outcome in run_ranks(3, _load, path):
+        assert isinstance(outcome, str) and outcome.startswith("IncompatibleCheckpointError")
+        assert "'rng'" in outcome and "saved by 2 ranks, so rank 2 has none" in outcome
+
+
+def test_at_a_smaller_world_size_each_rank_gets_its_own(tmp_path):
+    path = str(tmp_path / "ck")
+    run_ranks(2, _save, path)
+    (extra,) = run_ranks(1, _load, path)
+    assert torch.equal(extra["rng"], torch.tensor([0, 0])) and extra["loader"]["at"] == 0
