@@ -224,6 +224,16 @@ class TorchSaveReader:
                 stack.extend(node)
         return False
 
+    def view_key(self, name: str) -> tuple | None:
+        """What makes tensor ``name`` the tensor it is in the file: tensors with equal keys were one tensor saved
+        under several names (``torch.save`` keeps shared storage shared; a view is its storage, offset, shape and
+        strides). None for a 0-element view of a storage with bytes, which does not tell tensors apart."""
+        t = self._tensors[name]
+        storage = t.untyped_storage()
+        if not t.numel() and storage.nbytes():
+            return None
+        return storage._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride())
+
     def tensors(self) -> Mapping[str, TensorInfo]:
         return dict(self._infos)
 
