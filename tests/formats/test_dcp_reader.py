@@ -21,6 +21,7 @@ from shardckpt.formats.dcp import ADMITTED_GLOBALS, DcpReader, is_dcp_dir
 from shardckpt.io import open_storage
 from shardckpt.regions import Box, FlatRange, full_region
 from tests._dist import run_ranks
+from tests.formats._caps import address_space_cap
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fixtures",
                       "make_dcp_fixtures.py")
@@ -334,3 +335,36 @@ def test_open_reader_detects_it(written, kind):
     reader = open_reader(path)
     assert isinstance(reader, DcpReader)
     assert set(reader.tensors()) == {k for k, v in _flat(reference).items() if torch.is_tensor(v)}
+
+
+# --- list indices in planner_data: bounded by the bytes that name them (issue 34) ---------------------------
+
+def _one_listed_tensor(tmp_path, index) -> str:
+    """A DCP checkpoint of ``{"x": [tensor]}`` whose key and path name list index ``index`` instead of 0."""
+    path = str(tmp_path / f"listed{index}")
+    dcp.save({"x": [torch.arange(4.0)]}, checkpoint_id=path, no_dist=True)
+    key = f"x.{index}"
+
+    def rename(md):
+        md.state_dict_metadata = {key: md.state_dict_metadata["x.0"]}
+        md.storage_data = {type(i)(key, i.offset, i.index): v for i, v in md.storage_data.items()}
+        md.planner_data = {key: ("x", index)}
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        md = pickle.load(f)  # trusted: torch wrote it in this test
+    rename(md)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    return path
+
+
+@pytest.mark.parametrize("index", [10**8, 10**10])
+def test_a_list_index_beyond_what_the_metadata_can_hold_is_refused_in_bounded_memory(tmp_path, index):
+    path = _one_listed_tensor(tmp_path, index)
+    with address_space_cap(512 << 20), pytest.raises(CorruptCheckpointError, match=rf"'x.{index}' at list index"):
+        DcpReader(open_storage(path)).tree()
+
+
+def test_list_holes_nest_as_dcp_fills_them_and_a_negative_index_is_flat(tmp_path):
+    tree = DcpReader(open_storage(_one_listed_tensor(tmp_path, 5))).tree()
+    assert tree == {"x": [None] * 5 + [TensorRef("x.5")]}  # as DCP's set_element pads a list
+    assert DcpReader(open_storage(_one_listed_tensor(tmp_path, -1))).tree() == {"x.-1": TensorRef("x.-1")}

@@ -16,7 +16,8 @@ and paths kept as strings), so no DCP or pathlib code runs while unpickling, not
 called, and this package needs no ``torch.distributed`` import. Any other global
 raises ``CorruptCheckpointError`` naming the file and the global. The result is then validated: types,
 non-negative shapes, chunks inside their tensor and tiling it exactly, dtypes within ``format.dtypes``, strided
-layouts, plain relative file paths. (That every item lies inside its file is the reader's check at open.)
+layouts, plain relative file paths, list indices in ``planner_data`` bounded by the file's bytes (an index
+costs a slot for every one below it). (That every item lies inside its file is the reader's check at open.)
 """
 from __future__ import annotations
 
@@ -292,12 +293,12 @@ def parse_metadata(data: bytes, url: str) -> DcpLayout:
     """Unpickle (closed allow-list) and validate a ``.metadata`` file; ``url`` names it in errors."""
     md = _unpickle_metadata(data, url)
     try:
-        return _validate(md, url)
+        return _validate(md, url, len(data))
     except ValueError as e:
         raise CorruptCheckpointError(f"{url}: {e}") from None
 
 
-def _validate(md: _Metadata, url: str) -> DcpLayout:
+def _validate(md: _Metadata, url: str, size: int) -> DcpLayout:
     version = _attr(md, "version")
     if version is not None and (not isinstance(version, str) or not version.startswith("1.")):
         raise IncompatibleCheckpointError(f"{url}: written by DCP metadata version {version!r}; this reader knows 1.x")
@@ -330,15 +331,28 @@ def _validate(md: _Metadata, url: str) -> DcpLayout:
         (name, offsets), _ = next(iter(items.items()))
         raise ValueError(f"storage_data has {len(items)} entries for no chunk or value, e.g. {name!r} at {offsets}")
     files = sorted({c.item.path for t in tensors.values() for c in t.chunks} | {i.path for i in values.values()})
-    return DcpLayout(tensors, values, _paths(_attr(md, "planner_data"), list(sdm)), version, tuple(files))
+    return DcpLayout(tensors, values, _paths(_attr(md, "planner_data"), list(sdm), size), version, tuple(files))
 
 
-def _paths(planner_data: Any, keys: list[str]) -> dict[str, tuple] | None:
-    """DCP's default planner's key -> nested path map, if it is one and agrees with the keys; else None."""
+def _paths(planner_data: Any, keys: list[str], slots: int) -> dict[str, tuple] | None:
+    """DCP's default planner's key -> nested path map, if it is one and agrees with the keys; else None. The lists
+    the paths describe (an int component is an index) may hold ``slots`` slots in all: an index costs a slot for
+    every index below it, so an index is bounded by the bytes that name it, not taken at its word."""
     if not isinstance(planner_data, dict) or set(planner_data) != set(keys):
         return None
     for key, path in planner_data.items():
         if not isinstance(path, tuple) or not 0 < len(path) <= MAX_DEPTH or \
-                not all(type(p) in (str, int) for p in path) or ".".join(map(str, path)) != key:
+                not all(type(p) is str or (type(p) is int and p >= 0) for p in path) or \
+                ".".join(map(str, path)) != key:
             return None
+    lengths: dict[tuple, int] = {}  # a list's path -> its length (its greatest index + 1)
+    total = 0
+    for key, path in planner_data.items():
+        for i, part in enumerate(path):
+            if type(part) is int and part >= lengths.get(path[:i], 0):
+                total += part + 1 - lengths.get(path[:i], 0)
+                lengths[path[:i]] = part + 1
+                if total > slots:
+                    raise ValueError(f"planner_data places {key[:200]!r} at list index {part}: the lists it "
+                                     f"describes would hold more than {slots} slots, one per byte of the metadata")
     return {k: planner_data[k] for k in keys}
