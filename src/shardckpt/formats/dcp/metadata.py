@@ -34,6 +34,7 @@ from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.format.dtypes import DTYPES
 from shardckpt.format.tree import MAX_DEPTH
 from shardckpt.format.validate import MAX_NUMEL
+from shardckpt.formats.untrusted import shown
 from shardckpt.regions import Box, check_region, check_tiling, flat_bounds
 
 METADATA_NAME = ".metadata"
@@ -100,14 +101,14 @@ class _TensorProperties(_Record):
 def _mem_format(code: Any) -> int:
     """``_MEM_FORMAT_ENCODING(code)``: contiguous, channels_last or preserve (the value is not used)."""
     if type(code) is not int or code not in (0, 1, 2):
-        raise ValueError(f"unknown memory-format code {code!r}")
+        raise ValueError(f"unknown memory-format code {shown(code)}")
     return code
 
 
 def _layout(name: Any) -> str:
     """``torch.serialization._get_layout(name)``: kept as its name (only ``torch.strided`` is read)."""
     if not isinstance(name, str):
-        raise ValueError(f"layout name {name!r} is not a string")
+        raise ValueError(f"layout name {shown(name)} is not a string")
     return name
 
 
@@ -204,9 +205,9 @@ class StoredTensor:
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not all(type(v) is int and 0 <= v <= MAX_NUMEL for v in value):
-        raise ValueError(f"{what} {str(value)[:80]} is not a sequence of non-negative ints up to {MAX_NUMEL}")
+        raise ValueError(f"{what} {shown(value)} is not a sequence of non-negative ints up to {MAX_NUMEL}")
     if math.prod(max(v, 1) for v in value) > MAX_NUMEL:  # a 0 beside absurd sizes still has no storage
-        raise ValueError(f"{what} {str(value)[:80]} is absurdly large")
+        raise ValueError(f"{what} {shown(value)} is absurdly large")
     return tuple(value)
 
 
@@ -219,14 +220,14 @@ def _item(info: Any, what: str) -> Item:
                          "safetensors or another storage writer?)")
     path, offset, length = _attr(info, "relative_path"), _attr(info, "offset"), _attr(info, "length")
     if not isinstance(path, str) or not _SAFE_PATH.match(path) or any(p in (".", "..") for p in path.split("/")):
-        raise ValueError(f"{what} names the file {path!r}, not a plain relative path")
+        raise ValueError(f"{what} names the file {shown(path)}, not a plain relative path")
     if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-        raise ValueError(f"{what} has byte range offset={offset!r} length={length!r}")
+        raise ValueError(f"{what} has byte range offset={shown(offset)} length={shown(length)}")
     transforms = _attr(info, "transform_descriptors")
     if transforms is None:
         transforms = ()
     if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
-        raise ValueError(f"{what} has transform descriptors {transforms!r}")
+        raise ValueError(f"{what} has transform descriptors {shown(transforms)}")
     return Item(path, offset, length, tuple(transforms))
 
 
@@ -243,7 +244,7 @@ def _tensor(name: str, meta: Any, items: dict, url: str) -> StoredTensor:
         raise ValueError("no TensorProperties")
     dtype = _attr(props, "dtype")
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype {dtype!r}")
+        raise ValueError(f"dtype {shown(dtype)}")
     if dtype not in _SUPPORTED_DTYPES:
         raise IncompatibleCheckpointError(f"{url}: tensor {name!r} has dtype {dtype}, which shardckpt does not read "
                                           f"(known: {', '.join(DTYPES)})")
@@ -301,7 +302,7 @@ def parse_metadata(data: bytes, url: str) -> DcpLayout:
 def _validate(md: _Metadata, url: str, size: int) -> DcpLayout:
     version = _attr(md, "version")
     if version is not None and (not isinstance(version, str) or not version.startswith("1.")):
-        raise IncompatibleCheckpointError(f"{url}: written by DCP metadata version {version!r}; this reader knows 1.x")
+        raise IncompatibleCheckpointError(f"{url}: written by DCP metadata version {shown(version)}; this reader knows 1.x")
     sdm, sd = _attr(md, "state_dict_metadata"), _attr(md, "storage_data")
     if not isinstance(sdm, dict) or not all(isinstance(k, str) for k in sdm):
         raise ValueError("state_dict_metadata is not a dict by key")

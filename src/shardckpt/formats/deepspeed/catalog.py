@@ -19,10 +19,10 @@ import torch
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format.tree import TensorRef, path_name
 from shardckpt.formats.api import ReadRequest, TensorInfo
-from shardckpt.formats.deepspeed.fields import shown
 from shardckpt.formats.deepspeed.unpickle import SAFE_GLOBALS
 from shardckpt.formats.requests import check_requests
 from shardckpt.formats.torch_save import TorchSaveReader
+from shardckpt.formats.untrusted import shown
 from shardckpt.regions import FlatRange, contiguous_runs
 
 _SCALARS = (str, int, float, bool, type(None))

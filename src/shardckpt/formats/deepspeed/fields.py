@@ -3,26 +3,19 @@ which checks its kind before anything uses it, so a damaged or hostile file is a
 naming the file and the field, never an ``AttributeError``, ``TypeError`` or ``KeyError`` further on.
 
 A ``Kind`` is a test and the words that say what it wants ("a mapping of names to names"); the kinds below
-are the ones DeepSpeed's files hold. Values are shown in errors through ``shown`` (``reprlib``: bounded in
+are the ones DeepSpeed's files hold. Values are shown in errors through ``formats.untrusted.shown`` (bounded in
 length and depth, whatever the value).
 """
 from __future__ import annotations
 
-import reprlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format.tree import TensorRef
+from shardckpt.formats.untrusted import shown
 
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 40
 _SCALARS = (str, int, float, bool, type(None))
-
-
-def shown(value: Any) -> str:
-    """``value`` for an error message: bounded in length and depth."""
-    return _REPR.repr(value)
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,10 @@ from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.format.tree import TensorRef
 from shardckpt.format.validate import MAX_NUMEL
 from shardckpt.formats.deepspeed.catalog import Catalog, Piece
-from shardckpt.formats.deepspeed.fields import MAPPING, NAME_MAP, NAMED, NAMES, TENSOR_MAP, root, shown, take
+from shardckpt.formats.deepspeed.fields import MAPPING, NAME_MAP, NAMED, NAMES, TENSOR_MAP, root, take
 from shardckpt.formats.deepspeed.partitions import zero3_pieces
 from shardckpt.formats.torch_save import TorchSaveReader
+from shardckpt.formats.untrusted import shown
 
 
 def shapes(node: Any, where: str, what: str) -> dict[str, tuple[int, ...]]:

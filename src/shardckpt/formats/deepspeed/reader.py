@@ -44,11 +44,12 @@ from shardckpt.format.tree import TensorRef
 from shardckpt.formats.api import ReadRequest, TensorInfo
 from shardckpt.formats.deepspeed.catalog import Catalog, Piece
 from shardckpt.formats.deepspeed.fields import (
-    COUNTS, LIST, MAPPING, NAMED, PADDINGS, TENSORS, plain, root, shown, take,
+    COUNTS, LIST, MAPPING, NAMED, PADDINGS, TENSORS, plain, root, take,
 )
 from shardckpt.formats.deepspeed.model import ModelStates, shapes
 from shardckpt.formats.deepspeed.partitions import Segment, zero3_segments, zero12_segments
 from shardckpt.formats.torch_save import TorchSaveReader, local_path
+from shardckpt.formats.untrusted import shown
 
 LATEST = "latest"
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
