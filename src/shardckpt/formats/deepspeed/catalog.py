@@ -19,13 +19,12 @@ import torch
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format.tree import TensorRef, path_name
 from shardckpt.formats.api import ReadRequest, TensorInfo
+from shardckpt.formats.deepspeed.fields import SCALARS
 from shardckpt.formats.deepspeed.unpickle import SAFE_GLOBALS
 from shardckpt.formats.requests import check_requests
 from shardckpt.formats.torch_save import TorchSaveReader
 from shardckpt.formats.untrusted import shown
 from shardckpt.regions import FlatRange, contiguous_runs
-
-_SCALARS = (str, int, float, bool, type(None))
 
 
 @dataclass(frozen=True)
@@ -111,14 +110,14 @@ class Catalog:
             pieces, shape, dtype = self.whole(f, node)
             return self.present(path_name(path), shape, pieces, dtype)
         if isinstance(node, dict):
-            if not all(isinstance(k, _SCALARS) for k in node):
+            if not all(isinstance(k, SCALARS) for k in node):
                 raise CorruptCheckpointError(f"{f.path}: {path_name(path)!r} has keys that are not plain: "
                                              f"{shown(list(node))}")
             return {k: self.value(v, path + (k,), f) for k, v in node.items()}
         if isinstance(node, (list, tuple)):
             items = [self.value(v, path + (i,), f) for i, v in enumerate(node)]
             return items if isinstance(node, list) else tuple(items)
-        if not isinstance(node, _SCALARS):
+        if not isinstance(node, SCALARS):
             raise CorruptCheckpointError(f"{f.path}: {path_name(path)!r} holds {shown(node)}, which is not plain data")
         return node
 

@@ -15,7 +15,7 @@ from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format.tree import TensorRef
 from shardckpt.formats.untrusted import shown
 
-_SCALARS = (str, int, float, bool, type(None))
+SCALARS = (str, int, float, bool, type(None))  # what plain data is made of, besides containers
 
 
 @dataclass(frozen=True)
@@ -36,12 +36,12 @@ def plain(value: Any) -> bool:
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
-            if not all(isinstance(k, _SCALARS) for k in node):
+            if not all(isinstance(k, SCALARS) for k in node):
                 return False
             stack.extend(node.values())
         elif isinstance(node, (list, tuple)):
             stack.extend(node)
-        elif not isinstance(node, _SCALARS):
+        elif not isinstance(node, SCALARS):
             return False
     return True
 
@@ -59,7 +59,6 @@ COUNTS = Kind("a positive count or a non-empty list of them", lambda v: (_int(v)
     isinstance(v, (list, tuple)) and len(v) > 0 and all(_int(c) and c > 0 for c in v)))
 PADDINGS = Kind("a list of lists of counts", lambda v: isinstance(v, (list, tuple)) and all(
     isinstance(g, (list, tuple)) and all(_int(p) and p >= 0 for p in g) for g in v))
-PLAIN = Kind("plain data", plain)
 
 _REQUIRED = object()
 
