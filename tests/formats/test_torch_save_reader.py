@@ -308,3 +308,9 @@ def test_values_shared_as_real_state_dicts_share_them_still_load(tmp_path):
              "w": torch.ones(3)}
     torch.save(state, tmp_path / "shared.pt")
     assert TorchSaveReader(tmp_path / "shared.pt").tree()["param_groups"][1999]["betas"] == betas
+
+
+def test_a_name_repeated_a_million_times_still_loads(tmp_path):
+    """One string object in many places (``[name] * n``) is two bytes a place in the pickle: it is no bomb."""
+    torch.save({"files": ["shard-00001-of-00064.bin"] * 1_000_000, "w": torch.ones(1)}, tmp_path / "names.pt")
+    assert len(TorchSaveReader(tmp_path / "names.pt").tree()["files"]) == 1_000_000

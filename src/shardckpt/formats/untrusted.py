@@ -30,15 +30,16 @@ def shown(value: Any) -> str:
 
 
 def _size(value: Any) -> int:
-    """What a leaf costs: one, plus the length of a string."""
-    return 1 + len(value) if isinstance(value, (str, bytes, bytearray)) else 1
+    """What a value costs: one, and one more per 16 characters of a string (a pickle refers to a string it holds
+    in two bytes too, and a name repeated is common; the text it expands to stays within 16 per cost)."""
+    return 1 + len(value) // 16 if isinstance(value, (str, bytes, bytearray)) else 1
 
 
 def check_expansion(obj: Any, pickle_bytes: int, where: str) -> None:
     """Refuse ``obj`` (unpickled from ``pickle_bytes`` bytes) if, as a tree of dicts, lists and tuples, it is
-    bigger (in values, and characters of strings) than such a pickle could hold without sharing
-    (``NODES_PER_BYTE`` per byte: ``CorruptCheckpointError``). Each value is charged when its container is
-    visited, so the walk ends within the budget, whatever the graph."""
+    bigger (in values, and the length of strings: ``_size``) than ``NODES_PER_BYTE`` per byte of its pickle
+    (``CorruptCheckpointError``). Each value is charged when its container is visited, so the walk ends within
+    the budget, whatever the graph."""
     limit = NODES_PER_BYTE * pickle_bytes + EXTRA_NODES
     budget = limit - _size(obj)
     stack = [obj] if isinstance(obj, (dict, list, tuple)) else []
@@ -53,4 +54,4 @@ def check_expansion(obj: Any, pickle_bytes: int, where: str) -> None:
                 stack.append(kid)
     if budget < 0:
         raise CorruptCheckpointError(f"{where}: its pickle of {pickle_bytes} bytes refers to the same objects over "
-                                     f"and over: as a tree it would hold more than {limit} values and characters")
+                                     f"and over: as a tree it would be bigger than {limit} values")
