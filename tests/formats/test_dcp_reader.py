@@ -7,6 +7,7 @@ import importlib.util
 import os
 import pickle
 import shutil
+import sys
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+import shardckpt
 from shardckpt.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.format.tree import TensorRef
 from shardckpt.formats.api import CheckpointReader, ReadRequest
@@ -21,6 +23,7 @@ from shardckpt.formats.dcp import ADMITTED_GLOBALS, DcpReader, is_dcp_dir
 from shardckpt.io import open_storage
 from shardckpt.regions import Box, FlatRange, full_region
 from tests._dist import run_ranks
+from tests.formats._caps import address_space_cap
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fixtures",
                       "make_dcp_fixtures.py")
@@ -334,3 +337,97 @@ def test_open_reader_detects_it(written, kind):
     reader = open_reader(path)
     assert isinstance(reader, DcpReader)
     assert set(reader.tensors()) == {k for k, v in _flat(reference).items() if torch.is_tensor(v)}
+
+
+# --- list indices in planner_data: bounded by the bytes that name them (issue 34) ---------------------------
+
+def _one_listed_tensor(tmp_path, index) -> str:
+    """A DCP checkpoint of ``{"x": [tensor]}`` whose key and path name list index ``index`` instead of 0."""
+    path = str(tmp_path / f"listed{index}")
+    dcp.save({"x": [torch.arange(4.0)]}, checkpoint_id=path, no_dist=True)
+    key = f"x.{index}"
+
+    def rename(md):
+        md.state_dict_metadata = {key: md.state_dict_metadata["x.0"]}
+        md.storage_data = {type(i)(key, i.offset, i.index): v for i, v in md.storage_data.items()}
+        md.planner_data = {key: ("x", index)}
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        md = pickle.load(f)  # trusted: torch wrote it in this test
+    rename(md)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    return path
+
+
+@pytest.mark.parametrize("index", [10**8, 10**10])
+def test_a_list_index_beyond_what_the_metadata_can_hold_is_refused_in_bounded_memory(tmp_path, index):
+    path = _one_listed_tensor(tmp_path, index)
+    with address_space_cap(512 << 20), pytest.raises(CorruptCheckpointError, match=rf"'x.{index}' at list index"):
+        DcpReader(open_storage(path)).tree()
+
+
+def test_list_holes_nest_as_dcp_fills_them_and_a_negative_index_is_flat(tmp_path):
+    tree = DcpReader(open_storage(_one_listed_tensor(tmp_path, 5))).tree()
+    assert tree == {"x": [None] * 5 + [TensorRef("x.5")]}  # as DCP's set_element pads a list
+    assert DcpReader(open_storage(_one_listed_tensor(tmp_path, -1))).tree() == {"x.-1": TensorRef("x.-1")}
+
+
+# --- values that are small as bytes and huge as trees (found by tests/formats/test_reader_fuzz.py) ---------------
+
+def _small(tmp_path) -> str:
+    path = str(tmp_path / "small")
+    dcp.save({"w": torch.arange(6.0).reshape(2, 3), "step": 7}, checkpoint_id=path, no_dist=True)
+    return path
+
+
+def _bomb(levels: int) -> list:
+    node: list = [0, 0]
+    for _ in range(levels):
+        node = [node, node]
+    return node
+
+
+def _deep(depth: int) -> list:
+    root = node = []
+    for _ in range(depth):
+        node.append([])
+        node = node[0]
+    return root
+
+
+def _deeply(fn):
+    """``fn()`` with room on Python's stack to pickle a deep value."""
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    try:
+        return fn()
+    finally:
+        sys.setrecursionlimit(old)
+
+
+@pytest.mark.parametrize("value", [_deep(5_000), ["s" * (64 << 10)] * 20_000], ids=["deep", "shared-string"])
+def test_a_hostile_metadata_field_is_named_without_showing_it_whole(tmp_path, value):
+    """The error named the field by ``str(value)``: a RecursionError for a deep value, 1.3 GB for a string a small
+    pickle refers to 20,000 times."""
+    def change(md):
+        next(iter(md.state_dict_metadata["w"].chunks)).offsets = value
+    bad = _deeply(lambda: _rewrite(_small(tmp_path), tmp_path, change))
+    with address_space_cap(512 << 20), pytest.raises(CorruptCheckpointError, match=r"'w': chunk offsets \["):
+        DcpReader(open_storage(bad))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", [_bomb(64), _deep(5_000)], ids=["shared", "deep"])
+def test_a_value_that_expands_past_its_bytes_or_nests_too_deep_is_refused(tmp_path, value):
+    """The value ``step`` stored as a ``torch.save`` of 2**65 values in a few hundred bytes (load_full walked it
+    forever), or nested 5,000 deep (a RecursionError)."""
+    archive = tmp_path / "archive"
+    _deeply(lambda: torch.save(value, archive))
+
+    def change(md):
+        info = next(v for k, v in md.storage_data.items() if k.fqn == "step")
+        info.relative_path, info.offset, info.length = "value.distcp", 0, archive.stat().st_size
+    bad = _rewrite(_small(tmp_path), tmp_path, change)
+    shutil.copy(archive, os.path.join(bad, "value.distcp"))
+    with pytest.raises(CorruptCheckpointError, match="value 'step'"):
+        shardckpt.load_full(bad)

@@ -279,7 +279,7 @@ def test_partitions_and_paddings_that_do_not_match_the_groups_are_refused(tmp_pa
         DeepSpeedReader(ckpt)
     state["optimizer_state_dict"]["param_alignment_paddings"] = "none"
     torch.save(state, path)
-    with pytest.raises(CorruptCheckpointError, match="param_alignment_paddings is not"):
+    with pytest.raises(CorruptCheckpointError, match="param_alignment_paddings is .none., not a list"):
         DeepSpeedReader(ckpt)
     state["optimizer_state_dict"]["param_alignment_paddings"] = [[0] * 6]
     state["optimizer_state_dict"]["single_partition_of_fp32_groups"].append(torch.zeros(3))

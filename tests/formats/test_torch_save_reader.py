@@ -283,3 +283,34 @@ def test_reading_a_big_file_in_slices_keeps_only_the_slice_resident(tmp_path):
         reader.read([ReadRequest("big", FlatRange(start, start + (1 << 20)), dest)])
         assert dest[0].item() == start and dest[-1].item() == start + (1 << 20) - 1
     assert resident_bytes() - before < 24 << 20, (resident_bytes() - before) >> 20
+
+
+def _bomb(levels: int) -> list:
+    node: list = [0, 0]
+    for _ in range(levels):
+        node = [node, node]  # each level refers to the one below twice: 2**levels leaves as a tree
+    return node
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", [_bomb(64), ["s" * (64 << 10)] * 1000])
+def test_a_pickle_that_expands_far_past_its_bytes_is_refused_at_once(tmp_path, value):
+    """A few hundred bytes of pickle describing 2**65 values (every walk of the tree took forever), or one 64 KiB
+    string referred to 1000 times (a 64 MiB tree of text from 66 KiB)."""
+    torch.save({"w": torch.ones(2), "bomb": value}, tmp_path / "bomb.pt")
+    with pytest.raises(CorruptCheckpointError, match="refers to the same objects over and over"):
+        TorchSaveReader(tmp_path / "bomb.pt")
+
+
+def test_values_shared_as_real_state_dicts_share_them_still_load(tmp_path):
+    betas = (0.9, 0.99)  # one tuple in every group, as torch's optimizers share their defaults
+    state = {"param_groups": [{"lr": 0.1 * i, "betas": betas, "params": [i]} for i in range(2000)],
+             "w": torch.ones(3)}
+    torch.save(state, tmp_path / "shared.pt")
+    assert TorchSaveReader(tmp_path / "shared.pt").tree()["param_groups"][1999]["betas"] == betas
+
+
+def test_a_name_repeated_a_million_times_still_loads(tmp_path):
+    """One string object in many places (``[name] * n``) is two bytes a place in the pickle: it is no bomb."""
+    torch.save({"files": ["shard-00001-of-00064.bin"] * 1_000_000, "w": torch.ones(1)}, tmp_path / "names.pt")
+    assert len(TorchSaveReader(tmp_path / "names.pt").tree()["files"]) == 1_000_000

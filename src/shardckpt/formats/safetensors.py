@@ -50,6 +50,7 @@ from shardckpt.format.tree import TensorRef
 from shardckpt.format.validate import MAX_NUMEL
 from shardckpt.formats.api import ReadRequest, TensorInfo
 from shardckpt.formats.requests import CheckedRequest, check_requests
+from shardckpt.formats.untrusted import shown
 from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage, split_url
 from shardckpt.regions import contiguous_runs
 from shardckpt.tensor_views import as_bytes, from_bytes
@@ -132,7 +133,7 @@ def dtype_of(name: Any, where: str) -> torch.dtype:
         return DTYPES[name]
     if isinstance(name, str) and name in _DTYPE_NAMES:
         raise IncompatibleCheckpointError(f"{where}: dtype {name} has no torch dtype in torch {torch.__version__}")
-    raise CorruptCheckpointError(f"{where}: unknown dtype {str(name)[:40]!r} (known: {', '.join(_DTYPE_NAMES)})")
+    raise CorruptCheckpointError(f"{where}: unknown dtype {shown(name)} (known: {', '.join(_DTYPE_NAMES)})")
 
 
 def parse_header(header: bytes, data_len: int, where: str) -> tuple[dict[str, HeaderTensor], dict[str, str]]:
@@ -153,13 +154,13 @@ def parse_header(header: bytes, data_len: int, where: str) -> tuple[dict[str, He
         dtype = dtype_of(entry.get("dtype"), at)
         shape, offsets = entry.get("shape"), entry.get("data_offsets")
         if not (isinstance(shape, list) and all(_is_int(d) and 0 <= d <= MAX_NUMEL for d in shape)):
-            raise CorruptCheckpointError(f"{at}: shape {str(shape)[:80]} is not a list of non-negative integers "
+            raise CorruptCheckpointError(f"{at}: shape {shown(shape)} is not a list of non-negative integers "
                                          f"up to {MAX_NUMEL}")
         if math.prod(max(d, 1) for d in shape) > MAX_NUMEL:  # a 0 beside absurd sizes still has no storage
-            raise CorruptCheckpointError(f"{at}: shape {str(shape)[:80]} is absurdly large")
+            raise CorruptCheckpointError(f"{at}: shape {shown(shape)} is absurdly large")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
                 and 0 <= offsets[0] <= offsets[1]):
-            raise CorruptCheckpointError(f"{at}: data_offsets {str(offsets)[:80]} is not [begin, end] with "
+            raise CorruptCheckpointError(f"{at}: data_offsets {shown(offsets)} is not [begin, end] with "
                                          "0 <= begin <= end")
         begin, end = offsets
         nbytes = math.prod(shape) * dtype.itemsize

@@ -3,7 +3,10 @@
 The file is loaded once, with ``torch.load(path, map_location="cpu", weights_only=True, mmap=True)``: torch's
 restricted unpickler admits tensors, plain containers and torch's own few types, nothing else, so a file
 that names any other class or callable (a pickle that would run code) is refused with a
-``CorruptCheckpointError`` naming the file, and nothing in it is executed. ``mmap`` keeps the tensors' bytes
+``CorruptCheckpointError`` naming the file, and nothing in it is executed. What it loaded must be a tree no
+bigger than its pickle could hold without shared references, and at most ``MAX_DEPTH`` deep
+(``formats.untrusted.check_expansion``: a few bytes of pickle can describe a tree of 2**100 values), checked
+before anything walks it. ``mmap`` keeps the tensors' bytes
 in the file: ``read`` copies just the requested region, so only the pages it touches are read from disk.
 Files in torch's legacy (pre-1.6, non-zip) format cannot be memory-mapped; they are loaded whole, still with
 ``weights_only``. ``safe_globals`` admits a few more classes by name (``formats.deepspeed.unpickle``): each is
@@ -47,6 +50,7 @@ from shardckpt.errors import CheckpointError, CorruptCheckpointError, Incompatib
 from shardckpt.format.tree import MAX_DEPTH, TensorRef, depth_exceeds, path_name
 from shardckpt.formats.api import ReadRequest, TensorInfo
 from shardckpt.formats.requests import check_requests
+from shardckpt.formats.untrusted import check_expansion
 from shardckpt.regions import Box, FlatRange
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format since torch 1.6 (a zip archive)
@@ -122,10 +126,11 @@ class TorchSaveReader:
         except Exception as e:  # a damaged or truncated archive: torch raises RuntimeError, EOFError, ...
             raise CorruptCheckpointError(f"{self.path}: not a loadable torch.save file "
                                          f"({e.__class__.__name__}: {str(e)[:300]})") from None
+        check_expansion(obj, self._pickle_bytes(), self.path)
         if depth_exceeds(obj):
             raise CorruptCheckpointError(f"{self.path}: the saved object nests more than {MAX_DEPTH} levels deep")
         self._tensors: dict[str, torch.Tensor] = {}
-        self._tree = self._walk(obj, ())
+        self._tree, _ = self._walk(obj, ())
         self._infos = {n: TensorInfo(n, t.dtype, tuple(t.shape), None) for n, t in self._tensors.items()}
         self._crcs_checked = not self._mapped
         self._mapping = _file_mapping(self.path) if self._mapped else None
@@ -189,7 +194,19 @@ class TorchSaveReader:
         found.sort(key=lambda x: x[0])
         return [start for start, _ in found], [info for _, info in found]
 
-    def _walk(self, obj: Any, path: tuple) -> Any:
+    def _pickle_bytes(self) -> int:
+        """The bytes of the file's pickle (``data.pkl`` of a zip archive; a legacy file: the whole file)."""
+        if self._mapped:
+            try:
+                with zipfile.ZipFile(self.path) as zf:
+                    return sum(i.file_size for i in zf.infolist() if i.filename.endswith("data.pkl"))
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+                pass
+        return os.path.getsize(self.path)
+
+    def _walk(self, obj: Any, path: tuple) -> tuple[Any, bool]:
+        """``obj`` with its tensors replaced by references (registered by name), and whether it held any; a
+        container without tensors is returned as it is (one pass: ``obj`` is checked to be shallow)."""
         if isinstance(obj, torch.Tensor):
             name = path_name(path)
             if obj.layout != torch.strided or obj.is_quantized or obj.is_nested:
@@ -199,30 +216,29 @@ class TorchSaveReader:
                 raise IncompatibleCheckpointError(f"{self.path}: two tensors are both named {name!r} (keys joined "
                                                   "by '.')")
             self._tensors[name] = obj.detach()
-            return TensorRef(name)
+            return TensorRef(name), True
         if isinstance(obj, dict):
-            if not self._has_tensor(obj):
-                return obj
-            return {k: self._walk(v, path + (k,)) for k, v in obj.items()}
+            walked = {k: self._walk(v, path + (k,)) for k, v in obj.items()}
+            if not any(has for _, has in walked.values()):
+                return obj, False
+            return {k: v for k, (v, _) in walked.items()}, True
         if isinstance(obj, (list, tuple)):
-            if not self._has_tensor(obj):
-                return obj
-            items = [self._walk(v, path + (i,)) for i, v in enumerate(obj)]
-            return items if isinstance(obj, list) else tuple(items)
-        return obj
+            walked = [self._walk(v, path + (i,)) for i, v in enumerate(obj)]
+            if not any(has for _, has in walked):
+                return obj, False
+            items = [v for v, _ in walked]
+            return (items if isinstance(obj, list) else tuple(items)), True
+        return obj, False
 
-    @staticmethod
-    def _has_tensor(obj: Any) -> bool:
-        stack = [obj]
-        while stack:
-            node = stack.pop()
-            if isinstance(node, torch.Tensor):
-                return True
-            if isinstance(node, dict):
-                stack.extend(node.values())
-            elif isinstance(node, (list, tuple)):
-                stack.extend(node)
-        return False
+    def view_key(self, name: str) -> tuple | None:
+        """What makes tensor ``name`` the tensor it is in the file: tensors with equal keys were one tensor saved
+        under several names (``torch.save`` keeps shared storage shared; a view is its storage, offset, shape and
+        strides). None for a 0-element view of a storage with bytes, which does not tell tensors apart."""
+        t = self._tensors[name]
+        storage = t.untyped_storage()
+        if not t.numel() and storage.nbytes():
+            return None
+        return storage._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride())
 
     def tensors(self) -> Mapping[str, TensorInfo]:
         return dict(self._infos)

@@ -31,7 +31,9 @@ from typing import Any
 import torch
 
 from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from shardckpt.format.tree import MAX_DEPTH, depth_exceeds
 from shardckpt.formats.dcp.metadata import TORCH_DTYPES, Chunk, Item, StoredTensor
+from shardckpt.formats.untrusted import check_expansion
 from shardckpt.io import Storage
 from shardckpt.regions import strides
 from shardckpt.tensor_views import from_bytes
@@ -313,7 +315,11 @@ def load_value(storage: Storage, name: str, item: Item, verify: bool) -> Any:
     storage.read_into(item.path, item.offset, memoryview(head))
     if bytes(head) != ZIP_MAGIC:
         raise CorruptCheckpointError(f"{where} is not a torch.save archive")
-    return _load(storage, item, where, tensor=False, verify=verify)
+    value = _load(storage, item, where, tensor=False, verify=verify)
+    check_expansion(value, item.length, where)  # a value is part of the tree: bounded by its bytes, and shallow
+    if depth_exceeds(value):
+        raise CorruptCheckpointError(f"{where} nests more than {MAX_DEPTH} levels deep")
+    return value
 
 
 def _admit_bytes_io() -> Any:

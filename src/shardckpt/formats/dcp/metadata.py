@@ -16,7 +16,8 @@ and paths kept as strings), so no DCP or pathlib code runs while unpickling, not
 called, and this package needs no ``torch.distributed`` import. Any other global
 raises ``CorruptCheckpointError`` naming the file and the global. The result is then validated: types,
 non-negative shapes, chunks inside their tensor and tiling it exactly, dtypes within ``format.dtypes``, strided
-layouts, plain relative file paths. (That every item lies inside its file is the reader's check at open.)
+layouts, plain relative file paths, list indices in ``planner_data`` bounded by the file's bytes (an index
+costs a slot for every one below it). (That every item lies inside its file is the reader's check at open.)
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.format.dtypes import DTYPES
 from shardckpt.format.tree import MAX_DEPTH
 from shardckpt.format.validate import MAX_NUMEL
+from shardckpt.formats.untrusted import shown
 from shardckpt.regions import Box, check_region, check_tiling, flat_bounds
 
 METADATA_NAME = ".metadata"
@@ -99,14 +101,14 @@ class _TensorProperties(_Record):
 def _mem_format(code: Any) -> int:
     """``_MEM_FORMAT_ENCODING(code)``: contiguous, channels_last or preserve (the value is not used)."""
     if type(code) is not int or code not in (0, 1, 2):
-        raise ValueError(f"unknown memory-format code {code!r}")
+        raise ValueError(f"unknown memory-format code {shown(code)}")
     return code
 
 
 def _layout(name: Any) -> str:
     """``torch.serialization._get_layout(name)``: kept as its name (only ``torch.strided`` is read)."""
     if not isinstance(name, str):
-        raise ValueError(f"layout name {name!r} is not a string")
+        raise ValueError(f"layout name {shown(name)} is not a string")
     return name
 
 
@@ -203,9 +205,9 @@ class StoredTensor:
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not all(type(v) is int and 0 <= v <= MAX_NUMEL for v in value):
-        raise ValueError(f"{what} {str(value)[:80]} is not a sequence of non-negative ints up to {MAX_NUMEL}")
+        raise ValueError(f"{what} {shown(value)} is not a sequence of non-negative ints up to {MAX_NUMEL}")
     if math.prod(max(v, 1) for v in value) > MAX_NUMEL:  # a 0 beside absurd sizes still has no storage
-        raise ValueError(f"{what} {str(value)[:80]} is absurdly large")
+        raise ValueError(f"{what} {shown(value)} is absurdly large")
     return tuple(value)
 
 
@@ -218,14 +220,14 @@ def _item(info: Any, what: str) -> Item:
                          "safetensors or another storage writer?)")
     path, offset, length = _attr(info, "relative_path"), _attr(info, "offset"), _attr(info, "length")
     if not isinstance(path, str) or not _SAFE_PATH.match(path) or any(p in (".", "..") for p in path.split("/")):
-        raise ValueError(f"{what} names the file {path!r}, not a plain relative path")
+        raise ValueError(f"{what} names the file {shown(path)}, not a plain relative path")
     if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-        raise ValueError(f"{what} has byte range offset={offset!r} length={length!r}")
+        raise ValueError(f"{what} has byte range offset={shown(offset)} length={shown(length)}")
     transforms = _attr(info, "transform_descriptors")
     if transforms is None:
         transforms = ()
     if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
-        raise ValueError(f"{what} has transform descriptors {transforms!r}")
+        raise ValueError(f"{what} has transform descriptors {shown(transforms)}")
     return Item(path, offset, length, tuple(transforms))
 
 
@@ -242,7 +244,7 @@ def _tensor(name: str, meta: Any, items: dict, url: str) -> StoredTensor:
         raise ValueError("no TensorProperties")
     dtype = _attr(props, "dtype")
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype {dtype!r}")
+        raise ValueError(f"dtype {shown(dtype)}")
     if dtype not in _SUPPORTED_DTYPES:
         raise IncompatibleCheckpointError(f"{url}: tensor {name!r} has dtype {dtype}, which shardckpt does not read "
                                           f"(known: {', '.join(DTYPES)})")
@@ -292,15 +294,15 @@ def parse_metadata(data: bytes, url: str) -> DcpLayout:
     """Unpickle (closed allow-list) and validate a ``.metadata`` file; ``url`` names it in errors."""
     md = _unpickle_metadata(data, url)
     try:
-        return _validate(md, url)
+        return _validate(md, url, len(data))
     except ValueError as e:
         raise CorruptCheckpointError(f"{url}: {e}") from None
 
 
-def _validate(md: _Metadata, url: str) -> DcpLayout:
+def _validate(md: _Metadata, url: str, size: int) -> DcpLayout:
     version = _attr(md, "version")
     if version is not None and (not isinstance(version, str) or not version.startswith("1.")):
-        raise IncompatibleCheckpointError(f"{url}: written by DCP metadata version {version!r}; this reader knows 1.x")
+        raise IncompatibleCheckpointError(f"{url}: written by DCP metadata version {shown(version)}; this reader knows 1.x")
     sdm, sd = _attr(md, "state_dict_metadata"), _attr(md, "storage_data")
     if not isinstance(sdm, dict) or not all(isinstance(k, str) for k in sdm):
         raise ValueError("state_dict_metadata is not a dict by key")
@@ -330,15 +332,28 @@ def _validate(md: _Metadata, url: str) -> DcpLayout:
         (name, offsets), _ = next(iter(items.items()))
         raise ValueError(f"storage_data has {len(items)} entries for no chunk or value, e.g. {name!r} at {offsets}")
     files = sorted({c.item.path for t in tensors.values() for c in t.chunks} | {i.path for i in values.values()})
-    return DcpLayout(tensors, values, _paths(_attr(md, "planner_data"), list(sdm)), version, tuple(files))
+    return DcpLayout(tensors, values, _paths(_attr(md, "planner_data"), list(sdm), size), version, tuple(files))
 
 
-def _paths(planner_data: Any, keys: list[str]) -> dict[str, tuple] | None:
-    """DCP's default planner's key -> nested path map, if it is one and agrees with the keys; else None."""
+def _paths(planner_data: Any, keys: list[str], slots: int) -> dict[str, tuple] | None:
+    """DCP's default planner's key -> nested path map, if it is one and agrees with the keys; else None. The lists
+    the paths describe (an int component is an index) may hold ``slots`` slots in all: an index costs a slot for
+    every index below it, so an index is bounded by the bytes that name it, not taken at its word."""
     if not isinstance(planner_data, dict) or set(planner_data) != set(keys):
         return None
     for key, path in planner_data.items():
         if not isinstance(path, tuple) or not 0 < len(path) <= MAX_DEPTH or \
-                not all(type(p) in (str, int) for p in path) or ".".join(map(str, path)) != key:
+                not all(type(p) is str or (type(p) is int and p >= 0) for p in path) or \
+                ".".join(map(str, path)) != key:
             return None
+    lengths: dict[tuple, int] = {}  # a list's path -> its length (its greatest index + 1)
+    total = 0
+    for key, path in planner_data.items():
+        for i, part in enumerate(path):
+            if type(part) is int and part >= lengths.get(path[:i], 0):
+                total += part + 1 - lengths.get(path[:i], 0)
+                lengths[path[:i]] = part + 1
+                if total > slots:
+                    raise ValueError(f"planner_data places {key[:200]!r} at list index {part}: the lists it "
+                                     f"describes would hold more than {slots} slots, one per byte of the metadata")
     return {k: planner_data[k] for k in keys}

@@ -8,7 +8,8 @@ threads, biggest first, each chunk's archive located once (``archive.archive_lay
 ``verify=False`` reads just the needed span of a row-major chunk.
 
 **Plain values** (``tree()``): loaded on first call (``archive.load_value``). The tree is the saved nesting
-rebuilt from ``planner_data`` (dicts, and lists for integer path components, as DCP itself unflattens), with
+rebuilt from ``planner_data`` (dicts, and lists for integer path components, as DCP itself unflattens, holes as
+None; the lists may hold no more slots in all than the ``.metadata`` has bytes, else it is refused), with
 ``TensorRef(key)`` for tensors; where ``planner_data`` is missing or inconsistent with the keys (a custom
 planner, ``flatten_state_dict=False``), it is the flat dict key -> value.
 """
