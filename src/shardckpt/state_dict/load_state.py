@@ -242,6 +242,8 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
             requests += _optim_requests(optimizer, params, saved, scalars, stateless)
             # Checked here, before any data is read, so that a refusal leaves model and optimizer as they were.
             hyper[:] = match_param_groups(saved.param_groups_by_name(), optimizer, [p.members for p in params])
+            # A tensor hyper-parameter (torch allows a tensor lr) is read like any tensor, not left a TensorRef.
+            hyper[:] = [_materialized(values, ("optim", "param_groups"), manifest, rank, requests) for values in hyper]
         return requests
 
     manifest = load_pieces(path, build, process_group=process_group, **load_kwargs)
@@ -259,28 +261,31 @@ def _extra_requests(manifest: Manifest | ReaderContents, rank: int, out: dict[st
     """Fill ``out`` with the top-level entries besides ``model`` and ``optim`` as this rank gets them (see
     ``load_state``), and return the reads of their tensors."""
     requests: list[ReadRequest] = []
-
-    def own(node: Any, path: tuple) -> Any:
-        if isinstance(node, PerRankValues):
-            if rank >= len(node):
-                raise IncompatibleCheckpointError(
-                    f"{path_name(path)!r}: its per-rank values were saved by {len(node)} ranks, so rank {rank} has "
-                    "none; load it with shardckpt.load into a PerRank target with strict=False to keep your own")
-            return own(node[rank], path)
-        if isinstance(node, TensorRef):
-            info = manifest.tensors[node.name]
-            tensor = torch.empty(tuple(info.shape), dtype=info.dtype)
-            requests.append(ReadRequest(node.name, full_region(tensor.shape), tensor))
-            return tensor
-        if isinstance(node, dict):
-            return {k: own(v, path + (k,)) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return type(node)(own(v, path + (i,)) for i, v in enumerate(node))
-        return node
-
     tree = manifest.tree if isinstance(manifest.tree, dict) else {}
-    out.update({k: own(v, (k,)) for k, v in tree.items() if k not in ("model", "optim")})
+    out.update({k: _materialized(v, (k,), manifest, rank, requests) for k, v in tree.items() if k not in ("model", "optim")})
     return requests
+
+
+def _materialized(node: Any, path: tuple, manifest: Manifest | ReaderContents, rank: int,
+                  requests: list[ReadRequest]) -> Any:
+    """``node`` (a part of the saved tree) as values: each tensor a new CPU tensor that one of the reads added to
+    ``requests`` fills, per-rank values this rank's own."""
+    if isinstance(node, PerRankValues):
+        if rank >= len(node):
+            raise IncompatibleCheckpointError(
+                f"{path_name(path)!r}: its per-rank values were saved by {len(node)} ranks, so rank {rank} has "
+                "none; load it with shardckpt.load into a PerRank target with strict=False to keep your own")
+        return _materialized(node[rank], path, manifest, rank, requests)
+    if isinstance(node, TensorRef):
+        info = manifest.tensors[node.name]
+        tensor = torch.empty(tuple(info.shape), dtype=info.dtype)
+        requests.append(ReadRequest(node.name, full_region(tensor.shape), tensor))
+        return tensor
+    if isinstance(node, dict):
+        return {k: _materialized(v, path + (k,), manifest, rank, requests) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(_materialized(v, path + (i,), manifest, rank, requests) for i, v in enumerate(node))
+    return node
 
 
 @dataclass

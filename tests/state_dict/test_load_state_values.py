@@ -1,7 +1,8 @@
-"""What ``load_state`` returns besides the model and optimizer: the ``extra`` entries ``save_state`` was given,
-tensors read whole and per-rank values as each rank's own."""
+"""The values ``load_state`` gives besides the model's tensors and the optimizer's state: the ``extra`` entries
+``save_state`` was given (tensors read whole, per-rank values each rank's own) and tensor hyper-parameters."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -54,3 +55,26 @@ def test_at_a_smaller_world_size_each_rank_gets_its_own(tmp_path):
     run_ranks(2, _save, path)
     (extra,) = run_ranks(1, _load, path)
     assert torch.equal(extra["rng"], torch.tensor([0, 0])) and extra["loader"]["at"] == 0
+
+
+def _tensor_lr(path: str, sharded: bool) -> float:
+    torch.manual_seed(0)
+    model = _model() if sharded else nn.Linear(4, 2)
+    optim = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.02))
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    if sharded:
+        shardckpt.save_state(model, optim, path, type=StateDictType.SHARDED_STATE_DICT)
+    else:
+        shardckpt.save({"model": model.state_dict(), "optim": optim.state_dict()}, path)
+    fresh = _model() if sharded else nn.Linear(4, 2)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=torch.tensor(0.5))
+    shardckpt.load_state(fresh, fresh_optim, path)
+    lr = fresh_optim.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor), type(lr)  # it was the TensorRef placeholder, no error
+    return float(lr)
+
+
+def test_a_tensor_learning_rate_is_loaded_as_its_value(tmp_path):
+    assert _tensor_lr(str(tmp_path / "plain"), sharded=False) == pytest.approx(0.02)
+    assert run_ranks(2, _tensor_lr, str(tmp_path / "sharded"), True) == [pytest.approx(0.02)] * 2
