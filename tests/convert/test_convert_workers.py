@@ -50,7 +50,8 @@ def test_workers_and_their_resource_tracker_die_with_a_killed_parent(tmp_path, s
     src, dst, marks = str(tmp_path / "src"), str(tmp_path / "dst"), str(tmp_path / "marks")
     os.mkdir(marks)
     shardckpt.save({"w": torch.randn(2000, 100), "b": torch.randn(7)}, src)
-    code = f"from tests.convert._kill import parent_of_workers; parent_of_workers({src!r}, {dst!r}, {stage!r}, {marks!r})"
+    code = ("from tests.convert._kill import parent_of_workers; "
+            f"parent_of_workers({src!r}, {dst!r}, {stage!r}, {marks!r})")
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     pids: list[int] = []
     try:
