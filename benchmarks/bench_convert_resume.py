@@ -1,20 +1,24 @@
 """What a killed ``shardckpt convert`` saves on its rerun (issue 34, defect 14): straight run time, and the rerun
-time after a kill -9 at 30 / 60 / 90 % of the straight time, as ratios to the straight run.
+time after a kill -9 at 30 / 60 / 90 % of the work, as ratios to the straight run.
 
 Workload: a transformer-shaped fp32 model with Adam state (``--gib`` GiB in all, default 1), saved as a
 SHARDED shardckpt checkpoint at world size 4 (``convert`` of a one-process save, untimed), converted to world
-size 3 by ``.venv/bin/shardckpt convert SRC DST --world-size 3 --quiet [--workers W]`` as a subprocess, for
-each ``--workers`` asked (1: one process writing two files at a time, one output rank after another; 3: the
+size 3 by ``convert(SRC, DST, world_size=3, workers=W)`` in a ``python -c`` subprocess (what ``shardckpt convert
+SRC DST --world-size 3 --workers W`` runs; it prints the report: the bytes kept), for each ``--workers`` asked (1: one process writing two files at a time, one output rank after another; 3: the
 three output ranks all in flight at once, the case where keeping only whole ranks kept nothing).
 
 Each repeat, per mode: a straight run into an empty destination; then, for each kill point X, a run into
-another empty destination killed (SIGKILL to its process group) X * (median straight time so far) after its
-start, and the same command run again (the rerun, timed), which must commit and report what it kept. Before
+another empty destination killed (SIGKILL to its process group) once X of the straight run's data bytes are
+in its files (polled every 10 ms: the kill lands a little later; when in its run it landed is reported, as
+a fraction of the straight time), and the same command run again (the rerun, timed), which must commit and
+report what it kept. A kill at X % of the wall time would mostly hit the start-up here (Python and torch
+take 3-6 s of an 8-10 s run on this loaded 2-core machine), so the points are fractions of the work. Before
 every timed run: ``sync`` and the page cache dropped (root; else a warning), so that the source and what the
 rerun reads back of the killed run's files come from the disk, as after a crash (``--warm``: no drop before
 the rerun, as after a kill -9 on a machine that stays up). Every rerun's output is checked ``diff``-equal to
-the source once per kill point. Reported: medians over the repeats; ratios rerun / straight; and the same
-after taking away the start-up cost both pay (``python -c "import torch, shardckpt"``, measured alike).
+the source once per kill point. Reported: medians over the repeats of the wall time (start-up included) and
+of ``convert()``'s own time (timed inside the process: the work, with the workers' start-up for W > 1), and
+their ratios rerun / straight.
 
     python benchmarks/bench_convert_resume.py --repeats 3 --json /tmp/bench/resume.json    # ~1 GiB (~10 min)
     python benchmarks/bench_convert_resume.py --quick                                     # 0.25 GiB, 1 repeat
@@ -35,7 +39,9 @@ import torch
 from _common import can_drop_caches, drop_caches, loadavg, median, remove
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLI = os.path.join(os.path.dirname(sys.executable), "shardckpt")
+CONVERT = ("import sys, time; from shardckpt.convert.convert import convert; t = time.perf_counter(); "
+           "r = convert(sys.argv[1], sys.argv[2], world_size=3, workers=int(sys.argv[3])); "
+           "print(time.perf_counter() - t, r.kept_bytes, r.bytes_written)")
 POINTS = (0.3, 0.6, 0.9)
 
 
@@ -71,78 +77,93 @@ def _cold() -> None:
 
 
 def command(src: str, dst: str, workers: int) -> list[str]:
-    return [CLI, "convert", src, dst, "--world-size", "3", "--quiet"] + (["--workers", str(workers)] if workers > 1
-                                                                           else [])
+    return [sys.executable, "-c", CONVERT, src, dst, str(workers)]
 
 
-def timed(cmd: list[str]) -> tuple[float, str]:
+def timed(cmd: list[str]) -> tuple[float, float, int]:
+    """(wall s, convert()'s own s, bytes kept) of one run of ``cmd``."""
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
     if done.returncode != 0:
         raise RuntimeError(f"{cmd} failed ({done.returncode}): {done.stderr[-2000:]}")
-    return seconds, done.stdout
+    inside, kept, _ = done.stdout.split()
+    return seconds, float(inside), int(kept)
 
 
-def killed_at(cmd: list[str], after_s: float) -> bool:
-    """Run ``cmd`` and kill -9 its process group ``after_s`` seconds after its start; False if it ended first."""
+def data_bytes(dst: str) -> int:
+    """The bytes in the data files under ``dst`` now."""
+    total = 0
+    for d in (os.listdir(dst) if os.path.isdir(dst) else []):
+        folder = os.path.join(dst, d)
+        if d.startswith("data-") and os.path.isdir(folder):
+            for name in os.listdir(folder):
+                if name.endswith(".bin"):
+                    try:
+                        total += os.path.getsize(os.path.join(folder, name))
+                    except FileNotFoundError:
+                        pass
+    return total
+
+
+def killed_after_bytes(cmd: list[str], dst: str, nbytes: int) -> float | None:
+    """Run ``cmd`` and kill -9 its process group once ``nbytes`` are in its data files; the seconds after its
+    start the kill came, or None if it committed first."""
+    t0 = time.perf_counter()
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        process.wait(timeout=after_s)
-        return False
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        return True
-
-
-def startup_s() -> float:
-    return timed([sys.executable, "-c", "import torch, shardckpt"])[0]
+    while process.poll() is None and data_bytes(dst) < nbytes:
+        time.sleep(0.01)
+    if process.poll() is not None:
+        return None
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    return None if os.path.exists(os.path.join(dst, "manifest.json")) else time.perf_counter() - t0
 
 
 def run_mode(src: str, root: str, workers: int, repeats: int, warm: bool, checked: set) -> dict:
     from shardckpt.convert.diff import diff
 
-    straight, reruns, startups = [], {x: [] for x in POINTS}, []
+    straight: list = []
+    reruns: dict = {x: [] for x in POINTS}
     for repeat in range(repeats):
         dst = os.path.join(root, f"dst-w{workers}")
         remove(dst)
         _cold()
-        startups.append(startup_s())
-        _cold()
-        seconds, _ = timed(command(src, dst, workers))
-        straight.append(seconds)
-        print(f"  w{workers} repeat {repeat}: straight {seconds:.2f} s (load {loadavg()})", flush=True)
+        straight.append(timed(command(src, dst, workers)))
+        total = data_bytes(dst)
+        print(f"  w{workers} repeat {repeat}: straight {straight[-1][0]:.2f} s, convert() {straight[-1][1]:.2f} s "
+              f"(load {loadavg()})", flush=True)
         for x in POINTS:
             remove(dst)
             _cold()
-            if not killed_at(command(src, dst, workers), x * median(straight)):
-                print(f"    kill at {x:.0%}: the run ended first; skipped", flush=True)
+            at = killed_after_bytes(command(src, dst, workers), dst, int(x * total))
+            if at is None:
+                print(f"    kill at {x:.0%}: the run committed first; skipped", flush=True)
                 continue
             if not warm:
                 _cold()
-            seconds, out = timed(command(src, dst, workers))
-            reruns[x].append(seconds)
-            print(f"    kill at {x:.0%}: rerun {seconds:.2f} s ({seconds / median(straight):.2f}x): {out.strip()}",
-                  flush=True)
+            run = timed(command(src, dst, workers))
+            reruns[x].append(run + (at,))
+            print(f"    kill at {x:.0%} of the bytes ({at:.2f} s in): rerun {run[0]:.2f} s, convert() {run[1]:.2f} s, "
+                  f"kept {run[2] / 2**20:.0f} of {total / 2**20:.0f} MiB", flush=True)
             if (workers, x) not in checked:
                 assert diff(src, dst).equal, f"the rerun after a kill at {x:.0%} differs from the source"
                 checked.add((workers, x))
         remove(dst)
-    return {"straight_s": straight, "startup_s": startups, "rerun_s": {str(x): v for x, v in reruns.items()}}
+    return {"straight": straight, "reruns": {str(x): v for x, v in reruns.items()}}
 
 
 def report(results: dict, gib: float, warm: bool) -> None:
-    print(f"\n{gib:g} GiB, SHARDED ws 4 -> 3, rerun {'warm' if warm else 'cold'}; medians")
-    print("| mode | straight s | start-up s | kill at | rerun s | rerun / straight | less start-up |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n{gib:g} GiB, SHARDED ws 4 -> 3, rerun {'warm' if warm else 'cold'}; medians (wall s / convert() s)")
+    print("| mode | straight | kill at (of the bytes; of the time) | kept | rerun | rerun / straight (wall; convert()) |")
+    print("|---|---|---|---|---|---|")
     for mode, r in results.items():
-        s, up = median(r["straight_s"]), median(r["startup_s"])
-        for x, v in r["rerun_s"].items():
-            if v:
-                rr = median(v)
-                print(f"| {mode} | {s:.2f} | {up:.2f} | {float(x):.0%} | {rr:.2f} | {rr / s:.2f} | "
-                      f"{(rr - up) / (s - up):.2f} (ideal {1 - float(x):.2f}) |")
+        wall, inside = median([s[0] for s in r["straight"]]), median([s[1] for s in r["straight"]])
+        for x, runs in r["reruns"].items():
+            if runs:
+                rw, ri, kept, at = (median([run[i] for run in runs]) for i in range(4))
+                print(f"| {mode} | {wall:.2f} / {inside:.2f} | {float(x):.0%}; {at / wall:.0%} | {kept / 2**20:.0f} MiB | "
+                      f"{rw:.2f} / {ri:.2f} | {rw / wall:.2f}; {ri / inside:.2f} (ideal {1 - float(x):.2f}) |")
 
 
 def main() -> None:

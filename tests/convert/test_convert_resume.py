@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from concurrent.futures import Future
 
 import pytest
 import torch
@@ -128,23 +127,15 @@ def test_the_loser_of_two_identical_conversions_keeps_the_winners_files(tmp_path
 # ------------------------------------------------------------------ finer than ranks, and nothing unchecked kept
 
 
-def _inline(fn, *args) -> Future:
-    """Each journal put at once, in the writing thread: kill points are then exact."""
-    done: Future = Future()
-    done.set_result(fn(*args))
-    return done
-
-
 @pytest.fixture
 def journal_every_write(monkeypatch):
     monkeypatch.setattr(resume, "JOURNAL_BYTES", 0)
-    monkeypatch.setattr(resume, "_in_background", _inline)
     monkeypatch.setattr(memory, "resident_bytes", lambda: 0)  # SMALL's limit: slices of a few blocks
     with block_size(256):
         yield
 
 
-SMALL = {"world_size": 3, "memory_limit": 4096}
+SMALL = {"world_size": 3, "memory_limit": 4096, "files_per_rank": 1}  # one writer thread: exact kill points
 
 
 def _small_state() -> dict:
@@ -237,7 +228,7 @@ def test_damage_to_a_finished_rank_of_the_killed_run_is_never_kept(tmp_path, jou
     damaged block on, where the journal is intact), and commits the uninterrupted result."""
     src, dst, fresh = tmp_path / "src", tmp_path / "dst", tmp_path / "fresh"
     shardckpt.save(_small_state(), src)
-    options = {**SMALL, "compress": compress}
+    options = {**SMALL, "files_per_rank": 2, "compress": compress}
     convert(src, fresh, **options)
     _killed_after(2, src, dst, **options)
     DAMAGE[damage](_data(dst))

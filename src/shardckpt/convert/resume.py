@@ -18,9 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 import uuid
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 from shardckpt.checkpoint.gc import committed_dir
@@ -79,62 +77,42 @@ def file_digest(plan: SavePlan, data_path: str, tasks: list[WriteTask]) -> str:
 
 
 class FileJournal:
-    """The journal of one data file as it is written (``checkpoint.writer.Journal``): replaced in the background
-    after every ``JOURNAL_BYTES`` (or 1/32 of the file so far) written where a partial file can be gone on with
-    (``partial``: local disk); ``finish`` records the file finished."""
+    """The journal of one data file as it is written (``checkpoint.writer.Journal``): replaced after every
+    ``JOURNAL_BYTES`` (or 1/32 of the file so far) written where a partial file can be gone on with (``partial``:
+    local disk); ``finish`` records the file finished. Not synced: nothing is kept on its word alone (a rerun
+    reads every kept byte back), and a journal synced every few MiB would wait for the data file's writeback."""
 
     def __init__(self, storage: Storage, path: str, digest: str, version: int, partial: bool):
         self.storage, self.path, self.digest, self.version, self.partial = storage, path, digest, version, partial
-        self.lock = threading.Lock()
         self.written = -1
-        self.pending: Future | None = None
 
     def __call__(self, progress: FileProgress) -> None:
-        if not self.partial or progress.size - self.written < max(JOURNAL_BYTES, progress.size // 32) or \
-                (self.pending is not None and not self.pending.done()):
-            return
-        self._raise_failed()
-        data = self._doc(progress, finished=False)  # taken now, put in the background
-        self.written, self.pending = progress.size, _in_background(self.storage.put_atomic, self.path, data)
+        if self.partial and progress.size - self.written >= max(JOURNAL_BYTES, progress.size // 32):
+            self._put(progress, finished=False)
 
     def begin(self, progress: FileProgress) -> None:
         """Record, before anything is written, that this plan owns the file (and what of it is kept)."""
         self.storage.hold_dir(self.path.rsplit("/", 1)[0]).release()  # made where the store has directories
-        self.storage.put_atomic(self.path, self._doc(progress, finished=False))
-        self.written = progress.size
+        self._put(progress, finished=False)
 
     def finish(self, progress: FileProgress) -> None:
         """Record the file finished (its data and index durable)."""
-        if self.pending is not None:
-            self.pending.result()
-        self.storage.put_atomic(self.path, self._doc(progress, finished=True))
+        self._put(progress, finished=True)
 
-    def _raise_failed(self) -> None:
-        if self.pending is not None:
-            self.pending.result()  # a journal that could not be written: say so rather than go on without one
-
-    def _doc(self, progress: FileProgress, finished: bool) -> bytes:
+    def _put(self, progress: FileProgress, finished: bool) -> None:
         index = json.loads(index_to_bytes(progress.done, self.version, _writer.BLOCK_SIZE))
         current = None if progress.current is None else \
             [*progress.current, progress.offset, list(progress.blocks), list(progress.frames)]
-        return json.dumps({"format": JOURNAL_FORMAT, "digest": self.digest, "finished": finished,
-                           "size": progress.size, "index": index, "current": current},
-                          separators=(",", ":")).encode()
-
-
-def _in_background(fn, *args) -> Future:
-    """``fn(*args)`` on a thread of its own (a writer never waits for its journal; a thread per put, so that a
-    forked child, which inherits no threads, never waits on a pool's)."""
-    done: Future = Future()
-
-    def run() -> None:
-        try:
-            done.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - raised to the writer at its next journal or at finish
-            done.set_exception(e)
-
-    threading.Thread(target=run, name="shardckpt-journal", daemon=True).start()
-    return done
+        data = json.dumps({"format": JOURNAL_FORMAT, "digest": self.digest, "finished": finished,
+                           "size": progress.size, "index": index, "current": current}, separators=(",", ":")).encode()
+        if isinstance(self.storage, LocalStorage):  # whole or absent for readers (a rename), and not synced
+            url = self.storage.url(self.path)
+            with open(f"{url}.tmp", "wb") as f:
+                f.write(data)
+            os.replace(f"{url}.tmp", url)
+        else:
+            self.storage.put_atomic(self.path, data)
+        self.written = progress.size
 
 
 @dataclass(frozen=True)
