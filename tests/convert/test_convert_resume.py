@@ -16,6 +16,7 @@ from shardckpt.checkpoint.verify import verify
 from shardckpt.convert import memory, resume, streams
 from shardckpt.convert.convert import convert
 from shardckpt.convert.diff import diff
+from shardckpt.format.manifest import chunks_of
 from shardckpt.formats.native import read_manifest
 from shardckpt.io import LocalStorage, open_storage
 from tests.checkpoint.cases import block_size
@@ -278,3 +279,16 @@ def test_values_that_do_not_check_against_the_source_are_never_committed(tmp_pat
     with pytest.raises(shardckpt.CorruptCheckpointError, match=r"model\.layer2\.weight.*not the source's"):
         convert(src, dst, world_size=3)
     assert not os.path.exists(dst / "manifest.json") and not [d for d in os.listdir(dst) if d.startswith("data-")]
+
+
+def test_local_workers_keep_what_a_killed_run_wrote_and_report_it_all(tmp_path):
+    """Killed in one process, resumed by two workers: each keeps its own ranks; the report sums them."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    shardckpt.save(_state(), src)
+    _killed_after(2, src, dst, world_size=3)
+    report = convert(src, dst, world_size=3, workers=2)
+    manifest = _manifest(dst)
+    kept = sum(tensor.dtype.itemsize * region.numel for tensor in manifest.tensors.values()
+               for _, region, file in chunks_of(tensor) if file // 2 < 2)  # two files a rank: ranks 0 and 1
+    assert report.kept_ranks == (0, 1) and report.kept_bytes == kept > 0
+    assert verify(dst).ok and diff(src, dst).equal

@@ -33,7 +33,7 @@ from shardckpt.errors import CheckpointError
 def convert_in_workers(workers: int, progress: Callable[[int, int], None] | None, src: Any, dst: Any,
                        options: dict) -> Any:
     """``convert(src, dst, **options)`` written by ``workers`` local processes; returns worker 0's report with
-    every worker's kept ranks."""
+    every worker's kept ranks and bytes."""
     queue = mp.get_context("spawn").SimpleQueue()
     shares: dict[int, tuple[int, int]] = {}
     reports, failures = {}, {}
@@ -70,7 +70,7 @@ def convert_in_workers(workers: int, progress: Callable[[int, int], None] | None
         raise failures[min(failures)]
     first = reports[0]
     kept = tuple(sorted(r for report in reports.values() for r in report.kept_ranks))
-    return dataclasses.replace(first, kept_ranks=kept)
+    return dataclasses.replace(first, kept_ranks=kept, kept_bytes=sum(report.kept_bytes for report in reports.values()))
 
 
 def _worker(rank: int, world: int, port: int, queue, src: Any, dst: Any, options: dict, parent: int) -> None:
