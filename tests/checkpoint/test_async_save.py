@@ -176,7 +176,7 @@ _KILLER = textwrap.dedent("""
     shardckpt.save({"w": torch.arange(1 << 20, dtype=torch.float32), "v": 1}, path)
     returned = threading.Event()
 
-    def write_then_die(w, data, block):
+    def write_then_die(w, data, block, *_):
         w.write(data[:len(data) // 2])
         returned.wait(10)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -367,3 +367,16 @@ def test_sources_that_are_not_a_dict_or_select_nothing_are_refused(tmp_path):
     with pytest.raises(ValueError, match="nothing to convert"):
         convert(tmp_path / "src", tmp_path / "c", only=["nope"])
     assert not any((tmp_path / d).exists() and os.listdir(tmp_path / d) for d in ("a", "b", "c"))
+
+
+@pytest.mark.parametrize("compress", [None, "zstd"])
+@pytest.mark.parametrize("world", [1, 2, 5])
+def test_per_rank_values_are_carried_through_at_any_world_size(tmp_path, world, compress):
+    source = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fixtures", "v4")
+    out = str(tmp_path / "out")
+    convert(source, out, world_size=world, compress=compress)  # refused after writing, before: index versions
+    assert read_manifest(open_storage(out)).version == 4 and verify(out).ok
+    assert diff(source, out).equal
+    full, expected = shardckpt.load_full(out), shardckpt.load_full(source)
+    saved = [k for k, v in expected.items() if isinstance(v, list) and type(v).__name__ == "PerRankValues"]
+    assert saved and all(type(full[k]) is type(expected[k]) and len(full[k]) == len(expected[k]) for k in saved)

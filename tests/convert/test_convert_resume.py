@@ -3,6 +3,7 @@ had finished and writes the rest; the result is the one an uninterrupted run com
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -10,11 +11,16 @@ import torch
 import shardckpt
 import shardckpt.convert.convert as convert_module
 from shardckpt import CheckpointNotFoundError
+from shardckpt.checkpoint import writer
 from shardckpt.checkpoint.verify import verify
+from shardckpt.convert import memory, resume, streams
 from shardckpt.convert.convert import convert
 from shardckpt.convert.diff import diff
+from shardckpt.format.manifest import chunks_of
 from shardckpt.formats.native import read_manifest
 from shardckpt.io import LocalStorage, open_storage
+from tests.checkpoint.cases import block_size
+from tests.checkpoint.test_compression import _flip
 from tests.convert._kill import killed_after
 
 
@@ -117,3 +123,172 @@ def test_the_loser_of_two_identical_conversions_keeps_the_winners_files(tmp_path
     with pytest.raises(shardckpt.CheckpointExistsError):
         convert(src, dst, world_size=4)
     assert second and verify(dst).ok and diff(src, dst).equal
+
+
+# ------------------------------------------------------------------ finer than ranks, and nothing unchecked kept
+
+
+@pytest.fixture
+def journal_every_write(monkeypatch):
+    monkeypatch.setattr(resume, "JOURNAL_BYTES", 0)
+    monkeypatch.setattr(memory, "resident_bytes", lambda: 0)  # SMALL's limit: slices of a few blocks
+    with block_size(256):
+        yield
+
+
+SMALL = {"world_size": 3, "memory_limit": 4096, "files_per_rank": 1}  # one writer thread: exact kill points
+
+
+def _small_state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {"a": torch.randn(60, 50, generator=g), "b": torch.randn(333, generator=g),
+            "c": torch.randn(40, 7, generator=g).bfloat16(), "step": 4}
+
+
+def _write_function(compress: str | None) -> str:
+    return "_write_raw" if compress is None else "_write_frames"
+
+
+def _writes(src, dst, **options) -> int:
+    """How many slices an uninterrupted run writes (the kill points below are fractions of it)."""
+    real, count = getattr(writer, _write_function(options.get("compress"))), []
+
+    def counting(*args):
+        count.append(1)
+        return real(*args)
+
+    setattr(writer, _write_function(options.get("compress")), counting)
+    try:
+        convert(src, dst, **options)
+    finally:
+        setattr(writer, _write_function(options.get("compress")), real)
+    return len(count)
+
+
+def _same_files(got, want) -> None:
+    """The same data and index files, byte for byte (the same generation: the same conversion), no journals."""
+    generation = _manifest(want).generation
+    assert _manifest(got).generation == generation
+    a, b = os.path.join(got, f"data-{generation}"), os.path.join(want, f"data-{generation}")
+    assert sorted(os.listdir(a)) == sorted(os.listdir(b))  # the journals are gone
+    for name in os.listdir(b):
+        with open(os.path.join(a, name), "rb") as x, open(os.path.join(b, name), "rb") as y:
+            assert x.read() == y.read(), name
+
+
+def _killed_writing(writes: int, src, dst, **options) -> None:
+    killed_after(writes, writer, _write_function(options.get("compress")), lambda: convert(src, dst, **options))
+
+
+@pytest.mark.parametrize("compress", [None, "zstd"])
+def test_a_kill_inside_the_files_keeps_what_was_written_and_commits_the_uninterrupted_result(
+        tmp_path, journal_every_write, compress):
+    src, fresh = tmp_path / "src", tmp_path / "fresh"
+    shardckpt.save(_small_state(), src)
+    options = {**SMALL, "compress": compress}
+    total = _writes(src, fresh, **options)
+    kept = []
+    for i, at in enumerate((total // 4, total // 2, 3 * total // 4)):
+        dst = tmp_path / f"dst{i}"
+        _killed_writing(at, src, dst, **options)
+        report = convert(src, dst, **options)
+        kept.append(report.kept_bytes)
+        _same_files(dst, fresh)
+        assert verify(dst).ok and diff(src, dst).equal
+    assert 0 < kept[0] < kept[1] < kept[2] < report.bytes_written, kept
+    dst = tmp_path / "twice"  # killed, killed again while it resumes, then finished
+    _killed_writing(total // 3, src, dst, **options)
+    _killed_writing(total // 3, src, dst, **options)
+    assert convert(src, dst, **options).kept_bytes > kept[1]
+    _same_files(dst, fresh)
+
+
+def _data(dst) -> str:
+    return next(os.path.join(dst, d) for d in os.listdir(dst) if d.startswith("data-"))
+
+
+def _truncate(path: str, by: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - by)
+
+
+DAMAGE = {
+    "a flipped data byte": lambda data: _flip(os.path.join(data, "rank-00000-0.bin"), 100),
+    "a truncated data file": lambda data: _truncate(os.path.join(data, "rank-00000-0.bin"), 8),
+    "a flipped index byte": lambda data: _flip(os.path.join(data, "rank-00000-0.index.json"), 60),
+    "the journal of another file": lambda data: shutil.copy(os.path.join(data, "resume", "rank-00001-0.bin.json"),
+                                                            os.path.join(data, "resume", "rank-00000-0.bin.json")),
+    "a torn journal": lambda data: _truncate(os.path.join(data, "resume", "rank-00000-0.bin.json"), 40),
+}
+
+
+@pytest.mark.parametrize("compress", [None, "zstd"])
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damage_to_a_finished_rank_of_the_killed_run_is_never_kept(tmp_path, journal_every_write, damage, compress):
+    """Between the kill and the rerun, a finished rank's file is damaged: the rerun writes it again (from the
+    damaged block on, where the journal is intact), and commits the uninterrupted result."""
+    src, dst, fresh = tmp_path / "src", tmp_path / "dst", tmp_path / "fresh"
+    shardckpt.save(_small_state(), src)
+    options = {**SMALL, "files_per_rank": 2, "compress": compress}
+    convert(src, fresh, **options)
+    _killed_after(2, src, dst, **options)
+    DAMAGE[damage](_data(dst))
+    report = convert(src, dst, **options)
+    assert report.kept_ranks == (1,) and report.kept_bytes > 0
+    _same_files(dst, fresh)
+    assert verify(dst).ok and diff(src, dst).equal
+
+
+@pytest.mark.parametrize("damage", ["a flipped byte", "a truncation"])
+def test_damage_inside_the_kept_part_of_a_partial_file_is_written_again(tmp_path, journal_every_write, damage):
+    src, fresh = tmp_path / "src", tmp_path / "fresh"
+    shardckpt.save(_small_state(), src)
+    at = _writes(src, fresh, **SMALL) // 2
+    kept = {}
+    for case in ("intact", damage):
+        dst = tmp_path / case
+        _killed_writing(at, src, dst, **SMALL)
+        partial = [os.path.join(_data(dst), f) for f in os.listdir(_data(dst))
+                   if f.endswith(".bin") and not os.path.exists(os.path.join(_data(dst), f[:-4] + ".index.json"))]
+        path = max(partial, key=os.path.getsize)  # the largest file the kill left without its index
+        assert os.path.getsize(path) > 512
+        if case == "a flipped byte":
+            _flip(path, 300)  # in its second block
+        elif case == "a truncation":
+            _truncate(path, os.path.getsize(path) - 300)
+        kept[case] = convert(src, dst, **SMALL).kept_bytes
+        _same_files(dst, fresh)
+        assert verify(dst).ok
+    assert 0 < kept[damage] < kept["intact"], kept
+
+
+def test_values_that_do_not_check_against_the_source_are_never_committed(tmp_path, monkeypatch):
+    """Whatever goes wrong between the read and the commit (kept bytes included), a tensor whose combined checksum
+    is not its source's fails the conversion, naming it, and nothing is committed."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    shardckpt.save(_state(), src)
+    real = streams.ReadOnDemand._slices
+
+    def wrong(self, output, region, block, first):
+        for part in real(self, output, region, block, first):
+            if output.name == "model.layer2.weight":
+                part.view(-1)[0] += 1
+            yield part
+
+    monkeypatch.setattr(streams.ReadOnDemand, "_slices", wrong)
+    with pytest.raises(shardckpt.CorruptCheckpointError, match=r"model\.layer2\.weight.*not the source's"):
+        convert(src, dst, world_size=3)
+    assert not os.path.exists(dst / "manifest.json") and not [d for d in os.listdir(dst) if d.startswith("data-")]
+
+
+def test_local_workers_keep_what_a_killed_run_wrote_and_report_it_all(tmp_path):
+    """Killed in one process, resumed by two workers: each keeps its own ranks; the report sums them."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    shardckpt.save(_state(), src)
+    _killed_after(2, src, dst, world_size=3)
+    report = convert(src, dst, world_size=3, workers=2)
+    manifest = _manifest(dst)
+    kept = sum(tensor.dtype.itemsize * region.numel for tensor in manifest.tensors.values()
+               for _, region, file in chunks_of(tensor) if file // 2 < 2)  # two files a rank: ranks 0 and 1
+    assert report.kept_ranks == (0, 1) and report.kept_bytes == kept > 0
+    assert verify(dst).ok and diff(src, dst).equal

@@ -17,7 +17,7 @@ from shardckpt.formats.api import ReadRequest
 from shardckpt.formats.detect import open_reader
 from shardckpt.regions import Box, FlatRange, full_region
 from shardckpt.state_dict import OptimStateKeyType, unsharded_param_names
-from shardckpt.state_dict.flat import LAYOUTS_KEY
+from shardckpt.state_dict.flat import LAYOUTS_KEY, POSITIONS
 from shardckpt.state_dict.logical import LogicalView, MemberSource, logical_view
 from shardckpt.state_dict.param_ids import PARAM_NAMES
 from tests._dist import run_ranks
@@ -87,11 +87,16 @@ def test_without_param_names_the_recorded_order_is_used_else_only_the_order_diff
     root, names = saved
     full = open_reader(_path(root, FULL, key))
     assert diff(logical_view(open_reader(_path(root, LOCAL, key))), full).equal  # save_state recorded the order
-    unrecorded = str(tmp_path / "unrecorded")  # as saved by `save` of a LOCAL state dict, or an older save_state
+    unrecorded = str(tmp_path / "unrecorded")  # as saved by `save` of a LOCAL state dict: the layouts record it
     shutil.copytree(_path(root, LOCAL, key), unrecorded)
     manifest = os.path.join(unrecorded, "manifest.json")
     doc = manifest_doc(open(manifest, "rb").read())
     del doc["metadata"]["param_names"]
+    with open(manifest, "wb") as f:
+        f.write(sealed(doc))
+    assert diff(logical_view(open_reader(unrecorded)), full).equal
+    for layout in doc["tree"]["model"][LAYOUTS_KEY].values():  # as an older save left it: no order anywhere
+        del layout[POSITIONS]
     with open(manifest, "wb") as f:
         f.write(sealed(doc))
     view = logical_view(open_reader(unrecorded))

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import shardckpt
 from shardckpt import ShardedTensor, StateDictType
-from shardckpt.state_dict.merge_split import layouts_of, merge, split
+from shardckpt.state_dict.merge_split import layouts_of, merge, param_order, split
 from tests._dist import run_ranks
 from tests.runtime import _model
 from tests.state_dict._train import full_state, new_run, steps
@@ -36,10 +36,7 @@ def _equal(a, b, where: str) -> None:
     elif isinstance(a, dict):
         assert isinstance(b, dict) and a.keys() == b.keys(), (where, sorted(a), sorted(b))
         for k in a:
-            if k == "params" and where.endswith("param_groups"):
-                assert sorted(a[k]) == sorted(b[k]), where  # names: a set (offline, no unsharded order)
-            else:
-                _equal(a[k], b[k], f"{where}.{k}")
+            _equal(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, list):
         assert isinstance(b, list) and len(a) == len(b), where
         for x, y in zip(a, b):
@@ -51,12 +48,12 @@ def _equal(a, b, where: str) -> None:
 def assert_merge_split_match_ranks(per_rank: list[dict]) -> None:
     """Every type merged from all ranks equals FULL, and split to every type equals each rank's own."""
     full = per_rank[0][FULL]
-    layouts = layouts_of(per_rank[0][LOCAL]["model"])
+    layouts, order = layouts_of(per_rank[0][LOCAL]["model"]), param_order(per_rank[0][LOCAL]["model"])
     for src in TYPES:
         merged = merge([r[src] for r in per_rank], src)
         _equal(merged, full, f"merge({src.name})")
         for dst in TYPES:
-            for rank, state in enumerate(split(merged, dst, len(per_rank), layouts)):
+            for rank, state in enumerate(split(merged, dst, len(per_rank), layouts, param_names=order)):
                 _equal(state, per_rank[rank][dst], f"{src.name} -> {dst.name} rank {rank}")
 
 
@@ -67,8 +64,8 @@ def test_merge_and_split_match_the_ranks():
 def test_local_converts_to_another_world_size_offline():
     per_rank = run_ranks(3, _every_type)
     full = per_rank[0][FULL]
-    layouts = layouts_of(per_rank[0][LOCAL]["model"])
-    local_at_2 = split(merge([r[LOCAL] for r in per_rank], LOCAL), LOCAL, 2, layouts)
+    layouts, order = layouts_of(per_rank[0][LOCAL]["model"]), param_order(per_rank[0][LOCAL]["model"])
+    local_at_2 = split(merge([r[LOCAL] for r in per_rank], LOCAL), LOCAL, 2, layouts, param_names=order)
     _equal(merge(local_at_2, LOCAL), full, "LOCAL ws 3 -> ws 2 -> FULL")
     loaded = run_ranks(2, _set_local_and_read_full, local_at_2)[0]
     _equal(loaded["model"], full["model"], "converted LOCAL loaded at ws 2")

@@ -5,6 +5,11 @@ copies nothing to the host). Each block's CRC32C is computed just before the blo
 bytes are in cache; a call to the storage writer covers ``WRITE_SIZE`` bytes (whole blocks). With
 compression, each block is encoded as one frame on ``format.codecs.codec_pool`` (its CRC taken in the same
 task), a bounded number of frames ahead of the writes, so that encoding overlaps writing.
+
+A data file's writing can be followed and taken up again (``convert``'s resume): ``FileProgress`` says how far
+it has come (the finished chunks' records, the block CRCs and frames of the chunk in progress, the bytes
+written), a ``journal`` callback sees it after every write, and ``write_data_file(start=...)`` goes on from a
+progress whose bytes a caller has checked, with a writer that keeps them.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import torch
 from shardckpt.checkpoint.collect import LocalPiece
 from shardckpt.checkpoint.save_plan import WriteTask
 from shardckpt.regions import FlatRange, contiguous_runs
-from shardckpt.io import Storage
+from shardckpt.io import FileWriter, Storage
 from shardckpt.format.codecs import CODEC_THREADS, RAW, Compression, codec_pool, encode_frame
 from shardckpt.format.checksum import combine_block_crcs, crc32c, runs_crc_term
 from shardckpt.format.index import BLOCK_SIZE, ChunkRecord, index_to_bytes
@@ -37,18 +42,35 @@ class StreamedPiece:
     """A chunk written as it is produced, a slice at a time, so that it never needs to be in memory whole
     (``convert``: memory bounded whatever the chunk's size).
 
-    ``slices(block)`` yields the chunk's elements in order, as contiguous CPU tensors of ``dtype``, each a
-    whole number of ``block`` bytes (the checksum block) but the last. The region is one contiguous run of the
-    tensor, so that the chunk's checksum term follows from its block CRCs alone."""
+    ``slices(block, first)`` yields the chunk's elements from its ``first`` on, in order, as contiguous CPU
+    tensors of ``dtype``, each a whole number of ``block`` bytes (the checksum block) but the last. The region is
+    one contiguous run of the tensor, so that the chunk's checksum term follows from its block CRCs alone."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     region: FlatRange
-    slices: Callable[[int], Iterator[torch.Tensor]]
+    slices: Callable[[int, int], Iterator[torch.Tensor]]
 
 
 Piece = Union[LocalPiece, StreamedPiece]
+
+
+@dataclass
+class FileProgress:
+    """How far the writing of one data file has come: ``done``, the finished chunks' records (placed, in write
+    order); ``current``, the chunk being written (or None), with the CRCs of its ``blocks`` written so far and
+    their stored ``frames`` (compressed chunks); ``size``, the bytes written, up to the end of the last block."""
+
+    done: dict[tuple[str, int], ChunkRecord] = dataclasses.field(default_factory=dict)
+    current: tuple[str, int] | None = None
+    offset: int = 0  # where the current chunk starts
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    frames: list[int] = dataclasses.field(default_factory=list)
+    size: int = 0
+
+
+Journal = Callable[[FileProgress], None]
 
 
 @dataclass(frozen=True)
@@ -79,20 +101,21 @@ def _crc_term(piece: Piece, size: int, crc: int, raw: torch.Tensor | None) -> in
     return runs_crc_term(runs, crcs, size, math.prod(piece.shape))
 
 
-def _write_raw(writer, data: memoryview, block: int) -> list[int]:
-    """Write a chunk's bytes as they are, ``WRITE_SIZE`` at a time; returns its block CRCs."""
+def _write_raw(writer, data: memoryview, block: int, progress: FileProgress, journal: Journal) -> None:
+    """Write a chunk's bytes as they are, ``WRITE_SIZE`` at a time, adding its block CRCs to ``progress``."""
     step = max(WRITE_SIZE // block, 1) * block  # writes end on block boundaries
-    blocks = []
     for lo in range(0, len(data), step):
         part = data[lo:lo + step]
-        blocks.extend(crc32c(part[k:k + block]) for k in range(0, len(part), block))
+        crcs = [crc32c(part[k:k + block]) for k in range(0, len(part), block)]
         writer.write(part)
-    return blocks
+        progress.blocks.extend(crcs)
+        progress.size += len(part)
+        journal(progress)
 
 
 def _write_frames(writer, data: memoryview, block: int, codec: str, itemsize: int, level: int,
-                  ) -> tuple[list[int], list[int]]:
-    """Encode and write a chunk frame by frame; returns its block CRCs and its frames' stored lengths."""
+                  progress: FileProgress, journal: Journal) -> None:
+    """Encode and write a chunk frame by frame, adding its block CRCs and frames' stored lengths to ``progress``."""
     pool = codec_pool()
 
     def encode(lo: int) -> tuple[int, memoryview]:
@@ -103,89 +126,107 @@ def _write_frames(writer, data: memoryview, block: int, codec: str, itemsize: in
     # Frames encoded ahead of the writes, in order: enough to keep every codec thread busy, few enough
     # that memory stays a few blocks.
     pending = deque(pool.submit(encode, lo) for lo in itertools.islice(starts, 2 * CODEC_THREADS))
-    blocks, frames = [], []
     while pending:
         crc, stored = pending.popleft().result()
         for lo in itertools.islice(starts, 1):
             pending.append(pool.submit(encode, lo))
-        blocks.append(crc)
-        frames.append(len(stored))
         writer.write(stored)
-    return blocks, frames
+        progress.blocks.append(crc)
+        progress.frames.append(len(stored))
+        progress.size += len(stored)
+        journal(progress)
 
 
-def _write_chunk(writer, piece: Piece, compression: Compression | None) -> tuple[ChunkRecord, int]:
+def _write_chunk(writer, piece: Piece, compression: Compression | None, progress: FileProgress,
+                 journal: Journal) -> tuple[ChunkRecord, int]:
     """Stream one chunk, each block checksummed just before it is written (while it is in cache), encoded
-    as a frame if ``compression``; a chunk none of whose frames shrank is recorded as ``raw``.
+    as a frame if ``compression``; a chunk none of whose frames shrank is recorded as ``raw``. A streamed
+    chunk goes on after the blocks ``progress`` already has of it (``current``).
 
-    Returns the record (offset 0: the caller places it) and the chunk's term of the tensor checksum."""
+    Returns the record (at ``progress.offset``) and the chunk's term of the tensor checksum."""
     block = BLOCK_SIZE  # read at call time: tests shrink it to get many blocks from small tensors
+    kept = len(progress.blocks) * block
     if isinstance(piece, StreamedPiece):
-        raw, dtype, parts = None, piece.dtype, map(as_bytes, piece.slices(block))
+        raw, dtype, parts = None, piece.dtype, map(as_bytes, piece.slices(block, kept // piece.dtype.itemsize))
     else:
         raw = _staged_bytes(piece)
         dtype, parts = piece.data.dtype, iter([raw])
     codec = RAW if compression is None else compression.codec_for(dtype)
-    blocks, frames, length = [], [], 0
+    length = kept
     for part in parts:
         if length % block:
             raise ValueError(f"{piece.name!r}: a slice before the last ends mid-block ({length} bytes written, "
                              f"blocks of {block})")
         data = memoryview(part.numpy())
         if codec == RAW:
-            blocks.extend(_write_raw(writer, data, block))
+            _write_raw(writer, data, block, progress, journal)
         else:
-            part_blocks, stored = _write_frames(writer, data, block, codec, dtype.itemsize, compression.level)
-            blocks.extend(part_blocks)
-            frames.extend(stored)
+            _write_frames(writer, data, block, codec, dtype.itemsize, compression.level, progress, journal)
         length += len(data)
+    frames = progress.frames
     if codec != RAW and sum(frames) >= length:
         codec = RAW  # every frame was stored as it is: the stored bytes are the raw chunk
-    crc = combine_block_crcs(blocks, length, block)
-    record = ChunkRecord(0, length, crc, codec, block, tuple(blocks), tuple(frames) if codec != RAW else ())
+    crc = combine_block_crcs(progress.blocks, length, block)
+    record = ChunkRecord(progress.offset, length, crc, codec, block, tuple(progress.blocks),
+                         tuple(frames) if codec != RAW else ())
     return record, _crc_term(piece, dtype.itemsize, crc, raw)
 
 
 def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: list[WriteTask],
-                    pieces: dict[str, Piece], compression: Compression | None = None, version: int | None = None,
-                    ) -> tuple[FileEntry, dict[str, int]]:
+                    pieces: dict[str, Piece], compression: Compression | None = None, *,
+                    version: int | None = None, start: FileProgress | None = None, writer: FileWriter | None = None,
+                    journal: Journal | None = None) -> tuple[FileEntry, dict[str, int]]:
     """Write the tasks' chunks in order (offsets aligned) and the file's index; both durable on return.
 
     ``pieces``: by name, staged pieces (``Staged.pieces``) or streamed ones. ``version``: the manifest's format
-    version, which the index carries (default: ``version_for`` the compression)."""
-    records: dict[tuple[str, int], ChunkRecord] = {}
+    version, which the index carries (default: ``version_for`` the compression). ``start``: the progress of an
+    earlier writing of this same file whose bytes are checked and kept (streamed pieces only; ``writer`` then
+    writes after them). ``journal(progress)``: called after every write."""
+    progress = start if start is not None else FileProgress()
+    journal = journal or (lambda progress: None)
     terms: dict[str, int] = {}
-    writer, pos = storage.open_writer(data_path), 0
+    writer = writer or storage.open_writer(data_path)
     try:
         for task in tasks:
-            piece = pieces[task.name]
-            pad = -pos % ALIGN
-            if pad:
-                writer.write(memoryview(bytes(pad)))
-                pos += pad
-            record, term = _write_chunk(writer, piece, compression)
-            records[(task.name, task.chunk)] = dataclasses.replace(record, offset=pos)
+            key, piece = (task.name, task.chunk), pieces[task.name]
+            if key in progress.done:  # kept: a streamed chunk is one run, its term follows from its CRC
+                terms[task.name] = terms.get(task.name, 0) ^ _crc_term(piece, piece.dtype.itemsize,
+                                                                       progress.done[key].crc32c, None)
+                continue
+            if progress.current != key:
+                pad = -progress.size % ALIGN
+                if pad:
+                    writer.write(memoryview(bytes(pad)))
+                progress.current, progress.offset, progress.blocks, progress.frames = key, progress.size + pad, [], []
+                progress.size += pad
+            record, term = _write_chunk(writer, piece, compression, progress, journal)
+            progress.done[key], progress.current = record, None
             terms[task.name] = terms.get(task.name, 0) ^ term
-            pos += record.stored_length
     finally:
         writer.close()
-    index = index_to_bytes(records, version or version_for(compression is not None), BLOCK_SIZE)
+    index = index_to_bytes(progress.done, version or version_for(compression is not None), BLOCK_SIZE)
     index_writer = storage.open_writer(index_path)
     index_writer.write(memoryview(index))
     index_writer.close()
-    return FileEntry(data_path, pos, index_path, len(index), crc32c(index)), terms
+    return FileEntry(data_path, progress.size, index_path, len(index), crc32c(index)), terms
+
+
+WriteFile = Callable[[int, str, str, list[WriteTask]], tuple[FileEntry, dict[str, int]]]
 
 
 def write_rank_files(storage: Storage, base: str, tasks: list[WriteTask], pieces: dict[str, Piece],
                      files_per_rank: int, compression: Compression | None = None,
-                     version: int | None = None) -> RankResult:
+                     version: int | None = None, write_file: WriteFile | None = None) -> RankResult:
     """One data file per slot (``<base>-<slot>.bin``), written in parallel: one writer per file, because
-    buffered writes to a single file serialise on its lock."""
+    buffered writes to a single file serialise on its lock. ``write_file(slot, data path, index path, tasks)``
+    instead of ``write_data_file`` (``convert``: a file a killed run wrote, checked and kept or gone on with)."""
     by_slot = [[t for t in tasks if t.slot == k] for k in range(files_per_rank)]
 
     def write(k: int) -> tuple[FileEntry, dict[str, int]]:
-        return write_data_file(storage, f"{base}-{k}.bin", f"{base}-{k}.index.json", by_slot[k], pieces,
-                               compression, version)
+        data_path, index_path = f"{base}-{k}.bin", f"{base}-{k}.index.json"
+        if write_file is not None:
+            return write_file(k, data_path, index_path, by_slot[k])
+        return write_data_file(storage, data_path, index_path, by_slot[k], pieces, compression, version=version)
 
     with ThreadPoolExecutor(files_per_rank, thread_name_prefix="shardckpt-write") as pool:
         written = list(pool.map(write, range(files_per_rank)))

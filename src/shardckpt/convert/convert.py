@@ -13,8 +13,11 @@ manifest is committed last, atomically: until then nothing at the destination lo
 committed checkpoint there is replaced only with ``overwrite``.
 
 Resumable: the output's data directory is named by the source's identity and the options
-(``convert.resume``), so a rerun of the same command after a kill keeps the output ranks the killed run
-had finished and writes the rest (a shardckpt source only: other formats have no identity).
+(``convert.resume``), so a rerun of the same command after a kill keeps what the killed run had written of
+each data file, as far as its bytes check against their block CRCs (read back), and writes the rest
+(``convert.rank_files``; a shardckpt source only: other formats have no identity). Before the commit, each
+tensor's checksum, combined from the output's chunks, must be the source's where the source records one and
+the values are not cast: what is committed is what was read.
 
 Spread over W workers, worker ``i`` writes the output ranks ``r`` with ``r % W == i`` (every worker plans
 the same output; worker 0's generation names it), worker 0 gathers their results and commits, and every
@@ -29,36 +32,36 @@ LOCAL source only: it needs the source's flat layouts) is the checkpoint the job
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
-import queue
-import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from shardckpt.checkpoint.gc import committed_dir
+from shardckpt.checkpoint.agree import holds_per_rank
 from shardckpt.checkpoint.load_any import pick, replace_refs, wanted_keys
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
 from shardckpt.checkpoint.save_plan import SavePlan, TensorPlan, plan_placed
 from shardckpt.checkpoint.stage import check_unique_names
-from shardckpt.checkpoint.writer import StreamedPiece, write_rank_files
+from shardckpt.checkpoint.writer import write_rank_files
 from shardckpt.convert.local_output import LocalAtWorldSize, no_layouts_error
 from shardckpt.convert.memory import DEFAULT_MEMORY_LIMIT, buffer_budget, read_reserve
-from shardckpt.convert.resume import conversion_generation, finished_rank
+from shardckpt.convert.rank_files import RankFiles
+from shardckpt.convert.streams import ALIGN, Output, Progress, ReadOnDemand, SliceBuffers
+from shardckpt.convert.resume import conversion_generation, journal_dir
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
-from shardckpt.errors import CheckpointExistsError, IncompatibleCheckpointError, UnsupportedValueError
+from shardckpt.errors import CheckpointExistsError, CorruptCheckpointError, IncompatibleCheckpointError, UnsupportedValueError
 from shardckpt.format.codecs import Compression
 from shardckpt.format.dtypes import DTYPES, dtype_name, itemsize
-from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.format.manifest import MANIFEST_NAME, version_for
 from shardckpt.format.tree import TensorRef, check_savable_depth, encode, leaves, path_name
-from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
+from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.detect import open_reader
 from shardckpt.io import DirHold, Storage, open_storage
-from shardckpt.regions import FlatRange, Region, dim0_chunk, full_region
+from shardckpt.regions import Region, dim0_chunk, full_region
 from shardckpt.state_dict.flat import LAYOUTS_KEY
 from shardckpt.state_dict.logical import is_local, logical_view, recorded_param_names
 from shardckpt.state_dict.rekey import key_type_of, keyed_by_name, rekey_optim_state_dict
@@ -68,7 +71,6 @@ TYPES = ("full", "sharded", "local")  # output types
 # save_state's metadata names the type by StateDictType value ("SHARDED_STATE_DICT"); convert's by TYPES
 _TYPE_NAMES = {t.value: t.name.removesuffix("_STATE_DICT").lower() for t in StateDictType}  # as stored -> TYPES
 _STORED_TYPES = {name: value for value, name in _TYPE_NAMES.items()}  # TYPES -> as save_state stores it
-_ALIGN = 64  # the cast slice's offset in a slice buffer (any element size divides it)
 
 
 class ConversionRequestError(IncompatibleCheckpointError, ValueError):
@@ -82,16 +84,7 @@ class ConvertReport:
     tensors: int
     bytes_written: int  # tensor bytes, as stored
     kept_ranks: tuple[int, ...] = ()  # output ranks a killed run of the same conversion had finished (this process's)
-
-
-@dataclass(frozen=True)
-class _Output:
-    """One output tensor: its name in the output, where its values come from, its stored dtype and shape."""
-
-    name: str
-    path: tuple
-    source: TensorInfo
-    dtype: torch.dtype
+    kept_bytes: int = 0  # bytes of output a killed run had written, checked and kept (this process's)
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int | None = None,
@@ -184,21 +177,30 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     plan = _plan(outputs, place, world, files_per_rank, compression,
                  workers.broadcast(conversion_generation(base, storage, shaping)))
     mine = [r for r in range(world) if r % workers.world_size == workers.rank and plan.tasks[r]]
-    tick = _Progress(_share_bytes(plan, mine), progress)
+    tick = Progress(_share_bytes(plan, mine), progress)
     by_name = {o.name: o for o in outputs}
-    kept: list[int] = []
+    kept, kept_bytes = [], [0]
+    version = version_for(compression is not None, holds_per_rank(encoded_tree))  # v4 carries per-rank values
     budget = buffer_budget(limit, "convert", read_reserve(base, files_per_rank))
-    buffers = _SliceBuffers(files_per_rank, max(_ALIGN, min(budget // files_per_rank, _largest_slice(outputs))))
+    buffers = SliceBuffers(files_per_rank, max(ALIGN, min(budget // files_per_rank, _largest_slice(outputs))))
 
     def write(r: int):
-        done = finished_rank(storage, plan, r)  # written by a killed run of this same conversion
-        if done is not None:
-            kept.append(r)
-            tick(_share_bytes(plan, [r]))
-            return done
-        pieces = _ReadOnDemand(reader, by_name, functools.partial(place, rank=r), tick, buffers)
-        return write_rank_files(storage, f"{data_dir(plan.generation)}/rank-{r:05d}", plan.tasks[r], pieces,
-                                files_per_rank, compression)
+        pieces = ReadOnDemand(reader, by_name, functools.partial(place, rank=r), tick, buffers)
+        files = RankFiles(storage, plan, pieces, buffers.take, tick, version)  # a killed run's: checked, kept
+        result = write_rank_files(storage, f"{data_dir(plan.generation)}/rank-{r:05d}", plan.tasks[r], pieces,
+                                  files_per_rank, compression, version=version, write_file=files.write)
+        kept.extend([r] if files.whole else [])
+        kept_bytes[0] += files.kept
+        return result
+
+    def commit_checked(results: list) -> None:
+        try:
+            _check_against_source(plan, results, outputs)
+        except CorruptCheckpointError:
+            storage.remove_dir(data_dir(plan.generation))  # else a rerun would keep what was wrong
+            raise
+        storage.remove_dir(journal_dir(plan.generation))
+        commit(storage, plan, plan.generation, results, world, encoded_tree, metadata, overwrite)
 
     metadata.update({"state_dict_type": _STORED_TYPES[out_type]})
     hold = _hold_output(storage, plan.generation, workers)
@@ -209,18 +211,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             except BaseException:
                 storage.remove_dir(data_dir(plan.generation))
                 raise
-            commit(storage, plan, plan.generation, results, world, encoded_tree, metadata, overwrite)
+            commit_checked(results)
         else:
             shares = workers.gather(attempt(workers.rank, lambda: {r: write(r) for r in mine}))
-            outcome = attempt(0, lambda: commit(storage, plan, plan.generation, _in_rank_order(shares, world),
-                                                world, encoded_tree, metadata, overwrite)) \
+            outcome = attempt(0, lambda: commit_checked(_in_rank_order(shares, world))) \
                 if workers.is_coordinator else None
             raise_failures([workers.broadcast(outcome)])
     finally:
         if hold is not None:
             hold.release()
-    return ConvertReport(world, out_type, len(outputs), sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in outputs),
-                         tuple(kept))
+    written = sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in outputs)
+    return ConvertReport(world, out_type, len(outputs), written, tuple(kept), kept_bytes[0])
 
 
 def _world_size(asked: int | None, source: int) -> int:
@@ -247,16 +248,16 @@ def _output_type(asked: str | None, source: str, world: int) -> str:
     return asked
 
 
-class _OutputTensor:
+class OutputTensor:
     """A tensor leaf of the output tree (encoded as a reference by its path)."""
 
 
 def _is_output_tensor(value: Any) -> bool:
-    return isinstance(value, _OutputTensor)
+    return isinstance(value, OutputTensor)
 
 
 def _select(reader: CheckpointReader, only: Sequence[str], exclude: Sequence[str], dtype: torch.dtype | None,
-            rekey: Callable[[dict], dict] | None = None) -> tuple[Any, list[_Output]]:
+            rekey: Callable[[dict], dict] | None = None) -> tuple[Any, list[Output]]:
     """The encoded output tree and its tensors, after ``only``/``exclude``, ``rekey`` (of the optimizer state)
     and the cast; checked as ``save`` checks a state dict (depth, unique names, plain values it can store)
     before anything is written."""
@@ -276,8 +277,8 @@ def _select(reader: CheckpointReader, only: Sequence[str], exclude: Sequence[str
         if isinstance(leaf, TensorRef):
             info = infos[leaf.name]
             cast = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
-            outputs.append(_Output(path_name(path), path, info, cast))
-    marked = replace_refs(tree, dict.fromkeys((o.source.name for o in outputs), _OutputTensor()))
+            outputs.append(Output(path_name(path), path, info, cast))
+    marked = replace_refs(tree, dict.fromkeys((o.source.name for o in outputs), OutputTensor()))
     check_savable_depth(marked)
     check_unique_names(_as_tensors(marked))
     return encode(marked, _is_output_tensor), outputs
@@ -303,7 +304,7 @@ def _as_tensors(tree: Any) -> Any:
     return tree
 
 
-def _placement(output: _Output, rank: int, *, out_type: str, world: int,
+def _placement(output: Output, rank: int, *, out_type: str, world: int,
                reader: CheckpointReader) -> tuple[Region, bool]:
     """The region of ``output`` that virtual rank ``rank`` of ``world`` holds, and whether it is a replica."""
     shape = tuple(output.source.shape)
@@ -315,7 +316,7 @@ def _placement(output: _Output, rank: int, *, out_type: str, world: int,
     return full_region(shape), True
 
 
-def _plan(outputs: list[_Output], place: Callable[..., tuple[Region, bool]], world: int,
+def _plan(outputs: list[Output], place: Callable[..., tuple[Region, bool]], world: int,
           files_per_rank: int, compression: Compression | None, generation: str) -> SavePlan:
     """The save plan, one entry per tensor: its chunks are the placements of ranks 0..world-1 (tilings in
     order by construction: dim-0 chunks, or a flat layout's shard ranges), a replica is written once."""
@@ -352,6 +353,22 @@ def _hold_output(storage: Storage, generation: str, workers: Group) -> DirHold |
     return held
 
 
+def _check_against_source(plan: SavePlan, results: list, outputs: list[Output]) -> None:
+    """Each output tensor's checksum (combined from its chunks' terms, as the commit does) is its source's, where
+    the source records one and the values are not cast; else ``CorruptCheckpointError`` naming the tensor, before
+    anything is committed (results that are failures are left to the commit, which raises them)."""
+    if any(isinstance(r, Failure) for r in results):
+        return
+    for o in outputs:
+        if o.source.crc32c is None or o.dtype != o.source.dtype:
+            continue
+        crc = functools.reduce(lambda acc, r: acc ^ (r.crc_terms.get(o.name, 0) if r is not None else 0), results, 0)
+        if crc != o.source.crc32c and math.prod(o.source.shape):
+            raise CorruptCheckpointError(f"{o.name}: the converted values' checksum {crc:08x} is not the source's "
+                                         f"{o.source.crc32c:08x} (source tensor {o.source.name!r}); nothing was "
+                                         "committed: run the conversion again")
+
+
 def _share_bytes(plan: SavePlan, ranks: list[int]) -> int:
     """The stored bytes the output ranks ``ranks`` write (the progress total of the process writing them)."""
     return sum(plan.tensors[t.name].regions[t.chunk].numel * itemsize(DTYPES[plan.tensors[t.name].dtype])
@@ -371,89 +388,8 @@ def _in_rank_order(shares: list, world: int) -> list:
     return results
 
 
-def _largest_slice(outputs: list[_Output]) -> int:
+def _largest_slice(outputs: list[Output]) -> int:
     """The most bytes one slice buffer can need: a whole output tensor, as read and as cast (a limit above
     that would only allocate what is never used: 64 GiB asked of a small checkpoint was 32 GiB allocated)."""
     return max((math.prod(o.source.shape) * (itemsize(o.source.dtype) + (itemsize(o.dtype) if o.dtype != o.source.dtype
-                                                                          else 0)) for o in outputs), default=0) + _ALIGN
-
-
-class _SliceBuffers:
-    """The writers' slice buffers, one per writer, allocated once and reused chunk after chunk: buffers freed
-    and allocated again would leave their pages with the C allocator, which keeps the freed heap of each
-    thread's arena (measured: +190 MiB over a 35 MiB budget at 2 GiB)."""
-
-    def __init__(self, count: int, nbytes: int):
-        self.nbytes = nbytes
-        self.free: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(count):
-            self.free.put(torch.empty(nbytes, dtype=torch.uint8))
-
-    @contextlib.contextmanager
-    def take(self, needed: int) -> Iterator[torch.Tensor]:
-        """A buffer of at least ``needed`` bytes (a one-off one when a limit too small for one block asks more)."""
-        if needed > self.nbytes:
-            yield torch.empty(needed, dtype=torch.uint8)
-            return
-        buffer = self.free.get()
-        try:
-            yield buffer
-        finally:
-            self.free.put(buffer)
-
-
-class _ReadOnDemand(Mapping[str, StreamedPiece]):
-    """A rank's pieces, each streamed from the source (and cast) a slice at a time as the writer asks for it,
-    through one of ``buffers`` (the slice as read, and as cast), at least one checksum block of the output."""
-
-    def __init__(self, reader: CheckpointReader, outputs: dict[str, _Output],
-                 place: Callable[[_Output], tuple[Region, bool]], tick: Callable[[int], None],
-                 buffers: _SliceBuffers):
-        self.reader, self.outputs, self.place, self.tick, self.buffers = reader, outputs, place, tick, buffers
-
-    def __getitem__(self, name: str) -> StreamedPiece:
-        output = self.outputs[name]
-        region, _ = self.place(output)
-        if not isinstance(region, FlatRange):  # every placement convert makes is one run of the tensor
-            raise AssertionError(f"{name!r}: output region {region} is not a flat range")
-        return StreamedPiece(name, output.dtype, tuple(output.source.shape), region,
-                             functools.partial(self._slices, output, region))
-
-    def _slices(self, output: _Output, region: FlatRange, block: int) -> Iterator[torch.Tensor]:
-        if not region.numel:
-            return
-        source, cast = output.source.dtype, output.dtype
-        casts = cast != source
-        per_element = itemsize(source) + (itemsize(cast) if casts else 0)
-        block_elements = max(1, block // itemsize(cast))  # a block is a whole number of elements (format.index)
-        count = max(1, (self.buffers.nbytes - _ALIGN) // per_element // block_elements) * block_elements
-        count = min(count, region.numel)
-        cast_at = -(-count * itemsize(source) // _ALIGN) * _ALIGN
-        with self.buffers.take(cast_at + count * itemsize(cast) if casts else count * itemsize(source)) as buffer:
-            for lo in range(region.start, region.stop, count):
-                n = min(count, region.stop - lo)
-                part = buffer[:n * itemsize(source)].view(source)
-                self.reader.read([ReadRequest(output.source.name, FlatRange(lo, lo + n), part)])
-                if casts:
-                    part = buffer[cast_at:cast_at + n * itemsize(cast)].view(cast).copy_(part)
-                self.tick(part.nbytes)
-                yield part
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.outputs)
-
-    def __len__(self) -> int:
-        return len(self.outputs)
-
-
-class _Progress:
-    """Bytes written so far, from the writer threads."""
-
-    def __init__(self, total: int, report: Callable[[int, int], None] | None):
-        self.total, self.report, self.done, self.lock = total, report, 0, threading.Lock()
-
-    def __call__(self, n: int) -> None:
-        with self.lock:
-            self.done += n
-            if self.report is not None:
-                self.report(self.done, self.total)
+                                                                          else 0)) for o in outputs), default=0) + ALIGN

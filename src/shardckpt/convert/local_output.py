@@ -65,7 +65,9 @@ class LocalAtWorldSize:
         # member) of its tensors
         self.per_parameter_optim, self.member_state = _member_state_tensors(tree, infos, self.layouts)
         self._tree = copy.deepcopy(tree)
-        self._tree["model"][LAYOUTS_KEY] = {key: layout.to_dict() for key, layout in self.layouts.items()}
+        stored_docs = tree["model"][LAYOUTS_KEY]  # what else they record (positions) does not change with the world
+        self._tree["model"][LAYOUTS_KEY] = {key: {**stored_docs[key], **layout.to_dict()}
+                                            for key, layout in self.layouts.items()}
 
     def tensors(self) -> Mapping[str, TensorInfo]:
         return self._infos

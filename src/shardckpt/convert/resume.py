@@ -1,33 +1,41 @@
 """What lets ``convert`` and ``export`` resume after a kill: a source's identity, a deterministic name for a
-conversion's output, and the check that a killed run's output files are whole.
+conversion's output, and the journal of each data file that says how far a killed run had written it.
 
 A conversion's data directory is named by a hash of the source's identity and every option that shapes the
-output (``conversion_generation``), so a rerun of the same command finds what the killed run wrote. An
-output rank is kept when each of its data files has its index, the index lists exactly the planned chunks
-with their planned lengths, and the data file ends where the records end (``finished_rank``): an index is
-written only once its data file is durable (``checkpoint.writer``), so a kill cannot leave a whole-looking
-rank with missing bytes. The values are not read back: the commit's manifest checksums are computed from
-the indexes' CRCs, which were taken from the bytes as they were written.
+output (``conversion_generation``), so a rerun of the same command finds what the killed run wrote. While
+``convert`` writes a data file it keeps a journal beside it (``resume/<file>.json`` in the data directory,
+replaced whole, a few times per file): a digest of what the plan puts in that file, the records of its
+finished chunks and the block CRCs of the chunk in progress, and at the end that the file and its index are
+finished. A rerun (``kept_file``) takes from a journal whose digest is this plan's the longest prefix of the
+file whose every block is there and matches its CRC (``convert.kept``: read back, frames decoded): a finished
+file is kept whole, with its index; a partial one is written on from the end of that prefix (local disk;
+object stores, where an object cannot be written on, keep finished files only). A flipped byte, a torn or
+truncated block, a journal or index that does not match: the file is written again from there. The journals
+are removed before the commit.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import math
+import os
 import uuid
+from dataclasses import dataclass
 
 from shardckpt.checkpoint.gc import committed_dir
 from shardckpt.checkpoint.save import data_dir
-from shardckpt.checkpoint.save_plan import SavePlan
-from shardckpt.checkpoint.writer import RankResult
+from shardckpt.checkpoint.save_plan import SavePlan, WriteTask
+from shardckpt.checkpoint.writer import ALIGN, FileProgress
 from shardckpt.errors import CheckpointError
-from shardckpt.format.checksum import crc32c, runs_crc_term
-from shardckpt.format.dtypes import DTYPES
-from shardckpt.format.index import parse_index
-from shardckpt.format.manifest import FileEntry, version_for
+from shardckpt.format.checksum import crc32c
+from shardckpt.checkpoint import writer as _writer  # its BLOCK_SIZE, read when used (tests shrink it)
+from shardckpt.format.index import ChunkRecord, index_to_bytes, parse_index
+from shardckpt.format.manifest import FileEntry
 from shardckpt.formats.api import CheckpointReader
-from shardckpt.io import Storage
-from shardckpt.regions import contiguous_runs
+from shardckpt.io import FileWriter, LocalStorage, Storage
+from shardckpt.io.local import _hold, _LocalWriter, _still_named
+
+JOURNAL_FORMAT = "shardckpt-convert-journal"
+JOURNAL_BYTES = 16 << 20  # a journal is replaced after every this many bytes written (or 1/32 of the file so far)
 
 
 def source_identity(reader: CheckpointReader) -> str | None:
@@ -54,34 +62,125 @@ def conversion_generation(source: CheckpointReader, storage: Storage, options: d
     return uuid.uuid4().hex[:16] if taken else generation
 
 
-def finished_rank(storage: Storage, plan: SavePlan, rank: int) -> RankResult | None:
-    """Output rank ``rank``'s write result as a killed run of the same plan left it, if whole (see the module's
-    docstring); None if anything is missing or differs: the rank is then written again."""
-    base = f"{data_dir(plan.generation)}/rank-{rank:05d}"
-    version = version_for(plan.compression is not None)
-    files, terms = [], {}
-    for slot in range(plan.files_per_rank):
-        data_path, index_path = f"{base}-{slot}.bin", f"{base}-{slot}.index.json"
-        try:
-            if not (storage.exists(index_path) and storage.exists(data_path)):
+def journal_dir(generation: str) -> str:
+    return f"{data_dir(generation)}/resume"
+
+
+def file_digest(plan: SavePlan, data_path: str, tasks: list[WriteTask], version: int) -> str:
+    """What the plan puts in one data file, and how: the chunks, in order, their tensors' dtypes, shapes and
+    regions, the codec, the block size, the format version; a journal of another plan is never taken."""
+    doc = [plan.generation, data_path, version, _writer.BLOCK_SIZE, ALIGN,
+           repr(plan.compression),
+           [[t.name, t.chunk, plan.tensors[t.name].dtype, list(plan.tensors[t.name].shape),
+             repr(plan.tensors[t.name].regions[t.chunk])] for t in tasks]]
+    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
+
+
+class FileJournal:
+    """The journal of one data file as it is written (``checkpoint.writer.Journal``): replaced after every
+    ``JOURNAL_BYTES`` (or 1/32 of the file so far) written where a partial file can be gone on with (``partial``:
+    local disk); ``finish`` records the file finished. Not synced: nothing is kept on its word alone (a rerun
+    reads every kept byte back), and a journal synced every few MiB would wait for the data file's writeback."""
+
+    def __init__(self, storage: Storage, path: str, digest: str, version: int, partial: bool):
+        self.storage, self.path, self.digest, self.version, self.partial = storage, path, digest, version, partial
+        self.written = -1
+
+    def __call__(self, progress: FileProgress) -> None:
+        if self.partial and progress.size - self.written >= max(JOURNAL_BYTES, progress.size // 32):
+            self._put(progress, finished=False)
+
+    def begin(self, progress: FileProgress) -> None:
+        """Record, before anything is written, that this plan owns the file (and what of it is kept)."""
+        self.storage.hold_dir(self.path.rsplit("/", 1)[0]).release()  # made where the store has directories
+        self._put(progress, finished=False)
+
+    def finish(self, progress: FileProgress) -> None:
+        """Record the file finished (its data and index durable)."""
+        self._put(progress, finished=True)
+
+    def _put(self, progress: FileProgress, finished: bool) -> None:
+        index = json.loads(index_to_bytes(progress.done, self.version, _writer.BLOCK_SIZE))
+        current = None if progress.current is None else \
+            [*progress.current, progress.offset, list(progress.blocks), list(progress.frames)]
+        data = json.dumps({"format": JOURNAL_FORMAT, "digest": self.digest, "finished": finished,
+                           "size": progress.size, "index": index, "current": current}, separators=(",", ":")).encode()
+        if isinstance(self.storage, LocalStorage):  # whole or absent for readers (a rename), and not synced
+            url = self.storage.url(self.path)
+            with open(f"{url}.tmp", "wb") as f:
+                f.write(data)
+            os.replace(f"{url}.tmp", url)
+        else:
+            self.storage.put_atomic(self.path, data)
+        self.written = progress.size
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a journal says was written of a data file: its finished chunks and the chunk in progress (as a record
+    of its blocks so far), and whether the file and its index were finished."""
+
+    done: dict[tuple[str, int], ChunkRecord]
+    current: tuple[tuple[str, int], ChunkRecord] | None
+    finished: bool
+
+
+def read_claim(storage: Storage, path: str, digest: str, version: int) -> Claim | None:
+    """The journal at ``path`` if it is one of this plan's (``digest``) and well formed; else None."""
+    try:
+        doc = json.loads(storage.read_bytes(path))
+        if not (isinstance(doc, dict) and doc.get("format") == JOURNAL_FORMAT and doc.get("digest") == digest):
+            return None
+        done = parse_index(json.dumps(doc["index"]).encode(), version, 1 << 62, path)
+        current = doc["current"]
+        if current is not None:
+            name, chunk, offset, blocks, frames = current
+            if not (isinstance(name, str) and all(isinstance(v, int) and v >= 0 for v in (chunk, offset))
+                    and all(isinstance(v, list) and all(isinstance(x, int) and x >= 0 for x in v)
+                            for v in (blocks, frames))):
                 return None
-            size = storage.file_size(data_path)
-            index = storage.read_bytes(index_path)
-            records = parse_index(index, version, size, storage.url(index_path))
-        except CheckpointError:
-            return None
-        if set(records) != {(t.name, t.chunk) for t in plan.tasks[rank] if t.slot == slot}:
-            return None
-        end = 0
-        for (name, chunk), record in records.items():
-            tensor = plan.tensors[name]
-            region, itemsize = tensor.regions[chunk], DTYPES[tensor.dtype].itemsize
-            runs = list(contiguous_runs(region, tensor.shape))
-            if record.length != region.numel * itemsize or len(runs) != 1:
-                return None
-            terms[name] = terms.get(name, 0) ^ runs_crc_term(runs, [record.crc32c], itemsize, math.prod(tensor.shape))
-            end = max(end, record.offset + record.stored_length)
-        if size != end:
-            return None
-        files.append(FileEntry(data_path, size, index_path, len(index), crc32c(index)))
-    return RankResult(files, terms)
+            current = ((name, chunk), ChunkRecord(offset, len(blocks) * _writer.BLOCK_SIZE, 0, "", _writer.BLOCK_SIZE,
+                                                  tuple(blocks), tuple(frames)))
+        return Claim(done, current, doc["finished"] is True)
+    except (CheckpointError, ValueError, KeyError, TypeError):
+        return None
+
+
+def go_on_writing(storage: Storage, path: str, size: int) -> FileWriter | None:
+    """A writer of the data file at ``path`` that keeps its first ``size`` bytes and writes after them (what
+    follows is cut off); None where files cannot be written on (object stores) or it is gone."""
+    if not isinstance(storage, LocalStorage):
+        return None
+    try:
+        return _GoingOn(storage.url(path), size)
+    except OSError:
+        return None
+
+
+class _GoingOn(_LocalWriter):
+    """The local writer, on an existing file after its first ``keep`` bytes (held as any file being written)."""
+
+    def __init__(self, path: str, keep: int):  # noqa: D107 - _LocalWriter's fields, set without truncating
+        fd = os.open(path, os.O_WRONLY)
+        _hold(fd)
+        if not _still_named(path, fd):
+            os.close(fd)
+            raise FileNotFoundError(path)
+        os.ftruncate(fd, keep)
+        self._path, self._fd, self._pos, self._started = path, fd, keep, keep
+
+
+def finished_entry(storage: Storage, data_path: str, index_path: str, progress: FileProgress,
+                   version: int) -> FileEntry | None:
+    """The file's manifest entry, if its index lists exactly ``progress``'s chunks (all of them checked) and the
+    data file ends where they do; None if anything differs (the file is then finished again)."""
+    try:
+        size = storage.file_size(data_path)
+        index = storage.read_bytes(index_path)
+        records = parse_index(index, version, size, storage.url(index_path))
+    except CheckpointError:
+        return None
+    if progress.current is not None or records != progress.done or list(records) != list(progress.done) or \
+            size != progress.size:
+        return None
+    return FileEntry(data_path, size, index_path, len(index), crc32c(index))

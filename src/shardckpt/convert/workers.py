@@ -6,11 +6,20 @@ worker ``i`` writes the output ranks ``r % N == i`` and worker 0 commits. The wo
 their report or their failure through a queue; the parent sums the progress and returns the report, or
 raises worker 0's failure (every worker raises the first failure, by the spread protocol). A worker that
 dies without a word (killed, out of memory) stops the others, and the parent raises ``ChildProcessError``.
+
+Workers die with their parent, whenever it dies (``die_with_parent``): a parent killed while they start or
+wait in the rendezvous would otherwise leave them asleep there, with their memory, for the store's timeout.
 """
 from __future__ import annotations
 
 import builtins
+import ctypes
 import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
@@ -24,7 +33,7 @@ from shardckpt.errors import CheckpointError
 def convert_in_workers(workers: int, progress: Callable[[int, int], None] | None, src: Any, dst: Any,
                        options: dict) -> Any:
     """``convert(src, dst, **options)`` written by ``workers`` local processes; returns worker 0's report with
-    every worker's kept ranks."""
+    every worker's kept ranks and bytes."""
     queue = mp.get_context("spawn").SimpleQueue()
     shares: dict[int, tuple[int, int]] = {}
     reports, failures = {}, {}
@@ -42,8 +51,8 @@ def convert_in_workers(workers: int, progress: Callable[[int, int], None] | None
                 failures[rank] = _rebuilt(*payload)
 
     store = host_store(workers)  # kept alive until the workers are done
-    context = mp.start_processes(_worker, args=(workers, store.port, queue, src, dst, options), nprocs=workers,
-                                 join=False, start_method="spawn")
+    context = mp.start_processes(_worker, args=(workers, store.port, queue, src, dst, options, os.getpid()),
+                                 nprocs=workers, join=False, start_method="spawn")
     try:
         while not context.join(timeout=0.1):
             drain()
@@ -61,10 +70,11 @@ def convert_in_workers(workers: int, progress: Callable[[int, int], None] | None
         raise failures[min(failures)]
     first = reports[0]
     kept = tuple(sorted(r for report in reports.values() for r in report.kept_ranks))
-    return dataclasses.replace(first, kept_ranks=kept)
+    return dataclasses.replace(first, kept_ranks=kept, kept_bytes=sum(report.kept_bytes for report in reports.values()))
 
 
-def _worker(rank: int, world: int, port: int, queue, src: Any, dst: Any, options: dict) -> None:
+def _worker(rank: int, world: int, port: int, queue, src: Any, dst: Any, options: dict, parent: int) -> None:
+    die_with_parent(parent)
     from shardckpt.convert.convert import convert
 
     try:
@@ -88,3 +98,30 @@ def _rebuilt(module: str, name: str, message: str) -> Exception:
         except Exception:  # a class whose constructor wants more than a message
             pass
     return CheckpointError(f"{name}: {message}")
+
+
+_PR_SET_PDEATHSIG = 1
+WATCH_INTERVAL_S = 0.5  # where the kernel cannot be asked (not Linux): how often a thread looks for the parent
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process (SIGKILL) as soon as process ``parent``, which started it, dies. Linux: the kernel does it
+    (``PR_SET_PDEATHSIG``); elsewhere a daemon thread watches ``getppid()``. Either way the parent is checked
+    once it is armed: one that died before (while this process was starting) ends it at once."""
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if not armed:
+        threading.Thread(target=_watch_parent, args=(parent,), name="shardckpt-parent-watch", daemon=True).start()
+    if os.getppid() != parent:  # died before the watch was armed: this process was handed to another parent
+        os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(WATCH_INTERVAL_S)
+    os._exit(1)

@@ -21,6 +21,8 @@ from shardckpt.runtime.process_groups import Groups
 from shardckpt.state_dict.redistribute import Move, exchange
 
 LAYOUTS_KEY = "_flat_layouts"  # in a LOCAL model state dict: {local key: FlatLayout.to_dict()}
+# in each of them (optional): the members' places in the unsharded model's named_parameters() (state_dict.logical)
+POSITIONS = "positions"
 
 
 def local_key(group: FlatGroup) -> str:

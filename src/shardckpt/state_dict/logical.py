@@ -18,10 +18,12 @@ R in the member's row-major space; padding is never read and never shows. Any ch
 flat layouts is returned as it is.
 
 Which parameter order FULL uses (the unsharded model's ``named_parameters()``: the IDs, and the order of
-the param groups' ``params``) is not in the flat layouts: ``save_state`` records it in the manifest's ``metadata.param_names``, and
-the view uses it, or the ``param_names`` given (``unsharded_param_names(model)``). A checkpoint without
-either (older ones, ``save`` of a LOCAL state dict) gets the stored layouts' order (groups as stored,
-members in layout order); ID-keyed groups then still record which name each ID means.
+the param groups' ``params``) is not the flat layouts' order: a LOCAL state dict records each member's place
+in it beside its layout (``positions``), and ``save_state`` in the manifest's ``metadata.param_names``; the
+view uses the ``param_names`` given (``unsharded_param_names(model)``), else those, so that an offline
+conversion gives what the job's FULL state dict holds, order included. A checkpoint without either (older
+ones) gets the stored layouts' order (groups as stored, members in layout order); ID-keyed groups then still
+record which name each ID means.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from shardckpt.regions import FlatRange, contiguous_runs
 from shardckpt.runtime import FlatLayout
 from shardckpt.state_dict.flat import LAYOUTS_KEY
 from shardckpt.state_dict.load_state import stored_layouts
+from shardckpt.state_dict.merge_split import param_order
 from shardckpt.state_dict.param_ids import PARAM_NAMES, hyper_parameters, resolve_id_names
 from shardckpt.state_dict.rekey import key_type_of
 from shardckpt.state_dict.types import OptimStateKeyType
@@ -135,11 +138,14 @@ def by_parameter_unless_local(reader: CheckpointReader, target: Any) -> Checkpoi
 
 
 def recorded_param_names(reader: CheckpointReader) -> list[str] | None:
-    """The parameter order ``save_state`` records in the manifest's metadata for LOCAL state (None: none)."""
+    """The unsharded model's parameter order a LOCAL checkpoint records: in the manifest's metadata
+    (``save_state``), else in its flat layouts (``positions``: a LOCAL state dict however it was saved); None
+    where it records none (older checkpoints)."""
     metadata = getattr(getattr(reader, "manifest", None), "metadata", None) or {}
     names = metadata.get("param_names")
     if names is None:
-        return None
+        tree = reader.tree()
+        return param_order(tree["model"], _where(reader)) if is_local(tree) else None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise CorruptCheckpointError(f"{_where(reader)}: metadata.param_names is not a list of parameter names")
     return names

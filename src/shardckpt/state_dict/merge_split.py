@@ -14,11 +14,11 @@ from typing import Any, Sequence
 
 import torch
 
-from shardckpt.errors import IncompatibleCheckpointError
+from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.regions import FlatRange, Region, full_region, strided_view
 from shardckpt.runtime.layout import FlatLayout, build_layout
 from shardckpt.sharded_tensor import ShardedTensor
-from shardckpt.state_dict.flat import LAYOUTS_KEY
+from shardckpt.state_dict.flat import LAYOUTS_KEY, POSITIONS
 from shardckpt.state_dict.per_param import is_per_param, per_param_keys
 from shardckpt.state_dict.rekey import keyed_by_name
 from shardckpt.state_dict.types import StateDictType
@@ -48,6 +48,28 @@ def layouts_of(local_model_state: dict) -> dict[str, FlatLayout]:
     return {k: FlatLayout.from_dict(v) for k, v in local_model_state[LAYOUTS_KEY].items()}
 
 
+def param_order(local_model_state: dict, where: str = "a LOCAL model state dict") -> list[str] | None:
+    """The unsharded model's ``named_parameters()`` names in order, from the places the flat layouts of a LOCAL
+    model state dict record for their members (``positions``, by ``get_state_dict``); None if they record none
+    (older state dicts). Places that do not number the members 0, 1, ... once each: ``CorruptCheckpointError``."""
+    docs = local_model_state.get(LAYOUTS_KEY)
+    if not isinstance(docs, dict) or not docs or not all(isinstance(d, dict) and POSITIONS in d for d in docs.values()):
+        return None
+    placed: dict[int, str] = {}
+    count = 0
+    for key, doc in docs.items():
+        names, positions = doc.get("names"), doc[POSITIONS]
+        if not (isinstance(names, list) and isinstance(positions, list) and len(positions) == len(names)
+                and all(isinstance(p, int) and not isinstance(p, bool) for p in positions)):
+            raise CorruptCheckpointError(f"{where}: {LAYOUTS_KEY}.{key}.{POSITIONS} is not one int per member")
+        placed.update(zip(positions, names))
+        count += len(names)
+    if sorted(placed) != list(range(count)):
+        raise CorruptCheckpointError(f"{where}: the {POSITIONS} of {LAYOUTS_KEY} do not number the parameters "
+                                     "0, 1, ... once each")
+    return [placed[i] for i in range(count)]
+
+
 def _members(flat: torch.Tensor, layout: FlatLayout) -> dict[str, torch.Tensor]:
     """A whole flat tensor cut back into its members, aliases included (clones: no padding kept alive)."""
     out = {}
@@ -66,9 +88,9 @@ def merge(states: Sequence[dict], sd_type: StateDictType, optim_param_names: Seq
 
     ID-keyed optimizer state is read through the ``param_names`` its groups record, else through
     ``optim_param_names`` (the names of IDs 0, 1, ...; LOCAL state's IDs are its flat parameters in layout
-    order), else refused. From LOCAL state, a param group lists its parameters in flat-group order
-    (offline there is no unsharded order; names are what matter, and ``rekey_optim_state_dict`` takes
-    the order for IDs).
+    order), else refused. From LOCAL state, the optimizer state and each param group list the parameters in
+    the unsharded ``named_parameters()`` order its layouts record (``param_order``), as the job's FULL state
+    dict does; in flat-group order where they record none (older state dicts).
     """
     if sd_type is FULL:
         full = next(s for s in states if s.get("model"))
@@ -86,7 +108,9 @@ def merge(states: Sequence[dict], sd_type: StateDictType, optim_param_names: Seq
         else:
             out["model"][key] = _assemble([m[key] for m in models])
     if "optim" in states[0]:
-        out["optim"] = _merge_optim([_by_name(s["optim"], optim_param_names, layouts) for s in states], layouts)
+        order = param_order(models[0])
+        out["optim"] = _merge_optim([_by_name(s["optim"], optim_param_names, layouts) for s in states], layouts,
+                                    None if order is None else {name: i for i, name in enumerate(order)})
     return out
 
 
@@ -96,7 +120,7 @@ def _by_name(osd: dict, given: Sequence[str] | None, layouts: dict[str, FlatLayo
     return keyed_by_name(osd, given, fallback)
 
 
-def _merge_optim(optims: Sequence[dict], layouts: dict[str, FlatLayout]) -> dict:
+def _merge_optim(optims: Sequence[dict], layouts: dict[str, FlatLayout], position: dict[str, int] | None) -> dict:
     state: dict[str, dict] = {}
     for key, entry in optims[0]["state"].items():
         merged = {k: _assemble([o["state"][key][k] for o in optims]) if isinstance(v, ShardedTensor) else v
@@ -111,6 +135,10 @@ def _merge_optim(optims: Sequence[dict], layouts: dict[str, FlatLayout]) -> dict
             state[name] = {k: per_key[k][name] if per_key[k] is not None else merged[k] for k in merged}
     groups = [{**pg, "params": [n for p in pg["params"] for n in (layouts[p].names if p in layouts else (p,))]}
               for pg in optims[0]["param_groups"]]
+    if position is not None:  # the unsharded order, as FULL lists them (names the layouts do not place: last)
+        place = lambda name: position.get(name, len(position))  # noqa: E731
+        state = {name: state[name] for name in sorted(state, key=place)}
+        groups = [{**pg, "params": sorted(pg["params"], key=place)} for pg in groups]
     return {"state": state, "param_groups": groups}
 
 
@@ -118,17 +146,24 @@ def _merge_optim(optims: Sequence[dict], layouts: dict[str, FlatLayout]) -> dict
 
 
 def split(full: dict, sd_type: StateDictType, world_size: int, layouts: dict[str, FlatLayout],
-          optim_param_names: Sequence[str] | None = None) -> list[dict]:
+          optim_param_names: Sequence[str] | None = None, param_names: Sequence[str] | None = None) -> list[dict]:
     """A FULL ``{"model": ..., "optim": ...}`` -> per-rank state dicts of ``sd_type`` at ``world_size``.
 
     ``layouts`` (flat key -> FlatLayout, e.g. ``layouts_of(local_state)``) say which entries are
     parameters and, for LOCAL, how they are flattened; their world size is re-derived. Optimizer state
-    comes out keyed by name (ID-keyed input is read as ``merge`` reads it).
+    comes out keyed by name (ID-keyed input is read as ``merge`` reads it). ``param_names``: the unsharded
+    model's ``named_parameters()`` order (``param_order(local_model_state)``), which LOCAL output's layouts
+    then record (``positions``), as ``get_state_dict`` records it.
     """
     layouts = {k: _at_world_size(v, world_size) for k, v in layouts.items()}
+    docs = {k: v.to_dict() for k, v in layouts.items()}
+    if param_names is not None:
+        position = {name: i for i, name in enumerate(param_names)}
+        for doc in docs.values():
+            doc[POSITIONS] = [position[name] for name in doc["names"]]
     if "optim" in full:
         full = {**full, "optim": _by_name(full["optim"], optim_param_names, {})}
-    return [_split_rank(full, sd_type, rank, world_size, layouts) for rank in range(world_size)]
+    return [_split_rank(full, sd_type, rank, world_size, layouts, docs) for rank in range(world_size)]
 
 
 def _at_world_size(layout: FlatLayout, world_size: int) -> FlatLayout:
@@ -149,7 +184,7 @@ def _flat_shard(flat: torch.Tensor, layout: FlatLayout, rank: int) -> ShardedTen
 
 
 def _split_rank(full: dict, sd_type: StateDictType, rank: int, world: int,
-                layouts: dict[str, FlatLayout]) -> dict:
+                layouts: dict[str, FlatLayout], docs: dict[str, dict]) -> dict:
     params = {n for layout in layouts.values() for j, name in enumerate(layout.names)
               for n in (name,) + layout.aliases[j]}
     model = full["model"]
@@ -161,7 +196,7 @@ def _split_rank(full: dict, sd_type: StateDictType, rank: int, world: int,
         out = {"model": {k: v for k, v in model.items() if k not in params}}
         for key, layout in layouts.items():
             out["model"][key] = _flat_shard(_flat_of(model, layout, layout.torch_dtype), layout, rank)
-        out["model"][LAYOUTS_KEY] = {k: v.to_dict() for k, v in layouts.items()}
+        out["model"][LAYOUTS_KEY] = {k: dict(doc) for k, doc in docs.items()}
     if "optim" in full:
         out["optim"] = _split_optim(full["optim"], model, sd_type, rank, world, layouts)
     return out

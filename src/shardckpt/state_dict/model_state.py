@@ -12,9 +12,10 @@ from shardckpt.regions import FlatRange, dim0_chunk, full_region
 from shardckpt.runtime import FlatGroup, groups, is_sharded
 from shardckpt.runtime.build import FLAT_PARAM_NAMES
 from shardckpt.runtime.flat_group import shards_changed
+from shardckpt.runtime.state import state_of
 from shardckpt.sharded_tensor import ShardedTensor
 from shardckpt.state_dict.flat import (
-    LAYOUTS_KEY, MemberPiece, copy_to_replicas, flat_pieces, gather_members, local_key, rank0_shard_rank,
+    LAYOUTS_KEY, POSITIONS, MemberPiece, copy_to_replicas, flat_pieces, gather_members, local_key, rank0_shard_rank,
     replica_source, scatter_members,
 )
 from shardckpt.state_dict.redistribute import Move, assemble_chunks, exchange
@@ -99,10 +100,12 @@ def get_model_state(model: nn.Module, sd_type: StateDictType, config: StateDictC
     keep = not rank0_only(config) or _global_rank() == 0
     out: dict[str, Any] = {}
     layouts = {}
+    position = {name: i for i, name in enumerate(state_of(model).param_names)}
     for group in groups(model):
         if sd_type is LOCAL:
             out[local_key(group)] = local_value(group, group.flat_param, config)
-            layouts[local_key(group)] = group.layout.to_dict()
+            # with each member's place in the unsharded named_parameters(), which FULL follows (state_dict.logical)
+            layouts[local_key(group)] = {**group.layout.to_dict(), POSITIONS: [position[n] for n in group.layout.names]}
             continue
         values = member_values(group, flat_pieces(group, group.flat_param), sd_type, config)
         for j, value in enumerate(values):
