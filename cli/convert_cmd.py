@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     if leader and not args.quiet:
         count = workers.size() if workers is not None else args.workers
         spread = f", written by {count} workers" if count > 1 else ""
-        spread += f", {len(report.kept_ranks)} ranks kept from a killed run" if report.kept_ranks else ""
+        if report.kept_bytes:  # checked block by block against their CRCs before they were kept
+            spread += f", {report.kept_bytes} bytes kept from a killed run ({len(report.kept_ranks)} ranks whole)"
         print(f"{args.dst}: {report.type} checkpoint at world size {report.world_size}, {report.tensors} tensors, "
               f"{report.bytes_written} bytes{spread}")
     return 0
