@@ -92,12 +92,12 @@ def test_a_second_run_of_the_same_conversion_while_one_is_writing_fails_at_once(
     shardckpt.save(_state(), src)
     real, second = convert_module.write_rank_files, []
 
-    def with_a_second_run(*args):
+    def with_a_second_run(*args, **kwargs):
         if not second:  # while the first run writes its first rank, the same command starts again
             second.append(1)
             with pytest.raises(shardckpt.CheckpointError, match="another live process is writing"):
                 convert(src, dst, world_size=4)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(convert_module, "write_rank_files", with_a_second_run)
     convert(src, dst, world_size=4)
@@ -113,11 +113,11 @@ def test_the_loser_of_two_identical_conversions_keeps_the_winners_files(tmp_path
     monkeypatch.setattr(LocalStorage, "hold_dir", lambda self, path, exclusive=False: real_hold(self, path))
     real, second = convert_module.write_rank_files, []
 
-    def with_a_second_run(*args):
+    def with_a_second_run(*args, **kwargs):
         if not second:  # the same command, run to its commit while the first one writes
             second.append(1)
             convert(src, dst, world_size=4)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(convert_module, "write_rank_files", with_a_second_run)
     with pytest.raises(shardckpt.CheckpointExistsError):

@@ -26,12 +26,12 @@ def _spread(src: str, dst: str, world_size: int, fail_on: int | None = None) -> 
     wrote = []
     real = convert_module.write_rank_files
 
-    def recording(storage, base, *args):
+    def recording(storage, base, *args, **kwargs):
         rank = int(base.rsplit("rank-", 1)[1])
         if dist.get_rank() == fail_on:
             raise OSError(28, "No space left on device (injected)", base)
         wrote.append(rank)
-        return real(storage, base, *args)
+        return real(storage, base, *args, **kwargs)
 
     convert_module.write_rank_files = recording
     try:
