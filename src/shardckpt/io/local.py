@@ -213,7 +213,10 @@ class LocalStorage:
         url = self.url(path)
         while True:
             os.makedirs(url, exist_ok=True)
-            fd = os.open(url, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fd = os.open(url, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:  # removed as abandoned between our mkdir and our open: make it again
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
             except BlockingIOError:
