@@ -7,7 +7,8 @@ How a live writer is told from debris (``io``'s ``hold_dir`` / ``remove_abandone
   first file until the commit is decided; the lock dies with the process. A directory is removed only
   while this module holds an exclusive lock on it, so a writer that was about to start makes it again.
   Where the file system has no locks, nothing is removed. Temporary manifests and an export's temporary
-  files (``*.export-tmp-*``) are held the same way by their writer until they have their final name;
+  files (``*.export-tmp-*``, and the replaced export's files it moves aside, ``*.export-old-*``) are held
+  the same way by their writer until they have their final name (or are removed);
 - object stores (no locks): a generation is removed once its newest object is older than
   ``REMOTE_MIN_AGE_S``; a save that has written nothing for that long is taken as dead.
 
@@ -26,7 +27,7 @@ from shardckpt.io import LocalStorage, Storage, open_storage
 REMOTE_MIN_AGE_S = 6 * 3600.0
 _GENERATION_DIR = re.compile(r"^data-[0-9a-f]{1,64}$")
 _TEMP_MANIFEST = re.compile(rf"^{re.escape(MANIFEST_NAME)}\.tmp-[0-9a-f]+$")
-EXPORT_TEMP = re.compile(r"^.+\.export-tmp-[0-9a-f]+$")  # a file an export writes before renaming it
+EXPORT_TEMP = re.compile(r"^.+\.export-(tmp|old)-[0-9a-f]+$")  # an export's file before its rename, or moved aside
 
 
 def committed_dir(storage: Storage) -> str | None:

@@ -1,6 +1,6 @@
 """The files of a safetensors export: headers computed before any data, each file streamed tensor by tensor
 from the source in bounded slices, and the file operations the export's commit and resume need (``export``
-has the what and when; this module the bytes). The tensors are ``export``'s output tensors: name, source
+has the what, ``export_commit`` the when; this module the bytes). The tensors are ``export``'s output tensors: name, source
 name, source and output dtypes, shape, ``nbytes``."""
 from __future__ import annotations
 
@@ -60,7 +60,10 @@ class Buffers:
 
 
 def write_file(storage: Storage, path: str, header: bytes, tensors: Sequence, reader: CheckpointReader,
-                buffers: Buffers, tick: Callable[[int], None]) -> None:
+               buffers: Buffers, tick: Callable[[int], None]) -> FileWriter | None:
+    """Write file ``path`` whole. On local disk it is made durable and returned open: its writer holds it (a
+    collector leaves it alone) until the caller closes it, once it has its final name. Elsewhere it is closed
+    (the upload completes) and None returned."""
     writer = storage.open_writer(path)
     try:
         writer.write(memoryview(header))
@@ -77,7 +80,11 @@ def write_file(storage: Storage, path: str, header: bytes, tensors: Sequence, re
     except BaseException:
         abandon(writer)
         raise
+    if isinstance(storage, LocalStorage):
+        writer.sync()
+        return writer
     writer.close()
+    return None
 
 
 def abandon(writer: FileWriter) -> None:

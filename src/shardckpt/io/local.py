@@ -60,6 +60,10 @@ class _LocalWriter:
         while done < len(data):
             done += os.pwrite(self._fd, data[done:done + MAX_IO], offset + done)
 
+    def sync(self) -> None:
+        """Make what was written durable, keeping the file open and held (``close`` lets it go)."""
+        os.fsync(self._fd)
+
     def close(self) -> None:
         try:
             os.fsync(self._fd)
@@ -83,7 +87,9 @@ def _hold(fd: int) -> None:
         pass
 
 
-class _DirHold:
+class _Hold:
+    """An open descriptor whose flock marks a directory or file as a live process's; ``release`` drops it."""
+
     def __init__(self, fd: int):
         self._fd: int | None = fd
 
@@ -189,7 +195,7 @@ class LocalStorage:
         try:
             writer = _LocalWriter(tmp)
             writer.write(memoryview(data))
-            os.fsync(writer._fd)
+            writer.sync()
             # Closed (its hold released) only once it has its final name: never debris while live.
             if exclusive:
                 os.link(tmp, self.url(path))
@@ -209,7 +215,9 @@ class LocalStorage:
     def list_dirs(self, path: str = "") -> list[str]:
         return self._names(path, lambda e: e.is_dir(follow_symlinks=False))
 
-    def hold_dir(self, path: str, exclusive: bool = False) -> _DirHold:
+    def hold_dir(self, path: str, exclusive: bool = False, wait: bool = False) -> _Hold:
+        """See the protocol; ``wait`` (local only): an exclusive hold waits for the other holders to let go
+        instead of raising (for short critical sections, such as an export's renames)."""
         url = self.url(path)
         while True:
             os.makedirs(url, exist_ok=True)
@@ -218,15 +226,34 @@ class LocalStorage:
             except FileNotFoundError:  # removed as abandoned between our mkdir and our open: make it again
                 continue
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
+                fcntl.flock(fd, fcntl.LOCK_SH if not exclusive else fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
                 raise CheckpointError(f"{url}: another live process is writing this directory") from None
             except OSError:  # no locks here (some network file systems): remove_abandoned removes nothing
-                return _DirHold(fd)
+                return _Hold(fd)
             if _still_named(url, fd):
-                return _DirHold(fd)
+                return _Hold(fd)
             os.close(fd)  # removed as abandoned between our mkdir and our lock: make it again
+
+    def hold_file(self, path: str, exclusive: bool = True) -> _Hold | None:
+        """Hold the existing file ``path`` as a live writer's (``remove_abandoned`` leaves it alone) if no live
+        process holds it (exclusive) or holds it exclusively (shared); None when one does, when it is gone, or
+        where locks are unsupported. Not waiting."""
+        url = self.url(path)
+        try:
+            fd = os.open(url, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return None
+        if not _still_named(url, fd):  # removed or replaced between our open and our lock
+            os.close(fd)
+            return None
+        return _Hold(fd)
 
     def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False,
                          unused: Callable[[], bool] = lambda: True) -> bool:

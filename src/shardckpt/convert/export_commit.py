@@ -1,0 +1,224 @@
+"""How an export's files reach their names, so that no reader, collector or second writer ever takes part of
+an export for a whole one, and a failed export never leaves its destination without the old export and
+without the new one (issue 34, items 1 and 4). ``export`` plans the files; this module puts them in place.
+
+**Local disk.** Every file, the index too, is written under a temporary name ``<name>.export-tmp-<token>``
+and held (the ``flock`` of its open writer) until it has its final name, so that ``gc`` and another export's
+cleanup leave it alone (``checkpoint.gc``). No file gets its final name before the last one is whole. Then,
+under an exclusive lock on the directory (one export commits there at a time, so two never mix), the old
+export's files are moved aside (``<name>.export-old-<token>``, held too), the new ones renamed into place,
+the index (or the one file) last, and the old ones removed. The old index goes first: a directory of shards
+without their index is refused by every reader (``formats.safetensors.refuse_lone_shard``). A failure on the
+way renames everything back, so the old export is whole again; a kill inside those few renames leaves no
+index, which no reader takes for an export, and the rerun finishes it.
+
+**Resume.** A killed export's temporary files are held by nobody: a rerun of the same source and plan adopts
+each one that is exactly the file it would write (its size and header, ``safetensors_files.is_written``;
+the header holds the source's identity), holding it exclusively, and writes only the others. Files that
+an older version left under their final names without an index are adopted the same way.
+
+**Object stores** have no rename and no locks: each file is written at its name (an object appears only
+once its upload completes), the old export's files removed before, the index last.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from shardckpt.checkpoint.gc import EXPORT_TEMP
+from shardckpt.convert import safetensors_files
+from shardckpt.convert.safetensors_files import SINGLE_FILE, is_written
+from shardckpt.errors import CheckpointError, CheckpointExistsError
+from shardckpt.formats.safetensors import INDEX_NAME
+from shardckpt.io import LocalStorage, Storage
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    name: str
+    header: bytes
+    members: Sequence  # export's output tensors, in file order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.members)
+
+
+Write = Callable[[Storage, str, PlannedFile], Any]  # writes the file at a path; local: returns its held writer
+
+
+def index_bytes(files: Sequence[PlannedFile], total: int) -> bytes | None:
+    """The ``model.safetensors.index.json`` of a sharded export (None for one file)."""
+    if len(files) == 1:
+        return None
+    index = {"metadata": {"total_size": total},
+             "weight_map": {t.name: f.name for f in files for t in f.members}}
+    return (json.dumps(index, indent=2) + "\n").encode()
+
+
+def unfinished_error(storage: Storage, old: list[str]) -> CheckpointExistsError:
+    return CheckpointExistsError(f"{storage.url(old[0])}: an unfinished export of another source or with other "
+                                 f"options already exists at {storage.root} ({len(old)} files); pass "
+                                 "overwrite=True (--overwrite) to replace it")
+
+
+def commit_local(storage: LocalStorage, files: Sequence[PlannedFile], index: bytes | None, old: list[str],
+                 overwrite: bool, resumable: bool, write: Write, skip: Callable[[PlannedFile], None],
+                 token: str) -> tuple[str, ...]:
+    """Write ``files`` and ``index`` at local ``storage`` and commit them (see the module's docstring);
+    ``old``: the export files there now, none of them a committed export unless ``overwrite``. Returns the
+    names adopted from a killed run (``skip`` is told of each)."""
+    stage = _Stage(storage, token)
+    try:
+        if resumable:
+            listing = storage.list_files()
+            committed = INDEX_NAME in old or SINGLE_FILE in old
+            for f in files:
+                if stage.adopt(f, listing, finals_too=not committed):
+                    skip(f)
+        if old and not overwrite and not stage.kept:
+            raise unfinished_error(storage, old)
+        for f in files:
+            if f.name not in stage.ready:
+                path = stage.temp(f.name)
+                stage.ready[f.name] = (path, write(storage, path, f))
+        if index is not None:
+            path = stage.temp(INDEX_NAME)
+            writer = storage.open_writer(path)
+            stage.ready[INDEX_NAME] = (path, writer)
+            writer.write(memoryview(index))
+            writer.sync()
+        stage.commit([f.name for f in files], overwrite)
+    except BaseException:
+        stage.abandon()
+        raise
+    for name in storage.list_files():  # what killed exports left: files nobody holds any more
+        if EXPORT_TEMP.match(name):
+            storage.remove_abandoned(name, 0.0)
+    return tuple(stage.kept)
+
+
+class _Stage:
+    """This export's files at local ``storage``: final name -> (the path it has now, what holds it)."""
+
+    def __init__(self, storage: LocalStorage, token: str):
+        self.storage, self.token = storage, token
+        self.ready: dict[str, tuple[str, Any]] = {}
+        self.kept: list[str] = []
+
+    def temp(self, name: str) -> str:
+        self.ready[name] = (f"{name}.export-tmp-{self.token}", None)  # so that a failure removes it
+        return self.ready[name][0]
+
+    def adopt(self, f: PlannedFile, listing: list[str], finals_too: bool) -> bool:
+        """Hold, as this export's, a file nobody holds that is exactly ``f`` (a killed run's)."""
+        candidates = [n for n in listing if n.startswith(f"{f.name}.export-") and EXPORT_TEMP.match(n)]
+        for path in candidates + ([f.name] if finals_too and f.name in listing else []):
+            hold = self.storage.hold_file(path)
+            if hold is None:
+                continue  # a live export's, or gone
+            try:
+                same = is_written(self.storage, path, f.header, f.members)
+            except CheckpointError:
+                same = False
+            if same:
+                self.ready[f.name] = (path, hold)
+                self.kept.append(f.name)
+                return True
+            hold.release()
+        return False
+
+    def commit(self, names: list[str], overwrite: bool) -> None:
+        """Under the directory's lock: the old export aside, the new files in place (index last), the old
+        removed; everything renamed back if a step fails."""
+        lock = self.storage.hold_dir("", exclusive=True, wait=True)
+        try:
+            old = safetensors_files.existing_export(self.storage)
+            if not overwrite and (INDEX_NAME in old or SINGLE_FILE in old):
+                raise CheckpointExistsError(f"{self.storage.url(old[0])}: another export was committed at "
+                                            f"{self.storage.root} meanwhile; pass overwrite=True (--overwrite) to "
+                                            "replace it")
+            last = INDEX_NAME if INDEX_NAME in self.ready else SINGLE_FILE
+            ours = {path for path, _ in self.ready.values()}
+            # The old index first (existing_export's order); one file replaces its old self atomically.
+            aside = [n for n in old if n not in ours and not (n == SINGLE_FILE == last)]
+            moves = [(n, f"{n}.export-old-{self.token}") for n in aside]
+            moves += [(self.ready[n][0], n) for n in names + [INDEX_NAME] * (last == INDEX_NAME)
+                      if self.ready[n][0] != n]
+            self._rename(moves, aside)
+        finally:
+            lock.release()
+
+    def _rename(self, moves: list[tuple[str, str]], aside: list[str]) -> None:
+        holds = [h for n in aside if (h := self.storage.hold_file(n, exclusive=False)) is not None]
+        try:
+            done: list[tuple[str, str]] = []
+            try:
+                for src, dst in moves:
+                    safetensors_files.rename(self.storage, src, dst)
+                    done.append((src, dst))
+            except BaseException:
+                for src, dst in reversed(done):  # back as it was: the old export whole again
+                    try:
+                        safetensors_files.rename(self.storage, dst, src)
+                    except OSError:
+                        pass
+                self.storage.sync_dir("")
+                raise
+            self.storage.sync_dir("")  # committed: nothing after this is undone
+            for n in aside:
+                safetensors_files.remove(self.storage, f"{n}.export-old-{self.token}")
+        finally:
+            for h in holds:
+                h.release()
+        for _, hold in self.ready.values():
+            _let_go(hold)
+        self.ready.clear()
+
+    def abandon(self) -> None:
+        """A failure: this export's own temporary files removed, adopted ones let go (a rerun may adopt them)."""
+        for path, hold in self.ready.values():
+            _let_go(hold)
+            if path.endswith(f".export-tmp-{self.token}"):
+                safetensors_files.remove(self.storage, path)
+        self.ready.clear()
+
+
+def _let_go(hold: Any) -> None:
+    if hold is None:
+        return
+    if hasattr(hold, "release"):
+        hold.release()
+    else:
+        hold.close()
+
+
+def write_remote(storage: Storage, files: Sequence[PlannedFile], index: bytes | None, old: list[str],
+                 overwrite: bool, resumable: bool, write: Write, skip: Callable[[PlannedFile], None]) -> tuple[str, ...]:
+    """An object store: the stale old files removed first (the index first), then each file at its name, the
+    index last; a failure removes what was written. A killed run's files under their names are kept where
+    exactly what this run would write (not with ``overwrite``). Returns the names kept."""
+    names = [f.name for f in files]
+    finished = {f.name for f in files if resumable and not overwrite and f.name in old
+                and is_written(storage, f.name, f.header, f.members)}
+    if old and not overwrite and not finished:
+        raise unfinished_error(storage, old)
+    for name in sorted((n for n in old if n not in names or n == INDEX_NAME), key=lambda n: n != INDEX_NAME):
+        safetensors_files.remove(storage, name)
+    written: list[str] = []
+    try:
+        for f in files:
+            if f.name in finished:
+                skip(f)
+                continue
+            written.append(f.name)
+            write(storage, f.name, f)
+        if index is not None:
+            storage.put_atomic(INDEX_NAME, index)
+    except BaseException:
+        for name in written:
+            safetensors_files.remove(storage, name)
+        raise
+    return tuple(n for n in names if n in finished)

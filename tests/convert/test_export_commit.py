@@ -1,0 +1,134 @@
+"""An export's commit on local disk (``convert/export_commit.py``, issue 34, item 4): its files are held until
+they have their final names, so that ``gc`` and a second export leave them alone; a failure renames
+everything back, so the destination keeps the old export whole; two exports commit one at a time.
+Collectors and second writers run at chosen points through hooks, never by timing."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import shardckpt
+from shardckpt import CheckpointExistsError
+from shardckpt.checkpoint.gc import gc
+from shardckpt.convert import safetensors_files
+from shardckpt.convert.export import INDEX_NAME, export
+from shardckpt.convert.verify_export import verify_export
+from shardckpt.formats.detect import open_reader
+
+OPTIONS = {"max_shard_size": 17_000}  # 4 tensors of 16 KiB: 4 files
+
+
+def _source(path, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    shardckpt.save({"model": {f"l{i}": torch.randn(64, 64, generator=g) for i in range(4)}}, path)
+
+
+def _holds(dst, src, dtype: torch.dtype | None = None, others_live: bool = False) -> None:
+    """``dst`` is exactly the export of ``src`` (cast to ``dtype``), and nothing else is there (but the
+    temporary files of a live export, ``others_live``)."""
+    reader = open_reader(dst)
+    want = shardckpt.load_full(src)["model"]
+    assert sorted(reader.tensors()) == sorted(want)
+    for name, info in reader.tensors().items():
+        assert info.dtype == (dtype or want[name].dtype), name
+    assert verify_export(dst, against=src).ok
+    assert others_live or not [n for n in os.listdir(dst) if ".export-" in n]
+
+
+@pytest.fixture
+def sources(tmp_path):
+    _source(tmp_path / "old", 1)
+    _source(tmp_path / "new", 2)
+    export(tmp_path / "old", tmp_path / "dst", **OPTIONS)
+    return tmp_path / "old", tmp_path / "new", tmp_path / "dst"
+
+
+def _after_file(monkeypatch, k: int, action) -> list:
+    """Run ``action()`` once, right after the export wrote its file number ``k`` (from 1)."""
+    real, seen = safetensors_files.write_file, []
+
+    def hooked(storage, path, *args):
+        out = real(storage, path, *args)
+        seen.append(path)
+        if len(seen) == k:
+            action()
+        return out
+
+    monkeypatch.setattr(safetensors_files, "write_file", hooked)
+    return seen
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_gc_during_export_overwrite_removes_nothing_live(sources, monkeypatch, k):
+    old, new, dst = sources
+    removed: list = []
+    _after_file(monkeypatch, k, lambda: removed.append(gc(dst)))
+    export(new, dst, overwrite=True, dtype="bfloat16", **OPTIONS)  # 2 files
+    assert removed == [[]]  # it removed every temporary file, and the export then failed with neither left
+    _holds(dst, new, torch.bfloat16)
+
+
+def test_a_second_exports_cleanup_leaves_the_first_ones_files(sources, monkeypatch):
+    old, new, dst = sources
+    monkeypatch.setattr(safetensors_files, "write_file", safetensors_files.write_file)
+    real = safetensors_files.write_file
+
+    def second() -> None:
+        monkeypatch.setattr(safetensors_files, "write_file", real)
+        export(old, dst, overwrite=True, **OPTIONS)  # commits, then cleans up *.export-tmp-*
+        _holds(dst, old, others_live=True)
+
+    _after_file(monkeypatch, 2, second)
+    export(new, dst, overwrite=True, dtype="bfloat16", **OPTIONS)  # the last commit wins, whole
+    _holds(dst, new, torch.bfloat16)
+
+
+def test_without_overwrite_the_second_of_two_exports_to_commit_is_refused(tmp_path, monkeypatch):
+    _source(tmp_path / "a", 1)
+    _source(tmp_path / "b", 2)
+    dst = tmp_path / "dst"
+    real = safetensors_files.write_file
+
+    def first_commits() -> None:
+        monkeypatch.setattr(safetensors_files, "write_file", real)
+        export(tmp_path / "b", dst, **OPTIONS)
+
+    _after_file(monkeypatch, 1, first_commits)
+    with pytest.raises(CheckpointExistsError, match="committed .* meanwhile"):
+        export(tmp_path / "a", dst, **OPTIONS)
+    _holds(dst, tmp_path / "b")
+
+
+@pytest.mark.parametrize("failing", [1, 3, 5, 6, 8])
+def test_a_failure_among_the_renames_leaves_the_old_export_whole(sources, monkeypatch, failing):
+    """Rename number ``failing`` of the commit raises (the old index and 4 files aside: 1-5; the 2 new files
+    and the index in place: 6-8): everything is renamed back, the new files removed, the old export whole."""
+    old, new, dst = sources
+    real, made = safetensors_files.rename, []
+
+    def rename(storage, a: str, b: str) -> None:
+        made.append((a, b))
+        if len(made) == failing:
+            raise OSError(5, "injected I/O error")
+        real(storage, a, b)
+
+    monkeypatch.setattr(safetensors_files, "rename", rename)
+    with pytest.raises(OSError, match="injected"):
+        export(new, dst, overwrite=True, dtype="bfloat16", **OPTIONS)
+    monkeypatch.undo()
+    _holds(dst, old)
+    assert sorted(os.listdir(dst)) == sorted([f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+                                             + [INDEX_NAME])
+
+
+def test_one_file_replaces_one_file_in_one_rename(tmp_path, monkeypatch):
+    _source(tmp_path / "old", 1)
+    _source(tmp_path / "new", 2)
+    export(tmp_path / "old", tmp_path / "dst")
+    real, made = safetensors_files.rename, []
+    monkeypatch.setattr(safetensors_files, "rename", lambda s, a, b: (made.append(b), real(s, a, b))[1])
+    export(tmp_path / "new", tmp_path / "dst", overwrite=True)
+    assert made == ["model.safetensors"]  # no moment without a model.safetensors
+    _holds(tmp_path / "dst", tmp_path / "new")
