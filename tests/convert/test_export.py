@@ -329,7 +329,7 @@ def test_export_to_an_fsspec_memory_filesystem_writes_the_index_last(tmp_path, m
     order: list[str] = []
     real_writer, real_put = FsspecStorage.open_writer, FsspecStorage.put_atomic
     monkeypatch.setattr(FsspecStorage, "open_writer", lambda self, p: order.append(p) or real_writer(self, p))
-    monkeypatch.setattr(FsspecStorage, "put_atomic", lambda self, p, d: order.append(p) or real_put(self, p, d))
+    monkeypatch.setattr(FsspecStorage, "put_atomic", lambda self, p, d, **k: order.append(p) or real_put(self, p, d, **k))
     report = export(tmp_path / "src", url, max_shard_size=100, dtype="float16")
     assert order == list(report.files) + [INDEX_NAME] and len(report.files) > 1
     fs = fsspec.filesystem("memory")

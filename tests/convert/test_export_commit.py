@@ -4,13 +4,15 @@ everything back, so the destination keeps the old export whole; two exports comm
 Collectors and second writers run at chosen points through hooks, never by timing."""
 from __future__ import annotations
 
+import json
 import os
+import uuid
 
 import pytest
 import torch
 
 import shardckpt
-from shardckpt import CheckpointExistsError
+from shardckpt import CheckpointExistsError, CorruptCheckpointError
 from shardckpt.checkpoint.gc import gc
 from shardckpt.convert import safetensors_files
 from shardckpt.convert.export import INDEX_NAME, export
@@ -132,3 +134,49 @@ def test_one_file_replaces_one_file_in_one_rename(tmp_path, monkeypatch):
     export(tmp_path / "new", tmp_path / "dst", overwrite=True)
     assert made == ["model.safetensors"]  # no moment without a model.safetensors
     _holds(tmp_path / "dst", tmp_path / "new")
+
+
+def test_a_mix_of_two_exports_files_is_refused_by_name(tmp_path):
+    """Each file names its export (export_id, as the index does): a file of another export beside the index,
+    which two exports racing on an object store can leave, is refused, never read as one export."""
+    _source(tmp_path / "a", 1)
+    _source(tmp_path / "b", 2)
+    export(tmp_path / "a", tmp_path / "ea", **OPTIONS)
+    export(tmp_path / "b", tmp_path / "eb", **OPTIONS)
+    assert json.loads((tmp_path / "ea" / INDEX_NAME).read_text())["metadata"]["export_id"]
+    os.replace(tmp_path / "eb" / "model-00002-of-00004.safetensors", tmp_path / "ea" / "model-00002-of-00004.safetensors")
+    with pytest.raises(CorruptCheckpointError, match="model-00002-of-00004.safetensors: written by another export"):
+        open_reader(tmp_path / "ea")
+    export(tmp_path / "a", tmp_path / "again", **OPTIONS)  # the same source and plan: the same export, one id
+    ids = [json.loads((tmp_path / d / INDEX_NAME).read_text())["metadata"]["export_id"] for d in ("ea", "again", "eb")]
+    assert ids[0] == ids[1] != ids[2]
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_on_an_object_store_of_two_racing_exports_one_commits_whole(tmp_path, monkeypatch, overwrite):
+    """memory:// (no rename, no locks): a second export starts while the first is between files. Without
+    overwrite it finds the first's files and is refused; with overwrite it commits, and the first then stops
+    (CheckpointExistsError) without touching the second's files. Either way one export is whole there."""
+    _source(tmp_path / "a", 1)
+    _source(tmp_path / "b", 2)
+    dst = f"memory://export-race-{uuid.uuid4().hex[:8]}"
+    if overwrite:
+        export(tmp_path / "a", dst, **OPTIONS)
+    real, second = safetensors_files.write_file, []
+
+    def run_second() -> None:
+        monkeypatch.setattr(safetensors_files, "write_file", real)
+        try:
+            export(tmp_path / "b", dst, overwrite=overwrite, **OPTIONS)
+            second.append("committed")
+        except CheckpointExistsError:
+            second.append("refused")
+
+    _after_file(monkeypatch, 2, run_second)
+    if overwrite:
+        with pytest.raises(CheckpointExistsError, match="another export was committed .* meanwhile"):
+            export(tmp_path / "a", dst, overwrite=True, **OPTIONS)
+    else:
+        export(tmp_path / "a", dst, **OPTIONS)
+    assert second == ["committed" if overwrite else "refused"]
+    assert verify_export(dst, against=tmp_path / ("b" if overwrite else "a")).ok

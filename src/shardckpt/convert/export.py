@@ -34,7 +34,9 @@ not knowable from the files, and both are written.
 number of shards is the fewest the limit allows (tensors kept in source order, never split), and the shards
 are balanced: a tensor goes to the shard its middle byte falls in when the bytes are cut into that many
 equal parts (``plan_shards``). A tensor larger than the limit gets a shard of its own. Every file's
-``__metadata__`` is ``{"format": "pt", "source": <src as given>, "source_id": <see Resume>}``.
+``__metadata__`` is ``{"format": "pt", "source": <src as given>, "source_id": <see Resume>, "export_id": ...}``;
+``export_id`` (also in the index's ``metadata``) names this export's plan and source, so that a reader refuses
+a file of another export beside the index (``formats.safetensors``: two exports to one object-store path).
 
 **Streaming.** A file's header is computed from shapes and dtypes before any data is read (JSON, padded with
 spaces to a multiple of 8 bytes, as safetensors writes it); then the 8-byte header length, the header, and
@@ -82,7 +84,7 @@ import torch
 
 from shardckpt.checkpoint.load_any import wanted_keys
 from shardckpt.convert import safetensors_files
-from shardckpt.convert.export_commit import PlannedFile, commit_local, index_bytes, write_remote
+from shardckpt.convert.export_commit import PlannedFile, commit_local, export_id, index_bytes, write_remote
 from shardckpt.convert.memory import buffer_budget
 from shardckpt.convert.rename import Renames
 from shardckpt.convert.safetensors_files import SHARD_FILE, SINGLE_FILE, existing_export, header_bytes
@@ -91,7 +93,7 @@ from shardckpt.errors import CheckpointExistsError, IncompatibleCheckpointError,
 from shardckpt.format.tree import TensorRef, leaves, path_name
 from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.detect import open_reader
-from shardckpt.formats.safetensors import DTYPE_NAMES, INDEX_NAME, METADATA_KEY
+from shardckpt.formats.safetensors import DTYPE_NAMES, EXPORT_ID_KEY, INDEX_NAME, METADATA_KEY
 from shardckpt.io import LocalStorage, open_storage
 from shardckpt.state_dict.logical import LogicalView, logical_view
 
@@ -173,8 +175,9 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     identity = source_identity(base)
     if identity is not None:
         metadata["source_id"] = identity
-    files = [PlannedFile(name, header_bytes(members, metadata), members)
-             for name, members in ((name, [tensors[i] for i in shard]) for name, shard in zip(names, shards))]
+    planned = [(name, [tensors[i] for i in shard]) for name, shard in zip(names, shards)]
+    metadata[EXPORT_ID_KEY] = export_id([header_bytes(members, metadata) for _, members in planned], identity)
+    files = [PlannedFile(name, header_bytes(members, metadata), members) for name, members in planned]
     total = sum(t.nbytes for t in tensors)
     storage = open_storage(dst, dst_storage_options)
     old = existing_export(storage)
@@ -193,7 +196,7 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     def write(storage, path: str, f: PlannedFile):
         return safetensors_files.write_file(storage, path, f.header, f.members, reader, buffers, tick)
 
-    args = (storage, files, index_bytes(files, total), old, overwrite, identity is not None, write,
+    args = (storage, files, index_bytes(files, total, metadata[EXPORT_ID_KEY]), old, overwrite, identity is not None, write,
             lambda f: tick(f.nbytes))
     kept = commit_local(*args, uuid.uuid4().hex[:12]) if isinstance(storage, LocalStorage) else write_remote(*args)
     return ExportReport(tuple(names), len(tensors), total, "keep" if cast is None else _dtype_name(cast), tied, kept)

@@ -18,12 +18,17 @@ the header holds the source's identity), holding it exclusively, and writes only
 an older version left under their final names without an index are adopted the same way.
 
 **Object stores** have no rename and no locks: each file is written at its name (an object appears only
-once its upload completes), the old export's files removed before, the index last.
+once its upload completes), the old export's files removed before, the index last and exclusively (the old
+one is gone: one there is another export's). A second export at the same path is seen before each file and
+around the commit (an index appeared, a file is no longer ours): the export then stops, removing only what
+is still its own. Its files carry an ``export_id`` that the index names, so that a reader refuses a mix of
+two exports' files that a race left (``formats.safetensors``), never reading it as one export.
 """
 from __future__ import annotations
 
+import hashlib
 import json
-import os
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -31,7 +36,7 @@ from shardckpt.checkpoint.gc import EXPORT_TEMP
 from shardckpt.convert import safetensors_files
 from shardckpt.convert.safetensors_files import SINGLE_FILE, is_written
 from shardckpt.errors import CheckpointError, CheckpointExistsError
-from shardckpt.formats.safetensors import INDEX_NAME
+from shardckpt.formats.safetensors import EXPORT_ID_KEY, INDEX_NAME
 from shardckpt.io import LocalStorage, Storage
 
 
@@ -49,11 +54,18 @@ class PlannedFile:
 Write = Callable[[Storage, str, PlannedFile], Any]  # writes the file at a path; local: returns its held writer
 
 
-def index_bytes(files: Sequence[PlannedFile], total: int) -> bytes | None:
+def export_id(headers: Sequence[bytes], identity: str | None) -> str:
+    """What names one export: its files' headers (names, dtypes, shapes, the source and its identity), so that
+    a rerun of the same export has it (and resumes); random where the source has no identity."""
+    digest = hashlib.sha256(b"".join(headers) + (identity or uuid.uuid4().hex).encode())
+    return digest.hexdigest()[:16]
+
+
+def index_bytes(files: Sequence[PlannedFile], total: int, ident: str) -> bytes | None:
     """The ``model.safetensors.index.json`` of a sharded export (None for one file)."""
     if len(files) == 1:
         return None
-    index = {"metadata": {"total_size": total},
+    index = {"metadata": {"total_size": total, EXPORT_ID_KEY: ident},
              "weight_map": {t.name: f.name for f in files for t in f.members}}
     return (json.dumps(index, indent=2) + "\n").encode()
 
@@ -137,9 +149,7 @@ class _Stage:
         try:
             old = safetensors_files.existing_export(self.storage)
             if not overwrite and (INDEX_NAME in old or SINGLE_FILE in old):
-                raise CheckpointExistsError(f"{self.storage.url(old[0])}: another export was committed at "
-                                            f"{self.storage.root} meanwhile; pass overwrite=True (--overwrite) to "
-                                            "replace it")
+                raise _committed_meanwhile(self.storage)
             last = INDEX_NAME if INDEX_NAME in self.ready else SINGLE_FILE
             ours = {path for path, _ in self.ready.values()}
             # The old index first (existing_export's order); one file replaces its old self atomically.
@@ -207,18 +217,65 @@ def write_remote(storage: Storage, files: Sequence[PlannedFile], index: bytes | 
         raise unfinished_error(storage, old)
     for name in sorted((n for n in old if n not in names or n == INDEX_NAME), key=lambda n: n != INDEX_NAME):
         safetensors_files.remove(storage, name)
-    written: list[str] = []
+    written: list[PlannedFile] = []
     try:
         for f in files:
             if f.name in finished:
                 skip(f)
                 continue
-            written.append(f.name)
+            _no_other_commit(storage, names)
+            written.append(f)
             write(storage, f.name, f)
         if index is not None:
-            storage.put_atomic(INDEX_NAME, index)
+            _no_other_commit(storage, names)
+            _all_ours(storage, files, "nothing committed")
+            try:  # exclusive: the old index is gone, so one there now is another export's
+                storage.put_atomic(INDEX_NAME, index, exclusive=True)
+            except FileExistsError:
+                raise _committed_meanwhile(storage) from None
+            _all_ours(storage, files, "its readers refuse the mix (export again)")
     except BaseException:
-        for name in written:
-            safetensors_files.remove(storage, name)
+        for f in written:  # what is still ours: a file at that name may be another export's now
+            if _still_ours(storage, f):
+                safetensors_files.remove(storage, f.name)
+        if index is not None and _index_is(storage, index):
+            safetensors_files.remove(storage, INDEX_NAME)
         raise
     return tuple(n for n in names if n in finished)
+
+
+def _all_ours(storage: Storage, files: Sequence[PlannedFile], what: str) -> None:
+    """Every file is the one this export wrote: on an object store (no locks) a second export at the same path
+    may have written over one."""
+    for f in files:
+        if not is_written(storage, f.name, f.header, f.members):
+            raise CheckpointExistsError(f"{storage.url(f.name)}: another export wrote it meanwhile; {what}")
+
+
+def _index_is(storage: Storage, index: bytes) -> bool:
+    try:
+        return storage.read_bytes(INDEX_NAME) == index
+    except CheckpointError:
+        return False
+
+
+def _still_ours(storage: Storage, f: PlannedFile) -> bool:
+    """Whether file ``f.name`` begins as ours (whole, or cut short by the failure) does."""
+    try:
+        head = bytearray(min(len(f.header), storage.file_size(f.name)))
+        storage.read_into(f.name, 0, memoryview(head))
+    except CheckpointError:  # not there (an upload aborted), or unreadable: nothing of ours to remove
+        return False
+    return f.header.startswith(bytes(head))
+
+
+def _committed_meanwhile(storage: Storage) -> CheckpointExistsError:
+    return CheckpointExistsError(f"{storage.url(INDEX_NAME)}: another export was committed at {storage.root} "
+                                 "meanwhile; pass overwrite=True (--overwrite) to replace it")
+
+
+def _no_other_commit(storage: Storage, names: list[str]) -> None:
+    """This export removed the old index (and a single file it does not write) first: one there now is another
+    export's, committed meanwhile, and writing on would spoil it."""
+    if storage.exists(INDEX_NAME) or (SINGLE_FILE not in names and storage.exists(SINGLE_FILE)):
+        raise _committed_meanwhile(storage)

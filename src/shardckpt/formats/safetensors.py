@@ -64,6 +64,7 @@ METADATA_KEY = "__metadata__"
 MAX_HEADER_SIZE = 100_000_000  # bytes; the reference implementation's limit
 MAX_INDEX_SIZE = 100_000_000  # bytes of model.safetensors.index.json
 READ_PIECE = 64 << 20  # bytes per ranged read at most (a longer run is split, so that threads share it)
+EXPORT_ID_KEY = "export_id"  # in the index's metadata and each file's __metadata__: one export's files
 # A shard's name, as huggingface_hub writes it (model-00001-of-00004.safetensors), and anything after it (an
 # export's temporary name).
 SHARD_NAME = re.compile(r"(?P<prefix>.+)-(?P<index>[0-9]+)-of-(?P<count>[0-9]+)\.safetensors(?P<rest>.*)", re.S)
@@ -324,8 +325,10 @@ class SafetensorsReader:
         a shard of a sharded checkpoint: ``refuse_lone_shard``)."""
         if storage.exists(INDEX_NAME):
             weight_map, index_metadata = read_index(storage, INDEX_NAME)
-            return cls(storage, list(dict.fromkeys(weight_map.values())), weight_map=weight_map,
-                       index_metadata=index_metadata, where=storage.url(INDEX_NAME), io_threads=io_threads)
+            reader = cls(storage, list(dict.fromkeys(weight_map.values())), weight_map=weight_map,
+                         index_metadata=index_metadata, where=storage.url(INDEX_NAME), io_threads=io_threads)
+            _refuse_other_exports(reader)
+            return reader
         found = [n for n in storage.list_files() if n.endswith(SUFFIX)]
         for name in found:
             refuse_lone_shard(storage, name)
@@ -425,6 +428,20 @@ def refuse_lone_shard(storage: Storage, name: str) -> None:
     if name not in weight_map.values():
         raise CorruptCheckpointError(f"{shard}, which its index {storage.url(index)} does not name: left from "
                                      "another export? Read the directory, as its index describes it")
+
+
+def _refuse_other_exports(reader: SafetensorsReader) -> None:
+    """An index that names its export (``EXPORT_ID_KEY``, as shardckpt's export writes) must find that export's
+    files: a file another export wrote (two exports to one object-store path at once) is refused by name."""
+    ident = reader.index_metadata.get(EXPORT_ID_KEY) if isinstance(reader.index_metadata, dict) else None
+    if ident is None:
+        return
+    for file, metadata in reader.metadata.items():
+        if metadata.get(EXPORT_ID_KEY) != ident:
+            raise CorruptCheckpointError(f"{reader.storage.url(file)}: written by another export "
+                                         f"({metadata.get(EXPORT_ID_KEY)!r}) than its index {reader.where} "
+                                         f"({ident!r}): two exports wrote here at once, or one was interrupted "
+                                         "while replacing the other. Export again")
 
 
 def open_safetensors(path: str | os.PathLike, storage_options: dict | None = None, *,
