@@ -445,17 +445,18 @@ def test_a_killed_export_resumes_rewriting_only_its_unfinished_files(tmp_path, m
                 f.write(open(tmp_path / "whole" / name, "rb").read())
     else:
         _killed_after(2, tmp_path / "src", dst, **options)
-        # The finished files are under temporary names: nothing there has an export's name yet.
-        assert [n.split(".export-tmp-")[0] for n in sorted(os.listdir(dst))] == [
+        # The finished files are in the killed export's directory: nothing there has an export's name yet.
+        [staging] = os.listdir(dst)
+        assert staging.startswith(".export-tmp-") and sorted(os.listdir(os.path.join(dst, staging))) == [
             "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"]
         with pytest.raises(shardckpt.CheckpointNotFoundError):
             open_reader(dst)
     import shardckpt.convert.safetensors_files as module
     real, wrote = module.write_file, []
-    monkeypatch.setattr(module, "write_file", lambda storage, path, *a: (wrote.append(path), real(storage, path, *a))[1])
+    monkeypatch.setattr(module, "write_file", lambda storage, path, *a: (wrote.append(path), real(storage, path, *a)))
     report = export(tmp_path / "src", dst, **options)
     assert report.kept == ("model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors")
-    assert [p.split(".export-tmp-")[0] for p in wrote] == ["model-00003-of-00003.safetensors"]
+    assert [p.rsplit("/", 1)[-1] for p in wrote] == ["model-00003-of-00003.safetensors"]
     if where == "local":
         assert sorted(os.listdir(dst)) == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
                                            "model-00003-of-00003.safetensors", INDEX_NAME]  # no temporary left
@@ -498,7 +499,8 @@ def test_an_unfinished_export_of_a_foreign_source_is_not_resumed(tmp_path):
     from safetensors.torch import save_file
     save_file(_big_state()["model"], str(tmp_path / "src.safetensors"))
     _killed_after(1, tmp_path / "src.safetensors", tmp_path / "dst", max_shard_size=40_000)
-    assert len(os.listdir(tmp_path / "dst")) == 1  # its first file, under its temporary name
+    [staging] = os.listdir(tmp_path / "dst")  # its first file, in its directory
+    assert os.listdir(tmp_path / "dst" / staging) == ["model-00001-of-00003.safetensors"]
     report = export(tmp_path / "src.safetensors", tmp_path / "dst", max_shard_size=40_000)
     assert report.kept == () and len(report.files) == 3
     assert sorted(os.listdir(tmp_path / "dst")) == sorted(list(report.files) + [INDEX_NAME])
@@ -513,9 +515,8 @@ def test_a_killed_sharded_export_is_refused_by_every_verb(tmp_path, capsys, fini
     dst = tmp_path / "dst"
     _killed_after(finished, tmp_path / "src", dst, max_shard_size=17_000, dtype="bf16")
     legacy = tmp_path / "legacy"
-    legacy.mkdir()
-    for name in sorted(os.listdir(dst)):
-        shutil.copy(dst / name, legacy / name.split(".export-tmp-")[0])
+    [staging] = os.listdir(dst)
+    shutil.copytree(dst / staging, legacy)  # the same files under their final names
     for where in (dst, legacy, legacy / "model-00001-of-00003.safetensors"):
         with pytest.raises(shardckpt.CheckpointError):
             shardckpt.load_full(where)

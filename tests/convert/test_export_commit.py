@@ -180,3 +180,15 @@ def test_on_an_object_store_of_two_racing_exports_one_commits_whole(tmp_path, mo
         export(tmp_path / "a", dst, **OPTIONS)
     assert second == ["committed" if overwrite else "refused"]
     assert verify_export(dst, against=tmp_path / ("b" if overwrite else "a")).ok
+
+
+def test_gc_removes_a_killed_exports_directory_and_the_rerun_starts_over(tmp_path):
+    from tests.convert._kill import killed_after
+
+    _source(tmp_path / "a", 1)
+    dst = tmp_path / "dst"
+    killed_after(2, safetensors_files, "write_file", lambda: export(tmp_path / "a", dst, **OPTIONS))
+    [staging] = os.listdir(dst)
+    assert gc(dst) == [staging]  # nobody holds it any more
+    assert export(tmp_path / "a", dst, **OPTIONS).kept == ()
+    _holds(dst, tmp_path / "a")

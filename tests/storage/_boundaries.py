@@ -126,7 +126,7 @@ def _put_commits(self, path, *a, **k) -> str | None:
 def _rename_commits(storage, old, new) -> str | None:
     if new not in (INDEX, SINGLE):
         return None
-    return "old" if ".export-old-" in old else _spec.role
+    return "old" if old.endswith(".old") else _spec.role  # an export moving the old index back
 
 
 def _close_commits(self) -> str | None:
@@ -344,6 +344,9 @@ class SecondWriter:
 
 def _serve(address: str, ready) -> None:
     global _blocked
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: ends with the test process
     import torch
 
     torch.set_num_threads(1)

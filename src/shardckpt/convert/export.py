@@ -47,18 +47,18 @@ when it verifies (``verify=True``, the default), reads and checks a whole DCP ch
 tensor) for every slice of it, so memory then holds one chunk and a chunk larger than a slice is read once
 per slice; ``verify=False`` reads DCP's raw chunks by the slice, unchecked.
 
-**Commit** (``export_commit``). On local disk every file, the index too, is written under a temporary name
-and held until it has its final name; only once the last one is whole are they renamed into place, under a
-lock on the directory, the old export's files moved aside first and removed last, the index (or the one
-file) renamed last. A directory of shards without their index is refused by every reader, so a killed export
-is never taken for a whole one; a failure renames everything back (the old export stays whole). On object
-stores each file is written at its name (an object appears only when its upload completes), the old files
-removed before, the index last. An export already at ``dst`` (``model.safetensors``, the index) raises
-``CheckpointExistsError`` unless ``overwrite``, as does one committed there by another export meanwhile.
-A failure removes what this export wrote.
+**Commit** (``export_commit``). On local disk every file, the index too, is written in a directory of the
+export's own (``.export-tmp-<token>/``, held until it ends); only once the last one is whole are they renamed
+into place, under a lock on the destination, the old export's files moved aside first and removed last, the
+index (or the one file) renamed last. A directory of shards without their index is refused by every reader,
+so a killed export is never taken for a whole one; a failure renames everything back (the old export stays
+whole). On object stores each file is written at its name (an object appears only when its upload
+completes), the old files removed before, the index last. An export already at ``dst`` (``model.safetensors``,
+the index) raises ``CheckpointExistsError`` unless ``overwrite``, as does one committed there by another
+export meanwhile. A failure removes what this export wrote.
 
-**Resume.** A killed export leaves its finished files (under temporary names on local disk). Run again with
-the same source and options, it keeps every file whose size and header are exactly what it would write, and
+**Resume.** A killed export leaves its finished files (in its directory on local disk). Run again with the
+same source and options, it keeps every file whose size and header are exactly what it would write, and
 writes the rest: the header records the source's identity (``__metadata__.source_id``: a shardckpt
 checkpoint's generation, new at every save), so a source saved again since is never mixed in. Sources of
 other formats have no such identity: their unfinished exports are not resumed. What a killed export left

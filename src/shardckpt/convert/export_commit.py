@@ -2,20 +2,21 @@
 an export for a whole one, and a failed export never leaves its destination without the old export and
 without the new one (issue 34, items 1 and 4). ``export`` plans the files; this module puts them in place.
 
-**Local disk.** Every file, the index too, is written under a temporary name ``<name>.export-tmp-<token>``
-and held (the ``flock`` of its open writer) until it has its final name, so that ``gc`` and another export's
-cleanup leave it alone (``checkpoint.gc``). No file gets its final name before the last one is whole. Then,
-under an exclusive lock on the directory (one export commits there at a time, so two never mix), the old
-export's files are moved aside (``<name>.export-old-<token>``, held too), the new ones renamed into place,
-the index (or the one file) last, and the old ones removed. The old index goes first: a directory of shards
-without their index is refused by every reader (``formats.safetensors.refuse_lone_shard``). A failure on the
-way renames everything back, so the old export is whole again; a kill inside those few renames leaves no
-index, which no reader takes for an export, and the rerun finishes it.
+**Local disk.** Every file, the index too, is written in this export's own directory
+``.export-tmp-<token>/``, which it holds (an exclusive ``flock``) until it ends, so that ``gc`` and another
+export's cleanup leave it and its files alone (``checkpoint.gc``). No file gets its final name before the
+last one is whole. Then, under an exclusive lock on the destination (one export commits there at a time, so
+two never mix), the old export's files are moved aside into that directory, the new ones renamed into place,
+the index (or the one file) last, and the directory removed with the old files. The old index goes first: a
+directory of shards without their index is refused by every reader
+(``formats.safetensors.refuse_lone_shard``). A failure on the way moves everything back, so the old export
+is whole again; a kill inside those few renames leaves no index, which no reader takes for an export, and
+the rerun finishes it.
 
-**Resume.** A killed export's temporary files are held by nobody: a rerun of the same source and plan adopts
-each one that is exactly the file it would write (its size and header, ``safetensors_files.is_written``;
-the header holds the source's identity), holding it exclusively, and writes only the others. Files that
-an older version left under their final names without an index are adopted the same way.
+**Resume.** A killed export's directory is held by nobody: a rerun of the same source and plan holds it, takes
+each file in it that is exactly the file it would write (its size and header,
+``safetensors_files.is_written``; the header holds the source's identity), and writes only the others.
+Files that an older version left under their final names without an index are kept the same way.
 
 **Object stores** have no rename and no locks: each file is written at its name (an object appears only
 once its upload completes), the old export's files removed before, the index last and exclusively (the old
@@ -32,7 +33,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from shardckpt.checkpoint.gc import EXPORT_TEMP
+from shardckpt.checkpoint.gc import EXPORT_STAGING, EXPORT_TEMP
 from shardckpt.convert import safetensors_files
 from shardckpt.convert.safetensors_files import SINGLE_FILE, is_written
 from shardckpt.errors import CheckpointError, CheckpointExistsError
@@ -51,7 +52,7 @@ class PlannedFile:
         return sum(t.nbytes for t in self.members)
 
 
-Write = Callable[[Storage, str, PlannedFile], Any]  # writes the file at a path; local: returns its held writer
+Write = Callable[[Storage, str, PlannedFile], None]  # writes the file whole at a path
 
 
 def export_id(headers: Sequence[bytes], identity: str | None) -> str:
@@ -85,85 +86,86 @@ def commit_local(storage: LocalStorage, files: Sequence[PlannedFile], index: byt
     stage = _Stage(storage, token)
     try:
         if resumable:
-            listing = storage.list_files()
-            committed = INDEX_NAME in old or SINGLE_FILE in old
-            for f in files:
-                if stage.adopt(f, listing, finals_too=not committed):
-                    skip(f)
+            for f in stage.adopt(files, finals_too=INDEX_NAME not in old and SINGLE_FILE not in old):
+                skip(f)
         if old and not overwrite and not stage.kept:
             raise unfinished_error(storage, old)
         for f in files:
             if f.name not in stage.ready:
-                path = stage.temp(f.name)
-                stage.ready[f.name] = (path, write(storage, path, f))
+                write(storage, stage.path(f.name), f)
+                stage.ready[f.name] = stage.path(f.name)
         if index is not None:
-            path = stage.temp(INDEX_NAME)
-            writer = storage.open_writer(path)
-            stage.ready[INDEX_NAME] = (path, writer)
-            writer.write(memoryview(index))
-            writer.sync()
+            storage.put_atomic(stage.path(INDEX_NAME), index)
+            stage.ready[INDEX_NAME] = stage.path(INDEX_NAME)
         stage.commit([f.name for f in files], overwrite)
-    except BaseException:
-        stage.abandon()
-        raise
-    for name in storage.list_files():  # what killed exports left: files nobody holds any more
-        if EXPORT_TEMP.match(name):
+    finally:
+        stage.close()
+    for name in storage.list_dirs() + storage.list_files():  # what killed exports left, nobody's any more
+        if EXPORT_STAGING.match(name) or EXPORT_TEMP.match(name):
             storage.remove_abandoned(name, 0.0)
     return tuple(stage.kept)
 
 
 class _Stage:
-    """This export's files at local ``storage``: final name -> (the path it has now, what holds it)."""
+    """This export's directory ``.export-tmp-<token>/`` at local ``storage``, held exclusively while it lives
+    (gc and other exports leave it alone; its files need no lock of their own), and the export's files: final
+    name -> the path it has now."""
 
     def __init__(self, storage: LocalStorage, token: str):
-        self.storage, self.token = storage, token
-        self.ready: dict[str, tuple[str, Any]] = {}
+        self.storage, self.dir = storage, f".export-tmp-{token}"
+        # Waiting: another export may hold it for a moment, taking it for a killed one's (and remove it).
+        self.hold = storage.hold_dir(self.dir, exclusive=True, wait=True)
+        self.ready: dict[str, str] = {}
         self.kept: list[str] = []
 
-    def temp(self, name: str) -> str:
-        self.ready[name] = (f"{name}.export-tmp-{self.token}", None)  # so that a failure removes it
-        return self.ready[name][0]
+    def path(self, name: str) -> str:
+        return f"{self.dir}/{name}"
 
-    def adopt(self, f: PlannedFile, listing: list[str], finals_too: bool) -> bool:
-        """Hold, as this export's, a file nobody holds that is exactly ``f`` (a killed run's)."""
-        candidates = [n for n in listing if n.startswith(f"{f.name}.export-") and EXPORT_TEMP.match(n)]
-        for path in candidates + ([f.name] if finals_too and f.name in listing else []):
-            hold = self.storage.hold_file(path)
-            if hold is None:
-                continue  # a live export's, or gone
+    def adopt(self, files: Sequence[PlannedFile], finals_too: bool) -> list[PlannedFile]:
+        """Take, as this export's, the files a killed run left that are exactly ones of ``files``: from its
+        directory (held meanwhile, then removed), or (an older version's kill) under their final names.
+        Returns those taken."""
+        taken = []
+        for d in [n for n in self.storage.list_dirs() if EXPORT_STAGING.match(n) and n != self.dir]:
             try:
-                same = is_written(self.storage, path, f.header, f.members)
+                hold = self.storage.hold_dir(d, exclusive=True)
             except CheckpointError:
-                same = False
-            if same:
-                self.ready[f.name] = (path, hold)
-                self.kept.append(f.name)
-                return True
-            hold.release()
-        return False
+                continue  # a live export's
+            try:
+                for f in files:
+                    if f.name not in self.ready and self._same(f"{d}/{f.name}", f):
+                        safetensors_files.rename(self.storage, f"{d}/{f.name}", self.path(f.name))
+                        self.ready[f.name] = self.path(f.name)
+                        taken.append(f)
+                self.storage.remove_dir(d)
+            finally:
+                hold.release()
+        for f in files:
+            if finals_too and f.name not in self.ready and self._same(f.name, f):
+                self.ready[f.name] = f.name  # in place: no reader takes it for an export without its index
+                taken.append(f)
+        self.kept = [f.name for f in files if f in taken]
+        return taken
+
+    def _same(self, path: str, f: PlannedFile) -> bool:
+        try:
+            return self.storage.exists(path) and is_written(self.storage, path, f.header, f.members)
+        except CheckpointError:
+            return False
 
     def commit(self, names: list[str], overwrite: bool) -> None:
-        """Under the directory's lock: the old export aside, the new files in place (index last), the old
-        removed; everything renamed back if a step fails."""
+        """Under the directory's lock: the old export moved aside into this export's directory, the new files
+        in place (the index, or the one file, last); everything moved back if a step fails."""
         lock = self.storage.hold_dir("", exclusive=True, wait=True)
         try:
             old = safetensors_files.existing_export(self.storage)
             if not overwrite and (INDEX_NAME in old or SINGLE_FILE in old):
                 raise _committed_meanwhile(self.storage)
             last = INDEX_NAME if INDEX_NAME in self.ready else SINGLE_FILE
-            ours = {path for path, _ in self.ready.values()}
+            ours = set(self.ready.values())
             # The old index first (existing_export's order); one file replaces its old self atomically.
-            aside = [n for n in old if n not in ours and not (n == SINGLE_FILE == last)]
-            moves = [(n, f"{n}.export-old-{self.token}") for n in aside]
-            moves += [(self.ready[n][0], n) for n in names + [INDEX_NAME] * (last == INDEX_NAME)
-                      if self.ready[n][0] != n]
-            self._rename(moves, aside)
-        finally:
-            lock.release()
-
-    def _rename(self, moves: list[tuple[str, str]], aside: list[str]) -> None:
-        holds = [h for n in aside if (h := self.storage.hold_file(n, exclusive=False)) is not None]
-        try:
+            moves = [(n, self.path(f"{n}.old")) for n in old if n not in ours and not (n == SINGLE_FILE == last)]
+            moves += [(self.ready[n], n) for n in names + [INDEX_NAME] * (last == INDEX_NAME) if self.ready[n] != n]
             done: list[tuple[str, str]] = []
             try:
                 for src, dst in moves:
@@ -175,34 +177,17 @@ class _Stage:
                         safetensors_files.rename(self.storage, dst, src)
                     except OSError:
                         pass
-                self.storage.sync_dir("")
                 raise
-            self.storage.sync_dir("")  # committed: nothing after this is undone
-            for n in aside:
-                safetensors_files.remove(self.storage, f"{n}.export-old-{self.token}")
+            finally:
+                self.storage.sync_dir("")
         finally:
-            for h in holds:
-                h.release()
-        for _, hold in self.ready.values():
-            _let_go(hold)
-        self.ready.clear()
+            lock.release()
 
-    def abandon(self) -> None:
-        """A failure: this export's own temporary files removed, adopted ones let go (a rerun may adopt them)."""
-        for path, hold in self.ready.values():
-            _let_go(hold)
-            if path.endswith(f".export-tmp-{self.token}"):
-                safetensors_files.remove(self.storage, path)
-        self.ready.clear()
-
-
-def _let_go(hold: Any) -> None:
-    if hold is None:
-        return
-    if hasattr(hold, "release"):
-        hold.release()
-    else:
-        hold.close()
+    def close(self) -> None:
+        """This export's directory removed: what is left there, the old export's files after a commit, the new
+        ones after a failure."""
+        self.storage.remove_dir(self.dir)
+        self.hold.release()
 
 
 def write_remote(storage: Storage, files: Sequence[PlannedFile], index: bytes | None, old: list[str],

@@ -60,10 +60,8 @@ class Buffers:
 
 
 def write_file(storage: Storage, path: str, header: bytes, tensors: Sequence, reader: CheckpointReader,
-               buffers: Buffers, tick: Callable[[int], None]) -> FileWriter | None:
-    """Write file ``path`` whole. On local disk it is made durable and returned open: its writer holds it (a
-    collector leaves it alone) until the caller closes it, once it has its final name. Elsewhere it is closed
-    (the upload completes) and None returned."""
+               buffers: Buffers, tick: Callable[[int], None]) -> None:
+    """Write file ``path`` whole and close it (durable on local disk; the upload completes elsewhere)."""
     writer = storage.open_writer(path)
     try:
         writer.write(memoryview(header))
@@ -80,11 +78,7 @@ def write_file(storage: Storage, path: str, header: bytes, tensors: Sequence, re
     except BaseException:
         abandon(writer)
         raise
-    if isinstance(storage, LocalStorage):
-        writer.sync()
-        return writer
     writer.close()
-    return None
 
 
 def abandon(writer: FileWriter) -> None:

@@ -60,10 +60,6 @@ class _LocalWriter:
         while done < len(data):
             done += os.pwrite(self._fd, data[done:done + MAX_IO], offset + done)
 
-    def sync(self) -> None:
-        """Make what was written durable, keeping the file open and held (``close`` lets it go)."""
-        os.fsync(self._fd)
-
     def close(self) -> None:
         try:
             os.fsync(self._fd)
@@ -87,9 +83,7 @@ def _hold(fd: int) -> None:
         pass
 
 
-class _Hold:
-    """An open descriptor whose flock marks a directory or file as a live process's; ``release`` drops it."""
-
+class _DirHold:
     def __init__(self, fd: int):
         self._fd: int | None = fd
 
@@ -195,7 +189,7 @@ class LocalStorage:
         try:
             writer = _LocalWriter(tmp)
             writer.write(memoryview(data))
-            writer.sync()
+            os.fsync(writer._fd)
             # Closed (its hold released) only once it has its final name: never debris while live.
             if exclusive:
                 os.link(tmp, self.url(path))
@@ -215,7 +209,7 @@ class LocalStorage:
     def list_dirs(self, path: str = "") -> list[str]:
         return self._names(path, lambda e: e.is_dir(follow_symlinks=False))
 
-    def hold_dir(self, path: str, exclusive: bool = False, wait: bool = False) -> _Hold:
+    def hold_dir(self, path: str, exclusive: bool = False, wait: bool = False) -> _DirHold:
         """See the protocol; ``wait`` (local only): an exclusive hold waits for the other holders to let go
         instead of raising (for short critical sections, such as an export's renames)."""
         url = self.url(path)
@@ -231,29 +225,10 @@ class LocalStorage:
                 os.close(fd)
                 raise CheckpointError(f"{url}: another live process is writing this directory") from None
             except OSError:  # no locks here (some network file systems): remove_abandoned removes nothing
-                return _Hold(fd)
+                return _DirHold(fd)
             if _still_named(url, fd):
-                return _Hold(fd)
+                return _DirHold(fd)
             os.close(fd)  # removed as abandoned between our mkdir and our lock: make it again
-
-    def hold_file(self, path: str, exclusive: bool = True) -> _Hold | None:
-        """Hold the existing file ``path`` as a live writer's (``remove_abandoned`` leaves it alone) if no live
-        process holds it (exclusive) or holds it exclusively (shared); None when one does, when it is gone, or
-        where locks are unsupported. Not waiting."""
-        url = self.url(path)
-        try:
-            fd = os.open(url, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return None
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return None
-        if not _still_named(url, fd):  # removed or replaced between our open and our lock
-            os.close(fd)
-            return None
-        return _Hold(fd)
 
     def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False,
                          unused: Callable[[], bool] = lambda: True) -> bool:
