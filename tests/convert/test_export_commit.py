@@ -192,3 +192,16 @@ def test_gc_removes_a_killed_exports_directory_and_the_rerun_starts_over(tmp_pat
     assert gc(dst) == [staging]  # nobody holds it any more
     assert export(tmp_path / "a", dst, **OPTIONS).kept == ()
     _holds(dst, tmp_path / "a")
+
+
+def test_two_exports_of_one_foreign_source_are_diff_equal(tmp_path):
+    """The export_id is a digest of the headers, not random: exporting a safetensors file twice gives two exports
+    that diff calls equal (their __metadata__ included)."""
+    from safetensors.torch import save_file
+
+    from shardckpt.convert.diff import diff
+
+    save_file({"a": torch.ones(300), "b": torch.zeros(300)}, str(tmp_path / "src.safetensors"))
+    for name in ("e1", "e2"):
+        export(tmp_path / "src.safetensors", tmp_path / name, max_shard_size=1300)
+    assert diff(tmp_path / "e1", tmp_path / "e2").equal

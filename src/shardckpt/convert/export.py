@@ -176,7 +176,7 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     if identity is not None:
         metadata["source_id"] = identity
     planned = [(name, [tensors[i] for i in shard]) for name, shard in zip(names, shards)]
-    metadata[EXPORT_ID_KEY] = export_id([header_bytes(members, metadata) for _, members in planned], identity)
+    metadata[EXPORT_ID_KEY] = export_id([header_bytes(members, metadata) for _, members in planned])
     files = [PlannedFile(name, header_bytes(members, metadata), members) for name, members in planned]
     total = sum(t.nbytes for t in tensors)
     storage = open_storage(dst, dst_storage_options)

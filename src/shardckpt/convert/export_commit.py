@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -55,11 +54,11 @@ class PlannedFile:
 Write = Callable[[Storage, str, PlannedFile], None]  # writes the file whole at a path
 
 
-def export_id(headers: Sequence[bytes], identity: str | None) -> str:
-    """What names one export: its files' headers (names, dtypes, shapes, the source and its identity), so that
-    a rerun of the same export has it (and resumes); random where the source has no identity."""
-    digest = hashlib.sha256(b"".join(headers) + (identity or uuid.uuid4().hex).encode())
-    return digest.hexdigest()[:16]
+def export_id(headers: Sequence[bytes]) -> str:
+    """What names one export: a digest of its files' headers (names, dtypes, shapes, the source's path and
+    identity), so that a rerun of the same export has it (and resumes), and two exports of one source are
+    ``diff``-equal."""
+    return hashlib.sha256(b"".join(headers)).hexdigest()[:16]
 
 
 def index_bytes(files: Sequence[PlannedFile], total: int, ident: str) -> bytes | None:
