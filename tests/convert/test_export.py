@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import uuid
 
@@ -328,7 +329,7 @@ def test_export_to_an_fsspec_memory_filesystem_writes_the_index_last(tmp_path, m
     order: list[str] = []
     real_writer, real_put = FsspecStorage.open_writer, FsspecStorage.put_atomic
     monkeypatch.setattr(FsspecStorage, "open_writer", lambda self, p: order.append(p) or real_writer(self, p))
-    monkeypatch.setattr(FsspecStorage, "put_atomic", lambda self, p, d: order.append(p) or real_put(self, p, d))
+    monkeypatch.setattr(FsspecStorage, "put_atomic", lambda self, p, d, **k: order.append(p) or real_put(self, p, d, **k))
     report = export(tmp_path / "src", url, max_shard_size=100, dtype="float16")
     assert order == list(report.files) + [INDEX_NAME] and len(report.files) > 1
     fs = fsspec.filesystem("memory")
@@ -444,14 +445,18 @@ def test_a_killed_export_resumes_rewriting_only_its_unfinished_files(tmp_path, m
                 f.write(open(tmp_path / "whole" / name, "rb").read())
     else:
         _killed_after(2, tmp_path / "src", dst, **options)
-        assert sorted(n for n in os.listdir(dst) if not n.startswith("model-00003")) == [
+        # The finished files are in the killed export's directory: nothing there has an export's name yet.
+        [staging] = os.listdir(dst)
+        assert staging.startswith(".export-tmp-") and sorted(os.listdir(os.path.join(dst, staging))) == [
             "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"]
+        with pytest.raises(shardckpt.CheckpointNotFoundError):
+            open_reader(dst)
     import shardckpt.convert.safetensors_files as module
     real, wrote = module.write_file, []
     monkeypatch.setattr(module, "write_file", lambda storage, path, *a: (wrote.append(path), real(storage, path, *a)))
     report = export(tmp_path / "src", dst, **options)
     assert report.kept == ("model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors")
-    assert [p.split(".export-tmp-")[0] for p in wrote] == ["model-00003-of-00003.safetensors"]
+    assert [p.rsplit("/", 1)[-1] for p in wrote] == ["model-00003-of-00003.safetensors"]
     if where == "local":
         assert sorted(os.listdir(dst)) == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
                                            "model-00003-of-00003.safetensors", INDEX_NAME]  # no temporary left
@@ -464,20 +469,63 @@ def test_an_unfinished_export_of_a_source_saved_again_is_never_mixed_in(tmp_path
     shardckpt.save(_big_state(), src)
     _killed_after(2, src, dst, max_shard_size=40_000)
     shardckpt.save(_big_state(seed=4), src, overwrite=True)  # the same path, new values
-    with pytest.raises(CheckpointExistsError, match="unfinished export of another source or with other options"):
-        export(src, dst, max_shard_size=40_000)
-    with pytest.raises(CheckpointExistsError, match="unfinished export"):  # other options: another plan
-        shardckpt.save(_big_state(), tmp_path / "src2")
-        export(tmp_path / "src2", dst, max_shard_size=40_000, dtype="bf16")
-    report = export(src, dst, max_shard_size=40_000, overwrite=True)
+    report = export(src, dst, max_shard_size=40_000)  # what the killed run left is debris now: nothing kept
     assert report.kept == () and verify_export(dst, against=src).ok
     assert all(torch.equal(v, _big_state(seed=4)["model"][k]) for k, v in _exported(dst).items())
+    assert sorted(os.listdir(dst)) == sorted(list(report.files) + [INDEX_NAME])  # the debris removed
+
+
+def test_an_unfinished_export_left_under_final_names_is_resumed_or_refused(tmp_path):
+    """Files an older version left under their final names without an index (as an export to an object store
+    still does): the same source and plan adopt them; another source raises unless overwrite."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    shardckpt.save(_big_state(), src)
+    options = {"max_shard_size": 17_000, "dtype": "bfloat16"}  # 3 files
+    export(src, tmp_path / "whole", **options)
+    os.makedirs(dst)
+    for name in ("model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"):
+        shutil.copy(tmp_path / "whole" / name, dst / name)
+    with pytest.raises(CorruptCheckpointError, match="index model.safetensors.index.json is missing"):
+        open_reader(dst)
+    with pytest.raises(CheckpointExistsError, match="unfinished export of another source or with other options"):
+        export(src, dst, max_shard_size=17_000, dtype="float16")  # other options: another plan
+    report = export(src, dst, **options)
+    assert report.kept == ("model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors")
+    assert verify_export(dst, against=src).ok
+    assert sorted(os.listdir(dst)) == sorted(list(report.files) + [INDEX_NAME])
 
 
 def test_an_unfinished_export_of_a_foreign_source_is_not_resumed(tmp_path):
     from safetensors.torch import save_file
     save_file(_big_state()["model"], str(tmp_path / "src.safetensors"))
     _killed_after(1, tmp_path / "src.safetensors", tmp_path / "dst", max_shard_size=40_000)
-    with pytest.raises(CheckpointExistsError, match="unfinished export"):
-        export(tmp_path / "src.safetensors", tmp_path / "dst", max_shard_size=40_000)
-    assert export(tmp_path / "src.safetensors", tmp_path / "dst", max_shard_size=40_000, overwrite=True).kept == ()
+    [staging] = os.listdir(tmp_path / "dst")  # its first file, in its directory
+    assert os.listdir(tmp_path / "dst" / staging) == ["model-00001-of-00003.safetensors"]
+    report = export(tmp_path / "src.safetensors", tmp_path / "dst", max_shard_size=40_000)
+    assert report.kept == () and len(report.files) == 3
+    assert sorted(os.listdir(tmp_path / "dst")) == sorted(list(report.files) + [INDEX_NAME])
+
+
+@pytest.mark.parametrize("finished", [1, 2])
+def test_a_killed_sharded_export_is_refused_by_every_verb(tmp_path, capsys, finished):
+    """Killed with ``finished`` of its 3 files whole: no verb reads what it left, in the directory or as its
+    first file (issue 34, item 1: with one file finished, every verb read that file's tensors as the export);
+    nor the same files left under their final names (an older version's kill, or an object store's)."""
+    shardckpt.save(_big_state(), tmp_path / "src")
+    dst = tmp_path / "dst"
+    _killed_after(finished, tmp_path / "src", dst, max_shard_size=17_000, dtype="bf16")
+    legacy = tmp_path / "legacy"
+    [staging] = os.listdir(dst)
+    shutil.copytree(dst / staging, legacy)  # the same files under their final names
+    for where in (dst, legacy, legacy / "model-00001-of-00003.safetensors"):
+        with pytest.raises(shardckpt.CheckpointError):
+            shardckpt.load_full(where)
+        with pytest.raises(shardckpt.CheckpointError):
+            shardckpt.load({"layer0.weight": torch.empty(64, 64)}, where)
+        for argv in (["inspect", str(where)], ["verify", str(where)], ["export", str(where), str(tmp_path / "out")],
+                     ["convert", str(where), str(tmp_path / "conv"), "--world-size", "1"],
+                     ["diff", str(where), str(where)]):
+            assert main(argv + ["--quiet"] * (argv[0] in ("export", "convert", "verify"))) in (1, 2), argv
+            err = capsys.readouterr().err
+            assert "Traceback" not in err and (where == dst or "index model.safetensors.index.json is missing" in err)
+        assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "conv")

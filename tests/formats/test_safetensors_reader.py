@@ -184,6 +184,39 @@ def test_directory_with_several_files_and_no_index_is_refused(tmp_path):
         open_safetensors(tmp_path)
 
 
+def test_a_shard_without_its_index_is_refused_by_name(tmp_path):
+    """Shard i of N > 1 alone is part of a checkpoint: what an export killed before its index leaves. Refused by
+    name as a directory and as the file itself, unless the index beside it names it (issue 34, item 1)."""
+    weight_map = _hf_directory(tmp_path, _model())
+    first = tmp_path / "model-00001-of-00003.safetensors"
+    held = {n for n, f in weight_map.items() if f == first.name}
+    assert sorted(open_safetensors(first).tensors()) == sorted(held)  # the index names it: one shard, as asked
+    (tmp_path / INDEX_NAME).unlink()
+    for name in ("model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"):
+        (tmp_path / name).unlink()
+    for path in (tmp_path, first):
+        with pytest.raises(CorruptCheckpointError, match=r"model-00001-of-00003.safetensors: shard 1 of 3 .*"
+                                                         r"index model.safetensors.index.json is missing.*incomplete"):
+            open_safetensors(path)
+    (tmp_path / INDEX_NAME).write_text(json.dumps({"weight_map": {"x": "model-00002-of-00003.safetensors"}}))
+    with pytest.raises(CorruptCheckpointError, match="shard 1 of 3 .* does not name: left from another export"):
+        open_safetensors(first)
+    (tmp_path / INDEX_NAME).unlink()
+    first.rename(tmp_path / "model-00001-of-00001.safetensors")  # one of one: a whole checkpoint
+    assert sorted(open_safetensors(tmp_path).tensors()) == sorted(held)
+    first = tmp_path / "diffusion_pytorch_model-00001-of-00002.safetensors"  # another prefix, its own index name
+    (tmp_path / "model-00001-of-00001.safetensors").rename(first)
+    with pytest.raises(CorruptCheckpointError, match="its index diffusion_pytorch_model.safetensors.index.json"):
+        open_safetensors(first)
+
+
+def test_a_directory_of_shards_without_their_index_says_so(tmp_path):
+    _hf_directory(tmp_path, _model())
+    (tmp_path / INDEX_NAME).unlink()
+    with pytest.raises(CorruptCheckpointError, match="shard 1 of 3 .*index .* is missing"):
+        open_safetensors(tmp_path)
+
+
 @pytest.fixture()
 def memory_root():
     root = f"memory://shardckpt-test-{uuid.uuid4().hex}"

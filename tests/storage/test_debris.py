@@ -144,3 +144,32 @@ def test_a_temp_manifest_collected_before_its_writer_held_it_is_made_again(tmp_p
     storage.put_atomic("manifest.json", b"{}")
     assert collected and storage.read_bytes("manifest.json") == b"{}"
     assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
+
+
+@pytest.mark.parametrize("writer", ["save", "async_save", "convert"])
+def test_a_generation_directory_collected_before_its_writer_held_it_is_made_again(tmp_path, monkeypatch, writer):
+    """The window between a writer making its generation directory and opening it to hold it: a collector
+    running there removes the empty, unheld directory; the writer makes it again and commits (it failed with
+    FileNotFoundError: issue 34, item 12). The collector runs inside the window, through a hook on mkdir."""
+    from shardckpt.convert.convert import convert
+
+    shardckpt.save(_state(1.0), tmp_path / "src")
+    dst, made, collected = tmp_path / "dst", os.makedirs, []
+
+    def collector_after(path, *args, **kwargs) -> None:
+        made(path, *args, **kwargs)
+        name = os.path.basename(os.fspath(path).rstrip("/"))
+        if name.startswith("data-") and os.path.dirname(os.fspath(path).rstrip("/")) == str(dst) and not collected:
+            collected.extend(gc(str(dst)))
+
+    monkeypatch.setattr(os, "makedirs", collector_after)
+    if writer == "save":
+        shardckpt.save(_state(2.0), dst)
+    elif writer == "async_save":
+        shardckpt.async_save(_state(2.0), dst).wait()
+    else:
+        convert(tmp_path / "src", dst, world_size=2)
+    monkeypatch.undo()
+    assert len(collected) == 1 and collected[0].startswith("data-")  # the collector did strike in the window
+    assert_tree_equal(shardckpt.load_full(dst), _state(1.0 if writer == "convert" else 2.0))
+    assert verify(dst).ok

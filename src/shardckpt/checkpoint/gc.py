@@ -6,8 +6,9 @@ How a live writer is told from debris (``io``'s ``hold_dir`` / ``remove_abandone
 - local disk: every rank writing a generation holds a shared ``flock`` on its directory from before its
   first file until the commit is decided; the lock dies with the process. A directory is removed only
   while this module holds an exclusive lock on it, so a writer that was about to start makes it again.
-  Where the file system has no locks, nothing is removed. Temporary manifests and an export's temporary
-  files (``*.export-tmp-*``) are held the same way by their writer until they have their final name;
+  Where the file system has no locks, nothing is removed. Temporary manifests are held the same way by
+  their writer until they have their final name, and an export's directory (``.export-tmp-<token>/``: its
+  files until they have their names) until the export ends (``*.export-tmp-*`` files are older versions');
 - object stores (no locks): a generation is removed once its newest object is older than
   ``REMOTE_MIN_AGE_S``; a save that has written nothing for that long is taken as dead.
 
@@ -26,7 +27,8 @@ from shardckpt.io import LocalStorage, Storage, open_storage
 REMOTE_MIN_AGE_S = 6 * 3600.0
 _GENERATION_DIR = re.compile(r"^data-[0-9a-f]{1,64}$")
 _TEMP_MANIFEST = re.compile(rf"^{re.escape(MANIFEST_NAME)}\.tmp-[0-9a-f]+$")
-EXPORT_TEMP = re.compile(r"^.+\.export-tmp-[0-9a-f]+$")  # a file an export writes before renaming it
+EXPORT_TEMP = re.compile(r"^.+\.export-tmp-[0-9a-f]+$")  # an older version's export file before its rename
+EXPORT_STAGING = re.compile(r"^\.export-tmp-[0-9a-f]+$")  # an export's directory: its files before their renames
 
 
 def committed_dir(storage: Storage) -> str | None:
@@ -40,7 +42,7 @@ def committed_dir(storage: Storage) -> str | None:
 def debris(storage: Storage) -> list[str]:
     """The entries at the root that belong to no committed checkpoint now (candidates only: see ``collect``)."""
     keep = committed_dir(storage)
-    dirs = [d for d in storage.list_dirs() if _GENERATION_DIR.match(d) and d != keep]
+    dirs = [d for d in storage.list_dirs() if (_GENERATION_DIR.match(d) and d != keep) or EXPORT_STAGING.match(d)]
     return dirs + [f for f in storage.list_files() if _TEMP_MANIFEST.match(f) or EXPORT_TEMP.match(f)]
 
 

@@ -34,7 +34,9 @@ not knowable from the files, and both are written.
 number of shards is the fewest the limit allows (tensors kept in source order, never split), and the shards
 are balanced: a tensor goes to the shard its middle byte falls in when the bytes are cut into that many
 equal parts (``plan_shards``). A tensor larger than the limit gets a shard of its own. Every file's
-``__metadata__`` is ``{"format": "pt", "source": <src as given>, "source_id": <see Resume>}``.
+``__metadata__`` is ``{"format": "pt", "source": <src as given>, "source_id": <see Resume>, "export_id": ...}``;
+``export_id`` (also in the index's ``metadata``) names this export's plan and source, so that a reader refuses
+a file of another export beside the index (``formats.safetensors``: two exports to one object-store path).
 
 **Streaming.** A file's header is computed from shapes and dtypes before any data is read (JSON, padded with
 spaces to a multiple of 8 bytes, as safetensors writes it); then the 8-byte header length, the header, and
@@ -45,29 +47,32 @@ when it verifies (``verify=True``, the default), reads and checks a whole DCP ch
 tensor) for every slice of it, so memory then holds one chunk and a chunk larger than a slice is read once
 per slice; ``verify=False`` reads DCP's raw chunks by the slice, unchecked.
 
-**Commit.** On local disk each file is written under a temporary name and renamed into place once whole; on
-object stores it is written at its name (an object appears only when its upload completes). The index
-(sharded case) is written last, so a directory without its index (sharded) or without ``model.safetensors``
-(one file) is visibly incomplete. An export already at ``dst`` (``model.safetensors``, the index) raises
-``CheckpointExistsError`` unless ``overwrite``. With it, the old files the new export does not replace are
-removed: locally at the end, where the old export stays whole until every new file is written and then
-the files are swapped; on object stores before writing. A failure removes what this export wrote.
+**Commit** (``export_commit``). On local disk every file, the index too, is written in a directory of the
+export's own (``.export-tmp-<token>/``, held until it ends); only once the last one is whole are they renamed
+into place, under a lock on the destination, the old export's files moved aside first and removed last, the
+index (or the one file) renamed last. A directory of shards without their index is refused by every reader,
+so a killed export is never taken for a whole one; a failure renames everything back (the old export stays
+whole). On object stores each file is written at its name (an object appears only when its upload
+completes), the old files removed before, the index last. An export already at ``dst`` (``model.safetensors``,
+the index) raises ``CheckpointExistsError`` unless ``overwrite``, as does one committed there by another
+export meanwhile. A failure removes what this export wrote.
 
-**Resume.** A killed export leaves its finished files (no index). Run again with the same source and
-options, it keeps every file whose size and header are exactly what it would write, and writes the rest:
-the header records the source's identity (``__metadata__.source_id``: a shardckpt checkpoint's
-generation, new at every save), so a source saved again since is never mixed in. Sources of other formats
-have no such identity: their unfinished exports are not resumed (``overwrite`` replaces them), and an
-unfinished export of another source or with other options raises ``CheckpointExistsError`` too. The
-byte-I/O protocol has no rename, delete or abort of one file yet: ``convert.safetensors_files`` does them
-(``rename``, ``remove``, ``abandon``) until it has, and writes the files.
+**Resume.** A killed export leaves its finished files (in its directory on local disk). Run again with the
+same source and options, it keeps every file whose size and header are exactly what it would write, and
+writes the rest: the header records the source's identity (``__metadata__.source_id``: a shardckpt
+checkpoint's generation, new at every save), so a source saved again since is never mixed in. Sources of
+other formats have no such identity: their unfinished exports are not resumed. What a killed export left
+is removed by the next export and by ``shardckpt gc`` (then nothing is resumed). On object stores, an
+unfinished export of another source or with other options raises ``CheckpointExistsError`` unless
+``overwrite``. The byte-I/O protocol has no rename, delete or abort of one file yet:
+``convert.safetensors_files`` does them (``rename``, ``remove``, ``abandon``) until it has, and writes the
+files.
 
 **dtype**: ``"keep"`` or one of bfloat16 / float16 / float32 (names or torch dtypes): floating-point tensors
 are cast, integer and bool tensors kept.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -77,9 +82,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from shardckpt.checkpoint.gc import EXPORT_TEMP
 from shardckpt.checkpoint.load_any import wanted_keys
 from shardckpt.convert import safetensors_files
+from shardckpt.convert.export_commit import PlannedFile, commit_local, export_id, index_bytes, write_remote
 from shardckpt.convert.memory import buffer_budget
 from shardckpt.convert.rename import Renames
 from shardckpt.convert.safetensors_files import SHARD_FILE, SINGLE_FILE, existing_export, header_bytes
@@ -88,7 +93,7 @@ from shardckpt.errors import CheckpointExistsError, IncompatibleCheckpointError,
 from shardckpt.format.tree import TensorRef, leaves, path_name
 from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.detect import open_reader
-from shardckpt.formats.safetensors import DTYPE_NAMES, INDEX_NAME, METADATA_KEY
+from shardckpt.formats.safetensors import DTYPE_NAMES, EXPORT_ID_KEY, INDEX_NAME, METADATA_KEY
 from shardckpt.io import LocalStorage, open_storage
 from shardckpt.state_dict.logical import LogicalView, logical_view
 
@@ -170,24 +175,15 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     identity = source_identity(base)
     if identity is not None:
         metadata["source_id"] = identity
-    files = [(name, [tensors[i] for i in shard]) for name, shard in zip(names, shards)]
-    headers = [header_bytes(members, metadata) for _, members in files]
+    planned = [(name, [tensors[i] for i in shard]) for name, shard in zip(names, shards)]
+    metadata[EXPORT_ID_KEY] = export_id([header_bytes(members, metadata) for _, members in planned])
+    files = [PlannedFile(name, header_bytes(members, metadata), members) for name, members in planned]
+    total = sum(t.nbytes for t in tensors)
     storage = open_storage(dst, dst_storage_options)
     old = existing_export(storage)
-    finished = {name for (name, members), header in zip(files, headers)
-                if identity is not None and not overwrite and name in old and safetensors_files.is_written(storage, name, header, members)}
-    if old and not overwrite and (INDEX_NAME in old or SINGLE_FILE in old or not finished):
-        what = "an export" if INDEX_NAME in old or SINGLE_FILE in old else \
-            "an unfinished export of another source or with other options"
-        raise CheckpointExistsError(f"{storage.url(old[0])}: {what} already exists at {storage.root} "
+    if not overwrite and (INDEX_NAME in old or SINGLE_FILE in old):
+        raise CheckpointExistsError(f"{storage.url(old[0])}: an export already exists at {storage.root} "
                                     f"({len(old)} files); pass overwrite=True (--overwrite) to replace it")
-    local = isinstance(storage, LocalStorage)
-    swap_at_end = local and bool(old) and overwrite  # the old export stays whole until the new one is
-    stale = [n for n in old if n not in names or n == INDEX_NAME]
-    if not swap_at_end:  # the old index goes first: no mix of old and new files ever looks complete
-        for name in sorted(stale, key=lambda n: n != INDEX_NAME):
-            safetensors_files.remove(storage, name)
-    total = sum(t.nbytes for t in tensors)
     done = [0]
 
     def tick(n: int) -> None:
@@ -195,42 +191,15 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
         if progress is not None:
             progress(done[0], total)
 
-    token = uuid.uuid4().hex[:12]
-    written: list[str] = []  # what this export has put at dst so far (temporary names locally)
-    try:
-        buffers = safetensors_files.Buffers(tensors, slice_bytes)
-        for (name, members), header in zip(files, headers):
-            if name in finished:  # left by an export of the same source and plan that was killed
-                tick(sum(t.nbytes for t in members))
-                continue
-            target = f"{name}.export-tmp-{token}" if local else name
-            written.append(target)
-            safetensors_files.write_file(storage, target, header, members, reader, buffers, tick)
-            if local and not swap_at_end:  # finished files keep their names: a rerun after a kill skips them
-                safetensors_files.rename(storage, target, name)
-                written[-1] = name
-        if swap_at_end:
-            for name in sorted(stale, key=lambda n: n != INDEX_NAME):  # the old index first
-                safetensors_files.remove(storage, name)
-            for target in written:
-                safetensors_files.rename(storage, target, target.split(".export-tmp-")[0])
-            written = list(names)
-        if local:
-            storage.sync_dir("")
-        if len(files) > 1:
-            index = {"metadata": {"total_size": total},
-                     "weight_map": {t.name: name for name, members in files for t in members}}
-            storage.put_atomic(INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
-    except BaseException:
-        for name in written:
-            safetensors_files.remove(storage, name)
-        raise
-    if local:  # what killed exports left: temporary files nobody is writing any more
-        for name in storage.list_files():
-            if EXPORT_TEMP.match(name):
-                storage.remove_abandoned(name, 0.0)
-    return ExportReport(tuple(names), len(tensors), total, "keep" if cast is None else _dtype_name(cast), tied,
-                        tuple(n for n in names if n in finished))
+    buffers = safetensors_files.Buffers(tensors, slice_bytes)
+
+    def write(storage, path: str, f: PlannedFile):
+        return safetensors_files.write_file(storage, path, f.header, f.members, reader, buffers, tick)
+
+    args = (storage, files, index_bytes(files, total, metadata[EXPORT_ID_KEY]), old, overwrite, identity is not None, write,
+            lambda f: tick(f.nbytes))
+    kept = commit_local(*args, uuid.uuid4().hex[:12]) if isinstance(storage, LocalStorage) else write_remote(*args)
+    return ExportReport(tuple(names), len(tensors), total, "keep" if cast is None else _dtype_name(cast), tied, kept)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The files of a safetensors export: headers computed before any data, each file streamed tensor by tensor
 from the source in bounded slices, and the file operations the export's commit and resume need (``export``
-has the what and when; this module the bytes). The tensors are ``export``'s output tensors: name, source
+has the what, ``export_commit`` the when; this module the bytes). The tensors are ``export``'s output tensors: name, source
 name, source and output dtypes, shape, ``nbytes``."""
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ class Buffers:
 
 
 def write_file(storage: Storage, path: str, header: bytes, tensors: Sequence, reader: CheckpointReader,
-                buffers: Buffers, tick: Callable[[int], None]) -> None:
+               buffers: Buffers, tick: Callable[[int], None]) -> None:
+    """Write file ``path`` whole and close it (durable on local disk; the upload completes elsewhere)."""
     writer = storage.open_writer(path)
     try:
         writer.write(memoryview(header))

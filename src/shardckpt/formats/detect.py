@@ -5,7 +5,7 @@ looked for) and a function that returns a reader, or ``None`` when the place doe
 
 - ``DIRECTORY_DETECTORS`` look at the path as a directory (or URL prefix): shardckpt's own format
   (``manifest.json``), then a Hugging Face safetensors directory (``model.safetensors.index.json``, or exactly
-  one ``*.safetensors`` file), then a torch DCP directory (a ``.metadata`` file; after safetensors, so
+  one ``*.safetensors`` file that is not a shard of a sharded checkpoint: see ``formats/safetensors.py``), then a torch DCP directory (a ``.metadata`` file; after safetensors, so
   that a Hugging Face directory written by DCP's HF writer is read as the safetensors it is), then a DeepSpeed
   ZeRO checkpoint (``*_optim_states.pt`` files, or a ``latest`` file naming a directory of them; local only,
   as ``torch.save`` files are).
@@ -162,7 +162,7 @@ def _torch_save(place: Place) -> CheckpointReader | None:
 # (what is looked for, the detector), tried in order.
 DIRECTORY_DETECTORS: list[tuple[str, Detector]] = [
     (f"a shardckpt checkpoint (a directory with {MANIFEST_NAME})", _native),
-    (f"a safetensors directory ({INDEX_NAME}, or exactly one *{SUFFIX} file)", _safetensors_directory),
+    (f"a safetensors directory ({INDEX_NAME}, or exactly one *{SUFFIX} file, not a shard)", _safetensors_directory),
     (f"a torch DCP checkpoint (a directory with {METADATA_NAME})", _dcp),
     (f"a DeepSpeed ZeRO checkpoint (*_optim_states.pt files, or '{LATEST}' naming a directory of them)", _deepspeed),
 ]

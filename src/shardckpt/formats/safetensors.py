@@ -1,7 +1,10 @@
 """safetensors behind the one read interface: a single ``.safetensors`` file, or a Hugging Face directory.
 
 A directory is read through its ``model.safetensors.index.json`` (whose ``weight_map`` names the file of
-each tensor), or, without an index, must hold exactly one ``*.safetensors`` file.
+each tensor), or, without an index, must hold exactly one ``*.safetensors`` file. A shard of a sharded
+checkpoint (``<prefix>-0000i-of-0000N.safetensors``, N > 1) is never read as a whole checkpoint: without its
+index ``<prefix>.safetensors.index.json`` naming it, it is refused by name (``CorruptCheckpointError``), as a
+directory or as the file itself, since that is what an export killed before its index leaves.
 
 The header is parsed here, not by the ``safetensors`` package, through ``io.Storage``, so that local disk and
 any fsspec URL (``s3://``, ``memory://``, ...) work alike: opening reads each file's size, its 8-byte
@@ -36,6 +39,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,6 +65,10 @@ METADATA_KEY = "__metadata__"
 MAX_HEADER_SIZE = 100_000_000  # bytes; the reference implementation's limit
 MAX_INDEX_SIZE = 100_000_000  # bytes of model.safetensors.index.json
 READ_PIECE = 64 << 20  # bytes per ranged read at most (a longer run is split, so that threads share it)
+EXPORT_ID_KEY = "export_id"  # in the index's metadata and each file's __metadata__: one export's files
+# A shard's name, as huggingface_hub writes it (model-00001-of-00004.safetensors), and anything after it (an
+# export's temporary name).
+SHARD_NAME = re.compile(r"(?P<prefix>.+)-(?P<index>[0-9]+)-of-(?P<count>[0-9]+)\.safetensors(?P<rest>.*)", re.S)
 
 # safetensors' dtype names -> torch's. The names are the format's (safetensors' Rust ``Dtype``); the ones
 # mapped to None (sub-byte floats) have no torch dtype with the same element count.
@@ -207,10 +215,6 @@ def parse_index(data: bytes, where: str) -> tuple[dict[str, str], Any]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Storage helpers (the Storage protocol has no listing yet)
-
-
-# ---------------------------------------------------------------------------------------------------------
 # The reader
 
 
@@ -312,22 +316,23 @@ class SafetensorsReader:
 
     @classmethod
     def from_file(cls, storage: Storage, name: str, *, io_threads: int = DEFAULT_IO_THREADS) -> SafetensorsReader:
-        """The safetensors file ``name`` under ``storage``."""
+        """The safetensors file ``name`` under ``storage`` (a shard only where its index names it)."""
+        refuse_lone_shard(storage, name)
         return cls(storage, [name], io_threads=io_threads)
 
     @classmethod
     def from_directory(cls, storage: Storage, *, io_threads: int = DEFAULT_IO_THREADS) -> SafetensorsReader:
-        """A directory with ``model.safetensors.index.json``, or with exactly one ``*.safetensors`` file."""
+        """A directory with ``model.safetensors.index.json``, or with exactly one ``*.safetensors`` file (not
+        a shard of a sharded checkpoint: ``refuse_lone_shard``)."""
         if storage.exists(INDEX_NAME):
-            where = storage.url(INDEX_NAME)
-            size = storage.file_size(INDEX_NAME)
-            if size > MAX_INDEX_SIZE:
-                raise CorruptCheckpointError(f"{where}: {size} bytes exceed the {MAX_INDEX_SIZE}-byte limit of an "
-                                             "index")
-            weight_map, index_metadata = parse_index(storage.read_bytes(INDEX_NAME), where)
-            return cls(storage, list(dict.fromkeys(weight_map.values())), weight_map=weight_map,
-                       index_metadata=index_metadata, where=where, io_threads=io_threads)
+            weight_map, index_metadata = read_index(storage, INDEX_NAME)
+            reader = cls(storage, list(dict.fromkeys(weight_map.values())), weight_map=weight_map,
+                         index_metadata=index_metadata, where=storage.url(INDEX_NAME), io_threads=io_threads)
+            _refuse_other_exports(reader)
+            return reader
         found = [n for n in storage.list_files() if n.endswith(SUFFIX)]
+        for name in found:
+            refuse_lone_shard(storage, name)
         if len(found) != 1:
             some = f": {found[:5]}{' ...' if len(found) > 5 else ''}" if found else ""
             raise CheckpointNotFoundError(f"{storage.root}: no {INDEX_NAME}, and {len(found)} *{SUFFIX} files{some}; "
@@ -396,6 +401,48 @@ class SafetensorsReader:
                                          "other than 0 or 1")
         if not job.direct:
             job.dest.copy_(from_bytes(raw, entry.dtype, (job.dest.numel(),)))
+
+
+def read_index(storage: Storage, name: str) -> tuple[dict[str, str], Any]:
+    """``weight_map`` and ``metadata`` of the index file ``name`` (size-capped, checked: ``parse_index``)."""
+    where = storage.url(name)
+    size = storage.file_size(name)
+    if size > MAX_INDEX_SIZE:
+        raise CorruptCheckpointError(f"{where}: {size} bytes exceed the {MAX_INDEX_SIZE}-byte limit of an index")
+    return parse_index(storage.read_bytes(name), where)
+
+
+def refuse_lone_shard(storage: Storage, name: str) -> None:
+    """Raise ``CorruptCheckpointError`` if ``name`` is shard i of N > 1 of a sharded checkpoint
+    (``SHARD_NAME``) that its index ``<prefix>.safetensors.index.json`` beside it does not name: alone, it
+    holds only part of the checkpoint (an export killed before its index was written leaves just that)."""
+    m = SHARD_NAME.fullmatch(name)
+    if m is None or int(m["count"]) <= 1:
+        return
+    index = f"{m['prefix']}{SUFFIX}.index.json"
+    shard = f"{storage.url(name)}: shard {int(m['index'])} of {int(m['count'])} of a sharded safetensors checkpoint"
+    if not storage.exists(index):
+        raise CorruptCheckpointError(f"{shard}, and its index {index} is missing: the export is incomplete (killed "
+                                     "before it wrote its index?) or the index was lost. Rerun the export (it "
+                                     "resumes where it can), or read a complete copy")
+    weight_map, _ = read_index(storage, index)
+    if name not in weight_map.values():
+        raise CorruptCheckpointError(f"{shard}, which its index {storage.url(index)} does not name: left from "
+                                     "another export? Read the directory, as its index describes it")
+
+
+def _refuse_other_exports(reader: SafetensorsReader) -> None:
+    """An index that names its export (``EXPORT_ID_KEY``, as shardckpt's export writes) must find that export's
+    files: a file another export wrote (two exports to one object-store path at once) is refused by name."""
+    ident = reader.index_metadata.get(EXPORT_ID_KEY) if isinstance(reader.index_metadata, dict) else None
+    if ident is None:
+        return
+    for file, metadata in reader.metadata.items():
+        if metadata.get(EXPORT_ID_KEY) != ident:
+            raise CorruptCheckpointError(f"{reader.storage.url(file)}: written by another export "
+                                         f"({metadata.get(EXPORT_ID_KEY)!r}) than its index {reader.where} "
+                                         f"({ident!r}): two exports wrote here at once, or one was interrupted "
+                                         "while replacing the other. Export again")
 
 
 def open_safetensors(path: str | os.PathLike, storage_options: dict | None = None, *,

@@ -209,13 +209,18 @@ class LocalStorage:
     def list_dirs(self, path: str = "") -> list[str]:
         return self._names(path, lambda e: e.is_dir(follow_symlinks=False))
 
-    def hold_dir(self, path: str, exclusive: bool = False) -> _DirHold:
+    def hold_dir(self, path: str, exclusive: bool = False, wait: bool = False) -> _DirHold:
+        """See the protocol; ``wait`` (local only): an exclusive hold waits for the other holders to let go
+        instead of raising (for short critical sections, such as an export's renames)."""
         url = self.url(path)
         while True:
             os.makedirs(url, exist_ok=True)
-            fd = os.open(url, os.O_RDONLY | os.O_DIRECTORY)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
+                fd = os.open(url, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:  # removed as abandoned between our mkdir and our open: make it again
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH if not exclusive else fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
                 raise CheckpointError(f"{url}: another live process is writing this directory") from None

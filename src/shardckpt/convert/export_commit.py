@@ -1,0 +1,265 @@
+"""How an export's files reach their names, so that no reader, collector or second writer ever takes part of
+an export for a whole one, and a failed export never leaves its destination without the old export and
+without the new one (issue 34, items 1 and 4). ``export`` plans the files; this module puts them in place.
+
+**Local disk.** Every file, the index too, is written in this export's own directory
+``.export-tmp-<token>/``, which it holds (an exclusive ``flock``) until it ends, so that ``gc`` and another
+export's cleanup leave it and its files alone (``checkpoint.gc``). No file gets its final name before the
+last one is whole. Then, under an exclusive lock on the destination (one export commits there at a time, so
+two never mix), the old export's files are moved aside into that directory, the new ones renamed into place,
+the index (or the one file) last, and the directory removed with the old files. The old index goes first: a
+directory of shards without their index is refused by every reader
+(``formats.safetensors.refuse_lone_shard``). A failure on the way moves everything back, so the old export
+is whole again; a kill inside those few renames leaves no index, which no reader takes for an export, and
+the rerun finishes it.
+
+**Resume.** A killed export's directory is held by nobody: a rerun of the same source and plan holds it, takes
+each file in it that is exactly the file it would write (its size and header,
+``safetensors_files.is_written``; the header holds the source's identity), and writes only the others.
+Files that an older version left under their final names without an index are kept the same way.
+
+**Object stores** have no rename and no locks: each file is written at its name (an object appears only
+once its upload completes), the old export's files removed before, the index last and exclusively (the old
+one is gone: one there is another export's). A second export at the same path is seen before each file and
+around the commit (an index appeared, a file is no longer ours): the export then stops, removing only what
+is still its own. Its files carry an ``export_id`` that the index names, so that a reader refuses a mix of
+two exports' files that a race left (``formats.safetensors``), never reading it as one export.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from shardckpt.checkpoint.gc import EXPORT_STAGING, EXPORT_TEMP
+from shardckpt.convert import safetensors_files
+from shardckpt.convert.safetensors_files import SINGLE_FILE, is_written
+from shardckpt.errors import CheckpointError, CheckpointExistsError
+from shardckpt.formats.safetensors import EXPORT_ID_KEY, INDEX_NAME
+from shardckpt.io import LocalStorage, Storage
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    name: str
+    header: bytes
+    members: Sequence  # export's output tensors, in file order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.members)
+
+
+Write = Callable[[Storage, str, PlannedFile], None]  # writes the file whole at a path
+
+
+def export_id(headers: Sequence[bytes]) -> str:
+    """What names one export: a digest of its files' headers (names, dtypes, shapes, the source's path and
+    identity), so that a rerun of the same export has it (and resumes), and two exports of one source are
+    ``diff``-equal."""
+    return hashlib.sha256(b"".join(headers)).hexdigest()[:16]
+
+
+def index_bytes(files: Sequence[PlannedFile], total: int, ident: str) -> bytes | None:
+    """The ``model.safetensors.index.json`` of a sharded export (None for one file)."""
+    if len(files) == 1:
+        return None
+    index = {"metadata": {"total_size": total, EXPORT_ID_KEY: ident},
+             "weight_map": {t.name: f.name for f in files for t in f.members}}
+    return (json.dumps(index, indent=2) + "\n").encode()
+
+
+def unfinished_error(storage: Storage, old: list[str]) -> CheckpointExistsError:
+    return CheckpointExistsError(f"{storage.url(old[0])}: an unfinished export of another source or with other "
+                                 f"options already exists at {storage.root} ({len(old)} files); pass "
+                                 "overwrite=True (--overwrite) to replace it")
+
+
+def commit_local(storage: LocalStorage, files: Sequence[PlannedFile], index: bytes | None, old: list[str],
+                 overwrite: bool, resumable: bool, write: Write, skip: Callable[[PlannedFile], None],
+                 token: str) -> tuple[str, ...]:
+    """Write ``files`` and ``index`` at local ``storage`` and commit them (see the module's docstring);
+    ``old``: the export files there now, none of them a committed export unless ``overwrite``. Returns the
+    names adopted from a killed run (``skip`` is told of each)."""
+    stage = _Stage(storage, token)
+    try:
+        if resumable:
+            for f in stage.adopt(files, finals_too=INDEX_NAME not in old and SINGLE_FILE not in old):
+                skip(f)
+        if old and not overwrite and not stage.kept:
+            raise unfinished_error(storage, old)
+        for f in files:
+            if f.name not in stage.ready:
+                write(storage, stage.path(f.name), f)
+                stage.ready[f.name] = stage.path(f.name)
+        if index is not None:
+            storage.put_atomic(stage.path(INDEX_NAME), index)
+            stage.ready[INDEX_NAME] = stage.path(INDEX_NAME)
+        stage.commit([f.name for f in files], overwrite)
+    finally:
+        stage.close()
+    for name in storage.list_dirs() + storage.list_files():  # what killed exports left, nobody's any more
+        if EXPORT_STAGING.match(name) or EXPORT_TEMP.match(name):
+            storage.remove_abandoned(name, 0.0)
+    return tuple(stage.kept)
+
+
+class _Stage:
+    """This export's directory ``.export-tmp-<token>/`` at local ``storage``, held exclusively while it lives
+    (gc and other exports leave it alone; its files need no lock of their own), and the export's files: final
+    name -> the path it has now."""
+
+    def __init__(self, storage: LocalStorage, token: str):
+        self.storage, self.dir = storage, f".export-tmp-{token}"
+        # Waiting: another export may hold it for a moment, taking it for a killed one's (and remove it).
+        self.hold = storage.hold_dir(self.dir, exclusive=True, wait=True)
+        self.ready: dict[str, str] = {}
+        self.kept: list[str] = []
+
+    def path(self, name: str) -> str:
+        return f"{self.dir}/{name}"
+
+    def adopt(self, files: Sequence[PlannedFile], finals_too: bool) -> list[PlannedFile]:
+        """Take, as this export's, the files a killed run left that are exactly ones of ``files``: from its
+        directory (held meanwhile, then removed), or (an older version's kill) under their final names.
+        Returns those taken."""
+        taken = []
+        for d in [n for n in self.storage.list_dirs() if EXPORT_STAGING.match(n) and n != self.dir]:
+            try:
+                hold = self.storage.hold_dir(d, exclusive=True)
+            except CheckpointError:
+                continue  # a live export's
+            try:
+                for f in files:
+                    if f.name not in self.ready and self._same(f"{d}/{f.name}", f):
+                        safetensors_files.rename(self.storage, f"{d}/{f.name}", self.path(f.name))
+                        self.ready[f.name] = self.path(f.name)
+                        taken.append(f)
+                self.storage.remove_dir(d)
+            finally:
+                hold.release()
+        for f in files:
+            if finals_too and f.name not in self.ready and self._same(f.name, f):
+                self.ready[f.name] = f.name  # in place: no reader takes it for an export without its index
+                taken.append(f)
+        self.kept = [f.name for f in files if f in taken]
+        return taken
+
+    def _same(self, path: str, f: PlannedFile) -> bool:
+        try:
+            return self.storage.exists(path) and is_written(self.storage, path, f.header, f.members)
+        except CheckpointError:
+            return False
+
+    def commit(self, names: list[str], overwrite: bool) -> None:
+        """Under the directory's lock: the old export moved aside into this export's directory, the new files
+        in place (the index, or the one file, last); everything moved back if a step fails."""
+        lock = self.storage.hold_dir("", exclusive=True, wait=True)
+        try:
+            old = safetensors_files.existing_export(self.storage)
+            if not overwrite and (INDEX_NAME in old or SINGLE_FILE in old):
+                raise _committed_meanwhile(self.storage)
+            last = INDEX_NAME if INDEX_NAME in self.ready else SINGLE_FILE
+            ours = set(self.ready.values())
+            # The old index first (existing_export's order); one file replaces its old self atomically.
+            moves = [(n, self.path(f"{n}.old")) for n in old if n not in ours and not (n == SINGLE_FILE == last)]
+            moves += [(self.ready[n], n) for n in names + [INDEX_NAME] * (last == INDEX_NAME) if self.ready[n] != n]
+            done: list[tuple[str, str]] = []
+            try:
+                for src, dst in moves:
+                    safetensors_files.rename(self.storage, src, dst)
+                    done.append((src, dst))
+            except BaseException:
+                for src, dst in reversed(done):  # back as it was: the old export whole again
+                    try:
+                        safetensors_files.rename(self.storage, dst, src)
+                    except OSError:
+                        pass
+                raise
+            finally:
+                self.storage.sync_dir("")
+        finally:
+            lock.release()
+
+    def close(self) -> None:
+        """This export's directory removed: what is left there, the old export's files after a commit, the new
+        ones after a failure."""
+        self.storage.remove_dir(self.dir)
+        self.hold.release()
+
+
+def write_remote(storage: Storage, files: Sequence[PlannedFile], index: bytes | None, old: list[str],
+                 overwrite: bool, resumable: bool, write: Write, skip: Callable[[PlannedFile], None]) -> tuple[str, ...]:
+    """An object store: the stale old files removed first (the index first), then each file at its name, the
+    index last; a failure removes what was written. A killed run's files under their names are kept where
+    exactly what this run would write (not with ``overwrite``). Returns the names kept."""
+    names = [f.name for f in files]
+    finished = {f.name for f in files if resumable and not overwrite and f.name in old
+                and is_written(storage, f.name, f.header, f.members)}
+    if old and not overwrite and not finished:
+        raise unfinished_error(storage, old)
+    for name in sorted((n for n in old if n not in names or n == INDEX_NAME), key=lambda n: n != INDEX_NAME):
+        safetensors_files.remove(storage, name)
+    written: list[PlannedFile] = []
+    try:
+        for f in files:
+            if f.name in finished:
+                skip(f)
+                continue
+            _no_other_commit(storage, names)
+            written.append(f)
+            write(storage, f.name, f)
+        if index is not None:
+            _no_other_commit(storage, names)
+            _all_ours(storage, files, "nothing committed")
+            try:  # exclusive: the old index is gone, so one there now is another export's
+                storage.put_atomic(INDEX_NAME, index, exclusive=True)
+            except FileExistsError:
+                raise _committed_meanwhile(storage) from None
+            _all_ours(storage, files, "its readers refuse the mix (export again)")
+    except BaseException:
+        for f in written:  # what is still ours: a file at that name may be another export's now
+            if _still_ours(storage, f):
+                safetensors_files.remove(storage, f.name)
+        if index is not None and _index_is(storage, index):
+            safetensors_files.remove(storage, INDEX_NAME)
+        raise
+    return tuple(n for n in names if n in finished)
+
+
+def _all_ours(storage: Storage, files: Sequence[PlannedFile], what: str) -> None:
+    """Every file is the one this export wrote: on an object store (no locks) a second export at the same path
+    may have written over one."""
+    for f in files:
+        if not is_written(storage, f.name, f.header, f.members):
+            raise CheckpointExistsError(f"{storage.url(f.name)}: another export wrote it meanwhile; {what}")
+
+
+def _index_is(storage: Storage, index: bytes) -> bool:
+    try:
+        return storage.read_bytes(INDEX_NAME) == index
+    except CheckpointError:
+        return False
+
+
+def _still_ours(storage: Storage, f: PlannedFile) -> bool:
+    """Whether file ``f.name`` begins as ours (whole, or cut short by the failure) does."""
+    try:
+        head = bytearray(min(len(f.header), storage.file_size(f.name)))
+        storage.read_into(f.name, 0, memoryview(head))
+    except CheckpointError:  # not there (an upload aborted), or unreadable: nothing of ours to remove
+        return False
+    return f.header.startswith(bytes(head))
+
+
+def _committed_meanwhile(storage: Storage) -> CheckpointExistsError:
+    return CheckpointExistsError(f"{storage.url(INDEX_NAME)}: another export was committed at {storage.root} "
+                                 "meanwhile; pass overwrite=True (--overwrite) to replace it")
+
+
+def _no_other_commit(storage: Storage, names: list[str]) -> None:
+    """This export removed the old index (and a single file it does not write) first: one there now is another
+    export's, committed meanwhile, and writing on would spoil it."""
+    if storage.exists(INDEX_NAME) or (SINGLE_FILE not in names and storage.exists(SINGLE_FILE)):
+        raise _committed_meanwhile(storage)
