@@ -32,7 +32,6 @@ from shardckpt.format.index import ChunkRecord, index_to_bytes, parse_index
 from shardckpt.format.manifest import FileEntry
 from shardckpt.formats.api import CheckpointReader
 from shardckpt.io import FileWriter, LocalStorage, Storage
-from shardckpt.io.local import _hold, _LocalWriter, _still_named
 
 JOURNAL_FORMAT = "shardckpt-convert-journal"
 JOURNAL_BYTES = 16 << 20  # a journal is replaced after every this many bytes written (or 1/32 of the file so far)
@@ -152,22 +151,9 @@ def go_on_writing(storage: Storage, path: str, size: int) -> FileWriter | None:
     if not isinstance(storage, LocalStorage):
         return None
     try:
-        return _GoingOn(storage.url(path), size)
+        return storage.open_writer(path, keep=size)
     except OSError:
         return None
-
-
-class _GoingOn(_LocalWriter):
-    """The local writer, on an existing file after its first ``keep`` bytes (held as any file being written)."""
-
-    def __init__(self, path: str, keep: int):  # noqa: D107 - _LocalWriter's fields, set without truncating
-        fd = os.open(path, os.O_WRONLY)
-        _hold(fd)
-        if not _still_named(path, fd):
-            os.close(fd)
-            raise FileNotFoundError(path)
-        os.ftruncate(fd, keep)
-        self._path, self._fd, self._pos, self._started = path, fd, keep, keep
 
 
 def finished_entry(storage: Storage, data_path: str, index_path: str, progress: FileProgress,

@@ -36,16 +36,23 @@ _SYNC_FILE_RANGE_WRITE = 2
 class _LocalWriter:
     positional = True
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, keep: int | None = None):
+        """A new (emptied) file at ``path``; or, ``keep`` given, the existing file, cut to its first ``keep``
+        bytes, written on after them (``FileNotFoundError`` if it is gone)."""
         self._path = path
         while True:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            flags = os.O_WRONLY if keep is not None else os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            self._fd = os.open(path, flags, 0o644)
             _hold(self._fd)  # a file being written is not debris (remove_abandoned), until closed
             if _still_named(path, self._fd):
                 break
             os.close(self._fd)  # removed as abandoned between our open and our hold (as hold_dir): make it again
-        self._pos = 0
-        self._started = 0  # bytes [0, _started) are being written back
+            if keep is not None:  # (what was kept is gone with it)
+                raise FileNotFoundError(path)
+        if keep is not None:
+            os.ftruncate(self._fd, keep)
+        self._pos = keep or 0
+        self._started = self._pos  # bytes [0, _started) are written back already or being written back
 
     def write(self, data: memoryview) -> None:
         self.pwrite(data, self._pos)
@@ -177,9 +184,11 @@ class LocalStorage:
         except OSError as e:
             raise missing(self.url(path), e) from e
 
-    def open_writer(self, path: str) -> _LocalWriter:
+    def open_writer(self, path: str, keep: int | None = None) -> _LocalWriter:
+        """The protocol's writer; local disk also goes on writing an existing file after its first ``keep``
+        bytes (what follows is cut off), which a resumed ``convert`` uses."""
         os.makedirs(os.path.dirname(self.url(path)), exist_ok=True)
-        return _LocalWriter(self.url(path))
+        return _LocalWriter(self.url(path), keep)
 
     def put_atomic(self, path: str, data: bytes, exclusive: bool = False) -> None:
         """Write to a temporary name, fsync, then rename it over ``path`` (or, ``exclusive``, hard-link it to
