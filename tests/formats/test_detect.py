@@ -15,7 +15,8 @@ from shardckpt.formats import detect
 from shardckpt.formats.api import ReadRequest
 from shardckpt.formats.detect import DIRECTORY_DETECTORS, FILE_DETECTORS, open_reader
 from shardckpt.formats.native import NativeReader
-from shardckpt.formats.safetensors import INDEX_NAME, SafetensorsReader
+from shardckpt.formats.safetensors import SafetensorsReader
+from shardckpt.formats.safetensors_header import INDEX_NAME
 from shardckpt.formats.torch_save import TorchSaveReader
 from shardckpt.regions import FlatRange
 

@@ -13,9 +13,8 @@ import torch
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.format.tree import TensorRef
 from shardckpt.formats.api import CheckpointReader, ReadRequest
-from shardckpt.formats.safetensors import (
-    DTYPES, INDEX_NAME, MAX_HEADER_SIZE, METADATA_KEY, SafetensorsReader, open_safetensors,
-)
+from shardckpt.formats.safetensors import SafetensorsReader, open_safetensors
+from shardckpt.formats.safetensors_header import DTYPES, INDEX_NAME, MAX_HEADER_SIZE, METADATA_KEY
 from shardckpt.io import FsspecStorage, LocalStorage
 from shardckpt.regions import Box, FlatRange, full_region
 

@@ -142,7 +142,7 @@ def install(spec: Spec) -> None:
     if _originals:
         return
     from shardckpt.convert import safetensors_files
-    from shardckpt.io import local, remote, s3
+    from shardckpt.io import local, remote, s3, s3_transfer
 
     for cls in (local.LocalStorage, remote.FsspecStorage, s3.S3Storage):
         for name in ("put_atomic", "remove_dir", "remove_abandoned"):
@@ -154,7 +154,7 @@ def install(spec: Spec) -> None:
     if hasattr(local.LocalStorage, "hold_file"):
         _wrap(local.LocalStorage, "hold_file", lambda self, path, *a, **k: f"hold_file {path}")
     _wrap_hold_dir(local.LocalStorage)
-    for cls in (local._LocalWriter, remote._FsspecWriter, s3._MultipartWriter):
+    for cls in (local._LocalWriter, remote._FsspecWriter, s3_transfer.MultipartWriter):
         for name in ("write", "pwrite"):
             if name in vars(cls):
                 _wrap_first_write(cls, name)

@@ -31,7 +31,7 @@ from shardckpt import ShardedTensor
 from shardckpt.checkpoint.verify import verify
 from shardckpt.convert.convert import convert
 from shardckpt.convert.export import export
-from shardckpt.io import local, remote, s3
+from shardckpt.io import local, remote, s3, s3_transfer
 
 OPERATIONS = ("save ws1", "save ws2", "async_save", "convert", "export")
 S3_OPERATIONS = ("save ws1 (s3)", "async_save (s3)")
@@ -48,7 +48,8 @@ def _kill_after_bytes(threshold: int) -> None:
     """From now on in this process, SIGKILL once ``threshold`` bytes have been written (local files or
     object uploads: bytes handed to the S3 writer, whose parts are then in flight)."""
     written = [0]
-    real_local, real_remote, real_s3 = local._LocalWriter.pwrite, remote._FsspecWriter.write, s3._MultipartWriter.write
+    real_local, real_remote = local._LocalWriter.pwrite, remote._FsspecWriter.write
+    real_s3 = s3_transfer.MultipartWriter.write
 
     def counted(data, write) -> None:
         data = memoryview(data).cast("B")
@@ -61,7 +62,7 @@ def _kill_after_bytes(threshold: int) -> None:
 
     local._LocalWriter.pwrite = lambda self, data, offset: counted(data, lambda d: real_local(self, d, offset))
     remote._FsspecWriter.write = lambda self, data: counted(data, lambda d: real_remote(self, d))
-    s3._MultipartWriter.write = lambda self, data: counted(data, lambda d: real_s3(self, d))
+    s3_transfer.MultipartWriter.write = lambda self, data: counted(data, lambda d: real_s3(self, d))
 
 
 def _kill_after(seconds: float) -> None:

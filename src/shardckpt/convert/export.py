@@ -93,7 +93,7 @@ from shardckpt.errors import CheckpointExistsError, IncompatibleCheckpointError,
 from shardckpt.format.tree import TensorRef, leaves, path_name
 from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.detect import open_reader
-from shardckpt.formats.safetensors import DTYPE_NAMES, EXPORT_ID_KEY, INDEX_NAME, METADATA_KEY
+from shardckpt.formats.safetensors_header import DTYPE_NAMES, EXPORT_ID_KEY, INDEX_NAME, METADATA_KEY
 from shardckpt.io import LocalStorage, open_storage
 from shardckpt.state_dict.logical import LogicalView, logical_view
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from shardckpt.formats.api import CheckpointReader, ReadRequest
-from shardckpt.formats.safetensors import DTYPE_NAMES, INDEX_NAME, METADATA_KEY
+from shardckpt.formats.safetensors_header import DTYPE_NAMES, INDEX_NAME, METADATA_KEY
 from shardckpt.io import FileWriter, LocalStorage, Storage
 from shardckpt.regions import FlatRange
 from shardckpt.tensor_views import as_bytes, from_bytes

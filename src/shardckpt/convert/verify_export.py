@@ -24,7 +24,8 @@ from shardckpt.errors import CheckpointError
 from shardckpt.format.tree import TensorRef
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
 from shardckpt.formats.detect import open_reader
-from shardckpt.formats.safetensors import INDEX_NAME, SUFFIX, SafetensorsReader
+from shardckpt.formats.safetensors import SafetensorsReader
+from shardckpt.formats.safetensors_header import INDEX_NAME, SUFFIX
 from shardckpt.state_dict.logical import logical_view
 
 

@@ -31,9 +31,8 @@ from shardckpt.formats.dcp import METADATA_NAME, DcpReader, is_dcp_dir
 from shardckpt.formats.deepspeed import DeepSpeedReader, tag_dir
 from shardckpt.formats.deepspeed.reader import LATEST, OPTIM_FILE
 from shardckpt.formats.native import NativeReader, read_manifest
-from shardckpt.formats.safetensors import (
-    INDEX_NAME, MAX_HEADER_SIZE, SUFFIX, SafetensorsReader,
-)
+from shardckpt.formats.safetensors import SafetensorsReader
+from shardckpt.formats.safetensors_header import INDEX_NAME, MAX_HEADER_SIZE, SUFFIX
 from shardckpt.formats.torch_save import TorchSaveReader, is_torch_save, local_path
 from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage, split_url
 
