@@ -2,6 +2,7 @@
 had finished and writes the rest; the result is the one an uninterrupted run commits. Nothing partial loads."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -219,7 +220,18 @@ DAMAGE = {
     "the journal of another file": lambda data: shutil.copy(os.path.join(data, "resume", "rank-00001-0.bin.json"),
                                                             os.path.join(data, "resume", "rank-00000-0.bin.json")),
     "a torn journal": lambda data: _truncate(os.path.join(data, "resume", "rank-00000-0.bin.json"), 40),
+    "a journal's chunk checksum": lambda data: _flip_journal_chunk_crc(os.path.join(data, "resume",
+                                                                                    "rank-00000-0.bin.json")),
 }
+
+
+def _flip_journal_chunk_crc(path: str) -> None:
+    """One bit of the first finished chunk's CRC32C in a journal that stays valid JSON (its blocks' CRCs intact)."""
+    with open(path) as f:
+        doc = json.load(f)
+    doc["index"]["chunks"][0][4] ^= 1
+    with open(path, "w") as f:
+        json.dump(doc, f, separators=(",", ":"))
 
 
 @pytest.mark.parametrize("compress", [None, "zstd"])
