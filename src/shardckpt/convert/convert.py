@@ -53,7 +53,7 @@ from shardckpt.convert.rank_files import RankFiles
 from shardckpt.convert.streams import ALIGN, Output, Progress, ReadOnDemand, SliceBuffers
 from shardckpt.convert.resume import conversion_generation, journal_dir
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
-from shardckpt.errors import CheckpointExistsError, CorruptCheckpointError, IncompatibleCheckpointError, UnsupportedValueError
+from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, IncompatibleCheckpointError, UnsupportedValueError
 from shardckpt.format.codecs import Compression
 from shardckpt.format.dtypes import DTYPES, dtype_name, itemsize
 from shardckpt.format.manifest import MANIFEST_NAME, version_for
@@ -194,10 +194,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
         return result
 
     def commit_checked(results: list) -> None:
+        raise_failures([r for r in results if isinstance(r, Failure)])  # what was written stays, for a rerun
         try:
             _check_against_source(plan, results, outputs)
         except CorruptCheckpointError:
-            storage.remove_dir(data_dir(plan.generation))  # else a rerun would keep what was wrong
+            _remove_uncommitted(storage, plan.generation)  # else a rerun would keep what was wrong
             raise
         storage.remove_dir(journal_dir(plan.generation))
         commit(storage, plan, plan.generation, results, world, encoded_tree, metadata, overwrite)
@@ -205,13 +206,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     metadata.update({"state_dict_type": _STORED_TYPES[out_type]})
     hold = _hold_output(storage, plan.generation, workers)
     try:
-        if workers.world_size == 1:
-            try:
-                results = [write(r) if r in mine else None for r in range(world)]
-            except BaseException:
-                storage.remove_dir(data_dir(plan.generation))
-                raise
-            commit_checked(results)
+        if workers.world_size == 1:  # a failure (Ctrl-C, a full disk) keeps what was written: a rerun resumes it
+            commit_checked([write(r) if r in mine else None for r in range(world)])
         else:
             shares = workers.gather(attempt(workers.rank, lambda: {r: write(r) for r in mine}))
             outcome = attempt(0, lambda: commit_checked(_in_rank_order(shares, world))) \
@@ -222,6 +218,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             hold.release()
     written = sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in outputs)
     return ConvertReport(world, out_type, len(outputs), written, tuple(kept), kept_bytes[0])
+
+
+def _remove_uncommitted(storage: Storage, generation: str) -> None:
+    """Remove the data directory of ``generation`` unless a committed manifest names it: a conversion's generation
+    is the same for every run of it, and another run of the same command may have committed it meanwhile."""
+    try:
+        committed = committed_dir(storage)
+    except CheckpointError:  # a manifest that cannot be read now: keep everything
+        return
+    if committed != data_dir(generation):
+        storage.remove_dir(data_dir(generation))
 
 
 def _world_size(asked: int | None, source: int) -> int:
