@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from shardckpt.checkpoint.gc import committed_dir
-from shardckpt.checkpoint.agree import holds_per_rank
+from shardckpt.checkpoint.agree import encoded_holds_per_rank
 from shardckpt.checkpoint.load_any import pick, replace_refs, wanted_keys
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
 from shardckpt.checkpoint.save_plan import SavePlan, TensorPlan, plan_placed
@@ -180,7 +180,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     tick = Progress(_share_bytes(plan, mine), progress)
     by_name = {o.name: o for o in outputs}
     kept, kept_bytes = [], [0]
-    version = version_for(compression is not None, holds_per_rank(encoded_tree))  # v4 carries per-rank values
+    version = version_for(compression is not None, encoded_holds_per_rank(encoded_tree))  # v4 carries per-rank values
     budget = buffer_budget(limit, "convert", read_reserve(base, files_per_rank))
     buffers = SliceBuffers(files_per_rank, max(ALIGN, min(budget // files_per_rank, _largest_slice(outputs))))
 
