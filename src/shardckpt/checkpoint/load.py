@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 
-import torch
 
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
 from shardckpt.checkpoint.load_any import load_reader, pick, tensor_refs, wanted_keys
