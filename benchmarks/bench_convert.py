@@ -30,7 +30,7 @@ Targets (issue 9): convert <= 1.5x the limit; torch's path >= 2.5x convert's tim
 ``--plan-70b``: only the planning ``convert`` does before writing, for a Llama-2-70B + AdamW SHARDED
 checkpoint saved by 1024 ranks converted to 768 (the model and manifest of ``bench_manifest_scale.py``):
 the manifest is built in memory and written alone to a scratch directory (no data files), then timed:
-``open_reader`` + ``logical_view`` + ``_select``, then ``convert._plan`` (one entry per tensor, its chunks placed
+``open_reader`` + ``logical_view`` + ``conversion.select``, then ``convert._plan`` (one entry per tensor, its chunks placed
 for every output rank, and ``save_plan.plan_placed``); peak RSS sampled. Target: <= 10 s and <= 2 GiB.
 
     python benchmarks/bench_convert.py --repeats 3 --json /tmp/bench/convert.json   # 2 GiB (~3 min)
@@ -336,7 +336,8 @@ def plan_70b(args) -> dict:
     import bench_manifest_scale as ms
 
     from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK
-    from shardckpt.convert.convert import _placement, _plan, _select
+    from shardckpt.convert.conversion import select
+    from shardckpt.convert.convert import _placement, _plan
     from shardckpt.format.manifest import MANIFEST_NAME
     from shardckpt.format.tree import encode
     from shardckpt.formats.detect import open_reader
@@ -363,7 +364,7 @@ def plan_70b(args) -> dict:
         t = {}
         t0, c0 = time.perf_counter(), time.process_time()
         reader = logical_view(open_reader(scratch))
-        _, outputs = _select(reader, (), (), None)
+        _, outputs = select(reader, (), (), None)
         t1 = time.perf_counter()
         place = functools.partial(_placement, out_type="sharded", world=world, reader=reader)
         plan = _plan(outputs, place, world, DEFAULT_FILES_PER_RANK, None, "plan-70b")
@@ -382,7 +383,7 @@ def plan_70b(args) -> dict:
         t.update(rss_before=rss.base, rss_peak=rss.peak, rss_delta=rss.delta)
         print(f"planning {t['outputs']} tensors x {world} ranks ({t['tasks']:,} write tasks): {t['total_s']:.2f} s "
               f"wall, {t['cpu_s']:.2f} s CPU [{verdict(t['total_s'] <= PLAN_LIMIT_S)} <= {PLAN_LIMIT_S:.0f} s]\n"
-              f"  open_reader + logical_view + _select {t['open_select_s']:.2f} s, plan (placements of "
+              f"  open_reader + logical_view + select {t['open_select_s']:.2f} s, plan (placements of "
               f"{t['outputs'] * world:,} chunks) {t['plan_s']:.2f} s\n"
               f"  peak RSS {t['rss_peak'] / MIB:.0f} MiB (before {t['rss_before'] / MIB:.0f} MiB, "
               f"+{t['rss_delta'] / MIB:.0f}"

@@ -421,7 +421,9 @@ def test_a_save_failing_in_flight_at_destroy_raises_there_on_every_rank(tmp_path
 _EXIT_AFTER = textwrap.dedent("""
     import atexit, sys, torch, shardckpt
     atexit.register(lambda: print("the program's own exit handler ran", flush=True))
-    path, how = sys.argv[1], sys.argv[2]
+    path, how, log = sys.argv[1], sys.argv[2], sys.argv[3]
+    log = open(log, "w")  # left open, as many training scripts leave their logs
+    log.write("step 9 loss 0.1\\n")  # buffered, written when the interpreter finalizes
     shardckpt.async_save({"w": torch.arange(1 << 20, dtype=torch.float32), "step": 9}, path)
     if how == "raise":
         raise RuntimeError("the training loop raised")
@@ -433,8 +435,8 @@ _EXIT_AFTER = textwrap.dedent("""
 @pytest.mark.parametrize("how", ["end", "sys.exit", "raise"])
 def test_a_save_in_flight_at_exit_is_finished_however_the_program_ends(tmp_path, how):
     path = str(tmp_path / "ckpt")
-    proc = subprocess.run([sys.executable, "-c", _EXIT_AFTER, path, how], capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    proc = subprocess.run([sys.executable, "-c", _EXIT_AFTER, path, how, str(tmp_path / "log")], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert proc.returncode == (1 if how == "raise" else 0), proc.stderr
     assert "the program's own exit handler ran" in proc.stdout
     got = shardckpt.load_full(path)
@@ -446,9 +448,11 @@ def test_a_save_failing_in_flight_at_exit_makes_the_exit_status_1(tmp_path, how)
     # It printed the error and exited 0: a lost checkpoint reported as success.
     (tmp_path / "file").write_text("not a directory")
     path = str(tmp_path / "file" / "ckpt")
-    proc = subprocess.run([sys.executable, "-c", _EXIT_AFTER, path, how], capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    proc = subprocess.run([sys.executable, "-c", _EXIT_AFTER, path, how, str(tmp_path / "log")], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert proc.returncode == 1, proc.stderr
     assert f"shardckpt: the async save to {path} failed: NotADirectoryError" in proc.stderr
     assert "nothing was committed there" in proc.stderr
     assert "the program's own exit handler ran" in proc.stdout  # the other exit handlers still run
+    with open(tmp_path / "log") as f:
+        assert f.read() == "step 9 loss 0.1\n"  # what the program left buffered is not lost to the exit

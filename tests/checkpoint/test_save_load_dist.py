@@ -58,3 +58,23 @@ def test_full_read_in_one_process_matches_reference(saved):
         assert full["step"] == ref["step"] and full["meta"] == ref["meta"]
         only = shardckpt.load_full(path, keys=["model.tiny"])
         assert list(only) == ["model"] and list(only["model"]) == ["tiny"]
+
+
+def _load_with_a_mismatch_on_rank_1(path: str) -> tuple[str, bool]:
+    import torch
+
+    sd = {"a": torch.zeros(4), "b": torch.zeros(3 if dist.get_rank() == 1 else 2)}  # b's shape is wrong on rank 1
+    try:
+        shardckpt.load(sd, path)
+    except shardckpt.IncompatibleCheckpointError as e:
+        return str(e), bool(sd["a"].eq(0).all())
+    return "loaded", False
+
+
+def test_a_mismatch_on_one_rank_is_refused_on_every_rank_before_any_reads(tmp_path):
+    import torch
+
+    path = str(tmp_path / "ck")
+    shardckpt.save({"a": torch.ones(4), "b": torch.ones(2)}, path)
+    for message, untouched in run_ranks(2, _load_with_a_mismatch_on_rank_1, path):
+        assert "'b'" in message and untouched  # rank 0 read nothing either (it filled 'a' before)

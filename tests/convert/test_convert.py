@@ -15,6 +15,7 @@ from shardckpt import CheckpointExistsError, IncompatibleCheckpointError, StateD
 from shardckpt.checkpoint.verify import verify
 from shardckpt.cli.main import main
 from shardckpt.convert import memory
+from shardckpt.convert import convert as convert_module
 from shardckpt.convert.convert import convert
 from shardckpt.convert.diff import diff
 from shardckpt.formats.detect import open_reader
@@ -84,7 +85,7 @@ def test_a_committed_destination_is_kept_unless_overwrite(tmp_path):
         [f"data-{_manifest(tmp_path / 'dst').generation}"]  # the replaced generation is gone
 
 
-def test_a_failure_mid_way_commits_nothing_and_leaves_the_old_checkpoint(tmp_path, monkeypatch):
+def test_a_failure_mid_way_commits_nothing_keeps_the_old_checkpoint_and_what_a_rerun_resumes(tmp_path, monkeypatch):
     shardckpt.save(_state(), tmp_path / "src")
     shardckpt.save({"old": torch.ones(2)}, tmp_path / "dst")
     from shardckpt.formats.native import NativeReader
@@ -101,7 +102,19 @@ def test_a_failure_mid_way_commits_nothing_and_leaves_the_old_checkpoint(tmp_pat
         convert(tmp_path / "src", tmp_path / "dst", world_size=2, overwrite=True)
     monkeypatch.undo()
     assert set(shardckpt.load_full(tmp_path / "dst")) == {"old"} and verify(tmp_path / "dst").ok
-    assert len([n for n in os.listdir(tmp_path / "dst") if n.startswith("data-")]) == 1  # its files removed
+    assert len([n for n in os.listdir(tmp_path / "dst") if n.startswith("data-")]) == 2  # kept for the rerun
+    report = convert(tmp_path / "src", tmp_path / "dst", world_size=2, overwrite=True)
+    assert report.kept_bytes > 0 and verify(tmp_path / "dst").ok and diff(tmp_path / "src", tmp_path / "dst").equal
+    assert len([n for n in os.listdir(tmp_path / "dst") if n.startswith("data-")]) == 1  # the old one removed
+
+
+def test_what_a_failed_conversion_left_is_debris_for_gc(tmp_path, monkeypatch):
+    shardckpt.save(_state(), tmp_path / "src")
+    monkeypatch.setattr(convert_module, "write_rank_files", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        convert(tmp_path / "src", tmp_path / "dst", world_size=2)
+    assert [n for n in os.listdir(tmp_path / "dst") if n.startswith("data-")]
+    assert shardckpt.checkpoint.gc.gc(tmp_path / "dst") and not os.listdir(tmp_path / "dst")
 
 
 def test_foreign_sources(tmp_path):

@@ -2,8 +2,10 @@
 had finished and writes the rest; the result is the one an uninterrupted run commits. Nothing partial loads."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import uuid
 
 import pytest
 import torch
@@ -219,7 +221,18 @@ DAMAGE = {
     "the journal of another file": lambda data: shutil.copy(os.path.join(data, "resume", "rank-00001-0.bin.json"),
                                                             os.path.join(data, "resume", "rank-00000-0.bin.json")),
     "a torn journal": lambda data: _truncate(os.path.join(data, "resume", "rank-00000-0.bin.json"), 40),
+    "a journal's chunk checksum": lambda data: _flip_journal_chunk_crc(os.path.join(data, "resume",
+                                                                                    "rank-00000-0.bin.json")),
 }
+
+
+def _flip_journal_chunk_crc(path: str) -> None:
+    """One bit of the first finished chunk's CRC32C in a journal that stays valid JSON (its blocks' CRCs intact)."""
+    with open(path) as f:
+        doc = json.load(f)
+    doc["index"]["chunks"][0][4] ^= 1
+    with open(path, "w") as f:
+        json.dump(doc, f, separators=(",", ":"))
 
 
 @pytest.mark.parametrize("compress", [None, "zstd"])
@@ -291,4 +304,26 @@ def test_local_workers_keep_what_a_killed_run_wrote_and_report_it_all(tmp_path):
     kept = sum(tensor.dtype.itemsize * region.numel for tensor in manifest.tensors.values()
                for _, region, file in chunks_of(tensor) if file // 2 < 2)  # two files a rank: ranks 0 and 1
     assert report.kept_ranks == (0, 1) and report.kept_bytes == kept > 0
+    assert verify(dst).ok and diff(src, dst).equal
+
+
+def test_a_failing_second_run_never_removes_what_the_first_committed(tmp_path, monkeypatch):
+    """On an object store (no locks) two runs of one conversion share its data directory: A commits while B
+    writes, then B fails (a store error) and must leave A's data alone (it removed the directory)."""
+    src, dst = tmp_path / "src", f"memory://resume-{uuid.uuid4().hex[:8]}"
+    shardckpt.save(_state(), src)
+    real, calls = convert_module.write_rank_files, []
+
+    def second_run_then_fail(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            monkeypatch.setattr(convert_module, "write_rank_files", real)
+            convert(src, dst, world_size=4)  # A: the same command, to its commit
+            monkeypatch.setattr(convert_module, "write_rank_files", second_run_then_fail)
+            return real(*args, **kwargs)
+        raise OSError("connection reset (injected)")
+
+    monkeypatch.setattr(convert_module, "write_rank_files", second_run_then_fail)
+    with pytest.raises(OSError, match="injected"):
+        convert(src, dst, world_size=4)
     assert verify(dst).ok and diff(src, dst).equal

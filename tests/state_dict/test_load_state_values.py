@@ -22,14 +22,21 @@ def _save(path: str) -> None:
     rank = dist.get_rank()
     extra = {"step": 7, "rng": PerRank(torch.tensor([rank, 10 * rank])), "loader": PerRank({"epoch": 1, "at": rank}),
              "scale": torch.arange(3.0), "nested": {"t": torch.ones(2, dtype=torch.int64), "plain": [1, "x"]}}
-    shardckpt.save_state(_model(), None, path, type=StateDictType.SHARDED_STATE_DICT, extra=extra)
+    model = _model()
+    with torch.no_grad():  # other values than a fresh model's: a load that happened shows
+        for p in model.parameters():
+            p.add_(1.0)
+    shardckpt.save_state(model, None, path, type=StateDictType.SHARDED_STATE_DICT, extra=extra)
 
 
 def _load(path: str) -> object:
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
     try:
-        return shardckpt.load_state(_model(), None, path)
+        return shardckpt.load_state(model, None, path)
     except shardckpt.CheckpointError as e:
-        return f"{type(e).__name__}: {e}"
+        untouched = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        return f"{type(e).__name__}: {e}" + ("" if untouched else " (AND THE MODEL WAS LOADED IN PART)")
 
 
 def test_extras_come_back_with_their_tensors_and_each_rank_its_own_per_rank_value(tmp_path):
@@ -48,6 +55,7 @@ def test_a_rank_the_save_did_not_have_is_refused_on_every_rank(tmp_path):
     for outcome in run_ranks(3, _load, path):
         assert isinstance(outcome, str) and outcome.startswith("IncompatibleCheckpointError")
         assert "'rng'" in outcome and "saved by 2 ranks, so rank 2 has none" in outcome
+        assert "LOADED IN PART" not in outcome  # refused before any rank read anything
 
 
 def test_at_a_smaller_world_size_each_rank_gets_its_own(tmp_path):

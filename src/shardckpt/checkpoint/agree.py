@@ -130,7 +130,7 @@ def fill_per_rank(encoded: Any, parts: list[dict[str, Any]]) -> Any:
     return {k: fill_per_rank(v, parts) for k, v in encoded.items()}
 
 
-def holds_per_rank(encoded: Any) -> bool:
+def encoded_holds_per_rank(encoded: Any) -> bool:
     """Whether an encoded tree holds per-rank values (markers, or stored ``PerRankValues`` saved again)."""
     stack = [encoded]
     while stack:

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import gc
+import io
 import os
 import sys
 import threading
@@ -208,15 +210,24 @@ def _close_savers_at_exit() -> None:
 
 
 def _exit_status_1() -> None:
-    """Run the other exit handlers, then end with status 1: an exit handler cannot set the status otherwise."""
+    """Run the other exit handlers, flush what the program left open, then end with status 1: an exit handler
+    cannot set the status otherwise (a status the program set itself, sys.exit(3), becomes 1 too)."""
     atexit.unregister(_exit_status_1)
     atexit._run_exitfuncs()  # noqa: SLF001
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
+    _flush_open_files()
     os._exit(1)
+
+
+def _flush_open_files() -> None:
+    """Flush every open Python file, as finalization would have (``os._exit`` skips it: a log the program left
+    open would lose what it buffered); text files first, so that their bytes reach their buffers."""
+    files = [f for f in gc.get_objects() if isinstance(f, io.IOBase)]
+    for f in sorted(files, key=lambda f: not isinstance(f, io.TextIOBase)):
+        try:
+            if not f.closed and f.writable():
+                f.flush()
+        except (OSError, ValueError):  # a broken pipe, a closed descriptor: nothing more to do for it
+            pass
 
 
 threading._register_atexit(_close_savers_at_exit)  # noqa: SLF001 - the hook concurrent.futures uses itself

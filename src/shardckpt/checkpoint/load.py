@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 
-import torch
 
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
 from shardckpt.checkpoint.load_any import load_reader, pick, tensor_refs, wanted_keys
@@ -55,16 +54,22 @@ def load(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
     """
     group, storage = resolve_group(process_group), open_storage(path, storage_options)
     if not _is_native(group, storage):
-        reader = attempt(group.rank, lambda: open_reader(path, storage_options=storage_options,
-                                                         io_threads=io_threads, verify=verify_checksums))
+        reader = agreed(group, lambda: open_reader(path, storage_options=storage_options, io_threads=io_threads,
+                                                   verify=verify_checksums))
         if not isinstance(reader, NativeReader):  # (a native one: a manifest committed since; the path below)
-            outcome = reader if isinstance(reader, Failure) else \
-                attempt(group.rank, lambda: _load_from(reader, state_dict, strict, group.rank))
-            raise_failures(group.all_gather(outcome))
+            raise_failures(group.all_gather(attempt(group.rank, lambda: _load_from(reader, state_dict, strict,
+                                                                                   group))))
             return
     _with_retries(group, storage, lambda storage, manifest: _load_from(
-        NativeReader(storage, manifest, io_threads=io_threads, verify=verify_checksums), state_dict, strict,
-        group.rank))
+        NativeReader(storage, manifest, io_threads=io_threads, verify=verify_checksums), state_dict, strict, group))
+
+
+def agreed(group: Group, fn: Callable[[], T]) -> T:
+    """``fn()`` on every rank, then its outcome agreed: if it raised on any rank, every rank raises that
+    (before any rank goes on, e.g. to read into its targets: a refusal leaves every rank's targets as they were)."""
+    outcome = attempt(group.rank, fn)
+    raise_failures(group.all_gather(outcome if isinstance(outcome, Failure) else None))
+    return outcome
 
 
 def _is_native(group: Group, storage: Storage) -> bool:
@@ -110,23 +115,29 @@ def load_pieces(path: str | os.PathLike, build: Callable[[Manifest | ReaderConte
     """
     group, storage = resolve_group(process_group), open_storage(path, storage_options)
     if not _is_native(group, storage):
-        reader = attempt(group.rank, lambda: open_reader(path, storage_options=storage_options,
-                                                         io_threads=io_threads, verify=verify_checksums))
+        reader = agreed(group, lambda: open_reader(path, storage_options=storage_options, io_threads=io_threads,
+                                                   verify=verify_checksums))
         if not isinstance(reader, NativeReader):  # (a native one: a manifest committed since; the path below)
-            outcome = reader if isinstance(reader, Failure) else attempt(group.rank, lambda: _read_built(reader, build))
+            outcome = attempt(group.rank, lambda: _read_built(reader, build, group))
             raise_failures(group.all_gather(outcome if isinstance(outcome, Failure) else None))  # not the contents
             return outcome
 
     def work(storage: Storage, manifest: Manifest) -> Manifest:
-        NativeReader(storage, manifest, io_threads=io_threads, verify=verify_checksums).read(build(manifest))
+        requests = agreed(group, lambda: build(manifest))
+        NativeReader(storage, manifest, io_threads=io_threads, verify=verify_checksums).read(requests)
         return manifest
 
     return _with_retries(group, storage, work)
 
 
-def _read_built(reader: CheckpointReader, build: Callable[[ReaderContents], list[ReadRequest]]) -> ReaderContents:
-    contents = ReaderContents(reader.tree(), reader.tensors())
-    reader.read(build(contents))
+def _read_built(reader: CheckpointReader, build: Callable[[ReaderContents], list[ReadRequest]],
+                group: Group) -> ReaderContents:
+    def built() -> tuple[ReaderContents, list[ReadRequest]]:
+        contents = ReaderContents(reader.tree(), reader.tensors())
+        return contents, build(contents)
+
+    contents, requests = agreed(group, built)
+    reader.read(requests)
     return contents
 
 
@@ -150,10 +161,14 @@ def _generation_changed(group: Group, storage: Storage, manifest: Manifest) -> b
     return group.broadcast(current) != manifest.generation
 
 
-def _load_from(reader: CheckpointReader, state_dict: dict, strict: bool, rank: int) -> None:
-    for view in _READER_VIEWS:
-        reader = view(reader, state_dict)
-    matched = match(reader.tree(), reader.tensors(), state_dict, strict, rank)
+def _load_from(reader: CheckpointReader, state_dict: dict, strict: bool, group: Group) -> None:
+    """Match ``state_dict`` to the checkpoint on every rank, agree, then read (a mismatch on any rank: nothing read)."""
+    def matched_on(reader: CheckpointReader):
+        for view in _READER_VIEWS:
+            reader = view(reader, state_dict)
+        return reader, match(reader.tree(), reader.tensors(), state_dict, strict, group.rank)
+
+    reader, matched = agreed(group, lambda: matched_on(reader))
     reader.read(matched.requests)
     matched.write_back()
 

@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardckpt._version import __version__
-from shardckpt.checkpoint.agree import digest, fill_per_rank, holds_per_rank, per_rank_names, refuse_difference
+from shardckpt.checkpoint.agree import (
+    digest, encoded_holds_per_rank, fill_per_rank, per_rank_names, refuse_difference,
+)
 from shardckpt.checkpoint.save_plan import PieceInfo, SavePlan, WriteTask, make_save_plan
 from shardckpt.checkpoint.gc import collect
 from shardckpt.checkpoint.stage import Staged, stage
@@ -254,7 +256,7 @@ def _per_rank(whole: tuple | Failure | _Differs, gathered: list) -> list:
     if isinstance(whole, _Differs):
         return [_Differs(whole.tree if g.digest != gathered[0].digest else None) for g in gathered]
     save_plan, tree, _ = whole
-    version = version_for(save_plan.compression is not None, holds_per_rank(tree))
+    version = version_for(save_plan.compression is not None, encoded_holds_per_rank(tree))
     return [(save_plan.generation, save_plan.tasks[r], save_plan.files_per_rank, save_plan.compression, version)
             for r in range(len(gathered))]
 
@@ -287,7 +289,7 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
     if failures:
         _remove_quietly(storage, data_dir(generation))
         raise_failures(failures)
-    version = version_for(save_plan.compression is not None, holds_per_rank(encoded_tree))
+    version = version_for(save_plan.compression is not None, encoded_holds_per_rank(encoded_tree))
     try:
         _check_versions(results, version, encoded_tree)
     except CheckpointError:

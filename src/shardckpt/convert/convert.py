@@ -3,7 +3,8 @@ or state-dict type, offline, without holding the model in memory: in one process
 ranks of a process group (``spread_over``; ``torchrun ... -m shardckpt.cli.main convert``), on one machine
 or several that see the same source and destination.
 
-The source is read through the read interface; a LOCAL shardckpt checkpoint through its flat layouts
+What is converted is decided first, before anything is written (``convert.conversion``). The source is
+read through the read interface; a LOCAL shardckpt checkpoint through its flat layouts
 (``state_dict.logical``), so its parameters and optimizer state appear by name, padding never shows. The
 output is planned as ``world_size`` ranks would save it (``checkpoint.save_plan``) and written rank by rank,
 ``files_per_rank`` writers at a time: each chunk is streamed, a slice at a time, from the source through the
@@ -21,7 +22,7 @@ the values are not cast: what is committed is what was read.
 
 Spread over W workers, worker ``i`` writes the output ranks ``r`` with ``r % W == i`` (every worker plans
 the same output; worker 0's generation names it), worker 0 gathers their results and commits, and every
-worker raises the first worker's failure (nothing is committed then, and the new files are removed).
+worker raises the first worker's failure (nothing is committed then; what was written stays for a rerun).
 
 Output types: FULL stores every tensor whole; SHARDED stores every tensor of one or more dimensions as
 ``world_size`` dim-0 chunks (``torch.chunk`` semantics, as ``get_state_dict(type=SHARDED)`` gives them)
@@ -40,41 +41,31 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from shardckpt.checkpoint.agree import encoded_holds_per_rank
 from shardckpt.checkpoint.gc import committed_dir
-from shardckpt.checkpoint.agree import holds_per_rank
-from shardckpt.checkpoint.load_any import pick, replace_refs, wanted_keys
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
 from shardckpt.checkpoint.save_plan import SavePlan, TensorPlan, plan_placed
-from shardckpt.checkpoint.stage import check_unique_names
 from shardckpt.checkpoint.writer import write_rank_files
-from shardckpt.convert.local_output import LocalAtWorldSize, no_layouts_error
+from shardckpt.convert.conversion import (
+    TYPES, Conversion, ConversionRequestError, conversion, key_type_of_option,
+)
+from shardckpt.convert.local_output import LocalAtWorldSize
 from shardckpt.convert.memory import DEFAULT_MEMORY_LIMIT, buffer_budget, read_reserve
 from shardckpt.convert.rank_files import RankFiles
-from shardckpt.convert.streams import ALIGN, Output, Progress, ReadOnDemand, SliceBuffers
 from shardckpt.convert.resume import conversion_generation, journal_dir
+from shardckpt.convert.streams import ALIGN, Output, Progress, ReadOnDemand, SliceBuffers
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
-from shardckpt.errors import CheckpointExistsError, CorruptCheckpointError, IncompatibleCheckpointError, UnsupportedValueError
+from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from shardckpt.format.codecs import Compression
 from shardckpt.format.dtypes import DTYPES, dtype_name, itemsize
 from shardckpt.format.manifest import MANIFEST_NAME, version_for
-from shardckpt.format.tree import TensorRef, check_savable_depth, encode, leaves, path_name
 from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.detect import open_reader
 from shardckpt.io import DirHold, Storage, open_storage
 from shardckpt.regions import Region, dim0_chunk, full_region
-from shardckpt.state_dict.flat import LAYOUTS_KEY
-from shardckpt.state_dict.logical import is_local, logical_view, recorded_param_names
-from shardckpt.state_dict.rekey import key_type_of, keyed_by_name, rekey_optim_state_dict
-from shardckpt.state_dict.types import OptimStateKeyType, StateDictType
+from shardckpt.state_dict.types import OptimStateKeyType
 
-TYPES = ("full", "sharded", "local")  # output types
-# save_state's metadata names the type by StateDictType value ("SHARDED_STATE_DICT"); convert's by TYPES
-_TYPE_NAMES = {t.value: t.name.removesuffix("_STATE_DICT").lower() for t in StateDictType}  # as stored -> TYPES
-_STORED_TYPES = {name: value for value, name in _TYPE_NAMES.items()}  # TYPES -> as save_state stores it
-
-
-class ConversionRequestError(IncompatibleCheckpointError, ValueError):
-    """What was asked cannot be made of this source: a selection that keeps nothing, or a cast of LOCAL output."""
+__all__ = ["convert", "ConvertReport", "ConversionRequestError", "TYPES"]
 
 
 @dataclass(frozen=True)
@@ -125,67 +116,39 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             optim_key=optim_key))
     from shardckpt.convert.export import parse_size
 
-    limit = parse_size(memory_limit)
-    key_type = _key_type(optim_key)
-    compression = Compression.parse(compress)
-    base = open_reader(src, storage_options=storage_options)
-    metadata = dict(getattr(getattr(base, "manifest", None), "metadata", None) or {})
-    source_world = getattr(getattr(base, "manifest", None), "world_size", 1)
-    stored_type = metadata.get("state_dict_type", "full")
-    source_type = "local" if is_local(base.tree()) else _TYPE_NAMES.get(stored_type, stored_type)
-    world = _world_size(world_size, source_world)
-    out_type = _output_type(type, source_type, world)
-    if out_type == "local":
-        if source_type != "local":
-            raise no_layouts_error(str(src), source_type)
-        if dtype is not None:
-            raise ConversionRequestError("dtype: LOCAL output keeps the flat layouts' dtypes; cast with type='sharded' or 'full'")
-        reader: CheckpointReader = LocalAtWorldSize(base, world, str(src))
-    else:
-        reader = logical_view(base, param_names=param_names)
-        metadata.pop("param_names", None)  # a FULL or SHARDED output has no flat layouts to go with them
-    # IDs number FULL and SHARDED output's parameters as the job's FULL state dict does, and so LOCAL output's
-    # per-parameter state (use_orig_params); LOCAL output's flat groups as torch does (param groups' order);
-    # stored LOCAL IDs without recorded names follow the layouts
-    local = out_type == "local"
-    by_flat_group = local and not reader.per_parameter_optim
-    # Rekeyed only when the source keys it the other way: then the output records the names its IDs stand for
-    # and the new key type; otherwise state and metadata stay as they are (an ID-keyed state without names
-    # keeps the numbering its own metadata, or torch's param-group order, gives it).
-    source_optim = reader.tree().get("optim") if isinstance(reader.tree(), dict) else None
-    if key_type is not None and not (isinstance(source_optim, dict) and "state" in source_optim
-                                     and key_type_of(source_optim) not in (None, key_type)):
-        key_type = None
-    rekey = None if key_type is None else functools.partial(
-        _rekeyed, key_type=key_type, id_order=None if by_flat_group else param_names or recorded_param_names(base),
-        stored_order=(lambda: dict(enumerate(reader.layouts))) if local else None)
-    encoded_tree, outputs = _select(reader, only, exclude, dtype, rekey)
-    if key_type is not None and isinstance(encoded_tree.get("optim"), dict):
-        metadata["optim_key"] = key_type.value
-    if out_type == "local" and not is_local(encoded_tree):
-        raise ConversionRequestError(f"only={list(only)} exclude={list(exclude)} leave out model.{LAYOUTS_KEY}: LOCAL output "
-                         "keeps the flat layouts")
+    limit, compression = parse_size(memory_limit), Compression.parse(compress)
+    what = conversion(open_reader(src, storage_options=storage_options), str(src), world_size, type, dtype,
+                      only, exclude, param_names, key_type_of_option(optim_key))
     storage = open_storage(dst, dst_storage_options)
     if not overwrite and storage.exists(MANIFEST_NAME):
         raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: a checkpoint already exists; pass "
                                     "overwrite=True (--overwrite) to replace it")
-    place = functools.partial(_placement, out_type=out_type, world=world, reader=reader)
-    workers = resolve_group(LOCAL if spread_over is None else spread_over)
-    shaping = {"world": world, "type": out_type, "dtype": dtype, "only": list(only), "exclude": list(exclude),
-               "files_per_rank": files_per_rank, "compress": compress, "param_names": param_names,
-               "optim_key": None if key_type is None else key_type.value}
-    plan = _plan(outputs, place, world, files_per_rank, compression,
-                 workers.broadcast(conversion_generation(base, storage, shaping)))
+    shaping = {"world": what.world, "type": what.out_type, "dtype": dtype, "only": list(only),
+               "exclude": list(exclude), "files_per_rank": files_per_rank, "compress": compress,
+               "param_names": param_names, "optim_key": None if what.key_type is None else what.key_type.value}
+    return _write_and_commit(what, storage, resolve_group(LOCAL if spread_over is None else spread_over), shaping,
+                             compression, limit, progress, overwrite)
+
+
+def _write_and_commit(what: Conversion, storage: Storage, workers: Group, shaping: dict,
+                      compression: Compression | None, limit: int, progress: Callable[[int, int], None] | None,
+                      overwrite: bool) -> ConvertReport:
+    """Write this process's share of the output ranks (keeping what a killed run wrote and that checks), then
+    commit: this process alone, or the workers' coordinator once every worker's share is written."""
+    world, files_per_rank = what.world, shaping["files_per_rank"]
+    place = functools.partial(_placement, out_type=what.out_type, world=world, reader=what.reader)
+    plan = _plan(what.outputs, place, world, files_per_rank, compression,
+                 workers.broadcast(conversion_generation(what.base, storage, shaping)))
     mine = [r for r in range(world) if r % workers.world_size == workers.rank and plan.tasks[r]]
     tick = Progress(_share_bytes(plan, mine), progress)
-    by_name = {o.name: o for o in outputs}
+    by_name = {o.name: o for o in what.outputs}
     kept, kept_bytes = [], [0]
-    version = version_for(compression is not None, holds_per_rank(encoded_tree))  # v4 carries per-rank values
-    budget = buffer_budget(limit, "convert", read_reserve(base, files_per_rank))
-    buffers = SliceBuffers(files_per_rank, max(ALIGN, min(budget // files_per_rank, _largest_slice(outputs))))
+    version = version_for(compression is not None, encoded_holds_per_rank(what.encoded_tree))  # v4: per-rank values
+    budget = buffer_budget(limit, "convert", read_reserve(what.base, files_per_rank))
+    buffers = SliceBuffers(files_per_rank, max(ALIGN, min(budget // files_per_rank, _largest_slice(what.outputs))))
 
     def write(r: int):
-        pieces = ReadOnDemand(reader, by_name, functools.partial(place, rank=r), tick, buffers)
+        pieces = ReadOnDemand(what.reader, by_name, functools.partial(place, rank=r), tick, buffers)
         files = RankFiles(storage, plan, pieces, buffers.take, tick, version)  # a killed run's: checked, kept
         result = write_rank_files(storage, f"{data_dir(plan.generation)}/rank-{r:05d}", plan.tasks[r], pieces,
                                   files_per_rank, compression, version=version, write_file=files.write)
@@ -194,24 +157,19 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
         return result
 
     def commit_checked(results: list) -> None:
+        raise_failures([r for r in results if isinstance(r, Failure)])  # what was written stays, for a rerun
         try:
-            _check_against_source(plan, results, outputs)
+            _check_against_source(plan, results, what.outputs)
         except CorruptCheckpointError:
-            storage.remove_dir(data_dir(plan.generation))  # else a rerun would keep what was wrong
+            _remove_uncommitted(storage, plan.generation)  # else a rerun would keep what was wrong
             raise
         storage.remove_dir(journal_dir(plan.generation))
-        commit(storage, plan, plan.generation, results, world, encoded_tree, metadata, overwrite)
+        commit(storage, plan, plan.generation, results, world, what.encoded_tree, what.metadata, overwrite)
 
-    metadata.update({"state_dict_type": _STORED_TYPES[out_type]})
     hold = _hold_output(storage, plan.generation, workers)
     try:
-        if workers.world_size == 1:
-            try:
-                results = [write(r) if r in mine else None for r in range(world)]
-            except BaseException:
-                storage.remove_dir(data_dir(plan.generation))
-                raise
-            commit_checked(results)
+        if workers.world_size == 1:  # a failure (Ctrl-C, a full disk) keeps what was written: a rerun resumes it
+            commit_checked([write(r) if r in mine else None for r in range(world)])
         else:
             shares = workers.gather(attempt(workers.rank, lambda: {r: write(r) for r in mine}))
             outcome = attempt(0, lambda: commit_checked(_in_rank_order(shares, world))) \
@@ -220,88 +178,19 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     finally:
         if hold is not None:
             hold.release()
-    written = sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in outputs)
-    return ConvertReport(world, out_type, len(outputs), written, tuple(kept), kept_bytes[0])
+    written = sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in what.outputs)
+    return ConvertReport(world, what.out_type, len(what.outputs), written, tuple(kept), kept_bytes[0])
 
 
-def _world_size(asked: int | None, source: int) -> int:
-    world = source if asked is None else asked
-    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        raise ValueError(f"world_size must be a positive int, got {asked!r}")
-    return world
-
-
-def _key_type(asked: str | OptimStateKeyType | None) -> OptimStateKeyType | None:
-    if asked is None or isinstance(asked, OptimStateKeyType):
-        return asked
-    names = {"name": OptimStateKeyType.PARAM_NAME, "id": OptimStateKeyType.PARAM_ID}
-    if asked not in names:
-        raise ValueError(f"optim_key must be 'name' or 'id', got {asked!r}")
-    return names[asked]
-
-
-def _output_type(asked: str | None, source: str, world: int) -> str:
-    if asked is None:
-        asked = "sharded" if source == "full" and world > 1 else source
-    if asked not in TYPES:
-        raise ValueError(f"type must be one of {TYPES}, got {asked!r}")
-    return asked
-
-
-class OutputTensor:
-    """A tensor leaf of the output tree (encoded as a reference by its path)."""
-
-
-def _is_output_tensor(value: Any) -> bool:
-    return isinstance(value, OutputTensor)
-
-
-def _select(reader: CheckpointReader, only: Sequence[str], exclude: Sequence[str], dtype: torch.dtype | None,
-            rekey: Callable[[dict], dict] | None = None) -> tuple[Any, list[Output]]:
-    """The encoded output tree and its tensors, after ``only``/``exclude``, ``rekey`` (of the optimizer state)
-    and the cast; checked as ``save`` checks a state dict (depth, unique names, plain values it can store)
-    before anything is written."""
-    source = reader.tree()
-    if not isinstance(source, dict):
-        raise UnsupportedValueError(f"the source holds a {type(source).__name__} at its root; a shardckpt checkpoint "
-                                    "holds a dict (save it as {'name': value} first)")
-    keep, drop = wanted_keys(only or None), wanted_keys(exclude) if exclude else (lambda name: False)
-    tree = pick(source, (), lambda name: keep(name) and not drop(name))
-    if not tree:
-        raise ConversionRequestError(f"nothing to convert: only={list(only)} exclude={list(exclude)} leave no entry of the source")
-    if rekey is not None and isinstance(tree.get("optim"), dict) and "state" in tree["optim"]:
-        tree["optim"] = {**tree["optim"], **rekey(tree["optim"])}
-    infos = reader.tensors()
-    outputs = []
-    for path, leaf in leaves(tree, lambda v: isinstance(v, TensorRef)):
-        if isinstance(leaf, TensorRef):
-            info = infos[leaf.name]
-            cast = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
-            outputs.append(Output(path_name(path), path, info, cast))
-    marked = replace_refs(tree, dict.fromkeys((o.source.name for o in outputs), OutputTensor()))
-    check_savable_depth(marked)
-    check_unique_names(_as_tensors(marked))
-    return encode(marked, _is_output_tensor), outputs
-
-
-def _rekeyed(optim: dict, key_type: OptimStateKeyType, id_order: Sequence[str] | None,
-             stored_order: Callable[[], dict[int, str]] | None) -> dict:
-    """The optimizer state and param groups keyed by ``key_type``: names to IDs in ``id_order`` (else the param
-    groups' order), IDs to the names the groups record (else ``id_order``, else ``stored_order()``)."""
-    if key_type is OptimStateKeyType.PARAM_NAME:
-        return keyed_by_name(optim, id_order, stored_order, arg="param_names")
-    return rekey_optim_state_dict(optim, key_type, id_order)
-
-
-def _as_tensors(tree: Any) -> Any:
-    """The tree with meta tensors at the tensor leaves (for the save-side name checks)."""
-    if _is_output_tensor(tree):
-        return torch.empty(0, device="meta")
-    if isinstance(tree, dict):
-        return {k: _as_tensors(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return [_as_tensors(v) for v in tree]
-    return tree
+def _remove_uncommitted(storage: Storage, generation: str) -> None:
+    """Remove the data directory of ``generation`` unless a committed manifest names it: a conversion's generation
+    is the same for every run of it, and another run of the same command may have committed it meanwhile."""
+    try:
+        committed = committed_dir(storage)
+    except CheckpointError:  # a manifest that cannot be read now: keep everything
+        return
+    if committed != data_dir(generation):
+        storage.remove_dir(data_dir(generation))
 
 
 def _placement(output: Output, rank: int, *, out_type: str, world: int,

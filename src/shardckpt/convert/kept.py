@@ -72,8 +72,9 @@ def _planned(claim: Claim, tasks: list[WriteTask], plan: SavePlan) -> list[Chunk
         blocks = -(-length // _writer.BLOCK_SIZE)
         if record.offset != pos + (-pos % ALIGN) or record.block_size != _writer.BLOCK_SIZE:
             break
-        if whole and (record.length != length or record.codec not in (RAW, codec)):
-            break
+        if whole and (record.length != length or record.codec not in (RAW, codec) or len(record.blocks) != blocks
+                      or record.crc32c != combine_block_crcs(record.blocks, length, record.block_size)):
+            break  # the chunk's checksum is the blocks' (which are read back), never the journal's word alone
         if not whole:
             if len(record.blocks) > blocks or (codec != RAW and len(record.frames) != len(record.blocks)) or \
                     (codec == RAW and record.frames):

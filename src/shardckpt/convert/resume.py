@@ -34,7 +34,7 @@ from shardckpt.formats.api import CheckpointReader
 from shardckpt.io import FileWriter, LocalStorage, Storage
 
 JOURNAL_FORMAT = "shardckpt-convert-journal"
-JOURNAL_BYTES = 16 << 20  # a journal is replaced after every this many bytes written (or 1/32 of the file so far)
+JOURNAL_BYTES = 16 << 20  # a journal is replaced after this many bytes written, or 1/32 of the file so far if more
 
 
 def source_identity(reader: CheckpointReader) -> str | None:
@@ -77,7 +77,7 @@ def file_digest(plan: SavePlan, data_path: str, tasks: list[WriteTask], version:
 
 class FileJournal:
     """The journal of one data file as it is written (``checkpoint.writer.Journal``): replaced after every
-    ``JOURNAL_BYTES`` (or 1/32 of the file so far) written where a partial file can be gone on with (``partial``:
+    ``JOURNAL_BYTES`` (or, when that is more, 1/32 of the file so far) written where a partial file can be gone on with (``partial``:
     local disk); ``finish`` records the file finished. Not synced: nothing is kept on its word alone (a rerun
     reads every kept byte back), and a journal synced every few MiB would wait for the data file's writeback."""
 

@@ -128,9 +128,10 @@ class S3Storage(FsspecStorage):
         """The pause before the next attempt after ``e`` (full jitter), or raise: ``e`` itself when it is not
         transient, a ``StorageError`` when the pause would pass the deadline."""
         if not _retryable(e):
-            if isinstance(e, (OSError, CheckpointError, KeyError)):
+            if isinstance(e, (OSError, CheckpointError)):
                 raise e
-            # botocore's own errors (no credentials, a parameter it refuses) are not OSErrors: name the object
+            # botocore's own errors (no credentials, a parameter it refuses) and a malformed answer (a KeyError)
+            # are not OSErrors: a StorageError names the object
             raise StorageError(f"{self._display(path)}: {what} failed: {type(e).__name__}: {e}") from e
         pause = random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2 ** tries))
         if time.monotonic() + pause >= start + self.tuning.retry_deadline_s:

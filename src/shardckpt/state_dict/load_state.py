@@ -246,7 +246,7 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
             hyper[:] = [_materialized(values, ("optim", "param_groups"), manifest, rank, requests) for values in hyper]
         return requests
 
-    manifest = load_pieces(path, build, process_group=process_group, **load_kwargs)
+    load_pieces(path, build, process_group=process_group, **load_kwargs)
     shards_changed()  # read straight into the shards: groups kept gathered must gather again
     for state, key, value in scalars:
         state[key] = value

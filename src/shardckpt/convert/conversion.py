@@ -1,0 +1,176 @@
+"""What ``convert`` makes of a source, decided before anything is written: the output's world size and type,
+the reader the output is made of (the source by parameter, or a LOCAL source at the new world size), the
+optimizer state's key type, and the output's encoded tree and tensors after ``only`` / ``exclude``, the rekey
+and the cast, checked as ``save`` checks a state dict. ``convert.convert`` writes it."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from shardckpt.checkpoint.load_any import pick, replace_refs, wanted_keys
+from shardckpt.checkpoint.stage import check_unique_names
+from shardckpt.convert.local_output import LocalAtWorldSize, no_layouts_error
+from shardckpt.convert.streams import Output
+from shardckpt.errors import IncompatibleCheckpointError, UnsupportedValueError
+from shardckpt.format.tree import TensorRef, check_savable_depth, encode, leaves, path_name
+from shardckpt.formats.api import CheckpointReader
+from shardckpt.state_dict.flat import LAYOUTS_KEY
+from shardckpt.state_dict.logical import is_local, logical_view, recorded_param_names
+from shardckpt.state_dict.rekey import key_type_of, keyed_by_name, rekey_optim_state_dict
+from shardckpt.state_dict.types import OptimStateKeyType, StateDictType
+
+TYPES = ("full", "sharded", "local")  # output types
+# save_state's metadata names the type by StateDictType value ("SHARDED_STATE_DICT"); convert's by TYPES
+_TYPE_NAMES = {t.value: t.name.removesuffix("_STATE_DICT").lower() for t in StateDictType}  # as stored -> TYPES
+_STORED_TYPES = {name: value for value, name in _TYPE_NAMES.items()}  # TYPES -> as save_state stores it
+
+
+class ConversionRequestError(IncompatibleCheckpointError, ValueError):
+    """What was asked cannot be made of this source: a selection that keeps nothing, or a cast of LOCAL output."""
+
+
+@dataclass
+class Conversion:
+    """What a conversion writes, decided from the source before anything is written."""
+
+    base: CheckpointReader  # the source as stored
+    reader: CheckpointReader  # the source as the output is made of it (by parameter, or LOCAL at the new size)
+    world: int
+    out_type: str
+    key_type: OptimStateKeyType | None  # the optimizer state rekeyed to it (None: kept as the source keys it)
+    encoded_tree: Any
+    outputs: list[Output]
+    metadata: dict
+
+
+def conversion(base: CheckpointReader, src: str, world_size: int | None, type: str | None,
+                dtype: torch.dtype | None, only: Sequence[str], exclude: Sequence[str],
+                param_names: Sequence[str] | None, key_type: OptimStateKeyType | None) -> Conversion:
+    metadata = dict(getattr(getattr(base, "manifest", None), "metadata", None) or {})
+    stored_type = metadata.get("state_dict_type", "full")
+    source_type = "local" if is_local(base.tree()) else _TYPE_NAMES.get(stored_type, stored_type)
+    world = world_size_of(world_size, getattr(getattr(base, "manifest", None), "world_size", 1))
+    out_type = _output_type(type, source_type, world)
+    if out_type == "local":
+        if source_type != "local":
+            raise no_layouts_error(src, source_type)
+        if dtype is not None:
+            raise ConversionRequestError("dtype: LOCAL output keeps the flat layouts' dtypes; cast with "
+                                         "type='sharded' or 'full'")
+        reader: CheckpointReader = LocalAtWorldSize(base, world, src)
+    else:
+        reader = logical_view(base, param_names=param_names)
+        metadata.pop("param_names", None)  # a FULL or SHARDED output has no flat layouts to go with them
+    key_type, rekey = _rekeying(base, reader, out_type, key_type, param_names)
+    encoded_tree, outputs = select(reader, only, exclude, dtype, rekey)
+    if key_type is not None and isinstance(encoded_tree.get("optim"), dict):
+        metadata["optim_key"] = key_type.value
+    if out_type == "local" and not is_local(encoded_tree):
+        raise ConversionRequestError(f"only={list(only)} exclude={list(exclude)} leave out model.{LAYOUTS_KEY}: "
+                                     "LOCAL output keeps the flat layouts")
+    metadata["state_dict_type"] = _STORED_TYPES[out_type]
+    return Conversion(base, reader, world, out_type, key_type, encoded_tree, outputs, metadata)
+
+
+def _rekeying(base: CheckpointReader, reader: CheckpointReader, out_type: str, key_type: OptimStateKeyType | None,
+              param_names: Sequence[str] | None) -> tuple[OptimStateKeyType | None, Callable[[dict], dict] | None]:
+    """The key type the optimizer state is rekeyed to, and how (None, None: it stays as the source keys it).
+
+    Rekeyed only when the source keys it the other way: then the output records the names its IDs stand for
+    and the new key type; otherwise state and metadata stay as they are (an ID-keyed state without names keeps
+    the numbering its own metadata, or torch's param-group order, gives it). IDs number FULL and SHARDED
+    output's parameters as the job's FULL state dict does, and so LOCAL output's per-parameter state
+    (use_orig_params); LOCAL output's flat groups as torch does (param groups' order); stored LOCAL IDs without
+    recorded names follow the layouts."""
+    source_optim = reader.tree().get("optim") if isinstance(reader.tree(), dict) else None
+    if key_type is None or not (isinstance(source_optim, dict) and "state" in source_optim
+                                and key_type_of(source_optim) not in (None, key_type)):
+        return None, None
+    local = out_type == "local"
+    by_flat_group = local and not reader.per_parameter_optim
+    return key_type, functools.partial(
+        _rekeyed, key_type=key_type, id_order=None if by_flat_group else param_names or recorded_param_names(base),
+        stored_order=(lambda: dict(enumerate(reader.layouts))) if local else None)
+
+
+def world_size_of(asked: int | None, source: int) -> int:
+    world = source if asked is None else asked
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"world_size must be a positive int, got {asked!r}")
+    return world
+
+
+def key_type_of_option(asked: str | OptimStateKeyType | None) -> OptimStateKeyType | None:
+    if asked is None or isinstance(asked, OptimStateKeyType):
+        return asked
+    names = {"name": OptimStateKeyType.PARAM_NAME, "id": OptimStateKeyType.PARAM_ID}
+    if asked not in names:
+        raise ValueError(f"optim_key must be 'name' or 'id', got {asked!r}")
+    return names[asked]
+
+
+def _output_type(asked: str | None, source: str, world: int) -> str:
+    if asked is None:
+        asked = "sharded" if source == "full" and world > 1 else source
+    if asked not in TYPES:
+        raise ValueError(f"type must be one of {TYPES}, got {asked!r}")
+    return asked
+
+
+class OutputTensor:
+    """A tensor leaf of the output tree (encoded as a reference by its path)."""
+
+
+def _is_output_tensor(value: Any) -> bool:
+    return isinstance(value, OutputTensor)
+
+
+def select(reader: CheckpointReader, only: Sequence[str], exclude: Sequence[str], dtype: torch.dtype | None,
+            rekey: Callable[[dict], dict] | None = None) -> tuple[Any, list[Output]]:
+    """The encoded output tree and its tensors, after ``only``/``exclude``, ``rekey`` (of the optimizer state)
+    and the cast; checked as ``save`` checks a state dict (depth, unique names, plain values it can store)
+    before anything is written."""
+    source = reader.tree()
+    if not isinstance(source, dict):
+        raise UnsupportedValueError(f"the source holds a {type(source).__name__} at its root; a shardckpt checkpoint "
+                                    "holds a dict (save it as {'name': value} first)")
+    keep, drop = wanted_keys(only or None), wanted_keys(exclude) if exclude else (lambda name: False)
+    tree = pick(source, (), lambda name: keep(name) and not drop(name))
+    if not tree:
+        raise ConversionRequestError(f"nothing to convert: only={list(only)} exclude={list(exclude)} leave no entry of the source")
+    if rekey is not None and isinstance(tree.get("optim"), dict) and "state" in tree["optim"]:
+        tree["optim"] = {**tree["optim"], **rekey(tree["optim"])}
+    infos = reader.tensors()
+    outputs = []
+    for path, leaf in leaves(tree, lambda v: isinstance(v, TensorRef)):
+        if isinstance(leaf, TensorRef):
+            info = infos[leaf.name]
+            cast = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+            outputs.append(Output(path_name(path), path, info, cast))
+    marked = replace_refs(tree, dict.fromkeys((o.source.name for o in outputs), OutputTensor()))
+    check_savable_depth(marked)
+    check_unique_names(_as_tensors(marked))
+    return encode(marked, _is_output_tensor), outputs
+
+
+def _rekeyed(optim: dict, key_type: OptimStateKeyType, id_order: Sequence[str] | None,
+             stored_order: Callable[[], dict[int, str]] | None) -> dict:
+    """The optimizer state and param groups keyed by ``key_type``: names to IDs in ``id_order`` (else the param
+    groups' order), IDs to the names the groups record (else ``id_order``, else ``stored_order()``)."""
+    if key_type is OptimStateKeyType.PARAM_NAME:
+        return keyed_by_name(optim, id_order, stored_order, arg="param_names")
+    return rekey_optim_state_dict(optim, key_type, id_order)
+
+
+def _as_tensors(tree: Any) -> Any:
+    """The tree with meta tensors at the tensor leaves (for the save-side name checks)."""
+    if _is_output_tensor(tree):
+        return torch.empty(0, device="meta")
+    if isinstance(tree, dict):
+        return {k: _as_tensors(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_as_tensors(v) for v in tree]
+    return tree
