@@ -21,7 +21,7 @@ nothing is cold), then one untimed ``python -c "import torch, shardckpt"`` so th
 cached again as for any command run twice: the checkpoint's bytes are cold, Python and torch are not.
 Peak RSS of ``convert`` and ``torch``: each one's own ``ru_maxrss``, through a small launcher (``child``); until
 2026-11-23 it was read straight from this process's ``os.wait4``, which reports this process's peak when larger.
-The first converted checkpoint is checked ``diff``-equal to the source (``shardckpt.convert.diff.diff``),
+The first converted checkpoint is checked ``diff``-equal to the source (``shardckpt.offline.diff.diff``),
 and the shardckpt and DCP sources are checked ``diff``-equal to each other (same state, by value).
 
 Targets (issue 9): convert <= 1.5x the limit; torch's path >= 2.5x convert's time; convert's peak RSS
@@ -258,7 +258,7 @@ def run(args, shard_dir: str, dcp_dir: str, base: str) -> dict:
 
 
 def check_converted(src: str, dst: str) -> dict:
-    from shardckpt.convert.diff import diff
+    from shardckpt.offline.diff import diff
     from shardckpt.formats.detect import open_reader
 
     t0 = time.perf_counter()
@@ -274,7 +274,7 @@ def check_converted(src: str, dst: str) -> dict:
 
 
 def check_sources(shard_dir: str, dcp_dir: str) -> dict:
-    from shardckpt.convert.diff import diff
+    from shardckpt.offline.diff import diff
 
     t0 = time.perf_counter()
     rep = diff(shard_dir, dcp_dir)
@@ -336,8 +336,8 @@ def plan_70b(args) -> dict:
     import bench_manifest_scale as ms
 
     from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK
-    from shardckpt.convert.conversion import select
-    from shardckpt.convert.convert import _placement, _plan
+    from shardckpt.offline.conversion import select
+    from shardckpt.offline.convert import _placement, _plan
     from shardckpt.format.manifest import MANIFEST_NAME
     from shardckpt.format.tree import encode
     from shardckpt.formats.detect import open_reader

@@ -39,7 +39,7 @@ import torch
 from _common import can_drop_caches, drop_caches, loadavg, median, remove
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONVERT = ("import sys, time; from shardckpt.convert.convert import convert; t = time.perf_counter(); "
+CONVERT = ("import sys, time; from shardckpt.offline.convert import convert; t = time.perf_counter(); "
            "r = convert(sys.argv[1], sys.argv[2], world_size=3, workers=int(sys.argv[3])); "
            "print(time.perf_counter() - t, r.kept_bytes, r.bytes_written)")
 POINTS = (0.3, 0.6, 0.9)
@@ -49,7 +49,7 @@ def build_source(root: str, gib: float) -> str:
     """A SHARDED ws-4 checkpoint of a model + Adam state of ``gib`` GiB (built once, kept across runs)."""
     import shardckpt
     from bench_save_load import model_shapes
-    from shardckpt.convert.convert import convert
+    from shardckpt.offline.convert import convert
 
     src = os.path.join(root, f"src-{gib:g}")
     if os.path.exists(os.path.join(src, "manifest.json")):
@@ -121,7 +121,7 @@ def killed_after_bytes(cmd: list[str], dst: str, nbytes: int) -> float | None:
 
 
 def run_mode(src: str, root: str, workers: int, repeats: int, warm: bool, checked: set) -> dict:
-    from shardckpt.convert.diff import diff
+    from shardckpt.offline.diff import diff
 
     straight: list = []
     reruns: dict = {x: [] for x in POINTS}

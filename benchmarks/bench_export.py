@@ -109,7 +109,7 @@ def build(shapes: dict, shard_dir: str, dcp_dir: str) -> None:
 
 def shard_limit(sizes: list[int]) -> int:
     """The smallest --max-shard-size (bytes) that export plans into ``SHARDS`` files for these bf16 sizes."""
-    from shardckpt.convert.export import plan_shards
+    from shardckpt.offline.export import plan_shards
 
     limit = -(-sum(sizes) // SHARDS)
     while len(plan_shards(sizes, limit)) > SHARDS:
@@ -168,7 +168,7 @@ def run(args, shard_dir: str, dcp_dir: str, base: str, max_shard: int) -> dict:
 
 
 def check(exported: str, src: str) -> dict:
-    from shardckpt.convert.verify_export import verify_export
+    from shardckpt.offline.verify_export import verify_export
 
     result = verify_export(exported, against=src)
     files = sorted(f for f in os.listdir(exported) if f.endswith(".safetensors"))

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options, usage_error
 from shardckpt.cli.progress import Progress
 
-from shardckpt.convert.convert import TYPES, convert
-from shardckpt.convert.export import parse_size
-from shardckpt.convert.memory import DEFAULT_MEMORY_LIMIT
+from shardckpt.offline.convert import TYPES, convert
+from shardckpt.offline.export import parse_size
+from shardckpt.offline.memory import DEFAULT_MEMORY_LIMIT
 from shardckpt.format.codecs import Compression
 
 EPILOG = """sources: shardckpt checkpoints of any type and world size (LOCAL ones through their flat layouts),

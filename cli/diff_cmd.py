@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 from shardckpt.cli.options import STORAGE_HELP, add_storage_options, non_negative, storage_options
 
-from shardckpt.convert.diff import diff
+from shardckpt.offline.diff import diff
 
 EPILOG = """compares: the tensors each side holds (by name), their shapes and dtypes, their values (by checksum
 where both sides store one, else read in bounded slices), and the plain values. Exact (bit for bit) unless

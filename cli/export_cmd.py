@@ -7,7 +7,7 @@ import time
 from shardckpt.cli.options import STORAGE_HELP, add_rename_map, add_storage_options, storage_options, usage_error
 from shardckpt.cli.progress import Progress
 
-from shardckpt.convert.export import DEFAULT_MAX_SHARD_SIZE, cast_dtype, export, parse_size, slice_bytes_for
+from shardckpt.offline.export import DEFAULT_MAX_SHARD_SIZE, cast_dtype, export, parse_size, slice_bytes_for
 
 EPILOG = """sources: shardckpt checkpoints of any type and world size (LOCAL ones by parameter name), torch DCP
 directories, safetensors files or Hugging Face directories, torch.save files. Exported: the `model` entry of a

@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any
 
-from shardckpt.convert.rename import Renames
+from shardckpt.offline.rename import Renames
 
 STORAGE_HELP = """storage options (passed to the fsspec filesystem of s3://, gs://, ... URLs):
   --storage-option endpoint_url=http://127.0.0.1:9000   a custom S3 endpoint (MinIO, Ceph radosgw, ...)

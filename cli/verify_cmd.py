@@ -12,7 +12,7 @@ from shardckpt.cli.progress import Progress
 from shardckpt.checkpoint.describe import foreign_format
 from shardckpt.checkpoint.verify import verify
 from shardckpt.io import DEFAULT_IO_THREADS
-from shardckpt.convert.verify_export import verify_export
+from shardckpt.offline.verify_export import verify_export
 from shardckpt.errors import CheckpointError, CorruptCheckpointError
 
 EPILOG = """checks: the manifest's own checksum (format v2 on); every data file present with its recorded

@@ -23,9 +23,9 @@ ALLOWED = {
     "checkpoint": BASE | {"dist", "io", "format", "formats"},
     "runtime": BASE | {"dist"},
     "state_dict": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime"},
-    "convert": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict"},
+    "offline": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict"},
     "demo": BASE | {"dist", "io", "format", "checkpoint", "runtime", "state_dict"},
-    "cli": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict", "convert", "demo", "cli"},
+    "cli": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict", "offline", "demo", "cli"},
 }
 
 

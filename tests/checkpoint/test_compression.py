@@ -14,8 +14,8 @@ from shardckpt import CorruptCheckpointError, FlatRange, ShardedTensor
 from shardckpt.checkpoint.describe import describe
 from shardckpt.checkpoint.load import load_pieces
 from shardckpt.checkpoint.verify import verify
-from shardckpt.convert.convert import convert
-from shardckpt.convert.diff import diff
+from shardckpt.offline.convert import convert
+from shardckpt.offline.diff import diff
 from shardckpt.format.dtypes import DTYPES
 from shardckpt.formats.api import ReadRequest
 from shardckpt.formats.native import NativeReader, frames, read_manifest

@@ -15,7 +15,7 @@ from shardckpt.checkpoint.agree import digest, fill_per_rank, refuse_difference
 from shardckpt.checkpoint.collect import is_tensor_like
 from shardckpt.checkpoint.save import commit, persist, plan, stage
 from shardckpt.checkpoint.verify import verify
-from shardckpt.convert.diff import diff
+from shardckpt.offline.diff import diff
 from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError, UnsupportedValueError
 from shardckpt.format.manifest import parse_manifest, seal
 from shardckpt.format.tree import PerRankValues, encode

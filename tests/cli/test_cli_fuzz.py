@@ -24,7 +24,7 @@ from torch import nn
 import shardckpt
 from shardckpt import StateDictType
 from shardckpt.cli.main import main
-from shardckpt.convert.export import export
+from shardckpt.offline.export import export
 from shardckpt.runtime import shard
 
 CASES = int(os.environ.get("SHARDCKPT_CLI_FUZZ_CASES", "400"))

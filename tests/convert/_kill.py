@@ -39,8 +39,8 @@ def parent_of_workers(src: str, dst: str, stage: str, marks: str) -> None:
 
     import torch.multiprocessing as mp
 
-    from shardckpt.convert import workers
-    from shardckpt.convert.convert import convert
+    from shardckpt.offline import workers
+    from shardckpt.offline.convert import convert
 
     real_start = mp.start_processes
 
@@ -62,8 +62,8 @@ def _stalling_worker(rank: int, world: int, port: int, queue, src, dst, options:
     """The real worker, stopped for good at ``stage`` (see ``parent_of_workers``) after writing its mark."""
     import time
 
-    import shardckpt.convert.convert as convert_module
-    from shardckpt.convert import workers
+    import shardckpt.offline.convert as convert_module
+    from shardckpt.offline import workers
 
     def stop() -> None:
         open(os.path.join(marks, str(rank)), "w").close()

@@ -14,10 +14,10 @@ import shardckpt
 from shardckpt import CheckpointExistsError, IncompatibleCheckpointError, StateDictType
 from shardckpt.checkpoint.verify import verify
 from shardckpt.cli.main import main
-from shardckpt.convert import memory
-from shardckpt.convert import convert as convert_module
-from shardckpt.convert.convert import convert
-from shardckpt.convert.diff import diff
+from shardckpt.offline import memory
+from shardckpt.offline import convert as convert_module
+from shardckpt.offline.convert import convert
+from shardckpt.offline.diff import diff
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.native import read_manifest
 from shardckpt.io import open_storage

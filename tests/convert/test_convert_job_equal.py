@@ -12,8 +12,8 @@ import torch
 
 import shardckpt
 from shardckpt import CorruptCheckpointError, OptimStateKeyType, StateDictType
-from shardckpt.convert.convert import convert
-from shardckpt.convert.diff import diff
+from shardckpt.offline.convert import convert
+from shardckpt.offline.diff import diff
 from shardckpt.formats.native import read_manifest
 from shardckpt.io import open_storage
 from shardckpt.runtime import ShardingStrategy, shard

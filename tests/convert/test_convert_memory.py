@@ -10,9 +10,9 @@ import torch
 
 import shardckpt
 from shardckpt.checkpoint.verify import verify
-from shardckpt.convert import memory
-from shardckpt.convert.convert import convert
-from shardckpt.convert.diff import diff
+from shardckpt.offline import memory
+from shardckpt.offline.convert import convert
+from shardckpt.offline.diff import diff
 from shardckpt.demo.processes import run_measured
 from shardckpt.formats.native import read_manifest
 from shardckpt.io import open_storage

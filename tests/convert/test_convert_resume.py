@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import shardckpt
-import shardckpt.convert.convert as convert_module
+import shardckpt.offline.convert as convert_module
 from shardckpt import CheckpointNotFoundError
 from shardckpt.checkpoint import writer
 from shardckpt.checkpoint.verify import verify
-from shardckpt.convert import memory, resume, streams
-from shardckpt.convert.convert import convert
-from shardckpt.convert.diff import diff
+from shardckpt.offline import memory, resume, streams
+from shardckpt.offline.convert import convert
+from shardckpt.offline.diff import diff
 from shardckpt.format.manifest import chunks_of
 from shardckpt.formats.native import read_manifest
 from shardckpt.io import LocalStorage, open_storage

@@ -11,10 +11,10 @@ import pytest
 import torch.distributed as dist
 
 import shardckpt
-import shardckpt.convert.convert as convert_module
+import shardckpt.offline.convert as convert_module
 from shardckpt.checkpoint.verify import verify
-from shardckpt.convert.convert import convert
-from shardckpt.convert.diff import diff
+from shardckpt.offline.convert import convert
+from shardckpt.offline.diff import diff
 from shardckpt.formats.native import read_manifest
 from shardckpt.io import open_storage
 from tests._dist import run_ranks

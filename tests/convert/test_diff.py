@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 import shardckpt
 from shardckpt.cli.main import main
-from shardckpt.convert.diff import diff
+from shardckpt.offline.diff import diff
 
 
 def _state() -> dict:

@@ -19,12 +19,12 @@ from safetensors.torch import load_file
 import shardckpt
 from shardckpt import CheckpointExistsError, CorruptCheckpointError, StateDictType
 from shardckpt.cli.main import main
-from shardckpt.convert import memory
-from shardckpt.convert.convert import convert
-from shardckpt.convert.export import (
+from shardckpt.offline import memory
+from shardckpt.offline.convert import convert
+from shardckpt.offline.export import (
     INDEX_NAME, SINGLE_FILE, NoModelWeightsError, export, header_bytes, parse_size, plan_shards, strip_wrappers,
 )
-from shardckpt.convert.verify_export import verify_export
+from shardckpt.offline.verify_export import verify_export
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.native import NativeReader
 from shardckpt.io.remote import FsspecStorage
@@ -346,7 +346,7 @@ def test_export_to_an_fsspec_memory_filesystem_writes_the_index_last(tmp_path, m
 
 
 def test_header_is_padded_to_8_bytes():
-    from shardckpt.convert.export import _Tensor
+    from shardckpt.offline.export import _Tensor
 
     for n in range(1, 12):
         raw = header_bytes([_Tensor("x" * n, "x", torch.float32, torch.float32, (2,))], {"format": "pt"})
@@ -423,7 +423,7 @@ def test_the_memory_limit_bounds_the_slices(tmp_path, monkeypatch):
 
 def _killed_after(files: int, src, dst, **options) -> None:
     """export killed (kill -9 style) as it starts file number ``files + 1``."""
-    import shardckpt.convert.safetensors_files as module
+    import shardckpt.offline.safetensors_files as module
 
     killed_after(files, module, "write_file", lambda: export(src, dst, **options))
 
@@ -451,7 +451,7 @@ def test_a_killed_export_resumes_rewriting_only_its_unfinished_files(tmp_path, m
             "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"]
         with pytest.raises(shardckpt.CheckpointNotFoundError):
             open_reader(dst)
-    import shardckpt.convert.safetensors_files as module
+    import shardckpt.offline.safetensors_files as module
     real, wrote = module.write_file, []
     monkeypatch.setattr(module, "write_file", lambda storage, path, *a: (wrote.append(path), real(storage, path, *a)))
     report = export(tmp_path / "src", dst, **options)

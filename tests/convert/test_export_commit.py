@@ -14,9 +14,9 @@ import torch
 import shardckpt
 from shardckpt import CheckpointExistsError, CorruptCheckpointError
 from shardckpt.checkpoint.gc import gc
-from shardckpt.convert import safetensors_files
-from shardckpt.convert.export import INDEX_NAME, export
-from shardckpt.convert.verify_export import verify_export
+from shardckpt.offline import safetensors_files
+from shardckpt.offline.export import INDEX_NAME, export
+from shardckpt.offline.verify_export import verify_export
 from shardckpt.formats.detect import open_reader
 
 OPTIONS = {"max_shard_size": 17_000}  # 4 tensors of 16 KiB: 4 files
@@ -199,7 +199,7 @@ def test_two_exports_of_one_foreign_source_are_diff_equal(tmp_path):
     that diff calls equal (their __metadata__ included)."""
     from safetensors.torch import save_file
 
-    from shardckpt.convert.diff import diff
+    from shardckpt.offline.diff import diff
 
     save_file({"a": torch.ones(300), "b": torch.zeros(300)}, str(tmp_path / "src.safetensors"))
     for name in ("e1", "e2"):

@@ -9,7 +9,7 @@ import transformers
 
 import shardckpt
 from shardckpt import FullStateDictConfig, StateDictType
-from shardckpt.convert.export import export
+from shardckpt.offline.export import export
 from tests._dist import run_ranks
 
 

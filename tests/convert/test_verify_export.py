@@ -10,8 +10,8 @@ import torch
 
 import shardckpt
 from shardckpt.cli.main import main
-from shardckpt.convert.export import INDEX_NAME, SINGLE_FILE, export
-from shardckpt.convert.verify_export import verify_export
+from shardckpt.offline.export import INDEX_NAME, SINGLE_FILE, export
+from shardckpt.offline.verify_export import verify_export
 from shardckpt.errors import CheckpointError
 from shardckpt.tensor_views import as_bytes
 

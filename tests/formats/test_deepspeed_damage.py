@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 import shardckpt
-from shardckpt.convert.convert import convert
-from shardckpt.convert.export import export
+from shardckpt.offline.convert import convert
+from shardckpt.offline.export import export
 from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.formats.deepspeed import DeepSpeedReader
 from shardckpt.formats.deepspeed.unpickle import LossScaler

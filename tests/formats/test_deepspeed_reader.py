@@ -19,9 +19,9 @@ from torch import nn
 
 import shardckpt
 from shardckpt import runtime
-from shardckpt.convert.convert import convert
-from shardckpt.convert.diff import diff
-from shardckpt.convert.export import export
+from shardckpt.offline.convert import convert
+from shardckpt.offline.diff import diff
+from shardckpt.offline.export import export
 from shardckpt.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.formats.api import ReadRequest
 from shardckpt.formats.deepspeed import DeepSpeedReader

@@ -270,7 +270,7 @@ def test_a_read_checks_the_records_it_reads_and_only_those(tmp_path):
 def test_reading_a_big_file_in_slices_keeps_only_the_slice_resident(tmp_path):
     """The mapped pages a read touched are given back: reading 96 MiB through one 4 MiB buffer stays near 4 MiB
     (without it, every page read stays in the process's resident set)."""
-    from shardckpt.convert.memory import resident_bytes
+    from shardckpt.offline.memory import resident_bytes
 
     big = torch.arange(24 << 20, dtype=torch.int32)  # 96 MiB
     torch.save({"big": big}, tmp_path / "big.pt")

@@ -11,7 +11,7 @@ import torch
 
 import shardckpt
 from shardckpt import CorruptCheckpointError, IncompatibleCheckpointError, StateDictType
-from shardckpt.convert.diff import diff
+from shardckpt.offline.diff import diff
 from shardckpt.format.tree import TensorRef
 from shardckpt.formats.api import ReadRequest
 from shardckpt.formats.detect import open_reader

@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 import shardckpt
 from shardckpt import IncompatibleCheckpointError, OptimStateKeyType, StateDictType
-from shardckpt.convert.convert import convert
-from shardckpt.convert.diff import diff
+from shardckpt.offline.convert import convert
+from shardckpt.offline.diff import diff
 from shardckpt.runtime import ShardingStrategy, shard
 from tests._dist import run_ranks
 from tests.runtime import _helpers, _model

@@ -15,8 +15,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import shardckpt
 from shardckpt import runtime
-from shardckpt.convert.convert import convert
-from shardckpt.convert.diff import diff
+from shardckpt.offline.convert import convert
+from shardckpt.offline.diff import diff
 from shardckpt.dist.group import LOCAL
 from shardckpt.state_dict.zero_redundancy import load_zero_partition_state, zero_partition_state
 from tests._dist import run_ranks

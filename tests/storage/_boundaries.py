@@ -141,7 +141,7 @@ def install(spec: Spec) -> None:
     _spec, _count = spec, 0
     if _originals:
         return
-    from shardckpt.convert import safetensors_files
+    from shardckpt.offline import safetensors_files
     from shardckpt.io import local, remote, s3, s3_transfer
 
     for cls in (local.LocalStorage, remote.FsspecStorage, s3.S3Storage):
@@ -387,7 +387,7 @@ def _serve(address: str, ready) -> None:
 def worker(rank: int, *args) -> None:
     """``convert.workers._worker`` with this process's boundaries numbered and armed (``ENV``)."""
     global _rank
-    from shardckpt.convert import workers
+    from shardckpt.offline import workers
 
     spec = os.environ.get(ENV)
     if spec:

@@ -29,8 +29,8 @@ from safetensors.torch import load_file
 import shardckpt
 from shardckpt import ShardedTensor
 from shardckpt.checkpoint.verify import verify
-from shardckpt.convert.convert import convert
-from shardckpt.convert.export import export
+from shardckpt.offline.convert import convert
+from shardckpt.offline.export import export
 from shardckpt.io import local, remote, s3_transfer
 
 OPERATIONS = ("save ws1", "save ws2", "async_save", "convert", "export")

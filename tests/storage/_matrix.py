@@ -20,10 +20,10 @@ import torch
 import shardckpt
 from shardckpt.checkpoint.describe import describe, foreign_format
 from shardckpt.checkpoint.verify import verify
-from shardckpt.convert.convert import convert
-from shardckpt.convert.diff import diff
-from shardckpt.convert.export import export
-from shardckpt.convert.verify_export import verify_export
+from shardckpt.offline.convert import convert
+from shardckpt.offline.diff import diff
+from shardckpt.offline.export import export
+from shardckpt.offline.verify_export import verify_export
 from shardckpt.errors import CheckpointError
 from tests.storage import _boundaries as bnd
 from tests.storage._util import zeros_like_tree

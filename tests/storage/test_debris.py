@@ -151,7 +151,7 @@ def test_a_generation_directory_collected_before_its_writer_held_it_is_made_agai
     """The window between a writer making its generation directory and opening it to hold it: a collector
     running there removes the empty, unheld directory; the writer makes it again and commits (it failed with
     FileNotFoundError: issue 34, item 12). The collector runs inside the window, through a hook on mkdir."""
-    from shardckpt.convert.convert import convert
+    from shardckpt.offline.convert import convert
 
     shardckpt.save(_state(1.0), tmp_path / "src")
     dst, made, collected = tmp_path / "dst", os.makedirs, []

@@ -29,8 +29,8 @@ from safetensors.torch import load_file
 import shardckpt
 from shardckpt import CheckpointError
 from shardckpt.checkpoint.verify import verify
-from shardckpt.convert.convert import convert
-from shardckpt.convert.export import export
+from shardckpt.offline.convert import convert
+from shardckpt.offline.export import export
 from tests.checkpoint.cases import block_size
 from tests.storage._util import assert_tree_equal, zeros_like_tree
 

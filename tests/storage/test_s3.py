@@ -112,8 +112,8 @@ def test_export_to_s3_stages_nothing_locally_and_verifies_against_its_source(s3_
 
     from safetensors.torch import load as load_bytes
 
-    from shardckpt.convert.export import INDEX_NAME, export
-    from shardckpt.convert.verify_export import verify_export
+    from shardckpt.offline.export import INDEX_NAME, export
+    from shardckpt.offline.verify_export import verify_export
 
     server, bucket = s3_bucket
     g = torch.Generator().manual_seed(9)

@@ -26,9 +26,9 @@ import pytest
 import torch
 
 import shardckpt
-from shardckpt.convert import workers as workers_module
-from shardckpt.convert.convert import convert
-from shardckpt.convert.export import export
+from shardckpt.offline import workers as workers_module
+from shardckpt.offline.convert import convert
+from shardckpt.offline.export import export
 from tests.storage import _boundaries as bnd
 from tests.storage._matrix import VERSIONS, Cases, where
 

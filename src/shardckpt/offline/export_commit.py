@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from shardckpt.checkpoint.gc import EXPORT_STAGING, EXPORT_TEMP
-from shardckpt.convert import safetensors_files
-from shardckpt.convert.safetensors_files import SINGLE_FILE, is_written
+from shardckpt.offline import safetensors_files
+from shardckpt.offline.safetensors_files import SINGLE_FILE, is_written
 from shardckpt.errors import CheckpointError, CheckpointExistsError
 from shardckpt.formats.safetensors_header import EXPORT_ID_KEY, INDEX_NAME
 from shardckpt.io import LocalStorage, Storage

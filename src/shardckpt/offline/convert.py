@@ -46,14 +46,14 @@ from shardckpt.checkpoint.gc import committed_dir
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
 from shardckpt.checkpoint.save_plan import SavePlan, TensorPlan, plan_placed
 from shardckpt.checkpoint.writer import write_rank_files
-from shardckpt.convert.conversion import (
+from shardckpt.offline.conversion import (
     TYPES, Conversion, ConversionRequestError, conversion, key_type_of_option,
 )
-from shardckpt.convert.local_output import LocalAtWorldSize
-from shardckpt.convert.memory import DEFAULT_MEMORY_LIMIT, buffer_budget, read_reserve
-from shardckpt.convert.rank_files import RankFiles
-from shardckpt.convert.resume import conversion_generation, journal_dir
-from shardckpt.convert.streams import ALIGN, Output, Progress, ReadOnDemand, SliceBuffers
+from shardckpt.offline.local_output import LocalAtWorldSize
+from shardckpt.offline.memory import DEFAULT_MEMORY_LIMIT, buffer_budget, read_reserve
+from shardckpt.offline.rank_files import RankFiles
+from shardckpt.offline.resume import conversion_generation, journal_dir
+from shardckpt.offline.streams import ALIGN, Output, Progress, ReadOnDemand, SliceBuffers
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
 from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from shardckpt.format.codecs import Compression
@@ -107,14 +107,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     if workers != 1:
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1 or spread_over is not None:
             raise ValueError(f"workers must be a positive int, without spread_over; got {workers!r}")
-        from shardckpt.convert.workers import convert_in_workers
+        from shardckpt.offline.workers import convert_in_workers
 
         return convert_in_workers(workers, progress, src, dst, dict(
             world_size=world_size, type=type, dtype=dtype, only=only, exclude=exclude, overwrite=overwrite,
             files_per_rank=files_per_rank, param_names=param_names, storage_options=storage_options,
             dst_storage_options=dst_storage_options, compress=compress, memory_limit=memory_limit,
             optim_key=optim_key))
-    from shardckpt.convert.export import parse_size
+    from shardckpt.offline.export import parse_size
 
     limit, compression = parse_size(memory_limit), Compression.parse(compress)
     what = conversion(open_reader(src, storage_options=storage_options), str(src), world_size, type, dtype,

@@ -75,7 +75,7 @@ def convert_in_workers(workers: int, progress: Callable[[int, int], None] | None
 
 def _worker(rank: int, world: int, port: int, queue, src: Any, dst: Any, options: dict, parent: int) -> None:
     die_with_parent(parent)
-    from shardckpt.convert.convert import convert
+    from shardckpt.offline.convert import convert
 
     try:
         with joined(rank, world, port):

@@ -10,7 +10,7 @@ import torch
 
 from shardckpt.checkpoint.save_plan import SavePlan, WriteTask
 from shardckpt.checkpoint.writer import ALIGN, FileProgress
-from shardckpt.convert.resume import Claim
+from shardckpt.offline.resume import Claim
 from shardckpt.errors import CheckpointError
 from shardckpt.format.checksum import combine_block_crcs, crc32c, runs_crc_term
 from shardckpt.format.codecs import RAW, FrameError, decode_frame

@@ -12,8 +12,8 @@ import torch
 
 from shardckpt.checkpoint.load_any import pick, replace_refs, wanted_keys
 from shardckpt.checkpoint.stage import check_unique_names
-from shardckpt.convert.local_output import LocalAtWorldSize, no_layouts_error
-from shardckpt.convert.streams import Output
+from shardckpt.offline.local_output import LocalAtWorldSize, no_layouts_error
+from shardckpt.offline.streams import Output
 from shardckpt.errors import IncompatibleCheckpointError, UnsupportedValueError
 from shardckpt.format.tree import TensorRef, check_savable_depth, encode, leaves, path_name
 from shardckpt.formats.api import CheckpointReader

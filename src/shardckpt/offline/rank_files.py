@@ -12,8 +12,8 @@ import torch
 
 from shardckpt.checkpoint.save_plan import SavePlan, WriteTask
 from shardckpt.checkpoint.writer import FileProgress, StreamedPiece, write_data_file
-from shardckpt.convert.kept import kept_bytes, kept_chunk_terms, kept_progress
-from shardckpt.convert.resume import (
+from shardckpt.offline.kept import kept_bytes, kept_chunk_terms, kept_progress
+from shardckpt.offline.resume import (
     Claim, FileJournal, file_digest, finished_entry, go_on_writing, journal_dir, read_claim,
 )
 from shardckpt.checkpoint import writer as _writer  # its BLOCK_SIZE, read when used (tests shrink it)

@@ -17,9 +17,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from shardckpt.convert.diff import DiffReport, diff
-from shardckpt.convert.export import select
-from shardckpt.convert.rename import Renames
+from shardckpt.offline.diff import DiffReport, diff
+from shardckpt.offline.export import select
+from shardckpt.offline.rename import Renames
 from shardckpt.errors import CheckpointError
 from shardckpt.format.tree import TensorRef
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo

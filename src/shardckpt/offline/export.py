@@ -83,12 +83,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from shardckpt.checkpoint.load_any import wanted_keys
-from shardckpt.convert import safetensors_files
-from shardckpt.convert.export_commit import PlannedFile, commit_local, export_id, index_bytes, write_remote
-from shardckpt.convert.memory import buffer_budget
-from shardckpt.convert.rename import Renames
-from shardckpt.convert.safetensors_files import SHARD_FILE, SINGLE_FILE, existing_export, header_bytes
-from shardckpt.convert.resume import source_identity
+from shardckpt.offline import safetensors_files
+from shardckpt.offline.export_commit import PlannedFile, commit_local, export_id, index_bytes, write_remote
+from shardckpt.offline.memory import buffer_budget
+from shardckpt.offline.rename import Renames
+from shardckpt.offline.safetensors_files import SHARD_FILE, SINGLE_FILE, existing_export, header_bytes
+from shardckpt.offline.resume import source_identity
 from shardckpt.errors import CheckpointExistsError, IncompatibleCheckpointError, UnsupportedValueError
 from shardckpt.format.tree import TensorRef, leaves, path_name
 from shardckpt.formats.api import CheckpointReader
