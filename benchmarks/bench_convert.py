@@ -63,7 +63,7 @@ SAVE_WORLD, OUT_WORLD = 4, 3
 LIMIT_RATIO, TORCH_RATIO, RSS_LIMIT = 1.5, 2.5, 600 * MIB
 PLAN_LIMIT_S, PLAN_RSS = 10.0, 2 * GIB
 METHODS = ("limit", "convert", "torch")
-IMPORT = "import torch, shardckpt"
+IMPORT = "import torch, shardckpt.offline.convert, shardckpt.offline.export"  # what the tool holds at start (import shardckpt is lazy)
 TORCH_SCRIPT = """
 import json, os, sys, time
 t0 = time.perf_counter()

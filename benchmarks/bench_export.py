@@ -45,7 +45,7 @@ GIB, MIB = 1 << 30, 1 << 20
 SAVE_WORLD, SHARDS = 4, 5
 TORCH_RATIO, LIMIT_RATIO, RSS_LIMIT = 2.0, 1.3, 600 * MIB
 METHODS = ("limit", "export", "torch")
-IMPORT = "import torch, shardckpt"
+IMPORT = "import torch, shardckpt.offline.convert, shardckpt.offline.export"  # what the tool holds at start (import shardckpt is lazy)
 SAVE_SCRIPT = """
 import json, os, sys, time
 import torch, shardckpt

@@ -1,18 +1,17 @@
-"""``shardckpt export SRC DST``: the model weights of any readable checkpoint as Hugging Face style safetensors."""
+"""``shardckpt export SRC DST``: the model weights of any readable checkpoint as Hugging Face style safetensors
+(``shardckpt.export``; this module prints its result)."""
 from __future__ import annotations
 
 import argparse
-import time
 
-from shardckpt.cli.options import STORAGE_HELP, add_rename_map, add_storage_options, storage_options, usage_error
-from shardckpt.cli.progress import Progress
-
-from shardckpt.offline.export import DEFAULT_MAX_SHARD_SIZE, cast_dtype, export, parse_size, slice_bytes_for
+from shardckpt.api.results import ExportResult
+from shardckpt.sizes import format_bytes
 
 EPILOG = """sources: shardckpt checkpoints of any type and world size (LOCAL ones by parameter name), torch DCP
 directories, safetensors files or Hugging Face directories, torch.save files. Exported: the `model` entry of a
 training checkpoint (names relative to it), else every tensor outside `optim`/`optimizer`; --only picks other
-entries. Wrapper prefixes `module.` and `_orig_mod.` are removed; tied weights (LOCAL) are written once.
+entries. Wrapper prefixes `module.` and `_orig_mod.` are removed; tied weights (LOCAL) are written once:
+the summary names them ("1 tied weight written once ...: head.weight = tok.weight"); transformers re-ties them.
 Output: model.safetensors, or model-0000i-of-0000N.safetensors and model.safetensors.index.json (written last;
 a rerun after a kill keeps the files it had finished, for a shardckpt source),
 streamed in slices of at most 64 MiB (two buffers), whatever the model's size; --memory-limit bounds the
@@ -29,45 +28,17 @@ examples:
 """
 
 
-def register(sub) -> None:
-    p = sub.add_parser("export", help="export the model weights as Hugging Face style safetensors",
-                       description="Write the model weights of SRC (any readable format) as safetensors files in DST.",
-                       epilog=EPILOG + "\n" + STORAGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", help="source checkpoint, file or fsspec URL")
-    p.add_argument("dst", help="destination directory or fsspec URL")
-    p.add_argument("--dtype", default="keep", type=usage_error(cast_dtype),
-                   help="bfloat16, float16, float32 or keep (default): cast floating-point tensors")
-    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, type=usage_error(parse_size), metavar="SIZE",
-                   help="tensor bytes per file at most, e.g. 5GB (default), 500MiB")
-    p.add_argument("--only", nargs="+", default=None, metavar="PREFIX",
-                   help="export these dotted-name prefixes instead of the model weights")
-    p.add_argument("--strip-prefix", metavar="P", help="remove this prefix from the exported names")
-    add_rename_map(p, "rename the exported tensors: ")
-    p.add_argument("--memory-limit", type=usage_error(parse_size), metavar="SIZE",
-                   help="resident memory of this process at most about SIZE, e.g. 1GiB: what the process holds "
-                        "already (~265 MiB of Python and torch) is spent first, the rest is the read and cast "
-                        "buffers (default: two of 64 MiB); a source's reader may hold one stored chunk more (a "
-                        "DCP chunk, when verified)")
-    p.add_argument("--overwrite", action="store_true", help="replace an export at DST")
-    p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
-    add_storage_options(p)
-    p.set_defaults(run=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    options = storage_options(args)
-    progress = Progress("export", quiet=args.quiet)
-    start = time.monotonic()
-    try:
-        report = export(args.src, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size, only=args.only,
-                        strip_prefix=args.strip_prefix, overwrite=args.overwrite, storage_options=options,
-                        dst_storage_options=options, progress=progress, rename=args.rename_map,
-                        **({} if args.memory_limit is None else {"slice_bytes": slice_bytes_for(args.memory_limit)}))
-    finally:
-        progress.close()
-    if not args.quiet:
-        tied = f", {len(report.tied)} tied left out" if report.tied else ""
-        tied += f", {len(report.kept)} finished files of a killed export kept" if report.kept else ""
-        print(f"{args.dst}: {len(report.files)} file{'s' if len(report.files) > 1 else ''}, {report.tensors} tensors"
-              f"{tied}, {report.total_size} bytes, dtype {report.dtype}, {time.monotonic() - start:.1f} s")
-    return 0
+def show(result: ExportResult, args: argparse.Namespace) -> None:
+    if args.quiet or args.json:
+        return
+    files = len(result.files)
+    extra = ""
+    if result.tied:  # named, so that nobody wonders where they went
+        pairs = [f"{name} = {kept}" for name, kept in list(result.tied.items())[:3]] + (["..."] * (len(result.tied) > 3))
+        count = len(result.tied)
+        extra += (f", {count} tied weight{'s' if count > 1 else ''} written once, under the other name "
+                  f"(transformers re-ties {'them' if count > 1 else 'it'} on load: {', '.join(pairs)})")
+    if result.kept:
+        extra += f", {len(result.kept)} finished files of a killed export kept"
+    print(f"{result.path}: {files} file{'s' if files > 1 else ''}, {result.tensors} tensors, "
+          f"{format_bytes(result.tensor_bytes)} of tensor data, dtype {result.dtype}{extra}, {result.seconds:.1f} s")

@@ -1,16 +1,15 @@
-"""``shardckpt gc PATH``: remove what interrupted saves left behind (never a committed checkpoint's data)."""
+"""``shardckpt gc PATH``: remove what interrupted saves left behind (``shardckpt.gc``; this module prints
+its result)."""
 from __future__ import annotations
 
 import argparse
 
-from shardckpt.cli.options import STORAGE_HELP, add_storage_options, non_negative, storage_options
+from shardckpt.api.results import GcResult
 
-from shardckpt.checkpoint.gc import REMOTE_MIN_AGE_S, gc
-
-EPILOG = f"""what is removed: data-<generation>/ directories the committed manifest does not name, and
+EPILOG = """what is removed: data-<generation>/ directories the committed manifest does not name, and
 manifest.json.tmp-* and *.export-tmp-* files, unless a live save may still use them: on local disk a writer
 holds a lock on what it writes (it dies with the process); on object stores (no locks) anything newer than
-{REMOTE_MIN_AGE_S / 3600:.0f} h is kept (--min-age to change).
+6 h is kept (--min-age to change).
 A successful save does the same at its path after it commits.
 
 examples:
@@ -19,23 +18,12 @@ examples:
 """
 
 
-def register(sub) -> None:
-    p = sub.add_parser("gc", help="remove what interrupted saves left behind",
-                       description="Remove the debris of interrupted saves at PATH; the committed checkpoint and "
-                                   "saves still running are never touched.",
-                       epilog=EPILOG + "\n" + STORAGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", help="checkpoint directory or fsspec URL")
-    p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
-    p.add_argument("--min-age", type=non_negative, metavar="SECONDS",
-                   help="keep entries newer than this (default: by lock on local disk, the ages above otherwise)")
-    add_storage_options(p)
-    p.set_defaults(run=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    removed = gc(args.path, dry_run=args.dry_run, min_age_s=args.min_age, storage_options=storage_options(args))
-    verb = "would remove" if args.dry_run else "removed"
-    for name in removed:
-        print(f"{verb} {name}")
-    print(f"{args.path}: {verb} {len(removed)} {'entry' if len(removed) == 1 else 'entries'}")
-    return 0
+def show(result: GcResult, args: argparse.Namespace) -> None:
+    if args.json:
+        return
+    verb = "would remove" if result.dry_run else "removed"
+    if not args.quiet:
+        for name in result.removed:
+            print(f"{verb} {name}")
+        count = len(result.removed)
+        print(f"{result.path}: {verb} {count} {'entry' if count == 1 else 'entries'}")

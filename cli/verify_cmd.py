@@ -1,19 +1,12 @@
 """``shardckpt verify PATH``: prove a checkpoint complete and uncorrupted; ``verify DST --against SRC``: prove an
-export holds the source's values."""
+export holds the source's values (``shardckpt.verify``; this module prints its result)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from shardckpt.cli.options import STORAGE_HELP, add_rename_map, add_storage_options, bounded_int, storage_options
-from shardckpt.cli.progress import Progress
-
-from shardckpt.checkpoint.describe import foreign_format
-from shardckpt.checkpoint.verify import verify
-from shardckpt.io import DEFAULT_IO_THREADS
-from shardckpt.offline.verify_export import verify_export
-from shardckpt.errors import CheckpointError, CorruptCheckpointError
+from shardckpt.api.results import VerifyResult
+from shardckpt.sizes import format_bytes
 
 EPILOG = """checks: the manifest's own checksum (format v2 on); every data file present with its recorded
 size; every chunk index intact; chunks tile every tensor exactly once; every checksum block of every
@@ -31,83 +24,24 @@ examples:
 """
 
 
-def register(sub) -> None:
-    p = sub.add_parser("verify", help="check that a checkpoint is complete and uncorrupted",
-                       description="Read every byte of a checkpoint and check it against its checksums. "
-                                   "Exit 0 when sound, 1 when not (each bad tensor and file is named).",
-                       epilog=EPILOG + "\n" + STORAGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", help="checkpoint directory or fsspec URL")
-    add_storage_options(p)
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--against", metavar="SRC", help="PATH is an export: compare its every value with SRC's")
-    p.add_argument("--only", nargs="+", metavar="PREFIX", help="with --against: what export was given")
-    p.add_argument("--strip-prefix", metavar="P", help="with --against: what export was given")
-    add_rename_map(p, "with --against: what export was given, ")
-    p.add_argument("--threads", type=bounded_int(1, 256), default=DEFAULT_IO_THREADS,
-                   help=f"parallel reads (default {DEFAULT_IO_THREADS})")
-    p.set_defaults(run=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    other = foreign_format(args.path, storage_options=storage_options(args))
-    if args.against is not None or (other is not None and other.startswith("safetensors")):
-        return _run_export(args)
-    if other is not None:
-        print(f"shardckpt verify: error: {args.path}: {other}, not a shardckpt checkpoint; verify checks shardckpt "
-              "checkpoints against the checksums they store (`shardckpt inspect` lists this one)", file=sys.stderr)
-        return 2
-    progress = Progress("verify", quiet=args.quiet)
-    try:
-        report = verify(args.path, storage_options=storage_options(args), io_threads=args.threads,
-                        progress=progress)
-    except CorruptCheckpointError as e:
-        progress.close()
-        print(f"FAILED {args.path}: {e}", file=sys.stderr)
-        return 1
-    progress.close()
+def show(result: VerifyResult, args: argparse.Namespace) -> None:
     if args.json:
-        print(json.dumps({"ok": report.ok, "version": report.version,
-                          "manifest_checksum": report.manifest_checksum,
-                          "tensors": report.tensors, "chunks": report.chunks,
-                          "bytes_checked": report.bytes_checked,
-                          "problems": [{"tensor": p.tensor, "file": p.file, "message": p.message}
-                                       for p in report.problems]}, indent=2))
-    elif report.ok:
-        manifest = ("manifest checksum OK" if report.manifest_checksum else
-                    f"format v{report.version}: its manifest has no checksum, not checked")
-        print(f"OK {args.path}: {report.tensors} tensors, {report.chunks} chunks, "
-              f"{report.bytes_checked:,} bytes checked, {manifest}")
-    else:
-        for problem in report.problems:
-            print(f"BAD {problem}", file=sys.stderr)
-        print(f"FAILED {args.path}: {len(report.problems)} problem(s) in {report.tensors} tensors", file=sys.stderr)
-    return 0 if report.ok else 1
-
-
-def _run_export(args: argparse.Namespace) -> int:
-    try:
-        check = verify_export(args.path, against=args.against, only=args.only, strip_prefix=args.strip_prefix,
-                              rename=args.rename_map,
-                              storage_options=storage_options(args), dst_storage_options=storage_options(args))
-    except CheckpointError as e:
-        print(f"FAILED {args.path}: {e}", file=sys.stderr)
-        return 1
-    values = check.values
-    if args.json:
-        print(json.dumps({"ok": check.ok, "files": check.files, "tensors": check.tensors, "bytes": check.bytes,
-                          "problems": check.problems,
-                          "differences": None if values is None else
-                          [{"tensor": d.name, "kind": d.kind, "detail": d.detail} for d in values.differences]},
-                         indent=2))
-    elif check.ok:
-        against = "" if values is None else f", every value equal to {args.against}'s ({values.bytes_read:,} bytes read)"
-        print(f"OK {args.path}: {check.files} files, {check.tensors} tensors, {check.bytes:,} bytes{against}")
-    else:
-        for problem in check.problems:
-            print(f"BAD {problem}", file=sys.stderr)
-        for d in [] if values is None else values.differences:
-            print(f"BAD {d.name}: {d.kind}: {d.detail}", file=sys.stderr)
-        count = len(check.problems) + (0 if values is None else len(values.differences))
-        print(f"FAILED {args.path}: {count} problem(s)", file=sys.stderr)
-    return 0 if check.ok else 1
+        return
+    if not result.ok:
+        lines = [str(p) for p in result.problems] + [f"{d.name}: {d.kind}: {d.detail}" for d in result.differences]
+        if len(lines) == 1 and not result.tensors:  # nothing could be checked: the manifest, an unreadable export
+            print(f"FAILED {result.path}: {lines[0]}", file=sys.stderr)
+            return
+        for line in lines:
+            print(f"BAD {line}", file=sys.stderr)
+        print(f"FAILED {result.path}: {len(lines)} problem(s) in {result.tensors} tensors", file=sys.stderr)
+        return
+    if result.kind == "export":
+        against = "" if result.against is None else f", every value equal to {result.against}'s"
+        print(f"OK {result.path}: {result.files} files, {result.tensors} tensors, "
+              f"{format_bytes(result.tensor_bytes)} of tensor data{against}")
+        return
+    manifest = ("manifest checksum OK" if result.manifest_checksum else
+                f"format v{result.version}: its manifest has no checksum, not checked")
+    print(f"OK {result.path}: {result.tensors} tensors, {result.chunks} chunks, "
+          f"{format_bytes(result.tensor_bytes)} of tensor data checked, {manifest}")

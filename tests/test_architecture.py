@@ -8,12 +8,13 @@ import os
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "shardckpt")
 CLI = os.path.join(os.path.dirname(SRC), "..", "cli")
 
-BASE = {"_version", "errors", "regions", "tensor_views", "sharded_tensor"}
+BASE = {"_version", "errors", "regions", "tensor_views", "sharded_tensor", "sizes"}
 # package -> what it may import besides itself (BASE modules import only each other).
 ALLOWED = {
     "_version": set(),
     "errors": set(),
     "regions": set(),
+    "sizes": set(),
     "tensor_views": {"regions"},
     "sharded_tensor": {"regions"},
     "dist": BASE,
@@ -24,8 +25,9 @@ ALLOWED = {
     "runtime": BASE | {"dist"},
     "state_dict": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime"},
     "offline": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict"},
+    "api": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict", "offline"},
     "demo": BASE | {"dist", "io", "format", "checkpoint", "runtime", "state_dict"},
-    "cli": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict", "offline", "demo", "cli"},
+    "cli": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict", "offline", "api", "demo", "cli"},
 }
 
 

@@ -46,3 +46,8 @@ def key_mismatch(what: str, missing: list, unexpected: list, hint: str = "") -> 
 
     parts = ([f"missing {some(missing)}"] if missing else []) + ([f"unexpected {some(unexpected)}"] if unexpected else [])
     return IncompatibleCheckpointError(f"{what}: " + "; ".join(parts) + (f". {hint}" if hint else ""))
+
+
+class BadArgumentError(CheckpointError, ValueError):
+    """An argument of a verb function (a ``shardckpt VERB`` option) has a value it cannot take; the message
+    names the argument."""

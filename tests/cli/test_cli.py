@@ -70,13 +70,14 @@ def test_bad_usage_exits_2():
 
 def test_storage_options_parse_json_values_and_dotted_keys():
     from shardckpt.cli.main import build_parser
-    from shardckpt.cli.options import storage_options
+    from shardckpt.cli.verbs import keyword_arguments
 
     args = build_parser().parse_args(["verify", "s3://b/c", "-o", "endpoint_url=http://127.0.0.1:9000", "-o",
                                       "anon=true", "--storage-option", "client_kwargs.region_name=eu-west-1"])
-    assert storage_options(args) == {"endpoint_url": "http://127.0.0.1:9000", "anon": True,
-                                     "client_kwargs": {"region_name": "eu-west-1"}}
-    assert storage_options(build_parser().parse_args(["inspect", "/x"])) is None
+    assert keyword_arguments(args.spec, args)["storage_options"] == {
+        "endpoint_url": "http://127.0.0.1:9000", "anon": True, "client_kwargs": {"region_name": "eu-west-1"}}
+    args = build_parser().parse_args(["inspect", "/x"])
+    assert "storage_options" not in keyword_arguments(args.spec, args)  # not given: the function's default
 
 
 @pytest.mark.parametrize("bad", ["novalue", "=x", "a=1,a.b=2"])
@@ -121,7 +122,7 @@ def foreign(tmp_path):
 def test_inspect_a_foreign_format_lists_its_tensors(foreign, kind, title, values, capsys):
     assert main(["inspect", foreign[kind]]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == f"{foreign[kind]}: {title}, 2.0 KiB"
+    assert lines[0] == f"{foreign[kind]}: {title}, 2.0 KiB of tensor data"
     rows = {line.split()[0]: line.split() for line in lines if line.startswith("model.")}
     assert rows == {"model.w": ["model.w", "float32", "64x8", "2.0", "KiB", "-"],
                     "model.b": ["model.b", "bfloat16", "8", "16", "B", "-"]}

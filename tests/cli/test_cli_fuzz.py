@@ -184,12 +184,12 @@ def test_refused_options_are_one_line_naming_what(argv, says, s3_server, capsys)
 
 
 def test_an_internal_error_is_one_line_unless_the_traceback_is_asked_for(tmp_path, monkeypatch, capsys):
-    from shardckpt.cli import inspect_cmd
+    from shardckpt.checkpoint import describe
 
     def broken(args):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(inspect_cmd, "describe", lambda *a, **k: broken(None))
+    monkeypatch.setattr(describe, "describe", lambda *a, **k: broken(None))
     assert main(["inspect", str(tmp_path)]) == 3
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "internal error: RuntimeError: a bug" in err and "SHARDCKPT_TRACEBACK=1" in err

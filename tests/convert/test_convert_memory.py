@@ -83,6 +83,10 @@ def test_bad_limits_are_refused(tmp_path):
             convert(tmp_path / "src", tmp_path / "dst", memory_limit=bad)
 
 
+# What the command holds at start, before its buffers: torch and the modules convert runs (the command itself
+# imports them only when a verb runs).
+START = "import torch, shardckpt.cli.main, shardckpt.api, shardckpt.offline.convert"
+
 def _peak_rss(cmd: list[str], tmp_path) -> int:
     with open(tmp_path / "out.log", "w+") as out:
         returncode, rss, _ = run_measured(cmd, out, subprocess.STDOUT)
@@ -99,7 +103,7 @@ def test_peak_rss_stays_within_the_limit_for_a_checkpoint_several_times_larger(t
     state = {"model": {f"w{i}": torch.randn(6 * MIB // 2, 4, generator=g) for i in range(3)}}  # 3 x 48 MiB
     shardckpt.save(state, tmp_path / "src")
     del state
-    baseline = _peak_rss([sys.executable, "-c", "import torch, shardckpt.cli.main"], tmp_path)
+    baseline = _peak_rss([sys.executable, "-c", START], tmp_path)
     limit = baseline + 24 * MIB
     cli = [sys.executable, "-m", "shardckpt.cli.main"]
     peak = _peak_rss([*cli, "convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--world-size", "1", "--quiet",
@@ -117,7 +121,7 @@ def test_a_deepspeed_checkpoint_converts_within_the_limit(tmp_path):
     groups = [{f"w{i}": torch.randn(4 * MIB, generator=g) for i in range(3)}]
     write_like_deepspeed(str(tmp_path / "src"), 3, 2, groups)
     del groups
-    baseline = _peak_rss([sys.executable, "-c", "import torch, shardckpt.cli.main"], tmp_path)
+    baseline = _peak_rss([sys.executable, "-c", START], tmp_path)
     limit = baseline + 24 * MIB
     peak = _peak_rss([sys.executable, "-m", "shardckpt.cli.main", "convert", str(tmp_path / "src"),
                       str(tmp_path / "dst"), "--world-size", "1", "--quiet", "--memory-limit", str(limit)], tmp_path)

@@ -136,7 +136,8 @@ def runtime_local(tmp_path_factory):
     return root, model
 
 
-def test_a_runtime_local_checkpoint_exports_by_parameter_name_with_tied_weights_once(runtime_local, tmp_path):
+def test_a_runtime_local_checkpoint_exports_by_parameter_name_with_tied_weights_once(runtime_local, tmp_path,
+                                                                                     capsys):
     root, model = runtime_local
     assert "head.weight" in model and "tok.weight" in model  # the head is tied to the embedding
     report = export(f"{root}/local", tmp_path / "local", dtype="bfloat16", max_shard_size=2000)
@@ -144,6 +145,9 @@ def test_a_runtime_local_checkpoint_exports_by_parameter_name_with_tied_weights_
     got = _exported(tmp_path / "local")
     _same(got, {k: v for k, v in model.items() if k != "head.weight"}, torch.bfloat16)
     assert len(_files(tmp_path / "local")) > 1
+    assert main(["export", f"{root}/local", str(tmp_path / "cli")]) == 0  # the summary says what became of it
+    assert ("1 tied weight written once, under the other name (transformers re-ties it on load: "
+            "head.weight = tok.weight)") in capsys.readouterr().out
     # A FULL checkpoint stores the tied weight under both names: that they were one is not knowable.
     export(f"{root}/full", tmp_path / "full")
     _same(_exported(tmp_path / "full"), model)

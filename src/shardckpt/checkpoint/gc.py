@@ -17,6 +17,7 @@ does it on demand.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 
@@ -24,6 +25,7 @@ from shardckpt.errors import CheckpointError
 from shardckpt.format.manifest import MANIFEST_NAME, parse_manifest
 from shardckpt.io import LocalStorage, Storage, open_storage
 
+log = logging.getLogger("shardckpt")
 REMOTE_MIN_AGE_S = 6 * 3600.0
 _GENERATION_DIR = re.compile(r"^data-[0-9a-f]{1,64}$")
 _TEMP_MANIFEST = re.compile(rf"^{re.escape(MANIFEST_NAME)}\.tmp-[0-9a-f]+$")
@@ -55,6 +57,8 @@ def collect(storage: Storage, dry_run: bool = False, min_age_s: float | None = N
         age = min_age_s if min_age_s is not None else _min_age(storage, name)
         if storage.remove_abandoned(name, age, dry_run, unused=lambda name=name: _not_committed(storage, name)):
             removed.append(name)
+            if not dry_run:
+                log.info("removed %s (what an interrupted save left)", storage.url(name))
     return removed
 
 

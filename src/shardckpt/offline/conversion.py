@@ -1,7 +1,7 @@
 """What ``convert`` makes of a source, decided before anything is written: the output's world size and type,
 the reader the output is made of (the source by parameter, or a LOCAL source at the new world size), the
 optimizer state's key type, and the output's encoded tree and tensors after ``only`` / ``exclude``, the rekey
-and the cast, checked as ``save`` checks a state dict. ``convert.convert`` writes it."""
+and the cast, checked as ``save`` checks a state dict. ``offline.convert`` writes it."""
 from __future__ import annotations
 
 import functools

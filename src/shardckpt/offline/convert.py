@@ -3,20 +3,20 @@ or state-dict type, offline, without holding the model in memory: in one process
 ranks of a process group (``spread_over``; ``torchrun ... -m shardckpt.cli.main convert``), on one machine
 or several that see the same source and destination.
 
-What is converted is decided first, before anything is written (``convert.conversion``). The source is
+What is converted is decided first, before anything is written (``offline.conversion``). The source is
 read through the read interface; a LOCAL shardckpt checkpoint through its flat layouts
 (``state_dict.logical``), so its parameters and optimizer state appear by name, padding never shows. The
 output is planned as ``world_size`` ranks would save it (``checkpoint.save_plan``) and written rank by rank,
 ``files_per_rank`` writers at a time: each chunk is streamed, a slice at a time, from the source through the
 cast (if asked) and the checksums into its file, so that memory stays within ``memory_limit``
-(``convert.memory``: what the process holds already, plus the writers' slices), whatever the size. The
+(``offline.memory``: what the process holds already, plus the writers' slices), whatever the size. The
 manifest is committed last, atomically: until then nothing at the destination loads or verifies, and a
 committed checkpoint there is replaced only with ``overwrite``.
 
 Resumable: the output's data directory is named by the source's identity and the options
-(``convert.resume``), so a rerun of the same command after a kill keeps what the killed run had written of
+(``offline.resume``), so a rerun of the same command after a kill keeps what the killed run had written of
 each data file, as far as its bytes check against their block CRCs (read back), and writes the rest
-(``convert.rank_files``; a shardckpt source only: other formats have no identity). Before the commit, each
+(``offline.rank_files``; a shardckpt source only: other formats have no identity). Before the commit, each
 tensor's checksum, combined from the output's chunks, must be the source's where the source records one and
 the values are not cast: what is committed is what was read.
 
@@ -29,7 +29,7 @@ Output types: FULL stores every tensor whole; SHARDED stores every tensor of one
 and 0-d tensors whole. A FULL source converted to ``world_size > 1`` becomes SHARDED. LOCAL output (from a
 LOCAL source only: it needs the source's flat layouts) is the checkpoint the job would have saved at
 ``world_size`` ranks: flat layouts re-derived, each flat tensor assembled from its members
-(``convert.local_output``), everything else as stored.
+(``offline.local_output``), everything else as stored.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from shardckpt.sizes import parse_size
 from shardckpt.checkpoint.agree import encoded_holds_per_rank
 from shardckpt.checkpoint.gc import committed_dir
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
@@ -98,11 +99,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     ``progress(done_bytes, total_bytes)`` is called as this process writes (its share of the bytes).
     ``spread_over``: a process group whose ranks share the writing, each calling ``convert`` with the same
     arguments (collective); None: this process writes everything. ``memory_limit``: bytes (or ``"1GiB"``) this
-    process's resident memory stays within, about (``convert.memory``); default 512 MiB. ``optim_key``: "name"
+    process's resident memory stays within, about (``offline.memory``); default 512 MiB. ``optim_key``: "name"
     or "id" (or an ``OptimStateKeyType``) keys the output's optimizer state (``optim``) that way (default: as
     the source keys it); IDs number the parameters as the job's FULL state dict does (``param_names``, else the
     order the source records, else its param groups'), ID-keyed groups record the names. ``workers``: local
-    processes that share the writing (``convert.workers``; each within ``memory_limit``), instead of this one.
+    processes that share the writing (``offline.workers``; each within ``memory_limit``), instead of this one.
     """
     if workers != 1:
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1 or spread_over is not None:
@@ -114,15 +115,13 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             files_per_rank=files_per_rank, param_names=param_names, storage_options=storage_options,
             dst_storage_options=dst_storage_options, compress=compress, memory_limit=memory_limit,
             optim_key=optim_key))
-    from shardckpt.offline.export import parse_size
-
     limit, compression = parse_size(memory_limit), Compression.parse(compress)
     what = conversion(open_reader(src, storage_options=storage_options), str(src), world_size, type, dtype,
                       only, exclude, param_names, key_type_of_option(optim_key))
     storage = open_storage(dst, dst_storage_options)
     if not overwrite and storage.exists(MANIFEST_NAME):
         raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: a checkpoint already exists; pass "
-                                    "overwrite=True (--overwrite) to replace it")
+                                    "overwrite=True to replace it")
     shaping = {"world": what.world, "type": what.out_type, "dtype": dtype, "only": list(only),
                "exclude": list(exclude), "files_per_rank": files_per_rank, "compress": compress,
                "param_names": param_names, "optim_key": None if what.key_type is None else what.key_type.value}
@@ -225,7 +224,7 @@ def _plan(outputs: list[Output], place: Callable[..., tuple[Region, bool]], worl
 
 def _hold_output(storage: Storage, generation: str, workers: Group) -> DirHold | None:
     """Worker 0 holds the output's data directory exclusively until the commit: gc leaves it alone, and a second
-    run of the same conversion (the same directory, ``convert.resume``) fails at once rather than writing over
+    run of the same conversion (the same directory, ``offline.resume``) fails at once rather than writing over
     this run's files. It then checks that no run committed that directory meanwhile."""
     def hold() -> DirHold:
         held = storage.hold_dir(data_dir(generation), exclusive=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy
 import torch
@@ -61,8 +61,11 @@ class DiffReport:
 
 
 def diff(a: str | os.PathLike | CheckpointReader, b: str | os.PathLike | CheckpointReader, *, atol: float = 0.0,
-         rtol: float = 0.0, storage_options: dict | None = None, slice_bytes: int = SLICE_BYTES) -> DiffReport:
+         rtol: float = 0.0, storage_options: dict | None = None, slice_bytes: int = SLICE_BYTES,
+         progress: Callable[[int, int], None] | None = None) -> DiffReport:
     """Compare checkpoints ``a`` and ``b`` (paths, URLs or readers); differences are collected, not raised.
+    ``progress(done_bytes, total_bytes)`` is called after each tensor held by both (both sides' bytes, whether
+    read or settled by checksum).
 
     Unreadable input raises a ``CheckpointError`` subclass naming the file."""
     if atol < 0 or rtol < 0 or not (math.isfinite(atol) and math.isfinite(rtol)):
@@ -74,9 +77,19 @@ def diff(a: str | os.PathLike | CheckpointReader, b: str | os.PathLike | Checkpo
     ta, tb = ra.tensors(), rb.tensors()
     report.differences += [Difference(n, "only in A", _describe(ta[n])) for n in sorted(set(ta) - set(tb))]
     report.differences += [Difference(n, "only in B", _describe(tb[n])) for n in sorted(set(tb) - set(ta))]
-    for name in sorted(set(ta) & set(tb)):
+    common = sorted(set(ta) & set(tb))
+    sizes = [_nbytes(ta[name]) + _nbytes(tb[name]) for name in common]
+    done, total = 0, sum(sizes)
+    for name, size in zip(common, sizes):
         _diff_tensor(ra, rb, ta[name], tb[name], atol, rtol, slice_bytes, report)
+        done += size
+        if progress is not None:
+            progress(done, total)
     return report
+
+
+def _nbytes(info: TensorInfo) -> int:
+    return math.prod(info.shape) * itemsize(info.dtype)
 
 
 def _comparable(ra: CheckpointReader, rb: CheckpointReader) -> tuple[CheckpointReader, CheckpointReader]:

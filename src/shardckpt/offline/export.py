@@ -65,7 +65,7 @@ other formats have no such identity: their unfinished exports are not resumed. W
 is removed by the next export and by ``shardckpt gc`` (then nothing is resumed). On object stores, an
 unfinished export of another source or with other options raises ``CheckpointExistsError`` unless
 ``overwrite``. The byte-I/O protocol has no rename, delete or abort of one file yet:
-``convert.safetensors_files`` does them (``rename``, ``remove``, ``abandon``) until it has, and writes the
+``offline.safetensors_files`` does them (``rename``, ``remove``, ``abandon``) until it has, and writes the
 files.
 
 **dtype**: ``"keep"`` or one of bfloat16 / float16 / float32 (names or torch dtypes): floating-point tensors
@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -95,9 +94,9 @@ from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.safetensors_header import DTYPE_NAMES, EXPORT_ID_KEY, INDEX_NAME, METADATA_KEY
 from shardckpt.io import LocalStorage, open_storage
+from shardckpt.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from shardckpt.state_dict.logical import LogicalView, logical_view
 
-DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # bytes, huggingface_hub's default ("5GB")
 SLICE_BYTES = 64 << 20  # bytes per read from the source at most: the memory an export holds (twice, with a cast)
 MIN_SLICE_BYTES = 1 << 20  # the slices of a memory limit below what the process holds already
 WRAPPERS = ("module.", "_orig_mod.")
@@ -107,8 +106,6 @@ CASTS: dict[str, torch.dtype | None] = {
     "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32,
     "float": torch.float32,
 }
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 class NoModelWeightsError(IncompatibleCheckpointError):
@@ -183,7 +180,7 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     old = existing_export(storage)
     if not overwrite and (INDEX_NAME in old or SINGLE_FILE in old):
         raise CheckpointExistsError(f"{storage.url(old[0])}: an export already exists at {storage.root} "
-                                    f"({len(old)} files); pass overwrite=True (--overwrite) to replace it")
+                                    f"({len(old)} files); pass overwrite=True to replace it")
     done = [0]
 
     def tick(n: int) -> None:
@@ -219,7 +216,7 @@ def cast_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def slice_bytes_for(memory_limit: int) -> int:
-    """The ``slice_bytes`` that keeps this process's resident memory within ``memory_limit`` (``convert.memory``):
+    """The ``slice_bytes`` that keeps this process's resident memory within ``memory_limit`` (``offline.memory``):
     export's two buffers (a slice as read, and as cast) share what the process does not hold yet; 1 MiB slices
     when it already holds the limit."""
     budget = buffer_budget(memory_limit, "export")
@@ -228,24 +225,6 @@ def slice_bytes_for(memory_limit: int) -> int:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes from an int or a string such as ``"5GB"`` (10**9), ``"500MiB"`` (2**20 * 500), ``"1.5GB"``."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    elif isinstance(size, str):
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", size)
-        unit = m.group(2).lower() if m else None
-        if unit not in _SIZE_UNITS:
-            raise ValueError(f"size {size!r}: expected a number of bytes with an optional unit (KB, MB, GB, TB; "
-                             "KiB, MiB, GiB, TiB), e.g. 5GB")
-        value = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    else:
-        raise ValueError(f"size {size!r}: expected an int or a string such as '5GB'")
-    if value < 1:
-        raise ValueError(f"size {size!r}: must be at least 1 byte")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -327,7 +306,7 @@ def _what_only_could_pick(refs: list[tuple[tuple, TensorRef]]) -> str:
         return "The source holds no tensors at all."
     shown = ", ".join(f"{k} ({n} tensor{'s' if n > 1 else ''})" for k, n in list(counts.items())[:20])
     more = f" and {len(counts) - 20} more" if len(counts) > 20 else ""
-    return f"Top-level entries holding tensors, which only= (--only PREFIX) can pick: {shown}{more}"
+    return f"Top-level entries holding tensors, which only= can pick: {shown}{more}"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def index_bytes(files: Sequence[PlannedFile], total: int, ident: str) -> bytes |
 def unfinished_error(storage: Storage, old: list[str]) -> CheckpointExistsError:
     return CheckpointExistsError(f"{storage.url(old[0])}: an unfinished export of another source or with other "
                                  f"options already exists at {storage.root} ({len(old)} files); pass "
-                                 "overwrite=True (--overwrite) to replace it")
+                                 "overwrite=True to replace it")
 
 
 def commit_local(storage: LocalStorage, files: Sequence[PlannedFile], index: bytes | None, old: list[str],
@@ -255,7 +255,7 @@ def _still_ours(storage: Storage, f: PlannedFile) -> bool:
 
 def _committed_meanwhile(storage: Storage) -> CheckpointExistsError:
     return CheckpointExistsError(f"{storage.url(INDEX_NAME)}: another export was committed at {storage.root} "
-                                 "meanwhile; pass overwrite=True (--overwrite) to replace it")
+                                 "meanwhile; pass overwrite=True to replace it")
 
 
 def _no_other_commit(storage: Storage, names: list[str]) -> None:

@@ -40,7 +40,7 @@ def no_layouts_error(where: str, source_type: str) -> IncompatibleCheckpointErro
     return IncompatibleCheckpointError(
         f"{where}: LOCAL output needs the flat layouts (model.{LAYOUTS_KEY}) that only a LOCAL source stores, and "
         f"this {source_type} source has none: convert a LOCAL checkpoint (saved with "
-        "type=StateDictType.LOCAL_STATE_DICT), or pass type='sharded' (--type sharded), which a runtime at any "
+        "type=StateDictType.LOCAL_STATE_DICT), or pass type='sharded', which a runtime at any "
         "world size loads with shardckpt.load_state")
 
 

@@ -1,6 +1,6 @@
 """The data files of one output rank of ``convert``, written resumably: each file is kept (finished and checked),
 taken up again after the prefix of it a killed run wrote and that checks, or written anew, with a journal as
-it goes (``convert.resume``, ``convert.kept``). ``RankFiles.write`` is ``write_rank_files``' ``write_file``."""
+it goes (``offline.resume``, ``offline.kept``). ``RankFiles.write`` is ``write_rank_files``' ``write_file``."""
 from __future__ import annotations
 
 import contextlib

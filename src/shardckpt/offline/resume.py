@@ -7,7 +7,7 @@ output (``conversion_generation``), so a rerun of the same command finds what th
 replaced whole, a few times per file): a digest of what the plan puts in that file, the records of its
 finished chunks and the block CRCs of the chunk in progress, and at the end that the file and its index are
 finished. A rerun (``kept_file``) takes from a journal whose digest is this plan's the longest prefix of the
-file whose every block is there and matches its CRC (``convert.kept``: read back, frames decoded): a finished
+file whose every block is there and matches its CRC (``offline.kept``: read back, frames decoded): a finished
 file is kept whole, with its index; a partial one is written on from the end of that prefix (local disk;
 object stores, where an object cannot be written on, keep finished files only). A flipped byte, a torn or
 truncated block, a journal or index that does not match: the file is written again from there. The journals

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -374,6 +375,7 @@ class ModuleStateHandlers:
 
 
 _HANDLERS: list[ModuleStateHandlers] = []
+STATE_DICT_PACKAGE = "shardckpt.state_dict"  # registers the handlers when imported
 
 
 def register_module_state_handlers(handlers: ModuleStateHandlers) -> None:
@@ -382,7 +384,12 @@ def register_module_state_handlers(handlers: ModuleStateHandlers) -> None:
 
 def _module_state_handlers() -> ModuleStateHandlers:
     if not _HANDLERS:
-        raise ShardingError("no state-dict handlers are installed: import shardckpt (or shardckpt.state_dict)")
+        # Installed on first use, by name: `import shardckpt` is lazy (it imports no layer until a name is
+        # used), so `from shardckpt.runtime import shard` alone must still find the handlers. Not an import
+        # of state_dict's code here: the handlers stay state_dict's, registered by its own import.
+        importlib.import_module(STATE_DICT_PACKAGE)
+    if not _HANDLERS:
+        raise ShardingError(f"no state-dict handlers are installed: {STATE_DICT_PACKAGE} registered none")
     return _HANDLERS[0]
 
 

@@ -1,0 +1,106 @@
+"""Options several verbs share, as ``Opt``s, and the parsers of their command-line text (light: no torch).
+A parser raises ``ValueError``; the CLI turns it into a usage error (exit 2) naming the option."""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from shardckpt.api.spec import Opt
+from shardckpt.sizes import parse_size
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    """A finite number >= 0 (a tolerance, an age in seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def bounded_int(low: int, high: int):
+    """A parser of an int in ``[low, high]``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise ValueError(f"expected an integer from {low} to {high}, got {text!r}")
+        return value
+    return parse
+
+
+def _value(key: str, text: str) -> Any:
+    """JSON where it parses; a plain string otherwise, unless it looks like a JSON object or list (a typo there
+    would reach the backend as a string)."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        if text.lstrip()[:1] in ("{", "["):
+            raise ValueError(f"--storage-option {key}={text}: not valid JSON ({e})") from None
+        return text
+
+
+def storage_options_from(pairs: list[str]) -> dict | None:
+    """``KEY=VALUE`` pairs (dotted keys nest) as fsspec storage options, or None when there are none."""
+    out: dict = {}
+    for item in pairs:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--storage-option {item!r}: expected KEY=VALUE")
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--storage-option {item!r}: {part!r} is already a value")
+        node[leaf] = _value(key, text)
+    return out or None
+
+
+def read_rename_map(path: str) -> dict:
+    """The rename rules in JSON file ``path`` (a ValueError naming the file if unreadable or not an object)."""
+    from shardckpt.offline.rename import Renames  # compiles the patterns; light (no torch)
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            rules = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--rename-map {path}: {e}") from None
+    if not isinstance(rules, dict):
+        raise ValueError(f"--rename-map {path}: expected a JSON object of pattern -> new name, got "
+                         f"{type(rules).__name__}")
+    try:
+        Renames(rules)  # every pattern compiles, every new name is a string or null
+    except ValueError as e:
+        raise ValueError(f"--rename-map {path}: {e}") from None
+    return rules
+
+
+STORAGE = Opt("an fsspec storage option KEY=VALUE (repeatable; see below); in Python a dict",
+              flags=("--storage-option", "-o"), metavar="KEY=VALUE", repeat=True, collect=storage_options_from)
+SIZE_HELP = "bytes, or a size such as 2GiB, 500MB"
+
+
+def size(text: str) -> int:
+    return parse_size(text)
+
+
+def prefixes(what: str) -> Opt:
+    """``--only``/``--exclude``: repeatable, one prefix each (``--only model --only ema``), so that they never
+    swallow the positional arguments that follow them."""
+    return Opt(f"{what} (repeatable, one prefix each)", metavar="PREFIX", repeat=True)
