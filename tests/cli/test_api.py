@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -140,3 +141,16 @@ def test_py_typed_ships_with_the_package():
     assert os.path.isfile(os.path.join(os.path.dirname(package.__file__), "py.typed"))
     pyproject = open(os.path.join(os.path.dirname(__file__), "..", "..", "pyproject.toml")).read()
     assert 'shardckpt = ["py.typed"]' in pyproject
+
+
+def test_bytes_print_one_way_with_a_unit_and_say_what_they_count(ckpt, tmp_path, capsys):
+    from shardckpt.sizes import format_bytes
+
+    assert [format_bytes(n) for n in (0, 1023, 1024, 1536, 5 * 2**30)] == ["0 B", "1023 B", "1.0 KiB", "1.5 KiB",
+                                                                           "5.0 GiB"]
+    assert main(["verify", str(ckpt)]) == 0
+    assert re.search(r"2 tensors, \d+ chunks, 272 B of tensor data checked", capsys.readouterr().out)
+    assert main(["inspect", str(ckpt)]) == 0
+    header = capsys.readouterr().out.splitlines()
+    assert re.search(r"2 tensors, 272 B of tensor data in \d+ files \(\d+ B on disk\)$", header[0]), header[0]
+    assert ["name", "dtype", "shape", "tensor", "bytes", "crc32c"] in [line.split() for line in header]
