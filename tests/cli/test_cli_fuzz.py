@@ -54,8 +54,11 @@ VERBS: dict[str, list[tuple[str, ...]]] = {
                ("--memory-limit", "64MiB", "1KiB"), ("--overwrite",), ("--quiet",), ("--rename-map", "P")],
     "diff": [("--atol", "0", "1e-3", "5"), ("--rtol", "0", "1e-6"), ("--json",)],
     "gc": [("--dry-run",), ("--min-age", "0", "600")],
+    "latest": [],
 }
-POSITIONALS = {"inspect": 1, "verify": 1, "convert": 2, "export": 2, "diff": 2, "gc": 1}
+for _options in VERBS.values():  # every verb takes these
+    _options += [o for o in [("-q",), ("--quiet",), ("-v",), ("--json",)] if o not in _options]
+POSITIONALS = {"inspect": 1, "verify": 1, "convert": 2, "export": 2, "diff": 2, "gc": 1, "latest": 1}
 
 
 def _local_checkpoint(path: str) -> None:
