@@ -31,7 +31,7 @@ from shardckpt import ShardedTensor
 from shardckpt.checkpoint.verify import verify
 from shardckpt.convert.convert import convert
 from shardckpt.convert.export import export
-from shardckpt.io import local, remote, s3, s3_transfer
+from shardckpt.io import local, remote, s3_transfer
 
 OPERATIONS = ("save ws1", "save ws2", "async_save", "convert", "export")
 S3_OPERATIONS = ("save ws1 (s3)", "async_save (s3)")
