@@ -173,3 +173,29 @@ def test_a_generation_directory_collected_before_its_writer_held_it_is_made_agai
     assert len(collected) == 1 and collected[0].startswith("data-")  # the collector did strike in the window
     assert_tree_equal(shardckpt.load_full(dst), _state(1.0 if writer == "convert" else 2.0))
     assert verify(dst).ok
+
+
+def test_a_directory_being_removed_as_its_writer_makes_it_again_is_made_again(tmp_path, monkeypatch):
+    """A collector's rmtree of an abandoned-looking directory under way as its writer makes it again: mkdir
+    says it exists, and by the check it is gone, so os.makedirs(exist_ok=True) raises FileExistsError (a
+    second export failed so, at the writer matrix's boundary 17). The writer makes it again and holds it."""
+    from shardckpt.io import local
+
+    storage, made, raced = open_storage(str(tmp_path)), os.makedirs, []
+
+    def removed_meanwhile(path, *args, **kwargs) -> None:
+        if not raced:
+            raced.append(path)
+            raise FileExistsError(17, "File exists", path)  # mkdir's EEXIST, gone by exist_ok's isdir check
+        made(path, *args, **kwargs)
+
+    monkeypatch.setattr(local.os, "makedirs", removed_meanwhile)
+    hold = storage.hold_dir(".export-tmp-x", exclusive=True)
+    monkeypatch.undo()
+    assert raced and os.path.isdir(tmp_path / ".export-tmp-x")
+    with pytest.raises(CheckpointError, match="another live process"):
+        storage.hold_dir(".export-tmp-x", exclusive=True)
+    hold.release()
+    (tmp_path / "a-file").write_bytes(b"")
+    with pytest.raises(FileExistsError):  # a file in the way is no race: said, not retried forever
+        storage.hold_dir("a-file")

@@ -223,7 +223,12 @@ class LocalStorage:
         instead of raising (for short critical sections, such as an export's renames)."""
         url = self.url(path)
         while True:
-            os.makedirs(url, exist_ok=True)
+            try:
+                os.makedirs(url, exist_ok=True)
+            except FileExistsError:  # it was there when made, gone when checked: being removed as abandoned
+                if os.path.lexists(url):
+                    raise
+                continue
             try:
                 fd = os.open(url, os.O_RDONLY | os.O_DIRECTORY)
             except FileNotFoundError:  # removed as abandoned between our mkdir and our open: make it again
