@@ -336,6 +336,18 @@ class SecondWriter:
         if not ready.wait(300):
             raise RuntimeError("the second writer's process did not start")
 
+    def wait_idle(self) -> None:
+        """Return once the last second writer has ended: one the writer under test left waiting for its lock
+        goes on when that writer is killed, and must neither outlive its case (the next case resets the path
+        under it) nor log its outcome into the next case's events. The process serves one request at a time,
+        so this one is answered after it."""
+        conn = Client(self.address, family="AF_UNIX")
+        conn.send("idle?")
+        if not conn.poll(600):  # a safety net against a hang, not a timing
+            raise RuntimeError("the second writer did not end")
+        conn.recv()
+        conn.close()
+
     def close(self) -> None:
         try:
             conn = Client(self.address, family="AF_UNIX")
@@ -366,6 +378,10 @@ def _serve(address: str, ready) -> None:
         request = conn.recv()
         if request is None:
             break
+        if request == "idle?":  # SecondWriter.wait_idle
+            conn.send("idle")
+            conn.close()
+            continue
         what, events_path, lock_held = request
         install(Spec(events_path, role="B"))
         told = []

@@ -298,6 +298,7 @@ class Cases:
                         server=self.server.address)
         killing = event == "kill" or kill_at is not None
         outcome = self._killed(spec) if killing and not self.w.workers else self._run_writer(spec)
+        self.server.wait_idle()  # a second writer the killed one left waiting for its lock has ended too
         log = bnd.events(self.events)
         commits = sorted((int(e[2]), e[1]) for e in log if e[0] == "commit")
         last = commits[-1][1] if commits else None  # the role that committed last
