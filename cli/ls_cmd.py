@@ -12,7 +12,7 @@ from shardckpt.checkpoint.runs import list_checkpoints
 
 EPILOG = """states: committed (a checkpoint is there); incomplete (nothing committed: what a killed save or convert
 left, which `shardckpt gc RUN_DIR` removes); being written (a live save holds it; on object stores: written
-to in the last hours); empty; unreadable. "debris" beside a committed checkpoint: a later killed overwrite's.
+to in the last hours); empty; unreadable; run directory (checkpoints below it: ls it). "debris" beside a committed checkpoint: a later killed overwrite's.
 The latest (marked *) is what `latest_checkpoint` and `--latest` pick: the highest step committed.
 
 examples:
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 def _row(e, latest: bool) -> tuple[str, ...]:
     debris = f"{len(e.debris)} ({_size(e.debris_bytes)})" if e.debris else ""
     debris += f"{' + ' if debris else ''}{len(e.live)} held" if e.live else ""
-    state = e.state + (f": {e.detail}" if e.state == "unreadable" else "")
+    state = e.state + (f": {e.detail}" if e.state in ("unreadable", "run directory") else "")
     return ("*" if latest else "", e.name, "-" if e.step is None else str(e.step), state, e.format or "-",
             e.state_dict_type or "-", "-" if e.world_size is None else str(e.world_size),
             "-" if e.file_bytes is None else _size(e.file_bytes), debris or "-")

@@ -16,7 +16,7 @@ import shardckpt
 from shardckpt import CheckpointError, latest_checkpoint
 from shardckpt.checkpoint.gc import collect_run, gc
 from shardckpt.checkpoint.runs import (
-    COMMITTED, EMPTY, INCOMPLETE, UNREADABLE, WRITING, checkpoint_or_latest, list_checkpoints, run_dir_error,
+    COMMITTED, EMPTY, INCOMPLETE, RUN_DIR, UNREADABLE, WRITING, checkpoint_or_latest, list_checkpoints, run_dir_error,
 )
 from shardckpt.checkpoint.verify import verify
 from shardckpt.errors import CheckpointNotFoundError
@@ -90,6 +90,7 @@ def test_other_formats_are_listed_and_directories_of_other_things_are_not(run_di
     open(os.path.join(run_dir, "logs", "train.log"), "w").write("loss 1.0\n")
     os.makedirs(os.path.join(run_dir, "step-000040"))  # a save that died before writing anything
     os.makedirs(os.path.join(run_dir, "unused"))
+    shardckpt.save({"w": torch.ones(3)}, os.path.join(run_dir, "checkpoints", "step-000001"))  # a run in the run
     os.makedirs(os.path.join(run_dir, "step-000050"))
     open(os.path.join(run_dir, "step-000050", "manifest.json"), "w").write("{not a manifest")
     listing = list_checkpoints(run_dir)
@@ -98,6 +99,8 @@ def test_other_formats_are_listed_and_directories_of_other_things_are_not(run_di
     assert states["step-000050"] == (UNREADABLE, "shardckpt")
     assert "manifest" in next(e.detail for e in listing.checkpoints if e.name == "step-000050")
     assert "logs" not in states and "unused" not in states
+    assert states["checkpoints"] == (RUN_DIR, None)
+    assert next(e.detail for e in listing.checkpoints if e.name == "checkpoints") == "1 committed below"
     assert listing.latest.name == "step-000020"  # an export is not what a job resumes from
 
 
@@ -208,6 +211,6 @@ def test_run_dir_error_names_the_checkpoints_below_and_the_latest(run_dir):
 
 def test_latest_of_a_run_with_nothing_committed_says_so(tmp_path):
     os.makedirs(tmp_path / "run" / "step-000010" / "data-abc123")
-    with pytest.raises(CheckpointError, match="--latest: 1 checkpoint below .1 incomplete.; none is committed"):
+    with pytest.raises(CheckpointError, match=r"--latest: 1 checkpoint below \(1 incomplete\); no shardckpt checkpoint is committed"):
         checkpoint_or_latest(tmp_path / "run", latest=True)
     assert checkpoint_or_latest(tmp_path / "run", latest=True, required=False) == str(tmp_path / "run")

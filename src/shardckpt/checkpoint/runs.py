@@ -18,14 +18,15 @@ from shardckpt.format.manifest import FORMAT_NAME, MANIFEST_NAME
 from shardckpt.io import Storage, open_storage
 
 COMMITTED, INCOMPLETE, WRITING, EMPTY, UNREADABLE = "committed", "incomplete", "being written", "empty", "unreadable"
+RUN_DIR = "run directory"  # no checkpoint itself, but committed shardckpt checkpoints below (runs/demo/checkpoints)
 
 
 @dataclass(frozen=True)
 class CheckpointEntry:
     """One directory below a run directory. ``state``: ``committed`` (a checkpoint is there, in ``format``),
     ``incomplete`` (nothing committed, only what a killed save/convert left: ``debris``), ``being written``
-    (a live writer holds part of it; on object stores: written to recently), ``empty`` or ``unreadable``
-    (``detail`` says why). ``debris`` may accompany a committed checkpoint too (a later killed overwrite)."""
+    (a live writer holds part of it; on object stores: written to recently), ``empty``, ``unreadable``
+    (``detail`` says why) or ``run directory`` (checkpoints below it: ``detail`` says how many). ``debris`` may accompany a committed checkpoint too (a later killed overwrite)."""
 
     name: str
     path: str
@@ -57,7 +58,8 @@ class RunListing:
         for entry in self.checkpoints:
             counts[entry.state] = counts.get(entry.state, 0) + 1
         states = ", ".join(f"{n} {state}" for state, n in counts.items())
-        latest = f"the latest committed is {self.latest.path}" if self.latest else "none is committed"
+        latest = f"the latest committed is {self.latest.path}" if self.latest else \
+            "no shardckpt checkpoint is committed (--latest has none to pick)"
         return f"{len(self.checkpoints)} checkpoint{'s' if len(self.checkpoints) != 1 else ''} below ({states}); {latest}"
 
 
@@ -110,7 +112,8 @@ def _foreign(storage: Storage, name: str, path: str, step: int | None, options: 
     try:
         reader = open_reader(path, storage_options=options, verify=False)
     except CheckpointNotFoundError:
-        return None
+        below = sum(storage.exists(f"{d}/{MANIFEST_NAME}") for d in storage.list_dirs())
+        return CheckpointEntry(name, path, step, RUN_DIR, detail=f"{below} committed below") if below else None
     except CheckpointError as e:
         return CheckpointEntry(name, path, step, UNREADABLE, detail=str(e))
     description, _ = format_description(reader, storage)
