@@ -12,8 +12,9 @@ from shardckpt.checkpoint.runs import list_checkpoints
 
 EPILOG = """states: committed (a checkpoint is there); incomplete (nothing committed: what a killed save or convert
 left, which `shardckpt gc RUN_DIR` removes); being written (a live save holds it; on object stores: written
-to in the last hours); empty; unreadable; run directory (checkpoints below it: ls it). "debris" beside a committed checkpoint: a later killed overwrite's.
-The latest (marked *) is what `latest_checkpoint` and `--latest` pick: the highest step committed.
+to in the last hours); empty; unreadable; run directory (checkpoints below it: ls it). "debris" beside a
+committed checkpoint: what a later killed overwrite left. The latest (marked *) is what `latest_checkpoint`
+and `--latest` pick: the highest step with a committed shardckpt checkpoint.
 
 examples:
   shardckpt ls runs/example
