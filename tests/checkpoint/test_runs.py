@@ -214,3 +214,14 @@ def test_latest_of_a_run_with_nothing_committed_says_so(tmp_path):
     with pytest.raises(CheckpointError, match=r"--latest: 1 checkpoint below \(1 incomplete\); no shardckpt checkpoint is committed"):
         checkpoint_or_latest(tmp_path / "run", latest=True)
     assert checkpoint_or_latest(tmp_path / "run", latest=True, required=False) == str(tmp_path / "run")
+
+
+def test_gc_of_a_run_leaves_the_data_directories_of_what_is_no_checkpoint(run_dir):
+    """Below a run directory, only a checkpoint's directory (named for a step, or holding a manifest) has
+    debris: another project's ``data-2024/`` is not a save's to remove."""
+    other = os.path.join(run_dir, "project", "data-2024")
+    os.makedirs(other)
+    open(os.path.join(other, "table.csv"), "w").write("a,b\n")
+    assert not any(r.startswith("project") for r in gc(run_dir))
+    assert os.path.exists(os.path.join(other, "table.csv"))
+    assert "project" not in [e.name for e in list_checkpoints(run_dir).checkpoints]

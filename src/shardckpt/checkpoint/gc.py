@@ -99,9 +99,9 @@ class RunCollected:
 def collect_run(run_dir: str | os.PathLike, *, dry_run: bool = False, min_age_s: float | None = None,
                 storage_options: dict | None = None) -> RunCollected:
     """The debris of every checkpoint directly below ``run_dir`` (``gc.collect`` on each, with its safety
-    rules), then each directory this leaves empty that a save made (named for a step, or holding the debris
-    just removed): on local disk, removed only while empty and held by no one (``remove_empty_dir``; object
-    stores have no empty directories)."""
+    rules; a checkpoint: ``is_checkpoint_dir``), then each directory this leaves empty that a save made (named
+    for a step, or holding the debris just removed): on local disk, removed only while empty and held by no
+    one (``remove_empty_dir``; object stores have no empty directories)."""
     root = os.fspath(run_dir)
     storage = open_storage(root, storage_options)
     removed = []
@@ -109,6 +109,8 @@ def collect_run(run_dir: str | os.PathLike, *, dry_run: bool = False, min_age_s:
         if GENERATION_DIR.match(name) or EXPORT_STAGING.match(name):
             continue
         child = open_storage(child_path(root, name), storage_options)
+        if not is_checkpoint_dir(child, name):
+            continue
         try:
             gone = collect(child, dry_run, min_age_s)
         except CheckpointError as e:  # its manifest does not parse: nothing there is known to be debris
@@ -124,6 +126,16 @@ def collect_run(run_dir: str | os.PathLike, *, dry_run: bool = False, min_age_s:
         elif storage.remove_empty_dir(name):
             removed.append(f"{name}/")
     return RunCollected(removed)
+
+
+def is_checkpoint_dir(storage: Storage, name: str) -> bool:
+    """Whether directory ``name`` (at ``storage``) is a checkpoint's, committed or not, so that what ``debris``
+    finds in it is a save's: it is named for a step (``step-000050``), or holds a manifest, a temporary
+    manifest or an export's temporary files. (Another directory's ``data-2024/`` is not a save's to remove.)"""
+    if STEP_NAME.search(name) or storage.exists(MANIFEST_NAME):
+        return True
+    names = storage.list_files() + storage.list_dirs()
+    return any(_TEMP_MANIFEST.match(n) or EXPORT_TEMP.match(n) or EXPORT_STAGING.match(n) for n in names)
 
 
 def child_path(root: str, name: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from shardckpt.checkpoint.gc import EXPORT_STAGING, GENERATION_DIR, STEP_NAME, child_path, collect, debris
+from shardckpt.checkpoint.gc import EXPORT_STAGING, GENERATION_DIR, STEP_NAME, child_path, collect, debris, is_checkpoint_dir
 from shardckpt.checkpoint.latest import step_of
 from shardckpt.errors import CheckpointError, CheckpointNotFoundError
 from shardckpt.format.manifest import FORMAT_NAME, MANIFEST_NAME
@@ -87,7 +87,7 @@ def list_checkpoints(run_dir: str | os.PathLike, *, storage_options: dict | None
 def _entry(storage: Storage, name: str, path: str, options: dict | None) -> CheckpointEntry | None:
     step = step_of(name)
     try:
-        removable, live = _uncommitted(storage)
+        removable, live = _uncommitted(storage) if is_checkpoint_dir(storage, name) else ([], [])
     except CheckpointError as e:  # a manifest that does not parse
         return CheckpointEntry(name, path, step, UNREADABLE, FORMAT_NAME, detail=str(e))
     extra = {"debris": removable, "debris_bytes": sum(_bytes(storage, d) for d in removable), "live": live}
