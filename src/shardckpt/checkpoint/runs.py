@@ -85,11 +85,15 @@ def list_checkpoints(run_dir: str | os.PathLike, *, storage_options: dict | None
 
 
 def _entry(storage: Storage, name: str, path: str, options: dict | None) -> CheckpointEntry | None:
-    step = step_of(name)
     try:
-        removable, live = _uncommitted(storage) if is_checkpoint_dir(storage, name) else ([], [])
-    except CheckpointError as e:  # a manifest that does not parse
-        return CheckpointEntry(name, path, step, UNREADABLE, FORMAT_NAME, detail=str(e))
+        return _read_entry(storage, name, path, options)
+    except CheckpointError as e:  # a manifest that does not parse, a file gone while it was listed
+        return CheckpointEntry(name, path, step_of(name), UNREADABLE, detail=str(e))
+
+
+def _read_entry(storage: Storage, name: str, path: str, options: dict | None) -> CheckpointEntry | None:
+    step = step_of(name)
+    removable, live = _uncommitted(storage) if is_checkpoint_dir(storage, name) else ([], [])
     extra = {"debris": removable, "debris_bytes": sum(_bytes(storage, d) for d in removable), "live": live}
     if storage.exists(MANIFEST_NAME):
         from shardckpt.formats.native import read_manifest  # (formats imports torch: only when listing one)
