@@ -6,6 +6,7 @@ import time
 
 from shardckpt.cli.options import STORAGE_HELP, add_rename_map, add_storage_options, storage_options, usage_error
 from shardckpt.cli.progress import Progress
+from shardckpt.cli.run_dirs import add_latest, explaining_run_dirs, resolve
 
 from shardckpt.convert.export import DEFAULT_MAX_SHARD_SIZE, cast_dtype, export, parse_size, slice_bytes_for
 
@@ -20,6 +21,7 @@ process's resident memory instead (e.g. 512MiB: ~265 MiB of Python and torch, th
 
 examples:
   shardckpt export /ckpt/step-1000 /export/step-1000 --dtype bfloat16
+  shardckpt export runs/example /export/latest --latest   (the latest committed step-* below a run directory)
   shardckpt export /ckpt/step-1000 s3://bucket/model --max-shard-size 2GB -o endpoint_url=http://127.0.0.1:9000
   shardckpt export /dcp/step-500 /export/ema --only ema --strip-prefix ema.
   shardckpt export /ckpt/step-1000 /export/hf --rename-map llama-names.json --memory-limit 1GiB
@@ -48,6 +50,7 @@ def register(sub) -> None:
                         "already (~265 MiB of Python and torch) is spent first, the rest is the read and cast "
                         "buffers (default: two of 64 MiB); a source's reader may hold one stored chunk more (a "
                         "DCP chunk, when verified)")
+    add_latest(p, "SRC")
     p.add_argument("--overwrite", action="store_true", help="replace an export at DST")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     add_storage_options(p)
@@ -56,13 +59,15 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     options = storage_options(args)
+    src = resolve(args, args.src)
     progress = Progress("export", quiet=args.quiet)
     start = time.monotonic()
     try:
-        report = export(args.src, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size, only=args.only,
-                        strip_prefix=args.strip_prefix, overwrite=args.overwrite, storage_options=options,
-                        dst_storage_options=options, progress=progress, rename=args.rename_map,
-                        **({} if args.memory_limit is None else {"slice_bytes": slice_bytes_for(args.memory_limit)}))
+        with explaining_run_dirs(args, src):
+            report = export(src, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size, only=args.only,
+                            strip_prefix=args.strip_prefix, overwrite=args.overwrite, storage_options=options,
+                            dst_storage_options=options, progress=progress, rename=args.rename_map,
+                            **({} if args.memory_limit is None else {"slice_bytes": slice_bytes_for(args.memory_limit)}))
     finally:
         progress.close()
     if not args.quiet:

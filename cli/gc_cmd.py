@@ -11,10 +11,13 @@ EPILOG = f"""what is removed: data-<generation>/ directories the committed manif
 manifest.json.tmp-* and *.export-tmp-* files, unless a live save may still use them: on local disk a writer
 holds a lock on what it writes (it dies with the process); on object stores (no locks) anything newer than
 {REMOTE_MIN_AGE_S / 3600:.0f} h is kept (--min-age to change).
-A successful save does the same at its path after it commits.
+A successful save does the same at its path after it commits. PATH a run directory (no checkpoint of its
+own): the same for every checkpoint directly below it, and the step-* directories a killed save left empty
+are removed (on local disk; never one a live process holds or anything has been written into).
 
 examples:
   shardckpt gc /ckpt/step-1000 --dry-run
+  shardckpt gc runs/example                  (every step-* below it: step-000050/data-..., step-000050/)
   shardckpt gc s3://bucket/run/step-1000 --min-age 600
 """
 
@@ -24,7 +27,7 @@ def register(sub) -> None:
                        description="Remove the debris of interrupted saves at PATH; the committed checkpoint and "
                                    "saves still running are never touched.",
                        epilog=EPILOG + "\n" + STORAGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", help="checkpoint directory or fsspec URL")
+    p.add_argument("path", help="checkpoint directory, run directory or fsspec URL")
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     p.add_argument("--min-age", type=non_negative, metavar="SECONDS",
                    help="keep entries newer than this (default: by lock on local disk, the ages above otherwise)")

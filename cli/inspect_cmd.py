@@ -8,6 +8,7 @@ import argparse
 import json
 
 from shardckpt.cli.options import STORAGE_HELP, add_storage_options, storage_options
+from shardckpt.cli.run_dirs import add_latest, explaining_run_dirs, resolve
 
 from shardckpt.checkpoint.describe import describe
 from shardckpt.format.manifest import FORMAT_NAME
@@ -16,6 +17,7 @@ from shardckpt.state_dict.logical import is_local, logical_view
 
 EPILOG = """examples:
   shardckpt inspect /ckpt/step-1000
+  shardckpt inspect runs/example --latest   (the latest committed step-* below a run directory)
   shardckpt inspect ./Llama-3-8B            (safetensors; also torch DCP directories and torch.save files)
   shardckpt inspect s3://bucket/run/step-1000 --json | jq '.tensors[] | select(.dtype == "bfloat16")'
 """
@@ -30,6 +32,7 @@ def register(sub) -> None:
     p.add_argument("path", help="checkpoint directory, file or fsspec URL")
     add_storage_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (tensors: name, dtype, shape, ...)")
+    add_latest(p)
     p.add_argument("--stored", action="store_true", help="a LOCAL checkpoint: list its flat tensors as stored "
                                                           "instead of its parameters")
     p.set_defaults(run=run)
@@ -44,9 +47,11 @@ def _size(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    info = describe(args.path, storage_options=storage_options(args))
+    path = resolve(args, args.path)
+    with explaining_run_dirs(args, path):
+        info = describe(path, storage_options=storage_options(args))
     if info["format"] == FORMAT_NAME:
-        info["parameters"] = _by_parameter(args.path, storage_options(args))
+        info["parameters"] = _by_parameter(path, storage_options(args))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

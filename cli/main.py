@@ -7,12 +7,12 @@ import os
 import sys
 import warnings
 
-from shardckpt.cli import convert_cmd, demo_cmd, diff_cmd, export_cmd, gc_cmd, inspect_cmd, verify_cmd
+from shardckpt.cli import convert_cmd, demo_cmd, diff_cmd, export_cmd, gc_cmd, inspect_cmd, ls_cmd, verify_cmd
 
 from shardckpt._version import __version__
 from shardckpt.errors import CheckpointError
 
-SUBCOMMANDS = (inspect_cmd, verify_cmd, convert_cmd, export_cmd, diff_cmd, gc_cmd, demo_cmd)
+SUBCOMMANDS = (inspect_cmd, ls_cmd, verify_cmd, convert_cmd, export_cmd, diff_cmd, gc_cmd, demo_cmd)
 
 EXIT_OK, EXIT_FAILED_CHECK, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 TRACEBACK_ENV = "SHARDCKPT_TRACEBACK"  # set to 1 to see an internal error's traceback
