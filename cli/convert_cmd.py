@@ -19,8 +19,8 @@ from shardckpt.format.codecs import Compression
 EPILOG = """sources: shardckpt checkpoints of any type and world size (LOCAL ones through their flat layouts),
 torch DCP directories, safetensors files or Hugging Face directories, torch.save files. The output is a
 shardckpt checkpoint, committed atomically at the end: until then nothing at DST loads or verifies.
-Chunks stream through a slice at a time: the process's memory stays within --memory-limit (default
-512MiB, of which Python and torch take ~265 MiB), whatever the checkpoint's size. Rerun after a kill, the same
+Chunks stream through a slice at a time, through 256 MiB of buffers by default, whatever the checkpoint's
+size; --memory-limit bounds the whole process instead (Python and torch take ~265 MiB of it). Rerun after a kill, the same
 command keeps the output ranks already finished (for a shardckpt source). Started by torchrun, the copies
 share the writing (output rank r is written by copy r % nproc; copy 0 commits): on one machine, or on
 several that see the same SRC and DST (a shared file system, or object storage).
@@ -50,8 +50,9 @@ def register(sub) -> None:
     p.add_argument("--compress", type=usage_error(Compression.parse), metavar="zstd[:LEVEL]",
                    help="store chunks as zstd frames (floats split into byte planes first); default: raw")
     p.add_argument("--memory-limit", type=usage_error(parse_size), default=DEFAULT_MEMORY_LIMIT, metavar="SIZE",
-                   help="resident memory of this process at most about SIZE (default 512MiB), e.g. 2GiB: what "
-                        "the process holds already is spent first, the rest is the buffers chunks stream through")
+                   help="resident memory of this process at most about SIZE, e.g. 1GiB: what the process holds "
+                        "already is spent first, the rest is the buffers chunks stream through (default: no "
+                        "limit, 256 MiB of buffers)")
     p.add_argument("--workers", type=_positive, default=1, metavar="N",
                    help="spread the output files over N local processes (each within --memory-limit)")
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
