@@ -13,7 +13,8 @@ EPILOG = """what it does (real processes, gloo on 127.0.0.1, no GPU or network n
   6. shardckpt export --dtype bfloat16, verify --against, compares with the final weights
   7. writes OUT/loss.png and OUT/summary.json ("checksums_equal": true only if every check passed)
 
-exit status: 0 every check passed, 1 a check failed or a stage could not run.
+exit status: 0 every check passed, 1 a check failed or a stage could not run, 2 unusable settings
+(--out a file or a directory holding other files, steps that do not fit).
 
 examples:
   shardckpt demo
@@ -39,11 +40,14 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardckpt.demo.config import DemoConfig, DemoError
+    from shardckpt.demo.config import DemoConfig, DemoError, DemoUsageError
     from shardckpt.demo.job import run_demo
 
     try:
         summary = run_demo(DemoConfig(out=args.out, steps=args.steps, save_every=args.save_every, crash_at=args.crash_at))
+    except DemoUsageError as e:
+        print(f"shardckpt demo: error: {e}", file=sys.stderr)
+        return 2  # a usage error, as the root parser's
     except DemoError as e:
         print(f"shardckpt demo: {e}", file=sys.stderr)
         return 1

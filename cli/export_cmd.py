@@ -19,6 +19,7 @@ process's resident memory instead (e.g. 512MiB: ~265 MiB of Python and torch, th
 
 examples:
   shardckpt export /ckpt/step-1000 /export/step-1000 --dtype bfloat16
+  shardckpt export runs/example /export/latest --latest   (the latest committed step-* below a run directory)
   shardckpt export /ckpt/step-1000 s3://bucket/model --max-shard-size 2GB -o endpoint_url=http://127.0.0.1:9000
   shardckpt export /dcp/step-500 /export/ema --only ema --strip-prefix ema.
   shardckpt export /ckpt/step-1000 /export/hf --rename-map llama-names.json --memory-limit 1GiB

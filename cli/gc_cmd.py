@@ -10,10 +10,13 @@ EPILOG = """what is removed: data-<generation>/ directories the committed manife
 manifest.json.tmp-* and *.export-tmp-* files, unless a live save may still use them: on local disk a writer
 holds a lock on what it writes (it dies with the process); on object stores (no locks) anything newer than
 6 h is kept (--min-age to change).
-A successful save does the same at its path after it commits.
+A successful save does the same at its path after it commits. PATH a run directory (no checkpoint of its
+own): the same for every checkpoint directly below it, and the step-* directories a killed save left empty
+are removed (on local disk; never one a live process holds or anything has been written into).
 
 examples:
   shardckpt gc /ckpt/step-1000 --dry-run
+  shardckpt gc runs/example                  (every step-* below it: step-000050/data-..., step-000050/)
   shardckpt gc s3://bucket/run/step-1000 --min-age 600
 """
 

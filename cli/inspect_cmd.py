@@ -14,6 +14,7 @@ FORMAT_NAME = "shardckpt"  # shardckpt.format.manifest.FORMAT_NAME (importing it
 
 EPILOG = """examples:
   shardckpt inspect /ckpt/step-1000
+  shardckpt inspect runs/example --latest   (the latest committed step-* below a run directory)
   shardckpt inspect ./Llama-3-8B            (safetensors; also torch DCP directories and torch.save files)
   shardckpt inspect s3://bucket/run/step-1000 --json | jq '.tensors[] | select(.dtype == "bfloat16")'
 """

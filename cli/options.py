@@ -9,6 +9,9 @@ STORAGE_HELP = """storage options (passed to the fsspec filesystem of s3://, gs:
   --storage-option endpoint_url=http://127.0.0.1:9000   a custom S3 endpoint (MinIO, Ceph radosgw, ...)
   --storage-option anon=true                            values are JSON where they parse as JSON
   --storage-option client_kwargs.region_name=eu-west-1  dotted keys build nested options
+  --storage-option retry_deadline_s=120    seconds a request is retried (throttling, 5xx, timeouts, resets)
+  --storage-option connect_deadline_s=3    seconds it is retried while the endpoint is unreachable (refused,
+                                           unknown host); each retry is a warning on stderr
   S3 credentials come from the usual AWS places (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
   AWS_SESSION_TOKEN, AWS_PROFILE, ~/.aws/credentials); key=... and secret=... options override them.
 """

@@ -96,12 +96,25 @@ def _log_to_stderr(verb: str, args: argparse.Namespace) -> None:
     logger = logging.getLogger("shardckpt")
     logger.setLevel(level)
     if not any(getattr(h, "shardckpt_cli", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _Stderr()
         handler.shardckpt_cli = True
         logger.addHandler(handler)
     for handler in logger.handlers:
         if getattr(handler, "shardckpt_cli", False):
             handler.setFormatter(logging.Formatter(f"shardckpt {verb}: %(message)s"))
+
+
+class _Stderr(logging.StreamHandler):
+    """A handler on whatever ``sys.stderr`` is at each record: ``main()`` may run again in one process (tests,
+    notebooks) with another stderr, and the one a handler kept may be closed by then."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
 
 
 def in_cli_words(message: str, spec: list[Param]) -> str:

@@ -114,11 +114,22 @@ def test_a_failing_rank_stops_the_demo_with_its_log(tmp_path):
         ranks.check()
 
 
-def test_the_command_exits_1_with_one_line_on_failure(tmp_path, capsys, monkeypatch):
+def test_an_unusable_out_is_a_usage_error_in_one_line(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("x")
-    assert main(["demo", "--out", str(tmp_path)]) == 1
+    assert main(["demo", "--out", str(tmp_path)]) == 2  # was 1, the code of a failed check
     err = capsys.readouterr().err
-    assert err.startswith("shardckpt demo: ") and "notes.txt" in err and "Traceback" not in err
+    assert err.startswith("shardckpt demo: error: ") and "notes.txt" in err and err.count("\n") == 1, err
+    for out, says in [(tmp_path / "notes.txt", "is a file, not a directory"),
+                      (tmp_path / "notes.txt" / "run", "cannot create"),
+                      ]:
+        assert main(["demo", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and str(out) in err and "Errno" not in err and err.count("\n") == 1, err
+    assert main(["demo", "--out", str(tmp_path / "new"), "--steps", "30", "--crash-at", "40"]) == 2
+    assert (tmp_path / "notes.txt").read_text() == "x"
+
+
+def test_the_command_exits_1_with_one_line_on_failure(tmp_path, capsys, monkeypatch):
     import shardckpt.demo.job as job
     monkeypatch.setattr(job, "run_demo", lambda config: {"checksums_equal": False})
     assert main(["demo", "--out", str(tmp_path / "new")]) == 1

@@ -90,3 +90,12 @@ def test_every_code_block_runs(tmp_path):
 def test_the_command_line_tool_answers(name):
     done = subprocess.run([sys.executable, "-m", "shardckpt.cli.main", name], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip()
+
+
+def test_the_cpu_install_for_an_ordinary_machine_takes_the_pinned_torch_from_the_cpu_index():
+    # The constraints' pin alone is the CUDA build on PyPI: the README says how to get the CPU one, same version.
+    with open(os.path.join(ROOT, "constraints-cpu.txt"), encoding="utf-8") as f:
+        pin = re.search(r"^torch==(\S+)$", f.read(), re.MULTILINE).group(1)
+    readme = _readme()
+    assert f"pip install torch=={pin} --index-url https://download.pytorch.org/whl/cpu" in readme
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in readme

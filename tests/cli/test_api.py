@@ -68,11 +68,15 @@ def test_functions_return_results(ckpt, tmp_path):
     checked = shardckpt.verify(ckpt)
     assert isinstance(checked, VerifyResult) and checked.ok and checked.kind == "checkpoint" and checked.tensors == 2
     assert shardckpt.verify(tmp_path / "hf", against=ckpt).kind == "export"
-    calls = []
-    compared = shardckpt.diff(ckpt, tmp_path / "ws2", progress=lambda done, total: calls.append((done, total)))
-    assert isinstance(compared, DiffResult) and compared.equal and compared.tensors == 2
-    total = 2 * (16 * 4 * 4 + 4 * 4)
-    assert len(calls) == 2 and calls[-1] == (total, total) and calls[0][0] < total  # one call per tensor
+    compared = shardckpt.diff(ckpt, tmp_path / "ws2")
+    assert isinstance(compared, DiffResult) and compared.equal and compared.tensors == 2 == compared.by_checksum
+    calls = []  # against the export: read by value (progress is told the bytes read, both sides)
+    compared = shardckpt.diff(ckpt, tmp_path / "hf", only=["model"], strip_prefix="model.", atol=0.01,
+                              progress=lambda done, total: calls.append((done, total)))
+    assert compared.equal and compared.tensors == 2 and len(compared.dtype_differences) == 2
+    total = (16 * 4 + 4) * (4 + 2)
+    assert calls[0] == (0, total) and calls[-1] == (total, total)
+    assert shardckpt.ls(tmp_path / "run").latest_path == str(ckpt)
     info = shardckpt.inspect(ckpt)
     assert isinstance(info, InspectResult) and info.format == "shardckpt" and info.details["world_size"] == 1
     assert isinstance(shardckpt.gc(ckpt), GcResult)

@@ -157,6 +157,9 @@ def test_verify_refuses_a_foreign_format_with_exit_2(foreign, kind, capsys):
 def test_inspect_of_nothing_readable_exits_2(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     assert "Looked for" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "typo")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"shardckpt inspect: error: {tmp_path / 'typo'}: no such file or directory\n", err
 
 
 class _Terminal:

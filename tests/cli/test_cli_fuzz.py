@@ -33,7 +33,7 @@ VALUES = ["", "0", "-1", "1", "2", "3", "nan", "inf", "-inf", "1e400", "99999999
           "sharded", "local", "{", "[]", "model", "model.w", "optim", "\u00e9", " ", "1MiB", "-5", "1.5GB", "0B", "keep",
           "null", "--json"]
 OPTION_KEYS = ["endpoint_url", "key", "secret", "anon", "client_kwargs", "client_kwargs.region_name", "config_kwargs",
-               "config_kwargs.retries", "default_block_size", "max_concurrency", "retry_deadline_s", "use_ssl",
+               "config_kwargs.retries", "default_block_size", "max_concurrency", "retry_deadline_s", "connect_deadline_s", "use_ssl",
                "version_aware", "x", "a.b.c", "requester_pays", "cache_regions", "skip_instance_cache",
                "s3_additional_kwargs", "auto_mkdir"]
 OPTION_VALUES = ['{bad json', '5', '-1', 'true', 'null', '"x"', '[1,2]', '{"a": 1}', '{}', 'http://127.0.0.1:1', '0',
@@ -172,7 +172,7 @@ def test_no_argument_list_gets_a_traceback(places, monkeypatch):
     (["inspect", "foo://bar"], "Protocol not known"),
     (["inspect", "s3://"], "no bucket"),
     (["inspect", "s3://b/x", "-o", "client_kwargs={bad json"], "not valid JSON"),
-    (["inspect", "s3://b/x", "-o", "client_kwargs=abc"], "client_kwargs"),
+    (["inspect", "s3://b/x", "-o", "client_kwargs=abc"], "client_kwargs: expected a JSON object"),
     (["inspect", "s3://b/x", "-o", "max_concurrency=1e400"], "max_concurrency: expected a positive integer"),
     (["inspect", "s3://b/x", "-o", "retry_deadline_s={\"a\": 1}"], "retry_deadline_s"),
     (["inspect", "s3://b/x", "-o", "a.b=1"], "unexpected keyword argument 'a'"),

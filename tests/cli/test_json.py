@@ -50,6 +50,7 @@ def test_every_verb_prints_its_documented_keys(run_dir, tmp_path, capsys):
         "inspect": _json(["inspect", ckpt], capsys),
         "gc": _json(["gc", ckpt, "--dry-run"], capsys),
         "latest": _json(["latest", str(run_dir)], capsys),
+        "ls": _json(["ls", str(run_dir)], capsys),
     }
     assert set(doc) == set(outputs), "docs/json.md has one table per verb"
     for verb, out in outputs.items():
@@ -59,6 +60,7 @@ def test_every_verb_prints_its_documented_keys(run_dir, tmp_path, capsys):
             assert set(out) == doc[verb], (verb, set(out) ^ doc[verb])
         assert out["schema_version"] == 1
     assert outputs["verify"]["ok"] and outputs["diff"]["equal"] and outputs["latest"]["latest"] == ckpt
+    assert outputs["ls"]["latest_path"] == ckpt and outputs["ls"]["checkpoints"][0]["state"] == "committed"
     assert outputs["convert"]["world_size"] == 2 and outputs["convert"]["tensor_bytes"] > 0
     assert outputs["export"]["files"] == ["model.safetensors"] and outputs["export"]["tensors"] == 2
     export_check = _json(["verify", str(tmp_path / "hf"), "--against", ckpt], capsys)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -73,6 +74,17 @@ def test_a_limit_below_what_the_process_holds_warns_and_uses_the_smallest_buffer
     monkeypatch.setattr(memory, "resident_bytes", lambda: 300 * MIB)
     with pytest.warns(RuntimeWarning, match="memory limit 256 MiB for convert is below the 300 MiB"):
         convert(tmp_path / "src", tmp_path / "dst", world_size=2, memory_limit="256MiB")
+    assert diff(tmp_path / "src", tmp_path / "dst").equal
+
+
+def test_the_default_never_warns_whatever_the_process_holds(tmp_path, monkeypatch):
+    # The default was a 512 MiB limit: any process already past it (a test run, a notebook) got the warning.
+    shardckpt.save(_state(), tmp_path / "src")
+    monkeypatch.setattr(memory, "resident_bytes", lambda: 64 << 30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        convert(tmp_path / "src", tmp_path / "dst", world_size=2)
+    assert memory.buffer_budget(None, "convert", reserve=1 << 30) == memory.DEFAULT_BUFFER_BYTES
     assert diff(tmp_path / "src", tmp_path / "dst").equal
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import uuid
 
+import fsspec
 import pytest
 import torch
 
@@ -132,7 +133,7 @@ def test_one_file_replaces_one_file_in_one_rename(tmp_path, monkeypatch):
     real, made = safetensors_files.rename, []
     monkeypatch.setattr(safetensors_files, "rename", lambda s, a, b: (made.append(b), real(s, a, b))[1])
     export(tmp_path / "new", tmp_path / "dst", overwrite=True)
-    assert made == ["model.safetensors"]  # no moment without a model.safetensors
+    assert [b for b in made if "/" not in b] == ["model.safetensors"]  # no moment without a model.safetensors
     _holds(tmp_path / "dst", tmp_path / "new")
 
 
@@ -205,3 +206,84 @@ def test_two_exports_of_one_foreign_source_are_diff_equal(tmp_path):
     for name in ("e1", "e2"):
         export(tmp_path / "src.safetensors", tmp_path / name, max_shard_size=1300)
     assert diff(tmp_path / "e1", tmp_path / "e2").equal
+
+
+def test_on_an_object_store_exports_of_two_files_at_one_path_are_never_committed_as_one(tmp_path, monkeypatch):
+    """Two different safetensors files at one path as given (``src.safetensors`` in two working directories):
+    no source identity, so their headers differ only by the export_id, random for such a source. Export B
+    writes 3 of its 4 files; A, killed after writing its first 3 files over B's, leaves them there; B must
+    not commit that mix (it did when export_id was the headers' digest, alike for both: l0-l2 read from A,
+    l3 from B, no error)."""
+    from safetensors.torch import save_file
+
+    for name, value in (("a", 1.0), ("b", 2.0)):
+        (tmp_path / name).mkdir()
+        save_file({f"l{i}": torch.full((64, 64), value) for i in range(4)}, str(tmp_path / name / "src.safetensors"))
+    fs = fsspec.filesystem("memory")
+    dst, a_alone = (f"memory://foreign-{what}-{uuid.uuid4().hex[:8]}" for what in ("mix", "a"))
+    monkeypatch.chdir(tmp_path / "a")
+    export("src.safetensors", a_alone, **OPTIONS)  # A's files, as A writes them
+    monkeypatch.chdir(tmp_path / "b")
+
+    def a_writes_three_and_dies() -> None:
+        for i in range(1, 4):
+            name = f"model-0000{i}-of-00004.safetensors"
+            fs.pipe_file(f"{dst}/{name}", fs.cat_file(f"{a_alone}/{name}"))
+
+    _after_file(monkeypatch, 3, a_writes_three_and_dies)
+    with pytest.raises(CheckpointExistsError, match="00001-of-00004.safetensors: another export wrote it meanwhile"):
+        export("src.safetensors", dst, overwrite=True, **OPTIONS)
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(dst, detail=False)) == [
+        f"model-0000{i}-of-00004.safetensors" for i in range(1, 4)]  # A's; B removed its own file, no index
+    with pytest.raises(CorruptCheckpointError, match="index model.safetensors.index.json is missing"):
+        open_reader(dst)
+
+
+@pytest.mark.parametrize("limit", [17_000, 10**9], ids=["sharded", "one-file"])
+def test_on_an_object_store_a_failing_second_run_of_one_export_leaves_the_committed_one(tmp_path, monkeypatch,
+                                                                                         limit):
+    """Two runs of one export command (same source, same options: the same headers and index). B writes its
+    first file; A runs whole meanwhile (sharded: it takes B's file as finished) and commits. B then fails
+    (sharded: it sees A's index; one file: its upload fails). B's cleanup removed what it took for its own,
+    A's committed files and index, byte for byte the same as B's; it must leave them."""
+    _source(tmp_path / "a", 1)
+    dst = f"memory://export-twin-{uuid.uuid4().hex[:8]}"
+    options = {"max_shard_size": limit}
+    real = safetensors_files.write_file
+
+    def a_commits() -> None:
+        monkeypatch.setattr(safetensors_files, "write_file", real)
+        export(tmp_path / "a", dst, **options)
+
+    if limit == 17_000:
+        _after_file(monkeypatch, 1, a_commits)
+        with pytest.raises(CheckpointExistsError, match="committed .* meanwhile"):
+            export(tmp_path / "a", dst, **options)
+    else:
+        def fails(storage, path, *args) -> None:
+            a_commits()
+            raise OSError(5, "injected: the upload failed")
+
+        monkeypatch.setattr(safetensors_files, "write_file", fails)
+        with pytest.raises(OSError, match="injected"):
+            export(tmp_path / "a", dst, **options)
+    assert verify_export(dst, against=tmp_path / "a").ok
+
+
+def test_on_an_object_store_a_failure_leaves_a_shardckpt_sources_files_for_the_rerun(tmp_path):
+    """A failing export of a shardckpt checkpoint leaves its finished files (refused by every reader without
+    their index): a second run of the same export may have taken them as its own; the rerun resumes them."""
+    _source(tmp_path / "a", 1)
+    dst = f"memory://export-failed-{uuid.uuid4().hex[:8]}"
+
+    def interrupted(done: int, total: int) -> None:  # raised amid the third file
+        if done > 2 * 64 * 64 * 4 + 4096:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        export(tmp_path / "a", dst, progress=interrupted, slice_bytes=4096, **OPTIONS)
+    with pytest.raises(CorruptCheckpointError, match="index model.safetensors.index.json is missing"):
+        open_reader(dst)
+    assert export(tmp_path / "a", dst, **OPTIONS).kept == ("model-00001-of-00004.safetensors",
+                                                            "model-00002-of-00004.safetensors")
+    assert verify_export(dst, against=tmp_path / "a").ok

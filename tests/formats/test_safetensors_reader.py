@@ -169,6 +169,19 @@ def test_hugging_face_sharded_directory(tmp_path):
     assert reader.index_metadata["total_size"] > 0 and set(reader.metadata) == set(weight_map.values())
 
 
+def test_an_exports_id_is_not_presented_as_a_value(tmp_path):
+    """``export_id`` ties an export's files to its index (a commit token, random for a source without identity):
+    the reader keeps it per file but presents only the user's metadata, so two exports of one source hold the
+    same values."""
+    weight_map = _hf_directory(tmp_path, _model())
+    for file in set(weight_map.values()):
+        safetensors.torch.save_file(safetensors.torch.load_file(str(tmp_path / file)), str(tmp_path / file),
+                                    metadata={"format": "pt", "export_id": "0123456789abcdef"})
+    reader = open_safetensors(tmp_path)
+    assert reader.tree()[METADATA_KEY] == {"format": "pt"}
+    assert all(m["export_id"] == "0123456789abcdef" for m in reader.metadata.values())
+
+
 def test_directory_with_one_file_and_no_index(tmp_path):
     model = _model()
     safetensors.torch.save_file(model, str(tmp_path / "weights.safetensors"))

@@ -18,9 +18,11 @@ Actions (``Spec.action``): ``kill`` (SIGKILL this process), ``gc`` (``shardckpt 
 process), ``writer2`` (a second writer at the path, run to completion by the ``SecondWriter`` server process;
 when the writer under test holds the lock an export commits under, the second one waits for it, as a real
 second process would: the action returns once it blocks there). The action's own operations are not numbered.
+``Spec.kill_at`` kills the writer under test as well, once that later operation returns (a second writer,
+then a kill).
 
 Spawned processes (``convert --workers``) install and arm themselves from the ``SHARDCKPT_BOUNDARY``
-environment variable in ``worker``, which the test puts in place of ``convert.workers._worker``.
+environment variable in ``worker``, which the test puts in place of ``offline.workers._worker``.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class Spec:
     gc: dict = field(default_factory=dict)  # gc(**gc)
     writer2: dict = field(default_factory=dict)  # {"call": "module:function", "args": [...], "kwargs": {...}}
     server: str = ""  # the SecondWriter's address
+    kill_at: int | None = None  # SIGKILL this process as well, once that operation returns
 
 
 class _State(threading.local):
@@ -78,10 +81,11 @@ def _log(line: str) -> None:
             os.close(fd)
 
 
-def _boundary(label: str) -> None:
+def _boundary(label: str) -> int | None:
+    """Number the operation about to be made (returned), and act if it is the one to act at."""
     global _count
     if _spec is None or _local.quiet:
-        return
+        return None
     with _lock:
         k, _count = _count, _count + 1
     if _spec.role == "A":
@@ -92,6 +96,7 @@ def _boundary(label: str) -> None:
             ACTIONS[_spec.action](_spec)
         finally:
             _local.quiet -= 1
+    return k
 
 
 def _base(path: Any) -> str:
@@ -103,8 +108,7 @@ def _wrap(owner: Any, name: str, label: Callable[..., str], commits: Callable[..
 
     def wrapped(*args, **kwargs):
         outer = _local.depth == 0
-        if outer:
-            _boundary(label(*args, **kwargs))
+        k = _boundary(label(*args, **kwargs)) if outer else None
         _local.depth += 1
         try:
             out = real(*args, **kwargs)
@@ -113,6 +117,8 @@ def _wrap(owner: Any, name: str, label: Callable[..., str], commits: Callable[..
         role = commits(*args, **kwargs) if outer and commits is not None else None
         if role is not None:
             _log(f"commit {role} {time.monotonic_ns()}")
+        if k is not None and _spec is not None and _spec.kill_at == k and _spec.role == "A":
+            _kill(_spec)  # once the operation is done (Spec.kill_at)
         return out
 
     _originals.append((owner, name, real))
@@ -330,6 +336,18 @@ class SecondWriter:
         if not ready.wait(300):
             raise RuntimeError("the second writer's process did not start")
 
+    def wait_idle(self) -> None:
+        """Return once the last second writer has ended: one the writer under test left waiting for its lock
+        goes on when that writer is killed, and must neither outlive its case (the next case resets the path
+        under it) nor log its outcome into the next case's events. The process serves one request at a time,
+        so this one is answered after it."""
+        conn = Client(self.address, family="AF_UNIX")
+        conn.send("idle?")
+        if not conn.poll(600):  # a safety net against a hang, not a timing
+            raise RuntimeError("the second writer did not end")
+        conn.recv()
+        conn.close()
+
     def close(self) -> None:
         try:
             conn = Client(self.address, family="AF_UNIX")
@@ -360,6 +378,10 @@ def _serve(address: str, ready) -> None:
         request = conn.recv()
         if request is None:
             break
+        if request == "idle?":  # SecondWriter.wait_idle
+            conn.send("idle")
+            conn.close()
+            continue
         what, events_path, lock_held = request
         install(Spec(events_path, role="B"))
         told = []
@@ -367,7 +389,10 @@ def _serve(address: str, ready) -> None:
         def blocked() -> None:
             if lock_held and not told:
                 told.append(1)
-                conn.send("blocked")
+                try:
+                    conn.send("blocked")
+                except OSError:  # as for "done" below
+                    pass
 
         _blocked = blocked
         try:
@@ -379,13 +404,16 @@ def _serve(address: str, ready) -> None:
             outcome = f"error {type(e).__name__}: {e}"
         _blocked = None
         _log(f"writer2 - {outcome}")
-        conn.send("done")
+        try:
+            conn.send("done")
+        except OSError:  # the writer under test was killed meanwhile (Spec.kill_at): nobody waits for it
+            pass
         conn.close()
     listener.close()
 
 
 def worker(rank: int, *args) -> None:
-    """``convert.workers._worker`` with this process's boundaries numbered and armed (``ENV``)."""
+    """``offline.workers._worker`` with this process's boundaries numbered and armed (``ENV``)."""
     global _rank
     from shardckpt.offline import workers
 

@@ -31,6 +31,22 @@ from tests.storage._util import zeros_like_tree
 VERSIONS = ("old", "A", "B")  # the output there before, the writer under test's, the second writer's
 
 
+@dataclass(frozen=True)
+class Event:
+    """What a case does at its boundary: ``action`` (``_boundaries.ACTIONS``); a second writer writes version
+    ``second`` (``"A"``: the very command under test, run twice); ``then_kill``: the writer under test is
+    killed as well, once the file it was opening at the boundary is written (what it leaves over the second
+    writer's output)."""
+
+    action: str
+    second: str = "B"
+    then_kill: bool = False
+
+
+EVENTS = {"gc": Event("gc"), "writer2": Event("writer2"), "twin": Event("writer2", second="A"),
+          "writer2-kill": Event("writer2", then_kill=True), "kill": Event("kill")}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Where: local disk or S3, with raw access to reset a path between cases
 
@@ -270,25 +286,31 @@ class Cases:
             return "killed"
         return f"error: exit status {os.WEXITSTATUS(status)} (not killed at its boundary)"
 
-    def run(self, event: str, worker: int | None, k: int) -> dict:
-        """One case; returns what happened and the verbs' verdicts."""
+    def run(self, event: str, worker: int | None, k: int, kill_at: int | None = None) -> dict:
+        """One case (``kill_at``: the boundary ``then_kill`` kills at); returns what happened and the verbs'
+        verdicts."""
         self.where.copy_tree(self.pristine, self.dst)
         self._fresh_events()
-        spec = bnd.Spec(self.events, at=k, action=event, worker=worker,
+        what = EVENTS[event]
+        spec = bnd.Spec(self.events, at=k, action=what.action, worker=worker, kill_at=kill_at,
                         gc={"path": self.dst, "storage_options": self.where.options},
-                        writer2=self.w.call(self.sources, "B", self.dst, self.where.options, second=True),
+                        writer2=self.w.call(self.sources, what.second, self.dst, self.where.options, second=True),
                         server=self.server.address)
-        outcome = self._killed(spec) if event == "kill" and not self.w.workers else self._run_writer(spec)
+        killing = event == "kill" or kill_at is not None
+        outcome = self._killed(spec) if killing and not self.w.workers else self._run_writer(spec)
+        self.server.wait_idle()  # a second writer the killed one left waiting for its lock has ended too
         log = bnd.events(self.events)
         commits = sorted((int(e[2]), e[1]) for e in log if e[0] == "commit")
-        expected = commits[-1][1] if commits else self.w.initial
+        last = commits[-1][1] if commits else None  # the role that committed last
         second = [" ".join(e[2:]) for e in log if e[0] == "writer2"]
+        second = second[0] if second else None
         removed = [json.loads(" ".join(e[2:])) for e in log if e[0] == "gc"]
         content = _content(self.where.files(self.dst), self.keep)
         if content not in self.memo:
             self.memo[content] = _read(self.verbs, self.dst, self.where.options)
         got = self.memo[content]
-        return {"outcome": outcome, "expected": expected, "second": second[0] if second else None,
+        return {"outcome": outcome, "expected": {"A": "A", "B": what.second, "old": "old"}.get(last, self.w.initial),
+                "second": second, "last_ok": {"A": outcome, "B": second}.get(last) == "ok",
                 "removed": removed[0] if removed else None, "read": got}
 
     def judge(self, case: dict, event: str) -> tuple[str, list[str]]:
@@ -307,6 +329,9 @@ class Cases:
             seen.add(expected if expected in matches else "/".join(matches) or "PARTIAL")
         if "refused" in seen and expected != "none" and self.w.atomic:
             problems.append(f"refused, but {expected} was committed: it must stay readable")
+        elif "refused" in seen and event == "twin" and self.w.identical_twins and case["last_ok"]:
+            problems.append(f"refused, but {expected} was committed by a run that succeeded, and the other run "
+                            "wrote the same bytes: the failing run removed what the committed one names")
         if case["outcome"].startswith("error"):
             problems.append(f"the writer failed: {case['outcome']}")
         if event == "gc" and case["outcome"] != "ok":

@@ -173,3 +173,53 @@ def test_a_generation_directory_collected_before_its_writer_held_it_is_made_agai
     assert len(collected) == 1 and collected[0].startswith("data-")  # the collector did strike in the window
     assert_tree_equal(shardckpt.load_full(dst), _state(1.0 if writer == "convert" else 2.0))
     assert verify(dst).ok
+
+
+def test_a_directory_being_removed_as_its_writer_makes_it_again_is_made_again(tmp_path, monkeypatch):
+    """A collector's rmtree of an abandoned-looking directory under way as its writer makes it again: mkdir
+    says it exists, and by the check it is gone, so os.makedirs(exist_ok=True) raises FileExistsError (a
+    second export failed so, at the writer matrix's boundary 17). The writer makes it again and holds it."""
+    from shardckpt.io import local
+
+    storage, made, raced = open_storage(str(tmp_path)), os.makedirs, []
+
+    def removed_meanwhile(path, *args, **kwargs) -> None:
+        if not raced:
+            raced.append(path)
+            raise FileExistsError(17, "File exists", path)  # mkdir's EEXIST, gone by exist_ok's isdir check
+        made(path, *args, **kwargs)
+
+    monkeypatch.setattr(local.os, "makedirs", removed_meanwhile)
+    hold = storage.hold_dir(".export-tmp-x", exclusive=True)
+    monkeypatch.undo()
+    assert raced and os.path.isdir(tmp_path / ".export-tmp-x")
+    with pytest.raises(CheckpointError, match="another live process"):
+        storage.hold_dir(".export-tmp-x", exclusive=True)
+    hold.release()
+    (tmp_path / "a-file").write_bytes(b"")
+    with pytest.raises(FileExistsError):  # a file in the way is no race: said, not retried forever
+        storage.hold_dir("a-file")
+
+
+def test_a_run_directory_is_listed_and_collected_on_every_backend(backend):
+    """``shardckpt ls`` / ``gc RUN_DIR`` (issue 35, item 7) on local disk, ``memory://`` and S3: a killed save's
+    step below a run directory is listed (incomplete; on object stores "being written" while it is recent)
+    and collected, the committed step untouched."""
+    from shardckpt.checkpoint.runs import list_checkpoints
+
+    run, options = backend.url, backend.options
+    shardckpt.save(_state(1.0), f"{run}/step-000010", storage_options=options)
+    backend.write("step-000020/data-abc123/rank-00000-0.bin", b"half a save")
+    listing = list_checkpoints(run, storage_options=options)
+    states = [(e.name, e.state) for e in listing.checkpoints]
+    killed = "incomplete" if backend.kind == "local" else "being written"  # object stores go by age
+    assert states == [("step-000010", "committed"), ("step-000020", killed)]
+    assert listing.latest.name == "step-000010" and listing.checkpoints[0].world_size == 1
+    assert listing.checkpoints[0].file_bytes == sum(len(backend.read(f)) for f in backend.data_files()
+                                                    if f.startswith("step-000010/"))
+    removed = gc(run, storage_options=options, min_age_s=0)
+    assert removed == ["step-000020/data-abc123"] + (["step-000020/"] if backend.kind == "local" else [])
+    left = [(e.name, e.state) for e in list_checkpoints(run, storage_options=options).checkpoints]
+    # (memory:// keeps directories of its own, empty now; gc removes empty directories on local disk only)
+    assert left == [("step-000010", "committed")] + ([("step-000020", "empty")] if backend.kind == "memory" else [])
+    assert shardckpt.load_full(f"{run}/step-000010", storage_options=options)["v"] == 1.0

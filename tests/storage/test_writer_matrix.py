@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import shardckpt
 from shardckpt.offline import workers as workers_module
@@ -63,6 +64,17 @@ def export_version(root: str, version: str, dst: str, options: dict | None, over
            dst_storage_options=options)
 
 
+def export_foreign_version(root: str, version: str, dst: str, options: dict | None) -> None:
+    """A safetensors file (a source without identity) exported by one relative path for every version, each
+    from a working directory of its own: the versions' headers are alike but for the export_id."""
+    here = os.getcwd()
+    os.chdir(os.path.join(root, f"foreign-{version}"))
+    try:
+        export("src.safetensors", dst, max_shard_size=SHARD, overwrite=True, dst_storage_options=options)
+    finally:
+        os.chdir(here)
+
+
 @dataclass(frozen=True)
 class Writer:
     name: str
@@ -72,27 +84,37 @@ class Writer:
     atomic: bool  # one atomic commit (a manifest): what was committed stays readable at every instant
     workers: bool = False
     second: dict | None = None  # the second writer's kwargs, where not the same (convert --workers: one process)
+    events: tuple[str, ...] = ("gc", "writer2", "kill")  # of _matrix.EVENTS
+    identical_twins: bool = False  # two runs of one command write the same bytes (a source with identity)
 
     def call(self, root: str, version: str, dst: str, options: dict | None, second: bool = False) -> dict:
         kwargs = self.second if second and self.second is not None else self.kwargs
         return {"call": f"{__name__}:{self.function}", "args": [root, version, dst, options], "kwargs": kwargs}
 
 
+CONVERTS = ("gc", "writer2", "twin", "kill")
+EXPORTS = ("gc", "writer2", "twin", "writer2-kill", "kill")
 WRITERS = {w.name: w for w in [
     Writer("save", "save_version", {}, "old", True),
     Writer("async_save", "async_save_version", {}, "old", True),
-    Writer("convert", "convert_version", {}, "old", True),
-    Writer("convert --workers", "convert_version", {"workers": 2}, "old", True, workers=True, second={}),
-    Writer("export", "export_version", {}, "none", False),
-    Writer("export --overwrite", "export_version", {"overwrite": True}, "old", False),
+    Writer("convert", "convert_version", {}, "old", True, events=CONVERTS, identical_twins=True),
+    Writer("convert --workers", "convert_version", {"workers": 2}, "old", True, workers=True, second={},
+           events=CONVERTS, identical_twins=True),
+    Writer("export", "export_version", {}, "none", False, events=EXPORTS, identical_twins=True),
+    Writer("export --overwrite", "export_version", {"overwrite": True}, "old", False, events=EXPORTS,
+           identical_twins=True),
+    # writer2: another file at the same path as given, so the same headers but for the export_id
+    Writer("export foreign --overwrite", "export_foreign_version", {}, "old", False,
+           events=("writer2", "twin", "writer2-kill", "kill")),
 ]}
-EVENTS = ("gc", "writer2", "kill")
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> str:
     root = str(tmp_path_factory.mktemp("matrix-src"))
     for v in VERSIONS:
         shardckpt.save(state(v), os.path.join(root, f"src-{v}"))
+        os.makedirs(os.path.join(root, f"foreign-{v}"))
+        save_file(state(v)["model"], os.path.join(root, f"foreign-{v}", "src.safetensors"))
     return root
 
 
@@ -119,23 +141,45 @@ def matrix_bucket(s3_server):
 
 def _sample(ops: list, commit: int, writer: Writer, kind: str, event: str) -> list:
     """The boundaries a cell runs: every one, but where a case costs seconds (convert --workers spawns its
-    workers) or tens of requests (S3): the first operation, one amid the data, the commit and the one after
-    it, the last; on S3 every one for the exports' kills (an unfinished export there is under its final
-    names), and two for gc (which goes by age there: it must remove nothing)."""
-    if FULL or (kind == "local" and not writer.workers):
+    workers) or tens of requests (S3), and for the second writers added later (twin, writer2-kill, and the
+    foreign export's): the first operation, one amid the data, the commit and the one after it, the last; on
+    S3 every one for the exports' kills and twins (an unfinished export there is under its final names), and
+    two for gc (which goes by age there: it must remove nothing). writer2-kill runs where the writer opens a
+    data file (``_opened_files``): at each on S3, at one on local disk (its files are its own until the
+    commit there)."""
+    if event == "writer2-kill":
+        opened = _opened_files(ops)
+        return opened if FULL or kind == "s3" else opened[len(opened) // 2:][:1]
+    if FULL or (kind == "local" and not writer.workers and event in ("gc", "writer2", "kill")
+                and not writer.name.startswith("export foreign")):
         return ops
     if writer.workers:  # gc at worker 0's first operation (its directory's hold), the others at its commit
         zero, one = ([op for op in ops if op[0] == w] for w in (0, 1))  # (a kill also amid worker 1's data)
         at_commit = next(op for op in zero if op[2] == "put_atomic manifest.json")
-        return [zero[0]] if event == "gc" else [at_commit] if event == "writer2" else [one[len(one) // 2], at_commit]
-    if writer.name.startswith("export") and event == "kill":
+        if event == "gc":
+            return [zero[0]]
+        return [at_commit] if event in ("writer2", "twin") else [one[len(one) // 2], at_commit]
+    if writer.name.startswith("export") and kind == "s3" and event in ("kill", "twin"):
         return ops
     picks = {0, commit} if event == "gc" else {0, len(ops) // 2, commit, min(commit + 1, len(ops) - 1), len(ops) - 1}
     return [ops[i] for i in sorted(picks)]
 
 
-PARAMS = [pytest.param(name, kind, event, id=f"{name}-{kind}-{event}".replace(" --", "-"))
-          for name in WRITERS for kind in ("local", "s3") for event in EVENTS]
+def _opened_files(ops: list) -> list:
+    """The boundaries where an export opens a data file (``open_writer``; its check for another export's
+    commit is behind it)."""
+    return [op for op in ops if op[2].startswith("open_writer") and ".safetensors" in op[2]]
+
+
+def _kill_after_file(ops: list, op: tuple) -> int:
+    """The close of the file that ``op`` opens: the writer is killed once it returns (the file written whole,
+    over the second writer's file of that name on an object store)."""
+    name = op[2].split()[-1].rsplit("/", 1)[-1]
+    return next(o[1] for o in ops[ops.index(op):] if o[2] == f"close {name}")
+
+
+PARAMS = [pytest.param(name, kind, event, id=f"{name}-{kind}-{event}".replace(" --", "-").replace(" ", "-"))
+          for name, writer in WRITERS.items() for kind in ("local", "s3") for event in writer.events]
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +204,8 @@ def test_writer_matrix(name, kind, event, request, tmp_path_factory, sources, se
     row = matrix.setdefault((name, kind, event), {"boundaries": len(ops), "cases": 0, "outcomes": collections.Counter(),
                                                   "read": collections.Counter(), "problems": []})
     for worker, k, label in chosen:
-        case = cases.run(event, worker, k)
+        kill_at = _kill_after_file(ops, (worker, k, label)) if event == "writer2-kill" else None
+        case = cases.run(event, worker, k, kill_at)
         verdict, problems = cases.judge(case, event)
         row["cases"] += 1
         row["outcomes"][case["outcome"].split(":")[0]] += 1

@@ -11,11 +11,14 @@ from shardckpt.api.results import (
     GcResult,
     InspectResult,
     LatestResult,
+    LsResult,
     Problem,
     VerifyResult,
 )
+from shardckpt.api.runs import ls
 from shardckpt.api.tidy import gc, latest
 from shardckpt.api.transform import convert, export
 
-__all__ = ["convert", "export", "verify", "diff", "inspect", "gc", "latest", "ConvertResult", "ExportResult",
-           "VerifyResult", "DiffResult", "InspectResult", "GcResult", "LatestResult", "Problem", "Difference"]
+__all__ = ["convert", "export", "verify", "diff", "inspect", "gc", "latest", "ls", "ConvertResult", "ExportResult",
+           "VerifyResult", "DiffResult", "InspectResult", "GcResult", "LatestResult", "LsResult", "Problem",
+           "Difference"]

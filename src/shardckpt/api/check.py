@@ -9,9 +9,11 @@ from typing import Annotated, Sequence
 
 from shardckpt.api.options import STORAGE, bounded_int, non_negative, prefixes, read_rename_map
 from shardckpt.api.results import DiffResult, Difference, InspectResult, Problem, VerifyResult
+from shardckpt.api.runs import LATEST
 from shardckpt.api.spec import Opt
 from shardckpt.api.transform import PathLike, Progress
-from shardckpt.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
+from shardckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                              IncompatibleCheckpointError)
 
 WITH_AGAINST = "with --against: what export was given"
 
@@ -82,8 +84,8 @@ def _verify_export(path, against, only, strip_prefix, rename_map, storage_option
                 differences=() if values is None else _differences(values))
 
 
-def _differences(report) -> tuple[Difference, ...]:
-    return tuple(Difference(d.name, d.kind, d.detail, d.max_abs_error) for d in report.differences)
+def _differences(report, field: str = "differences") -> tuple[Difference, ...]:
+    return tuple(Difference(d.name, d.kind, d.detail, d.max_abs_error) for d in getattr(report, field))
 
 
 def diff(
@@ -93,27 +95,55 @@ def diff(
     *,
     atol: Annotated[float, Opt("absolute tolerance for values (default 0: exact)", parse=non_negative)] = 0.0,
     rtol: Annotated[float, Opt("relative tolerance for values (default 0: exact)", parse=non_negative)] = 0.0,
+    only: Annotated[Sequence[str] | None, prefixes("compare only the tensors and values under this dotted-name "
+                                                    "prefix, on each side that has any (a side with none is "
+                                                    "compared whole)")] = None,
+    strip_prefix: Annotated[str | None, Opt("remove this prefix from the names that start with it (after "
+                                            "--only), e.g. model. against an export", metavar="P")] = None,
+    latest: Annotated[bool, Opt("A or B is a run directory: use the latest committed checkpoint below it "
+                                "(`shardckpt ls` lists them)")] = False,
     storage_options: Annotated[dict | None, STORAGE] = None,
     progress: Progress | None = None,
 ) -> DiffResult:
     """Compare checkpoints ``a`` and ``b`` (any readable formats) tensor by tensor, and their plain values;
-    the same as ``shardckpt diff A B``. Differences are collected in the result (``equal`` False).
-    ``progress(done_bytes, total_bytes)`` is called after each tensor both hold.
+    the same as ``shardckpt diff A B``. Differences are collected in the result (``equal`` False); with a
+    tolerance, floating-point tensors of other dtypes are compared by value (``dtype_differences``); the
+    ``__metadata__`` of safetensors files is reported apart (``metadata_differences``), never a difference;
+    ``notes`` says what was not compared and what to try (a checkpoint against its export: ``only=["model"],
+    strip_prefix="model."``). ``progress(done_bytes, total_bytes)`` is told the bytes read.
 
     >>> shardckpt.diff("runs/a/step-1000", "runs/a/step-1000-ws8").equal  # doctest: +SKIP
     True
     """
+    from shardckpt.api.runs import explaining_run_dirs
     from shardckpt.offline.diff import diff as run_diff
 
     start = time.monotonic()
-    report = run_diff(a, b, atol=atol, rtol=rtol, storage_options=storage_options, progress=progress)
+    a, b = _sides(a, b, latest, storage_options)
+    with explaining_run_dirs(storage_options, a, b):
+        report = run_diff(a, b, atol=atol, rtol=rtol, only=only, strip_prefix=strip_prefix,
+                          storage_options=storage_options, progress=progress)
     return DiffResult(os.fspath(a), os.fspath(b), report.equal, report.tensors, report.by_checksum,
-                      report.bytes_read, report.plain_values, _differences(report), time.monotonic() - start)
+                      report.bytes_read, report.plain_values, _differences(report), time.monotonic() - start,
+                      _differences(report, "dtype_differences"), _differences(report, "metadata_differences"),
+                      tuple(report.notes))
+
+
+def _sides(a: PathLike, b: PathLike, latest: bool, storage_options: dict | None) -> tuple[str, str]:
+    """A and B, with ``latest`` each run directory among them replaced by its latest committed checkpoint."""
+    from shardckpt.api.runs import resolve
+
+    sides = tuple(resolve(p, latest, storage_options, required=False) for p in (a, b))
+    if latest and sides == (os.fspath(a), os.fspath(b)):
+        raise CheckpointNotFoundError(f"latest=True: neither {os.fspath(a)} nor {os.fspath(b)} has a committed "
+                                      "checkpoint below it")
+    return sides
 
 
 def inspect(
     path: Annotated[PathLike, Opt("checkpoint directory, file or fsspec URL")],
     *,
+    latest: Annotated[bool, LATEST] = False,
     storage_options: Annotated[dict | None, STORAGE] = None,
 ) -> InspectResult:
     """What the checkpoint at ``path`` holds: its format, tensors (name, dtype, shape, tensor bytes,
@@ -124,10 +154,13 @@ def inspect(
     >>> shardckpt.inspect("runs/a/step-1000").details["world_size"]  # doctest: +SKIP
     2
     """
+    from shardckpt.api.runs import explaining_run_dirs, resolve
     from shardckpt.checkpoint.describe import describe
     from shardckpt.format.manifest import FORMAT_NAME
 
-    info = describe(path, storage_options=storage_options)
+    path = resolve(path, latest, storage_options)
+    with explaining_run_dirs(storage_options, path):
+        info = describe(path, storage_options=storage_options)
     if info["format"] == FORMAT_NAME:
         info["parameters"] = _by_parameter(path, storage_options)
     details = {k: v for k, v in info.items() if k not in ("path", "format", "tensors")}

@@ -87,8 +87,11 @@ class DiffResult(Result):
     by_checksum: int  # of them, settled by equal checksums without reading
     bytes_read: int  # tensor bytes read, both sides
     plain_values: int
-    differences: tuple[Difference, ...]
+    differences: tuple[Difference, ...]  # what makes them unequal
     seconds: float
+    dtype_differences: tuple[Difference, ...] = ()  # floats of other dtypes compared within the tolerance
+    metadata_differences: tuple[Difference, ...] = ()  # safetensors __metadata__: never makes them unequal
+    notes: tuple[str, ...] = ()  # what was not compared, and what to try
 
 
 @dataclass(frozen=True)
@@ -120,3 +123,12 @@ class LatestResult(Result):
     @property
     def ok(self) -> bool:  # the command exits 1 when there is none
         return self.latest is not None
+
+
+@dataclass(frozen=True)
+class LsResult(Result):
+    path: str  # the run directory
+    latest: str | None  # the name of the latest committed checkpoint below it (what latest=True picks)
+    latest_path: str | None
+    checkpoints: tuple[dict, ...]  # name, path, step, state, format, state_dict_type, world_size, file_bytes, ...
+    summary: str  # "3 checkpoints below (2 committed, 1 incomplete); the latest committed is ..."

@@ -93,6 +93,9 @@ VERBS = (
     Verb("gc", "shardckpt.api.tidy:gc", "remove what interrupted saves left behind",
          "Remove the debris of interrupted saves at PATH; the committed checkpoint and saves still running are "
          "never touched."),
+    Verb("ls", "shardckpt.api.runs:ls", "list the checkpoints below a run directory",
+         "List the checkpoints directly below RUN_DIR (e.g. the step-* directories a training loop writes): step, "
+         "state, format, state-dict type, world size, size."),
     Verb("latest", "shardckpt.api.tidy:latest", "print the latest committed checkpoint under a run directory",
          "Print the committed checkpoint directly under RUN_DIR with the highest step in its name."),
 )

@@ -11,7 +11,7 @@ from shardckpt.api.transform import PathLike
 
 
 def gc(
-    path: Annotated[PathLike, Opt("checkpoint directory or fsspec URL")],
+    path: Annotated[PathLike, Opt("checkpoint directory, run directory or fsspec URL")],
     *,
     dry_run: Annotated[bool, Opt("list what would be removed, remove nothing")] = False,
     min_age: Annotated[float | None, Opt("keep entries newer than this (default: by lock on local disk, 6 h on "
@@ -19,7 +19,9 @@ def gc(
     storage_options: Annotated[dict | None, STORAGE] = None,
 ) -> GcResult:
     """Remove what interrupted saves left at ``path`` (never a committed checkpoint's data, never what a live
-    save still writes); the same as ``shardckpt gc PATH``. Each removal is logged (logger ``shardckpt``).
+    save still writes); the same as ``shardckpt gc PATH``. A run directory (no checkpoint of its own): the
+    same for every checkpoint directly below it, and the step directories a killed save left empty are
+    removed (local disk). Each removal is logged (logger ``shardckpt``).
 
     >>> shardckpt.gc("runs/a/step-1000", dry_run=True).removed  # doctest: +SKIP
     ('data-3f2a',)

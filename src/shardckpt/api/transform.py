@@ -21,7 +21,8 @@ PathLike = str | os.PathLike
 
 MEMORY_LIMIT = Opt("resident memory of this process at most about SIZE, e.g. 2GiB: what the process holds "
                    "already (~265 MiB of Python and torch) is spent first, the rest is the buffers data streams "
-                   "through", parse=size, metavar="SIZE")
+                   "through (default: no limit, fixed buffers: convert 256 MiB, export two of 64 MiB)", parse=size,
+                   metavar="SIZE")
 
 
 def _compression(text: str) -> str:
@@ -64,7 +65,7 @@ def convert(
     exclude: Annotated[Sequence[str], prefixes("leave out this dotted-name prefix")] = (),
     compress: Annotated[str | None, Opt("store chunks as zstd frames (floats split into byte planes first); "
                                         "default: raw", parse=_compression, metavar="zstd[:LEVEL]")] = None,
-    memory_limit: Annotated[int | str, MEMORY_LIMIT] = DEFAULT_MEMORY_LIMIT,
+    memory_limit: Annotated[int | str | None, MEMORY_LIMIT] = DEFAULT_MEMORY_LIMIT,
     workers: Annotated[int, Opt("spread the output files over N local processes (each within --memory-limit)",
                                 parse=positive_int, metavar="N")] = 1,
     overwrite: Annotated[bool, Opt("replace a committed checkpoint at DST")] = False,
@@ -120,6 +121,8 @@ def export(
                                            "pattern matching it whole (in Python: the dict)", metavar="FILE",
                                            parse=read_rename_map)] = None,
     memory_limit: Annotated[int | str | None, MEMORY_LIMIT] = None,
+    latest: Annotated[bool, Opt("SRC is a run directory: use the latest committed checkpoint below it "
+                                "(`shardckpt ls` lists them)")] = False,
     overwrite: Annotated[bool, Opt("replace an export at DST")] = False,
     storage_options: Annotated[dict | None, STORAGE] = None,
     dst_storage_options: dict | None = None,
@@ -134,15 +137,18 @@ def export(
     >>> shardckpt.export("runs/a/step-1000", "hf/a", dtype="bfloat16").files  # doctest: +SKIP
     ('model.safetensors',)
     """
+    from shardckpt.api.runs import explaining_run_dirs, resolve
     from shardckpt.offline.export import export as run_export, slice_bytes_for
     from shardckpt.sizes import parse_size
 
     start = time.monotonic()
     extra = {} if memory_limit is None else {"slice_bytes": slice_bytes_for(parse_size(memory_limit))}
-    report = run_export(src, dst, dtype=dtype, max_shard_size=max_shard_size, only=only, strip_prefix=strip_prefix,
-                        overwrite=overwrite, storage_options=storage_options, progress=progress, rename=rename_map,
-                        dst_storage_options=storage_options if dst_storage_options is None else dst_storage_options,
-                        verify=verify, **extra)
+    src = resolve(src, latest, storage_options)
+    with explaining_run_dirs(storage_options, src):
+        report = run_export(src, dst, dtype=dtype, max_shard_size=max_shard_size, only=only,
+                            strip_prefix=strip_prefix, overwrite=overwrite, storage_options=storage_options,
+                            progress=progress, rename=rename_map, verify=verify, **extra,
+                            dst_storage_options=storage_options if dst_storage_options is None else dst_storage_options)
     if report.kept:
         log.info("%s: resumed a killed export: kept %d finished files", dst, len(report.kept))
     return ExportResult(os.fspath(dst), tuple(report.files), report.tensors, report.total_size, report.dtype,

@@ -13,13 +13,16 @@ How a live writer is told from debris (``io``'s ``hold_dir`` / ``remove_abandone
   ``REMOTE_MIN_AGE_S``; a save that has written nothing for that long is taken as dead.
 
 A successful save collects its path's debris after its commit (``collect``), and ``shardckpt gc PATH``
-does it on demand.
+does it on demand; given a run directory (no manifest of its own), for every checkpoint below it too, and it
+removes the directories a killed save left empty (``collect_run``).
 """
 from __future__ import annotations
 
 import logging
 import os
 import re
+import warnings
+from dataclasses import dataclass
 
 from shardckpt.errors import CheckpointError
 from shardckpt.format.manifest import MANIFEST_NAME, parse_manifest
@@ -27,10 +30,11 @@ from shardckpt.io import LocalStorage, Storage, open_storage
 
 log = logging.getLogger("shardckpt")
 REMOTE_MIN_AGE_S = 6 * 3600.0
-_GENERATION_DIR = re.compile(r"^data-[0-9a-f]{1,64}$")
+GENERATION_DIR = re.compile(r"^data-[0-9a-f]{1,64}$")
 _TEMP_MANIFEST = re.compile(rf"^{re.escape(MANIFEST_NAME)}\.tmp-[0-9a-f]+$")
 EXPORT_TEMP = re.compile(r"^.+\.export-tmp-[0-9a-f]+$")  # an older version's export file before its rename
 EXPORT_STAGING = re.compile(r"^\.export-tmp-[0-9a-f]+$")  # an export's directory: its files before their renames
+STEP_NAME = re.compile(r"step[-_]?\d+", re.IGNORECASE)  # a directory a training loop names for its step
 
 
 def committed_dir(storage: Storage) -> str | None:
@@ -44,7 +48,7 @@ def committed_dir(storage: Storage) -> str | None:
 def debris(storage: Storage) -> list[str]:
     """The entries at the root that belong to no committed checkpoint now (candidates only: see ``collect``)."""
     keep = committed_dir(storage)
-    dirs = [d for d in storage.list_dirs() if (_GENERATION_DIR.match(d) and d != keep) or EXPORT_STAGING.match(d)]
+    dirs = [d for d in storage.list_dirs() if (GENERATION_DIR.match(d) and d != keep) or EXPORT_STAGING.match(d)]
     return dirs + [f for f in storage.list_files() if _TEMP_MANIFEST.match(f) or EXPORT_TEMP.match(f)]
 
 
@@ -75,9 +79,70 @@ def _min_age(storage: Storage, name: str) -> float:
 
 def gc(path: str | os.PathLike, *, dry_run: bool = False, min_age_s: float | None = None,
        storage_options: dict | None = None) -> list[str]:
-    """``shardckpt gc``: remove what interrupted saves left at ``path`` (see the module docstring);
-    ``min_age_s`` overrides the age below which an entry may still be a live writer's."""
+    """``shardckpt gc``: remove what interrupted saves left at ``path`` (see the module docstring), and, where
+    ``path`` holds no committed checkpoint itself (a run directory), below it (``collect_run``); returns the
+    paths removed, relative to ``path``. ``min_age_s`` overrides the age below which an entry may still be a
+    live writer's."""
     storage = open_storage(path, storage_options)
     if not storage.is_dir():
         raise CheckpointError(f"{storage.url('')}: no such directory")
-    return collect(storage, dry_run, min_age_s)
+    removed = collect(storage, dry_run, min_age_s)
+    if committed_dir(storage) is None:
+        removed += collect_run(path, dry_run=dry_run, min_age_s=min_age_s, storage_options=storage_options).removed
+    return removed
+
+
+@dataclass(frozen=True)
+class RunCollected:
+    """What ``collect_run`` removed (or, dry run, would remove), as paths relative to the run directory
+    (``step-000030/data-1f2e``; ``step-000030/``: the directory itself)."""
+
+    removed: list[str]
+
+
+def collect_run(run_dir: str | os.PathLike, *, dry_run: bool = False, min_age_s: float | None = None,
+                storage_options: dict | None = None) -> RunCollected:
+    """The debris of every checkpoint directly below ``run_dir`` (``gc.collect`` on each, with its safety
+    rules; a checkpoint: ``is_checkpoint_dir``), then each directory this leaves empty that a save made (named
+    for a step, or holding the debris just removed): on local disk, removed only while empty and held by no
+    one (``remove_empty_dir``; object stores have no empty directories)."""
+    root = os.fspath(run_dir)
+    storage = open_storage(root, storage_options)
+    removed = []
+    for name in storage.list_dirs():
+        if GENERATION_DIR.match(name) or EXPORT_STAGING.match(name):
+            continue
+        child = open_storage(child_path(root, name), storage_options)
+        if not is_checkpoint_dir(child, name):
+            continue
+        try:
+            gone = collect(child, dry_run, min_age_s)
+        except CheckpointError as e:  # its manifest does not parse: nothing there is known to be debris
+            warnings.warn(f"{name}: kept as it is ({e})", stacklevel=2)
+            continue
+        removed += [f"{name}/{g}" for g in gone]
+        if not (gone or STEP_NAME.search(name)) or not isinstance(storage, LocalStorage):
+            continue
+        if dry_run:
+            left = set(child.list_dirs()) | set(child.list_files())
+            if left <= set(gone):
+                removed.append(f"{name}/")
+        elif storage.remove_empty_dir(name):
+            removed.append(f"{name}/")
+    return RunCollected(removed)
+
+
+def is_checkpoint_dir(storage: Storage, name: str) -> bool:
+    """Whether directory ``name`` (at ``storage``) is a checkpoint's, committed or not, so that what ``debris``
+    finds in it is a save's: it is named for a step (``step-000050``), or holds a manifest, a temporary
+    manifest or an export's temporary files. (Another directory's ``data-2024/`` is not a save's to remove.)"""
+    if STEP_NAME.search(name) or storage.exists(MANIFEST_NAME):
+        return True
+    names = storage.list_files() + storage.list_dirs()
+    return any(_TEMP_MANIFEST.match(n) or EXPORT_TEMP.match(n) or EXPORT_STAGING.match(n) for n in names)
+
+
+def child_path(root: str, name: str) -> str:
+    """The path or URL of ``name`` directly below ``root``."""
+    return f"{root.rstrip('/')}/{name}" if "://" in root else os.path.join(root, name)
+

@@ -9,6 +9,10 @@ class DemoError(Exception):
     """A stage of the demo failed; the message names the stage and where its log is."""
 
 
+class DemoUsageError(DemoError):
+    """The demo cannot start with these settings (an unusable ``--out``, steps that do not fit): a usage error."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     layers: int = 4
@@ -28,6 +32,6 @@ class DemoConfig:
 
     def check(self) -> None:
         if not 0 < self.save_every < self.crash_at < self.steps:
-            raise DemoError(f"need 0 < save_every ({self.save_every}) < crash_at ({self.crash_at}) < steps ({self.steps})")
+            raise DemoUsageError(f"need 0 < save_every ({self.save_every}) < crash_at ({self.crash_at}) < steps ({self.steps})")
         if self.crash_at % self.save_every:
-            raise DemoError(f"crash_at ({self.crash_at}) must be a save step: a multiple of save_every ({self.save_every})")
+            raise DemoUsageError(f"crash_at ({self.crash_at}) must be a save step: a multiple of save_every ({self.save_every})")

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from shardckpt.checkpoint.latest import latest_checkpoint
-from shardckpt.demo.config import DemoConfig, DemoError
+from shardckpt.demo.config import DemoConfig, DemoError, DemoUsageError
 from shardckpt.demo.processes import EventTail, TrainingRanks, checked_command, run_command
 from shardckpt.demo.report import plot_losses, summary_lines
 from shardckpt.demo.train import checkpoint_path
@@ -136,17 +136,24 @@ def run_demo(config: DemoConfig = DemoConfig(), say: Callable[[str], None] = pri
 
 
 def _prepare(out: str) -> str:
-    """Create ``out``, or clear what an earlier demo wrote there; refuse a directory holding anything else."""
+    """Create ``out``, or clear what an earlier demo wrote there; refuse a directory holding anything else,
+    and a file (``DemoUsageError``, one line)."""
     out = os.path.abspath(out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise DemoUsageError(f"{out} is a file, not a directory; choose another --out")
     if os.path.isdir(out):
         foreign = sorted(set(os.listdir(out)) - OWN_NAMES)
         if foreign:
-            raise DemoError(f"{out} holds files the demo did not write ({', '.join(foreign[:5])}); "
-                            f"choose another --out or empty it")
+            raise DemoUsageError(f"{out} holds files the demo did not write ({', '.join(foreign[:5])}); "
+                                 f"choose another --out or empty it")
         for name in os.listdir(out):
             path = os.path.join(out, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    try:
+        os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    except OSError as e:  # a file above it, no permission: say so plainly, not as a raw [Errno N]
+        raise DemoUsageError(f"cannot create {out}: {e.strerror.lower() if e.strerror else e}; "
+                             f"choose another --out") from e
     return out
 
 

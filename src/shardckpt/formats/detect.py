@@ -14,8 +14,9 @@ looked for) and a function that returns a reader, or ``None`` when the place doe
   magic, or a pickle's protocol marker; local files only, see ``formats/torch_save.py``).
 
 A detector that recognises its format but finds it damaged raises (``CorruptCheckpointError`` and kin) rather
-than passing the path on: a broken safetensors file is reported as one, not as an unknown format. Anything
-unrecognised raises ``CheckpointNotFoundError``, listing the formats looked for.
+than passing the path on: a broken safetensors file is reported as one, not as an unknown format. A missing
+path raises ``CheckpointNotFoundError`` ("no such file or directory"); a place that exists but holds nothing
+recognised raises it listing the formats looked for.
 """
 from __future__ import annotations
 
@@ -160,14 +161,14 @@ def _torch_save(place: Place) -> CheckpointReader | None:
 
 # (what is looked for, the detector), tried in order.
 DIRECTORY_DETECTORS: list[tuple[str, Detector]] = [
-    (f"a shardckpt checkpoint (a directory with {MANIFEST_NAME})", _native),
-    (f"a safetensors directory ({INDEX_NAME}, or exactly one *{SUFFIX} file, not a shard)", _safetensors_directory),
-    (f"a torch DCP checkpoint (a directory with {METADATA_NAME})", _dcp),
-    (f"a DeepSpeed ZeRO checkpoint (*_optim_states.pt files, or '{LATEST}' naming a directory of them)", _deepspeed),
+    (f"shardckpt ({MANIFEST_NAME})", _native),
+    (f"safetensors ({INDEX_NAME} or one *{SUFFIX})", _safetensors_directory),
+    (f"torch DCP ({METADATA_NAME})", _dcp),
+    ("DeepSpeed (*_optim_states.pt)", _deepspeed),
 ]
 FILE_DETECTORS: list[tuple[str, Detector]] = [
-    (f"a safetensors file (*{SUFFIX})", _safetensors_file),
-    ("a torch.save file (zip archive or pickle)", _torch_save),
+    ("safetensors", _safetensors_file),
+    ("torch.save", _torch_save),
 ]
 
 
@@ -184,7 +185,8 @@ def open_reader(path: str | os.PathLike, *, storage_options: dict | None = None,
         reader = detect(place)
         if reader is not None:
             return reader
-    looked = "; ".join(what for what, _ in DIRECTORY_DETECTORS + FILE_DETECTORS)
-    there = "nothing readable is there" if not place.is_dir and place.file_size is None else \
-        "it holds no checkpoint format shardckpt reads"
-    raise CheckpointNotFoundError(f"{place.path}: {there}. Looked for: {looked}")
+    if not place.is_dir and place.file_size is None:
+        raise CheckpointNotFoundError(f"{place.path}: no such file or directory")
+    looked = (", ".join(what for what, _ in DIRECTORY_DETECTORS) + " directories; "
+              + " and ".join(what for what, _ in FILE_DETECTORS) + " files")
+    raise CheckpointNotFoundError(f"{place.path}: no checkpoint format shardckpt reads. Looked for: {looked}")

@@ -24,8 +24,10 @@ refused when read.
 under ``tree()["__metadata__"]`` (``METADATA_KEY``): for a single file, its ``__metadata__``; for several,
 the entries on which all files agree (Hugging Face's shards all say ``{"format": "pt"}``). No tensor can be
 named ``__metadata__``, since a safetensors header reserves that key, so the entry never hides a tensor.
-It is left out when empty. Everything, per file, is on ``SafetensorsReader.metadata``, and the index's own
-``metadata`` object on ``SafetensorsReader.index_metadata``.
+It is left out when empty. ``export_id`` (``EXPORT_ID_KEY``, shardckpt export's token that ties a file to its
+index) is not presented there: it is no value of the user's, and two exports of one source hold the same values.
+Everything, per file, is on ``SafetensorsReader.metadata``, and the index's own ``metadata`` object on
+``SafetensorsReader.index_metadata``.
 """
 from __future__ import annotations
 
@@ -148,7 +150,8 @@ class SafetensorsReader:
     def tree(self) -> Any:
         out: dict[str, Any] = {name: TensorRef(name) for name in self._entries}
         metas = list(self.metadata.values())
-        agreed = {k: v for k, v in metas[0].items() if all(m.get(k) == v for m in metas[1:])} if metas else {}
+        agreed = {k: v for k, v in metas[0].items()
+                  if k != EXPORT_ID_KEY and all(m.get(k) == v for m in metas[1:])} if metas else {}
         if agreed:
             out[METADATA_KEY] = agreed
         return out

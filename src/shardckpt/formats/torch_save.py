@@ -104,7 +104,7 @@ def _boxes(lo: int, hi: int, shape: tuple[int, ...]):
 class TorchSaveReader:
     """A ``CheckpointReader`` over one ``torch.save`` file (see the module's docstring)."""
 
-    # What a read holds besides its destination (``convert.memory.read_reserve``): the folios around the step it
+    # What a read holds besides its destination (``offline.memory.read_reserve``): the folios around the step it
     # copies, not yet given back, and the torch code that copying and unpickling bring in (measured ~3 MiB).
     transient_read_bytes = 2 * RELEASE_BYTES + 2 * (2 << 20) + (2 << 20)
 

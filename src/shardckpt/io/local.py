@@ -74,6 +74,19 @@ class _LocalWriter:
             os.close(self._fd)
 
 
+def _new_writer(path: str, keep: int | None = None) -> _LocalWriter:
+    """A writer of ``path``, its directory made first, and made again should it vanish before the file is
+    created in it (an empty directory a collector removed: ``LocalStorage.remove_empty_dir``)."""
+    for _ in range(100):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            return _LocalWriter(path, keep)
+        except FileNotFoundError:
+            if keep is not None or os.path.isdir(os.path.dirname(path)):
+                raise
+    raise FileNotFoundError(path)
+
+
 def _still_named(path: str, fd: int) -> bool:
     """Whether ``path`` still names the file (or directory) open as ``fd``."""
     try:
@@ -187,16 +200,14 @@ class LocalStorage:
     def open_writer(self, path: str, keep: int | None = None) -> _LocalWriter:
         """The protocol's writer; local disk also goes on writing an existing file after its first ``keep``
         bytes (what follows is cut off), which a resumed ``convert`` uses."""
-        os.makedirs(os.path.dirname(self.url(path)), exist_ok=True)
-        return _LocalWriter(self.url(path), keep)
+        return _new_writer(self.url(path), keep)
 
     def put_atomic(self, path: str, data: bytes, exclusive: bool = False) -> None:
         """Write to a temporary name, fsync, then rename it over ``path`` (or, ``exclusive``, hard-link it to
         ``path``, which fails if the name exists, and drop the temporary name); fsync the directory."""
-        os.makedirs(self.root, exist_ok=True)
         tmp = self.url(f"{path}.tmp-{uuid.uuid4().hex[:12]}")
         try:
-            writer = _LocalWriter(tmp)
+            writer = _new_writer(tmp)
             writer.write(memoryview(data))
             os.fsync(writer._fd)
             # Closed (its hold released) only once it has its final name: never debris while live.
@@ -223,7 +234,12 @@ class LocalStorage:
         instead of raising (for short critical sections, such as an export's renames)."""
         url = self.url(path)
         while True:
-            os.makedirs(url, exist_ok=True)
+            try:
+                os.makedirs(url, exist_ok=True)
+            except FileExistsError:  # it was there when made, gone when checked: being removed as abandoned
+                if os.path.lexists(url):
+                    raise
+                continue
             try:
                 fd = os.open(url, os.O_RDONLY | os.O_DIRECTORY)
             except FileNotFoundError:  # removed as abandoned between our mkdir and our open: make it again
@@ -273,6 +289,24 @@ class LocalStorage:
             if not dry_run:
                 shutil.rmtree(url, ignore_errors=True)
             return True
+        finally:
+            os.close(fd)
+
+    def remove_empty_dir(self, path: str) -> bool:
+        """Remove directory ``path`` if it is empty and no one holds it (an export holds its destination),
+        and say whether it was. ``rmdir`` refuses a directory that is not empty, atomically: a save that
+        has made its data directory inside it keeps it; one that has not yet makes it again (``hold_dir``,
+        ``open_writer`` and ``put_atomic`` make their parents again when they vanish)."""
+        try:
+            fd = os.open(self.url(path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:  # gone, or not a directory
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held, or no locks here: OSError, keep it
+            os.rmdir(self.url(path))
+            return True
+        except OSError:  # not empty (ENOTEMPTY), or gone meanwhile
+            return False
         finally:
             os.close(fd)
 

@@ -8,38 +8,37 @@
   whole-object GET instead (``stream``): on stores where a ranged GET costs the whole object (moto) that
   is the only fast way, and elsewhere it is one request instead of many.
 - Every request is retried on throttling (503 SlowDown), 5xx, timeouts and connection resets, with
-  exponential backoff and full jitter, until ``retry_deadline_s``; then a ``StorageError`` names the object.
+  exponential backoff and full jitter, until ``retry_deadline_s``; an endpoint that cannot be reached at
+  all (refused, unknown host) only for ``connect_deadline_s``; then a ``StorageError`` names the object
+  (``io/retry.py``). Each retry is logged on the ``shardckpt.io`` logger.
 - An exclusive put (the commit) is a conditional PUT (``If-None-Match: *``). If a retried one finds the
   object present, the object is read back: if it is the bytes this writer sent, an earlier attempt
   succeeded and the commit stands.
 
 Knobs, from ``storage_options`` (all optional): s3fs's own ``default_block_size`` (the part size, default
-8 MiB here, as boto3's) and ``max_concurrency`` (parts in flight per file, default 8), and ``retry_deadline_s``
-(default 120), which shardckpt takes out before the rest goes to s3fs. botocore's own retries are
-off unless ``config_kwargs`` sets them, so that a deadline bounds a request's whole retrying.
+8 MiB here, as boto3's) and ``max_concurrency`` (parts in flight per file, default 8), and
+``retry_deadline_s`` (default 120) and ``connect_deadline_s`` (default 3), which shardckpt takes out before
+the rest goes to s3fs. botocore's own retries are off unless ``config_kwargs`` sets them, so that a
+deadline bounds a request's whole retrying.
 """
 from __future__ import annotations
 
 import asyncio
 import math
-import random
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
 
-from shardckpt.errors import CheckpointError, CorruptCheckpointError, StorageConfigError, StorageError
+from shardckpt.errors import CorruptCheckpointError, StorageConfigError, StorageError
 from shardckpt.io.protocol import missing
 from shardckpt.io.remote import FsspecStorage
+from shardckpt.io.retry import CONNECT_DEADLINE_S, RETRY_DEADLINE_S, Attempts, client_error
 from shardckpt.io.s3_transfer import MIN_PART, MultipartWriter, ObjectStream
 
 T = TypeVar("T")
 
 PART_SIZE = 8 << 20
 CONCURRENCY = 8
-RETRY_DEADLINE_S = 120.0
-_BACKOFF_BASE_S, _BACKOFF_CAP_S = 0.1, 5.0
-_THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-                   "InternalError", "ServiceUnavailable", "TooManyRequests", "503", "500"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +46,7 @@ class S3Tuning:
     part_size: int = PART_SIZE
     concurrency: int = CONCURRENCY
     retry_deadline_s: float = RETRY_DEADLINE_S
+    connect_deadline_s: float = CONNECT_DEADLINE_S
 
     @classmethod
     def take_from(cls, options: dict) -> S3Tuning:
@@ -57,14 +57,12 @@ class S3Tuning:
         part = _option(options, "default_block_size", PART_SIZE, int, options.get)
         concurrency = _option(options, "max_concurrency", CONCURRENCY, int, options.get)
         deadline = _option(options, "retry_deadline_s", RETRY_DEADLINE_S, float, options.pop)
-        config = options.get("config_kwargs") or {}
-        if not isinstance(config, dict):
-            raise StorageConfigError(f"storage option config_kwargs: expected a JSON object of botocore Config "
-                                     f"arguments, got {config!r}")
-        config = dict(config)
-        config.setdefault("retries", {"max_attempts": 1})
+        connect_deadline = _option(options, "connect_deadline_s", CONNECT_DEADLINE_S, float, options.pop)
+        config = dict(_json_object(options, "config_kwargs", "botocore Config arguments"))
+        _json_object(options, "client_kwargs", "botocore client arguments, e.g. {\"region_name\": \"eu-west-1\"}")
+        config.setdefault("retries", {"total_max_attempts": 1})  # botocore's max_attempts counts retries only
         options["config_kwargs"] = config
-        return cls(max(part, MIN_PART), max(1, concurrency), deadline)
+        return cls(max(part, MIN_PART), max(1, concurrency), deadline, connect_deadline)
 
 
 def _option(options: dict, name: str, default: float, kind: type, take: Callable) -> Any:
@@ -77,35 +75,18 @@ def _option(options: dict, name: str, default: float, kind: type, take: Callable
     return kind(value)
 
 
-def _client_error(e: BaseException):
-    """The botocore ClientError behind ``e`` (s3fs translates them into OSErrors), or None."""
-    from botocore.exceptions import ClientError
-
-    for err in (e, e.__cause__):
-        if isinstance(err, ClientError):
-            return err
-    return None
-
-
-def _retryable(e: BaseException) -> bool:
-    """Throttling, 5xx, timeouts and broken connections; not 4xx answers (missing, denied, precondition)."""
-    from botocore.exceptions import ConnectionError as BotoConnectionError
-    from botocore.exceptions import HTTPClientError, ResponseStreamingError
-
-    client = _client_error(e)
-    if client is not None:
-        status = client.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        return status >= 500 or status == 429 or client.response.get("Error", {}).get("Code") in _THROTTLE_CODES
-    import aiohttp
-
-    return isinstance(e, (HTTPClientError, BotoConnectionError, ResponseStreamingError, aiohttp.ClientError,
-                          asyncio.TimeoutError, ConnectionError, TimeoutError))
+def _json_object(options: dict, name: str, what: str) -> dict:
+    """Option ``name``, which must be a dict (s3fs fails on anything else with an AttributeError)."""
+    value = options.get(name) or {}
+    if not isinstance(value, dict):
+        raise StorageConfigError(f"storage option {name}: expected a JSON object of {what}, got {value!r}")
+    return value
 
 
 def _precondition_failed(e: BaseException) -> bool:
     if isinstance(e, FileExistsError):
         return True
-    client = _client_error(e)
+    client = client_error(e)
     return client is not None and (
         client.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412", "ConditionalRequestConflict")
         or client.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412))
@@ -124,41 +105,28 @@ class S3Storage(FsspecStorage):
     def _run(self, coro: Awaitable[T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop).result()
 
-    def _pause_after(self, e: Exception, path: str, what: str, tries: int, start: float) -> float:
-        """The pause before the next attempt after ``e`` (full jitter), or raise: ``e`` itself when it is not
-        transient, a ``StorageError`` when the pause would pass the deadline."""
-        if not _retryable(e):
-            if isinstance(e, (OSError, CheckpointError)):
-                raise e
-            # botocore's own errors (no credentials, a parameter it refuses) and a malformed answer (a KeyError)
-            # are not OSErrors: a StorageError names the object
-            raise StorageError(f"{self._display(path)}: {what} failed: {type(e).__name__}: {e}") from e
-        pause = random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2 ** tries))
-        if time.monotonic() + pause >= start + self.tuning.retry_deadline_s:
-            raise StorageError(f"{self._display(path)}: {what} failed after {tries} attempts in "
-                               f"{time.monotonic() - start:.1f} s: {type(e).__name__}: {e}") from e
-        return pause
+    def _attempts(self, path: str, what: str) -> Attempts:
+        return Attempts(self._display(path), what, self.tuning.retry_deadline_s, self.tuning.connect_deadline_s)
 
     async def _retrying(self, path: str, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
         """``attempt()`` until it succeeds, a non-transient error, or the deadline; then StorageError."""
-        start, tries = time.monotonic(), 0
+        attempts = self._attempts(path, what)
         while True:
-            tries += 1
+            attempts.tries += 1
             try:
-                left = start + self.tuning.retry_deadline_s - time.monotonic()
-                return await asyncio.wait_for(attempt(), max(left, 0.001))
-            except Exception as e:  # noqa: BLE001 - sorted by _pause_after
-                await asyncio.sleep(self._pause_after(e, path, what, tries, start))
+                return await asyncio.wait_for(attempt(), attempts.time_left())
+            except Exception as e:  # noqa: BLE001 - sorted by Attempts.pause_after
+                await asyncio.sleep(attempts.pause_after(e))
 
     def _retrying_sync(self, path: str, what: str, fn: Callable[[], T]) -> T:
         """The same for s3fs's own (blocking) calls: listings and deletes."""
-        start, tries = time.monotonic(), 0
+        attempts = self._attempts(path, what)
         while True:
-            tries += 1
+            attempts.tries += 1
             try:
                 return fn()
-            except Exception as e:  # noqa: BLE001 - sorted by _pause_after
-                time.sleep(self._pause_after(e, path, what, tries, start))
+            except Exception as e:  # noqa: BLE001 - sorted by Attempts.pause_after
+                time.sleep(attempts.pause_after(e))
 
     def is_dir(self, path: str = "") -> bool:
         """Whether any object lies under ``path/`` (one listing request; s3fs's ``isdir`` says False when

@@ -85,7 +85,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             param_names: Sequence[str] | None = None, storage_options: dict | None = None,
             dst_storage_options: dict | None = None, compress: str | None = None,
             progress: Callable[[int, int], None] | None = None, spread_over: Any = None,
-            memory_limit: int | str = DEFAULT_MEMORY_LIMIT, optim_key: str | OptimStateKeyType | None = None,
+            memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT, optim_key: str | OptimStateKeyType | None = None,
             workers: int = 1) -> ConvertReport:
     """Convert the checkpoint at ``src`` (any readable format) into a shardckpt checkpoint at ``dst``.
 
@@ -99,7 +99,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     ``progress(done_bytes, total_bytes)`` is called as this process writes (its share of the bytes).
     ``spread_over``: a process group whose ranks share the writing, each calling ``convert`` with the same
     arguments (collective); None: this process writes everything. ``memory_limit``: bytes (or ``"1GiB"``) this
-    process's resident memory stays within, about (``offline.memory``); default 512 MiB. ``optim_key``: "name"
+    process's resident memory stays within, about (``offline.memory``); default None: 256 MiB of buffers on top of
+    what the process holds. ``optim_key``: "name"
     or "id" (or an ``OptimStateKeyType``) keys the output's optimizer state (``optim``) that way (default: as
     the source keys it); IDs number the parameters as the job's FULL state dict does (``param_names``, else the
     order the source records, else its param groups'), ID-keyed groups record the names. ``workers``: local
@@ -115,7 +116,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             files_per_rank=files_per_rank, param_names=param_names, storage_options=storage_options,
             dst_storage_options=dst_storage_options, compress=compress, memory_limit=memory_limit,
             optim_key=optim_key))
-    limit, compression = parse_size(memory_limit), Compression.parse(compress)
+    limit = None if memory_limit is None else parse_size(memory_limit)
+    compression = Compression.parse(compress)
     what = conversion(open_reader(src, storage_options=storage_options), str(src), world_size, type, dtype,
                       only, exclude, param_names, key_type_of_option(optim_key))
     storage = open_storage(dst, dst_storage_options)
@@ -130,7 +132,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
 
 
 def _write_and_commit(what: Conversion, storage: Storage, workers: Group, shaping: dict,
-                      compression: Compression | None, limit: int, progress: Callable[[int, int], None] | None,
+                      compression: Compression | None, limit: int | None, progress: Callable[[int, int], None] | None,
                       overwrite: bool) -> ConvertReport:
     """Write this process's share of the output ranks (keeping what a killed run wrote and that checks), then
     commit: this process alone, or the workers' coordinator once every worker's share is written."""

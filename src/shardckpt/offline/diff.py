@@ -8,7 +8,15 @@ values (NaN equals NaN). Integer and bool values are compared exactly, always: a
 floating-point values only, and an integer's error is exact (a Python int, computed without overflow or a
 round trip through float). Tensors of different dtypes are compared as values of their promoted dtype
 (float64 / complex128 when an integer meets a floating-point type, so that no integer is rounded to a
-narrower float), and the dtype difference is reported.
+narrower float), and the dtype difference is reported: as a difference when comparing exactly, apart (in
+``dtype_differences``) when a tolerance is given and both are floating-point (an fp32 checkpoint against its
+bf16 export, within the tolerance).
+
+The ``__metadata__`` strings of two safetensors files (an export's records its source's path) are compared
+apart too (``metadata_differences``): bit-identical tensors under other metadata are equal. ``only`` and
+``strip_prefix`` pick and rename what is compared on each side (``convert/diff_select.py``): a training
+checkpoint against its export is ``only=["model"], strip_prefix="model."``. When no tensor name is common to
+both sides, ``notes`` says what to try. ``progress(done, total)`` is told the bytes read as they are.
 
 LOCAL checkpoints (flat groups plus their layouts) are compared as stored when both sides have the same
 layouts; otherwise (another world size or wrapping, or a LOCAL and a FULL/SHARDED/foreign checkpoint) both
@@ -20,15 +28,18 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy
 import torch
 
+from shardckpt.offline.diff_select import nothing_compared_hint, select
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.tree import TensorRef, leaves, path_name
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
 from shardckpt.formats.detect import open_reader
+from shardckpt.formats.safetensors import SafetensorsReader
+from shardckpt.formats.safetensors_header import METADATA_KEY
 from shardckpt.regions import FlatRange
 from shardckpt.state_dict.flat import LAYOUTS_KEY
 from shardckpt.state_dict.logical import is_local, logical_view
@@ -42,7 +53,7 @@ _UNSIGNED = {1: numpy.uint8, 2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}
 @dataclass(frozen=True)
 class Difference:
     name: str
-    kind: str  # "only in A", "only in B", "shape", "dtype", "values", "plain value"
+    kind: str  # "only in A", "only in B", "shape", "dtype", "values", "plain value", "metadata"
     detail: str
     max_abs_error: float | int | None = None  # an int for integer values (exact), else a float
 
@@ -53,43 +64,82 @@ class DiffReport:
     by_checksum: int = 0  # of them, settled by equal checksums without reading
     bytes_read: int = 0  # tensor bytes read, both sides
     plain_values: int = 0
-    differences: list[Difference] = field(default_factory=list)
+    differences: list[Difference] = field(default_factory=list)  # what makes them unequal
+    dtype_differences: list[Difference] = field(default_factory=list)  # floats compared within a tolerance
+    metadata_differences: list[Difference] = field(default_factory=list)  # safetensors __metadata__, not data
+    notes: list[str] = field(default_factory=list)  # what was not compared, and why
 
     @property
     def equal(self) -> bool:
+        """The tensors and plain values are equal (dtype and metadata differences apart)."""
         return not self.differences
 
 
 def diff(a: str | os.PathLike | CheckpointReader, b: str | os.PathLike | CheckpointReader, *, atol: float = 0.0,
-         rtol: float = 0.0, storage_options: dict | None = None, slice_bytes: int = SLICE_BYTES,
+         rtol: float = 0.0, only: Sequence[str] | None = None, strip_prefix: str | None = None,
+         storage_options: dict | None = None, slice_bytes: int = SLICE_BYTES,
          progress: Callable[[int, int], None] | None = None) -> DiffReport:
-    """Compare checkpoints ``a`` and ``b`` (paths, URLs or readers); differences are collected, not raised.
-    ``progress(done_bytes, total_bytes)`` is called after each tensor held by both (both sides' bytes, whether
-    read or settled by checksum).
+    """Compare checkpoints ``a`` and ``b`` (paths, URLs or readers); differences are collected, not raised
+    (see the module's docstring for ``only``, ``strip_prefix``, tolerances and metadata).
 
     Unreadable input raises a ``CheckpointError`` subclass naming the file."""
     if atol < 0 or rtol < 0 or not (math.isfinite(atol) and math.isfinite(rtol)):
         raise ValueError("atol and rtol must be finite and >= 0")
-    ra, rb = _comparable(*(r if isinstance(r, CheckpointReader) else open_reader(r, storage_options=storage_options)
-                           for r in (a, b)))
+    ra, rb = (r if isinstance(r, CheckpointReader) else open_reader(r, storage_options=storage_options) for r in (a, b))
+    metadata = (_file_metadata(ra), _file_metadata(rb))
+    ra, rb = _comparable(ra, rb)
     report = DiffReport()
-    _diff_plain(ra.tree(), rb.tree(), report)
+    if only or strip_prefix:
+        (ra, notes_a), (rb, notes_b) = (select(r, side, only, strip_prefix) for r, side in ((ra, "A"), (rb, "B")))
+        report.notes += notes_a + notes_b
+    _diff_plain(ra.tree(), rb.tree(), report, [m is not None for m in metadata])
+    _diff_metadata(*metadata, report)
     ta, tb = ra.tensors(), rb.tensors()
     report.differences += [Difference(n, "only in A", _describe(ta[n])) for n in sorted(set(ta) - set(tb))]
     report.differences += [Difference(n, "only in B", _describe(tb[n])) for n in sorted(set(tb) - set(ta))]
     common = sorted(set(ta) & set(tb))
-    sizes = [_nbytes(ta[name]) + _nbytes(tb[name]) for name in common]
-    done, total = 0, sum(sizes)
-    for name, size in zip(common, sizes):
-        _diff_tensor(ra, rb, ta[name], tb[name], atol, rtol, slice_bytes, report)
-        done += size
-        if progress is not None:
-            progress(done, total)
+    if ta and tb and not common:
+        report.notes.append(nothing_compared_hint(list(ta), list(tb)))
+    total = sum(_bytes_to_read(ta[n], tb[n]) for n in common)
+    tick = (lambda: progress(report.bytes_read, total)) if progress is not None and total else (lambda: None)
+    tick()
+    for name in common:
+        _diff_tensor(ra, rb, ta[name], tb[name], _Tolerance(atol, rtol), slice_bytes, report, tick)
     return report
 
 
-def _nbytes(info: TensorInfo) -> int:
-    return math.prod(info.shape) * itemsize(info.dtype)
+@dataclass(frozen=True)
+class _Tolerance:
+    atol: float
+    rtol: float
+
+    @property
+    def exact(self) -> bool:
+        return self.atol == self.rtol == 0
+
+
+def _bytes_to_read(ia: TensorInfo, ib: TensorInfo) -> int:
+    """What comparing two tensors reads, both sides (0: settled without reading, or not comparable)."""
+    if tuple(ia.shape) != tuple(ib.shape) or (ia.dtype == ib.dtype and ia.crc32c is not None and ia.crc32c == ib.crc32c):
+        return 0
+    return math.prod(ia.shape) * (itemsize(ia.dtype) + itemsize(ib.dtype))
+
+
+def _file_metadata(reader: CheckpointReader) -> dict | None:
+    """A safetensors checkpoint's ``__metadata__`` (where its files agree), else None: no file metadata."""
+    if not isinstance(reader, SafetensorsReader):
+        return None
+    tree = reader.tree()
+    return dict(tree.get(METADATA_KEY, {})) if isinstance(tree, dict) else {}
+
+
+def _diff_metadata(meta_a: dict | None, meta_b: dict | None, report: DiffReport) -> None:
+    if meta_a is None or meta_b is None:
+        return  # one side has no file metadata: nothing to set against the other's
+    for key in sorted(set(meta_a) | set(meta_b)):
+        if meta_a.get(key) != meta_b.get(key):
+            shown = [repr(m[key]) if key in m else "(none)" for m in (meta_a, meta_b)]
+            report.metadata_differences.append(Difference(f"{METADATA_KEY}.{key}", "metadata", " != ".join(shown)))
 
 
 def _comparable(ra: CheckpointReader, rb: CheckpointReader) -> tuple[CheckpointReader, CheckpointReader]:
@@ -103,15 +153,18 @@ def _comparable(ra: CheckpointReader, rb: CheckpointReader) -> tuple[CheckpointR
 
 
 def _describe(info: TensorInfo) -> str:
-    return f"{str(info.dtype).removeprefix('torch.')} {list(info.shape)}"
+    return f"{_dtype(info.dtype)} {list(info.shape)}"
 
 
-def _plain_leaves(tree: Any) -> dict[str, Any]:
-    return {path_name(p): v for p, v in leaves(tree, lambda v: isinstance(v, TensorRef)) if not isinstance(v, TensorRef)}
+def _plain_leaves(tree: Any, file_metadata: bool) -> dict[str, Any]:
+    """The plain values by dotted name (a safetensors side's ``__metadata__`` left out: ``_diff_metadata``)."""
+    named = ((path_name(p), v) for p, v in leaves(tree, lambda v: isinstance(v, TensorRef)) if not isinstance(v, TensorRef))
+    return {name: v for name, v in named
+            if not (file_metadata and (name == METADATA_KEY or name.startswith(f"{METADATA_KEY}.")))}
 
 
-def _diff_plain(tree_a: Any, tree_b: Any, report: DiffReport) -> None:
-    pa, pb = _plain_leaves(tree_a), _plain_leaves(tree_b)
+def _diff_plain(tree_a: Any, tree_b: Any, report: DiffReport, file_metadata: list[bool]) -> None:
+    pa, pb = (_plain_leaves(t, m) for t, m in zip((tree_a, tree_b), file_metadata))
     for name in sorted(set(pa) | set(pb)):
         if name not in pb or name not in pa:
             report.differences.append(Difference(name, "only in A" if name in pa else "only in B",
@@ -146,20 +199,22 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return as_bytes(t.detach().cpu().resolve_conj().resolve_neg().contiguous())
 
 
-def _diff_tensor(ra: CheckpointReader, rb: CheckpointReader, ia: TensorInfo, ib: TensorInfo, atol: float,
-                 rtol: float, slice_bytes: int, report: DiffReport) -> None:
+def _diff_tensor(ra: CheckpointReader, rb: CheckpointReader, ia: TensorInfo, ib: TensorInfo, tol: _Tolerance,
+                 slice_bytes: int, report: DiffReport, tick: Callable[[], None]) -> None:
     if tuple(ia.shape) != tuple(ib.shape):
         report.differences.append(Difference(ia.name, "shape", f"{list(ia.shape)} != {list(ib.shape)}"))
         return
     report.tensors += 1
     same_dtype = ia.dtype == ib.dtype
     if not same_dtype:
-        report.differences.append(Difference(ia.name, "dtype", f"{ia.dtype} != {ib.dtype}"))
+        within = not tol.exact and _is_float(ia.dtype) and _is_float(ib.dtype)  # values decide, within tolerance
+        (report.dtype_differences if within else report.differences).append(
+            Difference(ia.name, "dtype", f"{_dtype(ia.dtype)} != {_dtype(ib.dtype)}"))
     elif ia.crc32c is not None and ia.crc32c == ib.crc32c:  # the same bytes: equal under any tolerance
         report.by_checksum += 1
         return
     dtype = _comparison_dtype(ia.dtype, ib.dtype)
-    exact = same_dtype and atol == rtol == 0
+    exact, atol, rtol = same_dtype and tol.exact, tol.atol, tol.rtol
     numel = math.prod(ia.shape)
     step = max(1, slice_bytes // max(itemsize(ia.dtype), itemsize(ib.dtype)))
     mismatched, worst, first = 0, None, None
@@ -169,6 +224,7 @@ def _diff_tensor(ra: CheckpointReader, rb: CheckpointReader, ia: TensorInfo, ib:
         ra.read([ReadRequest(ia.name, FlatRange(lo, hi), xa)])
         rb.read([ReadRequest(ib.name, FlatRange(lo, hi), xb)])
         report.bytes_read += xa.nbytes + xb.nbytes
+        tick()
         xa, xb = xa.to(dtype), xb.to(dtype)
         bad = _mismatches(xa, xb, exact, atol, rtol)
         if bad.any():
@@ -181,6 +237,10 @@ def _diff_tensor(ra: CheckpointReader, rb: CheckpointReader, ia: TensorInfo, ib:
         report.differences.append(Difference(
             ia.name, "values", f"{mismatched} of {numel} elements differ (first at flat index {first}); max abs "
                                f"error {shown}", worst))
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _comparison_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:

@@ -35,8 +35,9 @@ number of shards is the fewest the limit allows (tensors kept in source order, n
 are balanced: a tensor goes to the shard its middle byte falls in when the bytes are cut into that many
 equal parts (``plan_shards``). A tensor larger than the limit gets a shard of its own. Every file's
 ``__metadata__`` is ``{"format": "pt", "source": <src as given>, "source_id": <see Resume>, "export_id": ...}``;
-``export_id`` (also in the index's ``metadata``) names this export's plan and source, so that a reader refuses
-a file of another export beside the index (``formats.safetensors``: two exports to one object-store path).
+``export_id`` (also in the index's ``metadata``) names this export's plan and source (a digest; random for a
+source without identity, see Resume), so that a reader refuses a file of another export beside the index
+(``formats.safetensors``: two exports to one object-store path); readers do not present it as a value.
 
 **Streaming.** A file's header is computed from shapes and dtypes before any data is read (JSON, padded with
 spaces to a multiple of 8 bytes, as safetensors writes it); then the 8-byte header length, the header, and
@@ -55,11 +56,13 @@ so a killed export is never taken for a whole one; a failure renames everything 
 whole). On object stores each file is written at its name (an object appears only when its upload
 completes), the old files removed before, the index last. An export already at ``dst`` (``model.safetensors``,
 the index) raises ``CheckpointExistsError`` unless ``overwrite``, as does one committed there by another
-export meanwhile. A failure removes what this export wrote.
+export meanwhile. A failure removes what this export wrote, but on object stores the files of a shardckpt
+source, which a second run of the same export may have taken as its own (a rerun resumes them; without their
+index no reader takes them for an export): see ``export_commit``.
 
-**Resume.** A killed export leaves its finished files (in its directory on local disk). Run again with the
-same source and options, it keeps every file whose size and header are exactly what it would write, and
-writes the rest: the header records the source's identity (``__metadata__.source_id``: a shardckpt
+**Resume.** A killed export leaves its finished files (in its directory on local disk, each named only once
+durable). Run again with the same source and options, it keeps every file whose size and header are exactly
+what it would write, and writes the rest: the header records the source's identity (``__metadata__.source_id``: a shardckpt
 checkpoint's generation, new at every save), so a source saved again since is never mixed in. Sources of
 other formats have no such identity: their unfinished exports are not resumed. What a killed export left
 is removed by the next export and by ``shardckpt gc`` (then nothing is resumed). On object stores, an
@@ -173,7 +176,8 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     if identity is not None:
         metadata["source_id"] = identity
     planned = [(name, [tensors[i] for i in shard]) for name, shard in zip(names, shards)]
-    metadata[EXPORT_ID_KEY] = export_id([header_bytes(members, metadata) for _, members in planned])
+    headers = [header_bytes(members, metadata) for _, members in planned]
+    metadata[EXPORT_ID_KEY] = export_id(headers, identified=identity is not None)
     files = [PlannedFile(name, header_bytes(members, metadata), members) for name, members in planned]
     total = sum(t.nbytes for t in tensors)
     storage = open_storage(dst, dst_storage_options)

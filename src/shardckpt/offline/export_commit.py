@@ -15,22 +15,32 @@ the rerun finishes it.
 
 **Resume.** A killed export's directory is held by nobody: a rerun of the same source and plan holds it, takes
 each file in it that is exactly the file it would write (its size and header,
-``safetensors_files.is_written``; the header holds the source's identity), and writes only the others.
-Files that an older version left under their final names without an index are kept the same way.
+``safetensors_files.is_written``; the header holds the source's identity), and writes only the others. A
+file has its name in that directory only once it is durable: it is written as ``<name>.part`` and renamed
+after its close (fsync), so that a machine's crash, which can leave a file its full size with blocks never
+written (safetensors has no checksum to tell), never leaves one that a rerun takes. Files under their final
+names without an index are what a kill during the commit's renames leaves (the index is renamed last): they
+are kept the same way, in place.
 
 **Object stores** have no rename and no locks: each file is written at its name (an object appears only
 once its upload completes), the old export's files removed before, the index last and exclusively (the old
 one is gone: one there is another export's). A second export at the same path is seen before each file and
-around the commit (an index appeared, a file is no longer ours): the export then stops, removing only what
-is still its own. Its files carry an ``export_id`` that the index names, so that a reader refuses a mix of
-two exports' files that a race left (``formats.safetensors``), never reading it as one export.
+around the commit (an index appeared, a file is no longer ours): the export then stops. Its files carry an
+``export_id`` that the index names, so that a reader refuses a mix of two exports' files that a race left
+(``formats.safetensors``), never reading it as one export; it is random where the source has no identity,
+so that two exports of different files at one path as given are never taken for each other
+(``export_id``). A failing export removes nothing an index of another export names: the index only where it
+put it itself, and its files only where their ``export_id`` is random (no other export takes those for its
+own); an export of a shardckpt checkpoint leaves its files, which a second run of the same command may have
+taken as finished and committed, and which a rerun resumes (``_clean_up``).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from shardckpt.checkpoint.gc import EXPORT_STAGING, EXPORT_TEMP
 from shardckpt.offline import safetensors_files
@@ -54,11 +64,15 @@ class PlannedFile:
 Write = Callable[[Storage, str, PlannedFile], None]  # writes the file whole at a path
 
 
-def export_id(headers: Sequence[bytes]) -> str:
-    """What names one export: a digest of its files' headers (names, dtypes, shapes, the source's path and
-    identity), so that a rerun of the same export has it (and resumes), and two exports of one source are
-    ``diff``-equal."""
-    return hashlib.sha256(b"".join(headers)).hexdigest()[:16]
+def export_id(headers: Sequence[bytes], identified: bool) -> str:
+    """What names one export. Where the source has an identity (``identified``: a shardckpt generation, new at
+    every save), a digest of its files' headers (names, dtypes, shapes, that identity): identical headers then
+    mean identical bytes, and a rerun of the same export has the same id (and resumes). Else random: a foreign
+    source's headers hold only names, dtypes, shapes and its path as given, which two different files can
+    share, and their exports' files must never be taken for each other's. Readers do not present it among the
+    plain values (``formats.safetensors``), so two exports of one source stay ``diff``-equal."""
+    nonce = b"" if identified else uuid.uuid4().bytes
+    return hashlib.sha256(b"".join(headers) + nonce).hexdigest()[:16]
 
 
 def index_bytes(files: Sequence[PlannedFile], total: int, ident: str) -> bytes | None:
@@ -91,8 +105,7 @@ def commit_local(storage: LocalStorage, files: Sequence[PlannedFile], index: byt
             raise unfinished_error(storage, old)
         for f in files:
             if f.name not in stage.ready:
-                write(storage, stage.path(f.name), f)
-                stage.ready[f.name] = stage.path(f.name)
+                stage.write(f, write)
         if index is not None:
             storage.put_atomic(stage.path(INDEX_NAME), index)
             stage.ready[INDEX_NAME] = stage.path(INDEX_NAME)
@@ -120,9 +133,18 @@ class _Stage:
     def path(self, name: str) -> str:
         return f"{self.dir}/{name}"
 
+    def write(self, f: PlannedFile, write: Write) -> None:
+        """File ``f`` written whole as ``<name>.part`` and closed (fsync), then renamed to ``<name>``: a file
+        has its name here only once it is durable, the only files a rerun adopts."""
+        write(self.storage, self.path(f"{f.name}.part"), f)
+        safetensors_files.rename(self.storage, self.path(f"{f.name}.part"), self.path(f.name))
+        self.ready[f.name] = self.path(f.name)
+
     def adopt(self, files: Sequence[PlannedFile], finals_too: bool) -> list[PlannedFile]:
         """Take, as this export's, the files a killed run left that are exactly ones of ``files``: from its
-        directory (held meanwhile, then removed), or (an older version's kill) under their final names.
+        directory (held meanwhile, then removed; its ``.part`` files, perhaps not durable, are not taken), or
+        (``finals_too``: no export is committed here) under their final names, where a kill during the
+        commit's renames leaves them (older versions' files there have no ``export_id``: never taken).
         Returns those taken."""
         taken = []
         for d in [n for n in self.storage.list_dirs() if EXPORT_STAGING.match(n) and n != self.dir]:
@@ -192,8 +214,8 @@ class _Stage:
 def write_remote(storage: Storage, files: Sequence[PlannedFile], index: bytes | None, old: list[str],
                  overwrite: bool, resumable: bool, write: Write, skip: Callable[[PlannedFile], None]) -> tuple[str, ...]:
     """An object store: the stale old files removed first (the index first), then each file at its name, the
-    index last; a failure removes what was written. A killed run's files under their names are kept where
-    exactly what this run would write (not with ``overwrite``). Returns the names kept."""
+    index last; a failure removes what ``_clean_up`` says. A killed run's files under their names are kept
+    where exactly what this run would write (not with ``overwrite``). Returns the names kept."""
     names = [f.name for f in files]
     finished = {f.name for f in files if resumable and not overwrite and f.name in old
                 and is_written(storage, f.name, f.header, f.members)}
@@ -202,6 +224,7 @@ def write_remote(storage: Storage, files: Sequence[PlannedFile], index: bytes | 
     for name in sorted((n for n in old if n not in names or n == INDEX_NAME), key=lambda n: n != INDEX_NAME):
         safetensors_files.remove(storage, name)
     written: list[PlannedFile] = []
+    put = False  # whether the index there is the one this run put
     try:
         for f in files:
             if f.name in finished:
@@ -217,15 +240,25 @@ def write_remote(storage: Storage, files: Sequence[PlannedFile], index: bytes | 
                 storage.put_atomic(INDEX_NAME, index, exclusive=True)
             except FileExistsError:
                 raise _committed_meanwhile(storage) from None
+            put = True
             _all_ours(storage, files, "its readers refuse the mix (export again)")
     except BaseException:
-        for f in written:  # what is still ours: a file at that name may be another export's now
-            if _still_ours(storage, f):
-                safetensors_files.remove(storage, f.name)
-        if index is not None and _index_is(storage, index):
-            safetensors_files.remove(storage, INDEX_NAME)
+        _clean_up(storage, [] if resumable else written, put, index)
         raise
     return tuple(n for n in names if n in finished)
+
+
+def _clean_up(storage: Storage, written: Sequence[PlannedFile], put: bool, index: bytes | None) -> None:
+    """After a failure on an object store: the index this run put (a mix of two exports' files: its readers
+    would refuse it), and ``written``, the files of an export with a random ``export_id`` (a source without
+    identity) that are still its own: no other export takes those for its own, so no index of another names
+    them as its files. A source with an identity leaves its files: a second run of the same export may have
+    taken them as finished and committed them (their bytes are the same), and a rerun resumes them."""
+    if put and _index_is(storage, index):  # (another export's, after an overwrite meanwhile, differs)
+        safetensors_files.remove(storage, INDEX_NAME)
+    for f in written:  # a file at that name may be another export's now
+        if _still_ours(storage, f):
+            safetensors_files.remove(storage, f.name)
 
 
 def _all_ours(storage: Storage, files: Sequence[PlannedFile], what: str) -> None:
@@ -236,7 +269,7 @@ def _all_ours(storage: Storage, files: Sequence[PlannedFile], what: str) -> None
             raise CheckpointExistsError(f"{storage.url(f.name)}: another export wrote it meanwhile; {what}")
 
 
-def _index_is(storage: Storage, index: bytes) -> bool:
+def _index_is(storage: Storage, index: bytes | None) -> bool:
     try:
         return storage.read_bytes(INDEX_NAME) == index
     except CheckpointError:

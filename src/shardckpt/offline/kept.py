@@ -1,5 +1,5 @@
 """What of a data file a killed ``convert`` wrote can be kept: the longest prefix of what its journal claims
-(``convert.resume.Claim``) that is what this plan puts there, in order, and whose every block is in the file and
+(``offline.resume.Claim``) that is what this plan puts there, in order, and whose every block is in the file and
 matches its CRC32C (read back a buffer at a time, frames decoded). Nothing else is trusted: not the journal's
 word that bytes were written (a kill or a crash can lose or tear them), not the index's."""
 from __future__ import annotations

@@ -73,7 +73,7 @@ class ReadOnDemand(Mapping[str, StreamedPiece]):
                              functools.partial(self._slices, output, region))
 
     def _slices(self, output: Output, region: FlatRange, block: int, first: int) -> Iterator[torch.Tensor]:
-        region = FlatRange(region.start + first, region.stop)  # the elements before are kept (convert.resume)
+        region = FlatRange(region.start + first, region.stop)  # the elements before are kept (offline.resume)
         if not region.numel:
             return
         source, cast = output.source.dtype, output.dtype

@@ -57,7 +57,7 @@ def verify_export(dst: str | os.PathLike, *, against: str | os.PathLike | None =
                         _structure_problems(reader))
     if against is not None:
         source = logical_view(open_reader(against, storage_options=storage_options))
-        check.values = diff(_ExpectedExport(source, only, strip_prefix, Renames(rename or {}), infos, reader.tree()),
+        check.values = diff(_ExpectedExport(source, only, strip_prefix, Renames(rename or {}), infos),
                             reader)
     return check
 
@@ -88,11 +88,8 @@ class _ExpectedExport:
     ones cast to the dtype the export holds (reads cast into the caller's buffer, as export's reads do)."""
 
     def __init__(self, source: CheckpointReader, only: Sequence[str] | None, strip_prefix: str | None,
-                 rename: Renames, exported: Mapping[str, TensorInfo], exported_tree: Any):
-        self.source = source
-        # The export's own plain values (its __metadata__) are not the source's to predict.
-        self._plain = {k: v for k, v in exported_tree.items() if not isinstance(v, TensorRef)} \
-            if isinstance(exported_tree, dict) else {}
+                 rename: Renames, exported: Mapping[str, TensorInfo]):
+        self.source = source  # (the export's __metadata__ is file metadata, which diff sets apart)
         chosen, _tied = select(source, only, strip_prefix, None, rename)
         casts = {exported[t.name].dtype for t in chosen
                  if t.name in exported and t.source_dtype.is_floating_point and exported[t.name].dtype != t.source_dtype}
@@ -105,7 +102,7 @@ class _ExpectedExport:
         return dict(self._infos)
 
     def tree(self) -> Any:
-        return {**self._plain, **{name: TensorRef(name) for name in self._infos}}
+        return {name: TensorRef(name) for name in self._infos}
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
         self.source.read([ReadRequest(self._source_of[r.tensor], r.region, r.dest) for r in requests])
