@@ -53,8 +53,9 @@ def _verb_section(name: str, summary: str, p: argparse.ArgumentParser) -> list[s
     if p.description:
         lines += [prose(p.description), ""]
     if name in API_VERBS:
-        lines += [f"In Python: [`shardckpt.{name}()`](api/{name}.md), which takes these options as keyword "
-                  "arguments (`--memory-limit` is `memory_limit=`, `-o` is `storage_options=`).", ""]
+        lines += [f"In Python: [`shardckpt.{name}()`](api/{name}.md), with these options as keyword arguments "
+                  "(`--dry-run` is `dry_run=True`, `-o KEY=VALUE` is `storage_options={KEY: VALUE}`); `-q`, `-v` "
+                  "and `--json` are the command's own.", ""]
     lines += ["```text", p.format_usage().strip(), "```", "", "| argument | what |", "|---|---|"]
     for action in p._actions:  # noqa: SLF001
         if isinstance(action, argparse._HelpAction):  # noqa: SLF001
