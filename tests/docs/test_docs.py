@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -42,16 +43,30 @@ def _generator():
     return module
 
 
-@pytest.mark.parametrize("page", [p for p in _pages() if _python_blocks(p)])
-def test_python_blocks_of_the_page_run(page, tmp_path):
+def _run_page(page: str, folder: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    run = subprocess.run([sys.executable, "-c", RUN_BLOCKS], input=json.dumps([page, _python_blocks(page)]),
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", RUN_BLOCKS], input=json.dumps([page, _python_blocks(page)]),
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def page_runs(tmp_path_factory):
+    """Every page's blocks, two pages at a time (each process spends most of its time importing torch)."""
+    pages = [p for p in _pages() if _python_blocks(p)]
+    with ThreadPoolExecutor(2) as pool:
+        runs = {p: pool.submit(_run_page, p, str(tmp_path_factory.mktemp(p.replace("/", "-")))) for p in pages}
+        yield runs
+
+
+@pytest.mark.parametrize("page", [p for p in _pages() if _python_blocks(p)])
+def test_python_blocks_of_the_page_run(page, page_runs):
+    run = page_runs[page].result()
     assert run.returncode == 0, run.stderr[-3000:]
 
 
 def test_the_guide_pages_have_examples_that_run():
-    assert {"getting-started.md", "async-save.md", "storage.md", "run-directories.md", "formats.md"} <= \
+    assert {"getting-started.md", "async-save.md", "storage.md", "run-directories.md", "formats.md",
+            "state-dicts.md"} <= \
         {p for p in _pages() if _python_blocks(p)}
 
 
