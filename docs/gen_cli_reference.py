@@ -69,7 +69,18 @@ def _verb_section(name: str, summary: str, p: argparse.ArgumentParser) -> list[s
 
 def render() -> str:
     """docs/cli.md as the parser says it."""
+    columns = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = WIDTH
+    try:
+        return _render()
+    finally:  # a test process goes on with its own width
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
+
+
+def _render() -> str:
     from shardckpt.cli.main import build_parser
 
     parser = build_parser()
