@@ -15,7 +15,6 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "cli.md")
 WIDTH = "100"  # argparse wraps usage lines to the terminal; fixed here so that the page is the same everywhere
-API_VERBS = ("inspect", "verify", "convert", "export", "diff", "gc", "latest")  # those with a Python function
 _MARKDOWN = str.maketrans({c: "\\" + c for c in "\\`*_[]|"} | {"<": "&lt;", ">": "&gt;"})
 
 
@@ -49,10 +48,12 @@ def _help(action: argparse.Action) -> str:
 
 
 def _verb_section(name: str, summary: str, p: argparse.ArgumentParser) -> list[str]:
+    from shardckpt.api.spec import VERBS  # the verbs that are also functions (docs/api/VERB.md each)
+
     lines = [f"## shardckpt {name}", "", prose(summary[:1].upper() + summary[1:]) + ".", ""]
     if p.description:
         lines += [prose(p.description), ""]
-    if name in API_VERBS:
+    if name in {verb.name for verb in VERBS}:
         lines += [f"In Python: [`shardckpt.{name}()`](api/{name}.md), with these options as keyword arguments "
                   "(`--dry-run` is `dry_run=True`, `-o KEY=VALUE` is `storage_options={KEY: VALUE}`); `-q`, `-v` "
                   "and `--json` are the command's own.", ""]
