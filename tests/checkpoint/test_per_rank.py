@@ -174,7 +174,7 @@ def test_nothing_is_committed_when_the_indexes_were_written_for_an_older_version
     staged = stage({"w": torch.arange(4.0), "rng": PerRank(torch.arange(2))})
     planned = plan(staged, path)
     real = save_module.write_rank_files
-    save_module.write_rank_files = lambda *a: real(*a[:-1])  # drops version=
+    save_module.write_rank_files = lambda *a, **kw: real(*a[:-1], **kw)  # drops version=
     try:
         with pytest.raises(shardckpt.CheckpointError, match=r"per-rank values \('rng'\), which need format v4, "
                                                             r"but the data files' indexes were written as v2"):

@@ -45,6 +45,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from shardckpt.checkpoint.progress import ProgressCallback
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, Planned, persist, plan
 from shardckpt.checkpoint.stage import StagingBuffers, stage
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, before_destroy, destroys, resolve_group, side_group
@@ -98,8 +99,10 @@ class AsyncSaver:
 
     def save(self, state_dict: dict, path: str | os.PathLike, *, overwrite: bool = False,
              metadata: dict | None = None, files_per_rank: int = DEFAULT_FILES_PER_RANK,
-             storage_options: dict | None = None, compress: str | None = None) -> SaveHandle:
-        """``shardckpt.save``'s options; returns once the state is staged (collective, like ``save``)."""
+             storage_options: dict | None = None, compress: str | None = None,
+             progress: ProgressCallback | None = None) -> SaveHandle:
+        """``shardckpt.save``'s options; returns once the state is staged (collective, like ``save``).
+        ``progress`` is called from the background threads as the staged bytes are written."""
         path = os.fspath(path)
         with self._lock:
             if self.side is None:
@@ -117,7 +120,7 @@ class AsyncSaver:
                 planned = plan(ready, path, process_group=pg, overwrite=overwrite, files_per_rank=files_per_rank,
                                storage_options=storage_options, compress=compress, reuse=self._planned)
                 self._planned = planned
-                persist(ready, planned)
+                persist(ready, planned, progress=progress)
 
             self._last = SaveHandle(self._executor.submit(background), path)
             return self._last

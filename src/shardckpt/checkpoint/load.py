@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
 from shardckpt.checkpoint.load_any import load_reader, pick, tensor_refs, wanted_keys
 from shardckpt.checkpoint.match import match
+from shardckpt.checkpoint.progress import ProgressCallback, read_reporting
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.format.manifest import (
     COMPRESSED_VERSION,
@@ -42,7 +43,7 @@ def register_reader_view(view: Callable[[CheckpointReader, dict], CheckpointRead
 
 def load(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None, strict: bool = True,
          verify_checksums: bool = True, io_threads: int = DEFAULT_IO_THREADS,
-         storage_options: dict | None = None) -> None:
+         storage_options: dict | None = None, progress: ProgressCallback | None = None) -> None:
     """Fill ``state_dict`` in place from the checkpoint at ``path``, whatever world size and sharding wrote it.
 
     Called collectively on every rank. Each rank reads only the bytes its tensors need: plain tensors
@@ -50,7 +51,9 @@ def load(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
     by the saved ones. With ``strict``, missing or unexpected keys and shape or dtype mismatches raise
     ``IncompatibleCheckpointError`` before anything is read; otherwise the common keys load and dtypes
     are cast. ``verify_checksums`` checks every byte read against its CRC32C (a whole chunk's, or those of
-    the checksum blocks around a partial read).
+    the checksum blocks around a partial read). ``progress(done_bytes, total_bytes)`` is told the bytes this
+    rank has read into its tensors, after each batch of reads (it starts over if a concurrent overwrite makes
+    the load retry).
     """
     group, storage = resolve_group(process_group), open_storage(path, storage_options)
     if not _is_native(group, storage):
@@ -58,10 +61,11 @@ def load(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
                                                    verify=verify_checksums))
         if not isinstance(reader, NativeReader):  # (a native one: a manifest committed since; the path below)
             raise_failures(group.all_gather(attempt(group.rank, lambda: _load_from(reader, state_dict, strict,
-                                                                                   group))))
+                                                                                   group, progress))))
             return
     _with_retries(group, storage, lambda storage, manifest: _load_from(
-        NativeReader(storage, manifest, io_threads=io_threads, verify=verify_checksums), state_dict, strict, group))
+        NativeReader(storage, manifest, io_threads=io_threads, verify=verify_checksums), state_dict, strict, group,
+        progress))
 
 
 def agreed(group: Group, fn: Callable[[], T]) -> T:
@@ -161,7 +165,8 @@ def _generation_changed(group: Group, storage: Storage, manifest: Manifest) -> b
     return group.broadcast(current) != manifest.generation
 
 
-def _load_from(reader: CheckpointReader, state_dict: dict, strict: bool, group: Group) -> None:
+def _load_from(reader: CheckpointReader, state_dict: dict, strict: bool, group: Group,
+               progress: ProgressCallback | None) -> None:
     """Match ``state_dict`` to the checkpoint on every rank, agree, then read (a mismatch on any rank: nothing read)."""
     def matched_on(reader: CheckpointReader):
         for view in _READER_VIEWS:
@@ -169,12 +174,13 @@ def _load_from(reader: CheckpointReader, state_dict: dict, strict: bool, group: 
         return reader, match(reader.tree(), reader.tensors(), state_dict, strict, group.rank)
 
     reader, matched = agreed(group, lambda: matched_on(reader))
-    reader.read(matched.requests)
+    read_reporting(reader, matched.requests, progress)
     matched.write_back()
 
 
 def load_full(path: str | os.PathLike, keys: Iterable[str] | None = None, *, verify_checksums: bool = True,
-              io_threads: int = DEFAULT_IO_THREADS, storage_options: dict | None = None) -> dict:
+              io_threads: int = DEFAULT_IO_THREADS, storage_options: dict | None = None,
+              progress: ProgressCallback | None = None) -> dict:
     """Read a checkpoint as a plain nested state dict of full CPU tensors, in this process alone.
 
     ``path`` (a local path or fsspec URL) holds any format ``formats.detect.open_reader`` reads: shardckpt's
@@ -184,13 +190,14 @@ def load_full(path: str | os.PathLike, keys: Iterable[str] | None = None, *, ver
     containers as the reader gives them; a ``torch.save`` file of a list or of one tensor gives that).
     ``keys`` restricts it to entries whose dotted name equals a key or starts with ``key + "."`` (e.g.
     ``["model"]``); the result keeps the saved nesting. ``verify_checksums`` checks the checksums a format
-    stores (shardckpt's CRC32Cs, the CRC-32 of DCP's archives).
+    stores (shardckpt's CRC32Cs, the CRC-32 of DCP's archives). ``progress(done_bytes, total_bytes)``: as
+    ``load``'s, the bytes of the selected tensors.
     """
     storage = open_storage(path, storage_options)
     if not storage.exists(MANIFEST_NAME):
         reader = open_reader(path, storage_options=storage_options, io_threads=io_threads, verify=verify_checksums)
         if not isinstance(reader, NativeReader):  # (a native one: a manifest committed since; the path below)
-            return load_reader(reader, keys, where=os.fspath(path))
+            return load_reader(reader, keys, where=os.fspath(path), progress=progress)
     wanted = wanted_keys(keys)
 
     def work(storage: Storage, manifest: Manifest) -> dict:
@@ -198,7 +205,7 @@ def load_full(path: str | os.PathLike, keys: Iterable[str] | None = None, *, ver
         refs = [TensorRef(name) for name in dict.fromkeys(tensor_refs(picked))]
         _check_files_before_allocating(storage, manifest, refs)
         reader = NativeReader(storage, manifest, io_threads=io_threads, verify=verify_checksums)
-        return load_reader(reader, keys, where=storage.url(MANIFEST_NAME))
+        return load_reader(reader, keys, where=storage.url(MANIFEST_NAME), progress=progress)
 
     return _with_retries(resolve_group(LOCAL), storage, work)
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from shardckpt.checkpoint.progress import ProgressCallback, read_reporting
 from shardckpt.errors import CheckpointError, CorruptCheckpointError
 from shardckpt.format.tree import PerRankValues, TensorRef, contains, path_name
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
@@ -125,16 +126,20 @@ def _nbytes(info: TensorInfo) -> int:
     return n
 
 
-def load_reader(reader: CheckpointReader, keys: Iterable[str] | None = None, *, where: str = "") -> Any:
+def load_reader(reader: CheckpointReader, keys: Iterable[str] | None = None, *, where: str = "",
+                progress: ProgressCallback | None = None) -> Any:
     """The checkpoint behind ``reader`` as a plain nested value of full CPU tensors (see the module's docstring).
 
     The result has the tree's shape: a dict for every format but a ``torch.save`` file of a list, a tuple
     or a single tensor. With nothing selected it is an empty container of the tree's type (``{}`` when the
-    tree is a lone tensor). ``where`` names the checkpoint in errors.
+    tree is a lone tensor). ``where`` names the checkpoint in errors. ``progress(done_bytes, total_bytes)`` is
+    told the bytes read (``checkpoint.progress.read_reporting``).
     """
     tree = reader.tree()
     picked = pick(tree, (), wanted_keys(keys))
     if picked is _SKIP:  # a lone tensor (a torch.save file of one tensor) that ``keys`` leaves out
+        if progress is not None:
+            progress(0, 0)
         return {}
     infos = reader.tensors()
     names = list(dict.fromkeys(tensor_refs(picked)))
@@ -144,5 +149,6 @@ def load_reader(reader: CheckpointReader, keys: Iterable[str] | None = None, *, 
                                      "not list")
     check_fits_in_memory([infos[n] for n in names], where)
     tensors = {n: torch.empty(infos[n].shape, dtype=infos[n].dtype) for n in names}
-    reader.read([ReadRequest(n, Box((0,) * t.dim(), tuple(t.shape)), t) for n, t in tensors.items()])
+    read_reporting(reader, [ReadRequest(n, Box((0,) * t.dim(), tuple(t.shape)), t) for n, t in tensors.items()],
+                   progress)
     return replace_refs(picked, tensors)

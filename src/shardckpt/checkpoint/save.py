@@ -36,6 +36,7 @@ from shardckpt.checkpoint.agree import (
 )
 from shardckpt.checkpoint.save_plan import PieceInfo, SavePlan, WriteTask, make_save_plan
 from shardckpt.checkpoint.gc import collect
+from shardckpt.checkpoint.progress import ProgressCallback
 from shardckpt.checkpoint.stage import Staged, stage
 from shardckpt.checkpoint.writer import RankResult, write_rank_files
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures, resolve_group
@@ -53,7 +54,8 @@ DEFAULT_FILES_PER_RANK = 2  # data files each rank writes in parallel on save
 
 def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
          metadata: dict | None = None, files_per_rank: int = DEFAULT_FILES_PER_RANK,
-         storage_options: dict | None = None, compress: str | None = None) -> None:
+         storage_options: dict | None = None, compress: str | None = None,
+         progress: ProgressCallback | None = None) -> None:
     """Save a (nested) state dict as a checkpoint at ``path`` (a local path or an fsspec URL).
 
     Called collectively on every rank of ``process_group`` (default: the default group, or a world of one
@@ -65,13 +67,15 @@ def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
     ``files_per_rank`` data files in parallel (rank 0's value counts). ``compress="zstd"`` (or
     ``"zstd:LEVEL"``, -7..22; rank 0's value counts) stores each chunk as zstd frames, floating-point data
     split into byte planes first; a chunk that does not shrink is stored raw. Loads need no option.
+    ``progress(done_bytes, total_bytes)`` is called, from the writer threads, as this rank writes its tensor
+    bytes: ``(0, total)`` first, ``(total, total)`` last; if it raises, the save fails and commits nothing.
 
     The same as ``persist(staged, plan(staged, path, ...))`` with ``staged = stage(state_dict, ...)``.
     """
     staged = stage(state_dict, process_group=process_group, metadata=metadata)
     planned = plan(staged, path, process_group=process_group, overwrite=overwrite, files_per_rank=files_per_rank,
                    storage_options=storage_options, compress=compress)
-    persist(staged, planned)
+    persist(staged, planned, progress=progress)
 
 
 @dataclass(frozen=True)
@@ -188,18 +192,18 @@ def _with_reused(gathered: list, reuse: Planned | None, files_per_rank: int,
     return infos, reuse.save_plan if same else None
 
 
-def persist(staged: Staged, planned: Planned) -> None:
+def persist(staged: Staged, planned: Planned, *, progress: ProgressCallback | None = None) -> None:
     """Save step 3 of 3 (collective, on ``planned``'s group): every rank writes its data and index files
     from ``staged``'s host buffers (block checksums computed as they are written) and makes them durable;
     rank 0 gathers the results and commits the manifest last. Raises on every rank if any rank failed; the
     failed generation's files are then removed and a previous checkpoint stays as it was. Call it once
-    per ``Planned``; it may run in a background thread (see the module docstring)."""
+    per ``Planned``; it may run in a background thread (see the module docstring). ``progress``: as ``save``'s."""
     group = planned.group
     # A writing rank holds its generation's directory until the commit is decided, so that another save's
     # debris collection (checkpoint/gc.py) never takes it for an abandoned one.
     holds = []
     try:
-        result = attempt(group.rank, lambda: _write(planned, staged, holds))
+        result = attempt(group.rank, lambda: _write(planned, staged, holds, progress))
         results = group.gather(result)
         outcome = None
         if group.is_coordinator:
@@ -265,13 +269,16 @@ def data_dir(generation: str) -> str:
     return f"data-{generation}"
 
 
-def _write(planned: Planned, staged: Staged, holds: list) -> RankResult | None:
+def _write(planned: Planned, staged: Staged, holds: list,
+           progress: ProgressCallback | None = None) -> RankResult | None:
     if not planned.tasks:
+        if progress is not None:
+            progress(0, 0)  # nothing for this rank to write: done
         return None
     holds.append(planned.storage.hold_dir(planned.data_dir))
     base = f"{planned.data_dir}/rank-{planned.group.rank:05d}"
     return write_rank_files(planned.storage, base, planned.tasks, staged.pieces, planned.files_per_rank,
-                            planned.compression, planned.version)
+                            planned.compression, planned.version, progress=progress)
 
 
 def _commit(planned: Planned, results: list, staged: Staged) -> None:

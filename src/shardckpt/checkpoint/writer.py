@@ -24,6 +24,7 @@ from typing import Callable, Iterator, Union
 import torch
 
 from shardckpt.checkpoint.collect import LocalPiece
+from shardckpt.checkpoint.progress import Progress, ProgressCallback
 from shardckpt.checkpoint.save_plan import WriteTask
 from shardckpt.regions import FlatRange, contiguous_runs
 from shardckpt.io import FileWriter, Storage
@@ -71,6 +72,7 @@ class FileProgress:
 
 
 Journal = Callable[[FileProgress], None]
+Tick = Callable[[int], None]  # told the tensor bytes of each write (``checkpoint.progress.Progress``)
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ def _crc_term(piece: Piece, size: int, crc: int, raw: torch.Tensor | None) -> in
     return runs_crc_term(runs, crcs, size, math.prod(piece.shape))
 
 
-def _write_raw(writer, data: memoryview, block: int, progress: FileProgress, journal: Journal) -> None:
+def _write_raw(writer, data: memoryview, block: int, progress: FileProgress, journal: Journal, tick: Tick) -> None:
     """Write a chunk's bytes as they are, ``WRITE_SIZE`` at a time, adding its block CRCs to ``progress``."""
     step = max(WRITE_SIZE // block, 1) * block  # writes end on block boundaries
     for lo in range(0, len(data), step):
@@ -111,23 +113,24 @@ def _write_raw(writer, data: memoryview, block: int, progress: FileProgress, jou
         progress.blocks.extend(crcs)
         progress.size += len(part)
         journal(progress)
+        tick(len(part))
 
 
 def _write_frames(writer, data: memoryview, block: int, codec: str, itemsize: int, level: int,
-                  progress: FileProgress, journal: Journal) -> None:
+                  progress: FileProgress, journal: Journal, tick: Tick) -> None:
     """Encode and write a chunk frame by frame, adding its block CRCs and frames' stored lengths to ``progress``."""
     pool = codec_pool()
 
-    def encode(lo: int) -> tuple[int, memoryview]:
+    def encode(lo: int) -> tuple[int, memoryview, int]:
         frame = data[lo:lo + block]
-        return crc32c(frame), encode_frame(codec, frame, itemsize, level)
+        return crc32c(frame), encode_frame(codec, frame, itemsize, level), len(frame)
 
     starts = iter(range(0, len(data), block))
     # Frames encoded ahead of the writes, in order: enough to keep every codec thread busy, few enough
     # that memory stays a few blocks.
     pending = deque(pool.submit(encode, lo) for lo in itertools.islice(starts, 2 * CODEC_THREADS))
     while pending:
-        crc, stored = pending.popleft().result()
+        crc, stored, length = pending.popleft().result()
         for lo in itertools.islice(starts, 1):
             pending.append(pool.submit(encode, lo))
         writer.write(stored)
@@ -135,10 +138,11 @@ def _write_frames(writer, data: memoryview, block: int, codec: str, itemsize: in
         progress.frames.append(len(stored))
         progress.size += len(stored)
         journal(progress)
+        tick(length)
 
 
 def _write_chunk(writer, piece: Piece, compression: Compression | None, progress: FileProgress,
-                 journal: Journal) -> tuple[ChunkRecord, int]:
+                 journal: Journal, tick: Tick) -> tuple[ChunkRecord, int]:
     """Stream one chunk, each block checksummed just before it is written (while it is in cache), encoded
     as a frame if ``compression``; a chunk none of whose frames shrank is recorded as ``raw``. A streamed
     chunk goes on after the blocks ``progress`` already has of it (``current``).
@@ -159,9 +163,9 @@ def _write_chunk(writer, piece: Piece, compression: Compression | None, progress
                              f"blocks of {block})")
         data = memoryview(part.numpy())
         if codec == RAW:
-            _write_raw(writer, data, block, progress, journal)
+            _write_raw(writer, data, block, progress, journal, tick)
         else:
-            _write_frames(writer, data, block, codec, dtype.itemsize, compression.level, progress, journal)
+            _write_frames(writer, data, block, codec, dtype.itemsize, compression.level, progress, journal, tick)
         length += len(data)
     frames = progress.frames
     if codec != RAW and sum(frames) >= length:
@@ -175,15 +179,16 @@ def _write_chunk(writer, piece: Piece, compression: Compression | None, progress
 def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: list[WriteTask],
                     pieces: dict[str, Piece], compression: Compression | None = None, *,
                     version: int | None = None, start: FileProgress | None = None, writer: FileWriter | None = None,
-                    journal: Journal | None = None) -> tuple[FileEntry, dict[str, int]]:
+                    journal: Journal | None = None, tick: Tick | None = None) -> tuple[FileEntry, dict[str, int]]:
     """Write the tasks' chunks in order (offsets aligned) and the file's index; both durable on return.
 
     ``pieces``: by name, staged pieces (``Staged.pieces``) or streamed ones. ``version``: the manifest's format
     version, which the index carries (default: ``version_for`` the compression). ``start``: the progress of an
     earlier writing of this same file whose bytes are checked and kept (streamed pieces only; ``writer`` then
-    writes after them). ``journal(progress)``: called after every write."""
+    writes after them). ``journal(progress)``: called after every write; ``tick(n)`` too, with its tensor bytes."""
     progress = start if start is not None else FileProgress()
     journal = journal or (lambda progress: None)
+    tick = tick or (lambda n: None)
     terms: dict[str, int] = {}
     writer = writer or storage.open_writer(data_path)
     try:
@@ -199,7 +204,7 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
                     writer.write(memoryview(bytes(pad)))
                 progress.current, progress.offset, progress.blocks, progress.frames = key, progress.size + pad, [], []
                 progress.size += pad
-            record, term = _write_chunk(writer, piece, compression, progress, journal)
+            record, term = _write_chunk(writer, piece, compression, progress, journal, tick)
             progress.done[key], progress.current = record, None
             terms[task.name] = terms.get(task.name, 0) ^ term
     finally:
@@ -216,17 +221,22 @@ WriteFile = Callable[[int, str, str, list[WriteTask]], tuple[FileEntry, dict[str
 
 def write_rank_files(storage: Storage, base: str, tasks: list[WriteTask], pieces: dict[str, Piece],
                      files_per_rank: int, compression: Compression | None = None,
-                     version: int | None = None, write_file: WriteFile | None = None) -> RankResult:
+                     version: int | None = None, write_file: WriteFile | None = None,
+                     progress: ProgressCallback | None = None) -> RankResult:
     """One data file per slot (``<base>-<slot>.bin``), written in parallel: one writer per file, because
     buffered writes to a single file serialise on its lock. ``write_file(slot, data path, index path, tasks)``
-    instead of ``write_data_file`` (``convert``: a file a killed run wrote, checked and kept or gone on with)."""
+    instead of ``write_data_file`` (``convert``: a file a killed run wrote, checked and kept or gone on with).
+    ``progress(done_bytes, total_bytes)``: the tensor bytes of ``tasks`` written (staged pieces only)."""
     by_slot = [[t for t in tasks if t.slot == k] for k in range(files_per_rank)]
+    tick = Progress(sum(pieces[t.name].data.nbytes for t in tasks) if progress else 0, progress)
+    tick.begin()
 
     def write(k: int) -> tuple[FileEntry, dict[str, int]]:
         data_path, index_path = f"{base}-{k}.bin", f"{base}-{k}.index.json"
         if write_file is not None:
             return write_file(k, data_path, index_path, by_slot[k])
-        return write_data_file(storage, data_path, index_path, by_slot[k], pieces, compression, version=version)
+        return write_data_file(storage, data_path, index_path, by_slot[k], pieces, compression, version=version,
+                               tick=tick)
 
     with ThreadPoolExecutor(files_per_rank, thread_name_prefix="shardckpt-write") as pool:
         written = list(pool.map(write, range(files_per_rank)))

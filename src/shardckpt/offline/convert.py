@@ -44,6 +44,7 @@ import torch
 from shardckpt.sizes import parse_size
 from shardckpt.checkpoint.agree import encoded_holds_per_rank
 from shardckpt.checkpoint.gc import committed_dir
+from shardckpt.checkpoint.progress import Progress
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
 from shardckpt.checkpoint.save_plan import SavePlan, TensorPlan, plan_placed
 from shardckpt.checkpoint.writer import write_rank_files
@@ -54,7 +55,7 @@ from shardckpt.offline.local_output import LocalAtWorldSize
 from shardckpt.offline.memory import DEFAULT_MEMORY_LIMIT, buffer_budget, read_reserve
 from shardckpt.offline.rank_files import RankFiles
 from shardckpt.offline.resume import conversion_generation, journal_dir
-from shardckpt.offline.streams import ALIGN, Output, Progress, ReadOnDemand, SliceBuffers
+from shardckpt.offline.streams import ALIGN, Output, ReadOnDemand, SliceBuffers
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
 from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from shardckpt.format.codecs import Compression

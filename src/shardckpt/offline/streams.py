@@ -1,12 +1,10 @@
 """How ``convert`` moves values: each output chunk streamed from the source a slice at a time (``ReadOnDemand``,
-cast on the way if asked) through slice buffers allocated once (``SliceBuffers``), its progress summed across
-the writer threads (``Progress``)."""
+cast on the way if asked) through slice buffers allocated once (``SliceBuffers``)."""
 from __future__ import annotations
 
 import contextlib
 import functools
 import queue
-import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
@@ -98,16 +96,3 @@ class ReadOnDemand(Mapping[str, StreamedPiece]):
 
     def __len__(self) -> int:
         return len(self.outputs)
-
-
-class Progress:
-    """Bytes written so far, from the writer threads."""
-
-    def __init__(self, total: int, report: Callable[[int, int], None] | None):
-        self.total, self.report, self.done, self.lock = total, report, 0, threading.Lock()
-
-    def __call__(self, n: int) -> None:
-        with self.lock:
-            self.done += n
-            if self.report is not None:
-                self.report(self.done, self.total)
