@@ -55,27 +55,42 @@ class FullStateDictConfig(StateDictConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class ShardedStateDictConfig(StateDictConfig):
-    pass
+    """The config of ``StateDictType.SHARDED_STATE_DICT``: each rank's state dict holds, per original
+    parameter, its dim-0 chunk as a ``ShardedTensor`` (never the full tensor), which ``shardckpt.save``
+    stores once and ``load`` reads back at any world size and sharding. It adds nothing to
+    ``StateDictConfig``: ``offload_to_cpu=True`` returns the chunks as CPU copies."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class LocalStateDictConfig(StateDictConfig):
-    pass
+    """The config of ``StateDictType.LOCAL_STATE_DICT``: each rank's state dict holds its flat shards exactly
+    as they are in memory (zero copy) with their ``FlatLayout``s, the cheapest to save; a LOCAL checkpoint
+    loads at any world size and into any state-dict type through its stored layouts (``load_state``). It adds
+    nothing to ``StateDictConfig``: ``offload_to_cpu=True`` makes the shards CPU copies instead."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class FullOptimStateDictConfig(FullStateDictConfig):
-    pass
+    """``FullStateDictConfig`` under the name FSDP gives the optimizer's: here one config serves both the
+    model's and the optimizer's state (``get_state_dict``, ``set_state_dict`` and ``state_dict_type`` take one
+    ``config``), so this class is accepted wherever a FULL_STATE_DICT config is, and means the same:
+    ``rank0_only`` and ``offload_to_cpu`` apply to the gathered optimizer state as to the parameters."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ShardedOptimStateDictConfig(ShardedStateDictConfig):
-    pass
+    """``ShardedStateDictConfig`` under the name FSDP gives the optimizer's: here one config serves both the
+    model's and the optimizer's state (``get_state_dict``, ``set_state_dict`` and ``state_dict_type`` take one
+    ``config``), so this class is accepted wherever a SHARDED_STATE_DICT config is, and means the same: the
+    optimizer's per-parameter state as ``ShardedTensor``s, like the parameters."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class LocalOptimStateDictConfig(LocalStateDictConfig):
-    pass
+    """``LocalStateDictConfig`` under the name FSDP gives the optimizer's: here one config serves both the
+    model's and the optimizer's state (``get_state_dict``, ``set_state_dict`` and ``state_dict_type`` take one
+    ``config``), so this class is accepted wherever a LOCAL_STATE_DICT config is, and means the same: the
+    optimizer's state as flat shards, like the parameters."""
 
 
 DEFAULT_CONFIGS = {
