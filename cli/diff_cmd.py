@@ -10,7 +10,8 @@ from shardckpt.cli.verbs import in_cli_words
 from shardckpt.sizes import format_bytes
 
 EPILOG = """compares: the tensors each side holds (by name), their shapes and dtypes, their values (by checksum
-where both sides store one, else read in bounded slices), and the plain values. Exact (bit for bit) unless
+where both sides store one, else read in bounded slices; --read-all reads every one: a CRC32C can be made to
+collide), and the plain values (of the same types: 1 is not True, 0.0 is not -0.0). Exact (bit for bit) unless
 --atol/--rtol is given; a tolerance applies to floating-point values only (integers and bools are always
 compared exactly), and with one, floating-point tensors of different dtypes (fp32 against a bf16 export) are
 compared by value within it, their dtypes reported apart. The __metadata__ of safetensors files (an export

@@ -70,7 +70,8 @@ def test_cast_and_selection(tmp_path):
     assert out["model"]["w"].dtype == torch.bfloat16 and torch.equal(out["model"]["w"], _state()["model"]["w"].bfloat16())
     assert out["model"]["i"].dtype == torch.int64  # only floating-point tensors are cast
     report = diff(tmp_path / "src", tmp_path / "dst", rtol=1e-2)
-    assert {d.kind for d in report.differences} == {"dtype", "only in A"}  # the values agree within bf16
+    assert {d.kind for d in report.differences} == {"only in A"}  # the values agree within bf16
+    assert {d.name for d in report.dtype_differences} == {"model.w", "model.s"}  # told apart (b was bf16)
 
 
 def test_a_committed_destination_is_kept_unless_overwrite(tmp_path):

@@ -158,3 +158,78 @@ def test_bool_tensors_ignore_tolerances(tmp_path):
     save_file({"m": torch.tensor([True, True])}, tmp_path / "b.safetensors")
     (d,) = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", atol=5.0, rtol=5.0).differences
     assert d.kind == "values" and d.max_abs_error == 1
+
+
+def _pair(tmp_path, a: torch.Tensor, b: torch.Tensor) -> tuple:
+    shardckpt.save({"t": a}, tmp_path / "a")
+    shardckpt.save({"t": b}, tmp_path / "b")
+    return tmp_path / "a", tmp_path / "b"
+
+
+@pytest.mark.parametrize("a, b, tolerance, kinds, error", [
+    # dtypes torch cannot promote: they raised (exit 3) before
+    (torch.tensor([3, -1], dtype=torch.int64), torch.tensor([3, 2**64 - 1], dtype=torch.uint64), {}, ["dtype", "values"],
+     2**64),
+    (torch.tensor([3, 2**63], dtype=torch.uint64), torch.tensor([3, 2**63 - 1]), {"atol": 9.0}, ["dtype", "values"], 1),
+    (torch.tensor([3, 2**64 - 1], dtype=torch.uint64), torch.tensor([3, 2**64 - 1], dtype=torch.uint64), {}, [], None),
+    (torch.tensor([1.0, 2.0]).to(torch.float8_e4m3fn), torch.tensor([1.125, 2.0]).to(torch.float8_e4m3fn),
+     {"atol": 0.01}, ["values"], 0.125),
+    (torch.tensor([1.0, 2.0]).to(torch.float8_e4m3fn), torch.tensor([1.125, 2.0]).to(torch.float8_e4m3fn),
+     {"atol": 0.2}, [], None),
+    (torch.tensor([1.0]).to(torch.float8_e5m2), torch.tensor([1.0]), {}, ["dtype"], None),
+    (torch.tensor([1.0]).to(torch.float8_e5m2), torch.tensor([1.5]), {"atol": 0.1}, ["values"], 0.5),
+    # an integer meeting a float: equal only where the float is that very integer, whatever float64 rounds
+    (torch.tensor([2**53 + 1]), torch.tensor([2.0**53], dtype=torch.float64), {}, ["dtype", "values"], 1.0),
+    (torch.tensor([2**53]), torch.tensor([2.0**53], dtype=torch.float64), {}, ["dtype"], None),
+    (torch.tensor([7], dtype=torch.uint64), torch.tensor([7.5]), {"atol": 1.0}, ["dtype", "values"], 0.5),
+], ids=["int64-uint64", "uint64-int64-atol", "uint64-same", "float8-atol", "float8-within", "float8-float32",
+        "float8-float32-atol", "int-float64-rounded", "int-float64-equal", "uint64-float-atol"])
+def test_every_pair_of_dtypes_is_compared_by_value_never_an_internal_error(tmp_path, a, b, tolerance, kinds, error):
+    report = diff(*_pair(tmp_path, a, b), **tolerance)
+    assert sorted(d.kind for d in report.differences) == kinds
+    values = [d for d in report.differences if d.kind == "values"]
+    assert [d.max_abs_error for d in values] == ([] if error is None else [error])
+
+
+@pytest.mark.parametrize("a, b", [({1: "x"}, {True: "x"}), (0.0, -0.0), ([1.0, {"k": 0.0}], [1.0, {"k": -0.0}]),
+                                  (1, True), (1, 1.0)])
+def test_plain_values_of_other_types_or_signs_differ(tmp_path, a, b):
+    """Both round-trip exactly through save and load; == calls them equal (1 == True, 0.0 == -0.0)."""
+    shardckpt.save({"t": torch.zeros(2), "v": a}, tmp_path / "a")
+    shardckpt.save({"t": torch.zeros(2), "v": b}, tmp_path / "b")
+    (d,) = diff(tmp_path / "a", tmp_path / "b").differences
+    assert d.kind == "plain value" and d.name.startswith("v")
+    assert diff(tmp_path / "a", tmp_path / "a").equal and diff(tmp_path / "b", tmp_path / "b").equal
+
+
+def _crc32c_collision(a: torch.Tensor) -> torch.Tensor:
+    """A tensor of a's dtype and shape whose bytes differ from a's but have the same CRC32C: CRC is linear over
+    GF(2), so some nonzero combination of single-bit flips in the first 8 bytes changes nothing."""
+    from shardckpt.format.checksum import crc32c
+
+    data = a.numpy().tobytes()
+    zero = bytes(len(data))
+    basis: dict[int, tuple[int, int]] = {}  # pivot bit -> (CRC delta, the flips that make it)
+    for i in range(64):
+        flip = bytearray(len(data))
+        flip[i // 8] = 1 << (i % 8)
+        value, combo = crc32c(bytes(flip)) ^ crc32c(zero), 1 << i
+        for bit in sorted(basis, reverse=True):
+            if value >> bit & 1:
+                value, combo = value ^ basis[bit][0], combo ^ basis[bit][1]
+        if value == 0:
+            break
+        basis[value.bit_length() - 1] = (value, combo)
+    delta = bytes(sum(1 << j for j in range(8) if combo >> (8 * k + j) & 1) for k in range(len(data)))
+    other = bytes(x ^ y for x, y in zip(data, delta))
+    assert crc32c(other) == crc32c(data) and other != data
+    return torch.frombuffer(bytearray(other), dtype=a.dtype).reshape(a.shape)
+
+
+def test_read_all_finds_what_a_crc32c_collision_hides(tmp_path, capsys):
+    a = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    pa, pb = _pair(tmp_path, a, _crc32c_collision(a))
+    assert diff(pa, pb).equal  # settled by the equal checksums, as documented
+    report = diff(pa, pb, read_all=True)
+    assert [d.kind for d in report.differences] == ["values"] and report.by_checksum == 0
+    assert main(["diff", str(pa), str(pb), "--read-all"]) == 1 and "values" in capsys.readouterr().out

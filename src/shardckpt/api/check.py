@@ -102,6 +102,8 @@ def diff(
                                             "--only), e.g. model. against an export", metavar="P")] = None,
     latest: Annotated[bool, Opt("A or B is a run directory: use the latest committed checkpoint below it "
                                 "(`shardckpt ls` lists them)")] = False,
+    read_all: Annotated[bool, Opt("compare every tensor by value, also where both sides store equal checksums "
+                                  "(CRC32C: a collision is 1 in 2**32 by chance, and can be made)")] = False,
     storage_options: Annotated[dict | None, STORAGE] = None,
     progress: Progress | None = None,
 ) -> DiffResult:
@@ -121,7 +123,7 @@ def diff(
     start = time.monotonic()
     a, b = _sides(a, b, latest, storage_options)
     with explaining_run_dirs(storage_options, a, b):
-        report = run_diff(a, b, atol=atol, rtol=rtol, only=only, strip_prefix=strip_prefix,
+        report = run_diff(a, b, atol=atol, rtol=rtol, only=only, strip_prefix=strip_prefix, read_all=read_all,
                           storage_options=storage_options, progress=progress)
     return DiffResult(os.fspath(a), os.fspath(b), report.equal, report.tensors, report.by_checksum,
                       report.bytes_read, report.plain_values, _differences(report), time.monotonic() - start,

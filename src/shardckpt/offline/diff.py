@@ -1,14 +1,15 @@
 """``diff``: are two checkpoints, of any formats ``open_reader`` reads, the same? Tensor by tensor, plain values too.
 
 Tensors are compared by checksum where both sides store one for the same dtype and shape (no data is
-read then), otherwise by value, in slices of at most ``slice_bytes`` per side, so that memory stays bounded
+read then; a CRC32C collides by chance once in 2**32 tensors, and can be made to: ``read_all`` reads every
+tensor), otherwise by value, in slices of at most ``slice_bytes`` per side, so that memory stays bounded
 whatever the checkpoint's size. With ``atol = rtol = 0`` (the default) values must be equal bit for bit
 (NaN payloads and -0.0 count); with a tolerance, ``torch.isclose`` decides for floating-point (and complex)
 values (NaN equals NaN). Integer and bool values are compared exactly, always: a tolerance applies to
 floating-point values only, and an integer's error is exact (a Python int, computed without overflow or a
-round trip through float). Tensors of different dtypes are compared as values of their promoted dtype
-(float64 / complex128 when an integer meets a floating-point type, so that no integer is rounded to a
-narrower float), and the dtype difference is reported: as a difference when comparing exactly, apart (in
+round trip through float). Tensors of different dtypes are compared by value: floating-point ones in
+float64 / complex128, integers exactly (uint64 against int64 too), an integer against a float exactly (equal
+only where the float is that very integer), and the dtype difference is reported: as a difference when comparing exactly, apart (in
 ``dtype_differences``) when a tolerance is given and both are floating-point (an fp32 checkpoint against its
 bf16 export, within the tolerance).
 
@@ -25,6 +26,7 @@ sides are compared by parameter, through ``state_dict.logical.logical_view``: th
 """
 from __future__ import annotations
 
+import fractions
 import math
 import os
 from dataclasses import dataclass, field
@@ -77,10 +79,11 @@ class DiffReport:
 
 def diff(a: str | os.PathLike | CheckpointReader, b: str | os.PathLike | CheckpointReader, *, atol: float = 0.0,
          rtol: float = 0.0, only: Sequence[str] | None = None, strip_prefix: str | None = None,
-         storage_options: dict | None = None, slice_bytes: int = SLICE_BYTES,
+         read_all: bool = False, storage_options: dict | None = None, slice_bytes: int = SLICE_BYTES,
          progress: Callable[[int, int], None] | None = None) -> DiffReport:
     """Compare checkpoints ``a`` and ``b`` (paths, URLs or readers); differences are collected, not raised
-    (see the module's docstring for ``only``, ``strip_prefix``, tolerances and metadata).
+    (see the module's docstring for ``only``, ``strip_prefix``, tolerances and metadata). ``read_all``: compare
+    every tensor by value, also where both sides store equal checksums (a CRC32C can be made to collide).
 
     Unreadable input raises a ``CheckpointError`` subclass naming the file."""
     if atol < 0 or rtol < 0 or not (math.isfinite(atol) and math.isfinite(rtol)):
@@ -100,27 +103,29 @@ def diff(a: str | os.PathLike | CheckpointReader, b: str | os.PathLike | Checkpo
     common = sorted(set(ta) & set(tb))
     if ta and tb and not common:
         report.notes.append(nothing_compared_hint(list(ta), list(tb)))
-    total = sum(_bytes_to_read(ta[n], tb[n]) for n in common)
+    rules = _Rules(atol, rtol, not read_all)
+    total = sum(_bytes_to_read(ta[n], tb[n], rules) for n in common)
     tick = (lambda: progress(report.bytes_read, total)) if progress is not None and total else (lambda: None)
     tick()
     for name in common:
-        _diff_tensor(ra, rb, ta[name], tb[name], _Tolerance(atol, rtol), slice_bytes, report, tick)
+        _diff_tensor(ra, rb, ta[name], tb[name], rules, slice_bytes, report, tick)
     return report
 
 
 @dataclass(frozen=True)
-class _Tolerance:
+class _Rules:
     atol: float
     rtol: float
+    checksums: bool  # equal stored checksums settle a tensor without reading it
 
     @property
     def exact(self) -> bool:
         return self.atol == self.rtol == 0
 
 
-def _bytes_to_read(ia: TensorInfo, ib: TensorInfo) -> int:
+def _bytes_to_read(ia: TensorInfo, ib: TensorInfo, rules: _Rules) -> int:
     """What comparing two tensors reads, both sides (0: settled without reading, or not comparable)."""
-    if tuple(ia.shape) != tuple(ib.shape) or (ia.dtype == ib.dtype and ia.crc32c is not None and ia.crc32c == ib.crc32c):
+    if tuple(ia.shape) != tuple(ib.shape) or (rules.checksums and _same_checksum(ia, ib)):
         return 0
     return math.prod(ia.shape) * (itemsize(ia.dtype) + itemsize(ib.dtype))
 
@@ -181,16 +186,18 @@ def _short(value: Any) -> str:
 
 
 def _same_plain(x: Any, y: Any) -> bool:
-    """Equality of plain values as formats store them: a tuple may come back as a list, NaN equals NaN."""
+    """Equality of plain values as formats store them (a tuple may come back as a list, NaN equals NaN), of
+    the same types (1 is not True, 0.0 is not -0.0, also as dict keys)."""
     if torch.is_tensor(x) or torch.is_tensor(y):
         return torch.is_tensor(x) and torch.is_tensor(y) and x.dtype == y.dtype and x.shape == y.shape and \
             torch.equal(_bits(x.reshape(-1)), _bits(y.reshape(-1)))
     if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
         return len(x) == len(y) and all(_same_plain(u, v) for u, v in zip(x, y))
-    if isinstance(x, dict) and isinstance(y, dict):
-        return x.keys() == y.keys() and all(_same_plain(x[k], y[k]) for k in x)
-    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
-        return True
+    if isinstance(x, dict) and isinstance(y, dict):  # keys by type too: {1: ...} is not {True: ...}
+        kx, ky = ({(type(k), k): k for k in d} for d in (x, y))
+        return kx.keys() == ky.keys() and all(_same_plain(x[kx[t]], y[ky[t]]) for t in kx)
+    if isinstance(x, float) and isinstance(y, float):  # -0.0 is not 0.0; NaN is NaN
+        return (math.isnan(x) and math.isnan(y)) or (x == y and math.copysign(1, x) == math.copysign(1, y))
     return type(x) is type(y) and x == y
 
 
@@ -199,7 +206,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return as_bytes(t.detach().cpu().resolve_conj().resolve_neg().contiguous())
 
 
-def _diff_tensor(ra: CheckpointReader, rb: CheckpointReader, ia: TensorInfo, ib: TensorInfo, tol: _Tolerance,
+def _same_checksum(ia: TensorInfo, ib: TensorInfo) -> bool:
+    return ia.dtype == ib.dtype and ia.crc32c is not None and ia.crc32c == ib.crc32c
+
+
+def _diff_tensor(ra: CheckpointReader, rb: CheckpointReader, ia: TensorInfo, ib: TensorInfo, tol: _Rules,
                  slice_bytes: int, report: DiffReport, tick: Callable[[], None]) -> None:
     if tuple(ia.shape) != tuple(ib.shape):
         report.differences.append(Difference(ia.name, "shape", f"{list(ia.shape)} != {list(ib.shape)}"))
@@ -210,10 +221,9 @@ def _diff_tensor(ra: CheckpointReader, rb: CheckpointReader, ia: TensorInfo, ib:
         within = not tol.exact and _is_float(ia.dtype) and _is_float(ib.dtype)  # values decide, within tolerance
         (report.dtype_differences if within else report.differences).append(
             Difference(ia.name, "dtype", f"{_dtype(ia.dtype)} != {_dtype(ib.dtype)}"))
-    elif ia.crc32c is not None and ia.crc32c == ib.crc32c:  # the same bytes: equal under any tolerance
+    elif tol.checksums and _same_checksum(ia, ib):  # the same bytes (up to a CRC32C collision): equal
         report.by_checksum += 1
         return
-    dtype = _comparison_dtype(ia.dtype, ib.dtype)
     exact, atol, rtol = same_dtype and tol.exact, tol.atol, tol.rtol
     numel = math.prod(ia.shape)
     step = max(1, slice_bytes // max(itemsize(ia.dtype), itemsize(ib.dtype)))
@@ -225,7 +235,6 @@ def _diff_tensor(ra: CheckpointReader, rb: CheckpointReader, ia: TensorInfo, ib:
         rb.read([ReadRequest(ib.name, FlatRange(lo, hi), xb)])
         report.bytes_read += xa.nbytes + xb.nbytes
         tick()
-        xa, xb = xa.to(dtype), xb.to(dtype)
         bad = _mismatches(xa, xb, exact, atol, rtol)
         if bad.any():
             mismatched += int(bad.sum())
@@ -243,43 +252,78 @@ def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _comparison_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    """The dtype two sides are compared in: their own when equal; the promoted one, but never a float narrower
-    than float64 (complex128) when an integer or bool side meets a floating-point (complex) one."""
-    if a == b:
-        return a
-    promoted = torch.promote_types(a, b)
-    if _is_float(a) == _is_float(b):
-        return promoted
-    return torch.complex128 if promoted.is_complex else torch.float64
-
-
 def _is_float(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
 def _mismatches(x: torch.Tensor, y: torch.Tensor, exact: bool, atol: float, rtol: float) -> torch.Tensor:
-    """Which elements differ: bit for bit when ``exact``; by value (exactly for integers and bools, within the
-    tolerance for floating-point values) otherwise."""
+    """Which elements differ: bit for bit when ``exact`` (one dtype); else by value: floating-point against
+    floating-point within the tolerance (in float64 / complex128: float8 and mixed widths included); wherever
+    an integer or bool is involved, exactly, whatever the tolerance (``_integer_mismatches``)."""
     if exact:
         size = x.element_size()
         return (_bits(x).view(-1, size) != _bits(y).view(-1, size)).any(dim=1)
-    if not _is_float(x.dtype):
-        return x != y
-    return ~torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True)
+    fx, fy = _is_float(x.dtype), _is_float(y.dtype)
+    if fx and fy:
+        wx, wy = _wide(x), _wide(y)
+        return ~torch.isclose(wx, wy, rtol=rtol, atol=atol, equal_nan=True)
+    if fx or fy:
+        i, f = (y, x) if fx else (x, y)
+        return torch.from_numpy(_int_float_mismatches(i.numpy(), _wide(f).numpy()))
+    return torch.from_numpy(_integer_mismatches(x.numpy(), y.numpy()))
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.complex128 if t.is_complex() else torch.float64)
+
+
+def _integer_mismatches(a: numpy.ndarray, b: numpy.ndarray) -> numpy.ndarray:
+    """Exact inequality of two integer (or bool) arrays of any dtypes, uint64 against signed included (numpy
+    and torch would compare those in float64, or not at all)."""
+    if a.dtype == b.dtype:
+        return a != b
+    if numpy.uint64 not in (a.dtype, b.dtype):
+        return a.astype(numpy.int64) != b.astype(numpy.int64)
+    u, s = (a, b) if a.dtype == numpy.uint64 else (b, a)
+    s = s.astype(numpy.int64)
+    return (s < 0) | (u > numpy.iinfo(numpy.int64).max) | (s.astype(numpy.uint64) != u)
+
+
+def _int_float_mismatches(i: numpy.ndarray, f: numpy.ndarray) -> numpy.ndarray:
+    """Exact inequality of integers and floating-point values: equal only where the float is that very
+    integer (2**53 + 1 against 2.0**53 differs, though float64 rounds one onto the other)."""
+    imaginary = f.imag != 0 if numpy.iscomplexobj(f) else numpy.zeros(f.shape, dtype=bool)
+    f = f.real
+    target = numpy.int64 if i.dtype == numpy.bool_ else i.dtype
+    with numpy.errstate(invalid="ignore", over="ignore"):
+        back = f.astype(target)  # meaningless where f is no such integer: the first test catches those
+    return imaginary | (i.astype(numpy.float64) != f) | (back != i.astype(target))
 
 
 def _max_abs_error(x: torch.Tensor, y: torch.Tensor) -> float | int:
     """Largest |x - y| over differing elements: 0 for two NaNs (bits differ), inf for NaN against a number;
     for integers an exact int (the difference of two int64 values may not fit in an int64)."""
-    if x.dtype == torch.bool:
+    if x.dtype == torch.bool and y.dtype == torch.bool:
         return 1
-    if not _is_float(x.dtype):
-        xn, yn = x.numpy(), y.numpy()
-        hi, lo = numpy.maximum(xn, yn), numpy.minimum(xn, yn)
-        return int(numpy.subtract(hi, lo, dtype=hi.dtype).view(_UNSIGNED[hi.itemsize]).max()) if hi.size else 0
-    wide = torch.complex128 if x.is_complex() else torch.float64
-    x, y = x.to(wide), y.to(wide)
+    if not (_is_float(x.dtype) or _is_float(y.dtype)):
+        if x.dtype == y.dtype:  # max - min in the unsigned type of that width: exact, vectorised
+            xn, yn = x.numpy(), y.numpy()
+            hi, lo = numpy.maximum(xn, yn), numpy.minimum(xn, yn)
+            return int(numpy.subtract(hi, lo, dtype=hi.dtype).view(_UNSIGNED[hi.itemsize]).max()) if hi.size else 0
+        return max((abs(int(p) - int(q)) for p, q in zip(x.tolist(), y.tolist())), default=0)
+    if _is_float(x.dtype) != _is_float(y.dtype) and not (x.is_complex() or y.is_complex()):
+        return max((_exact_gap(p, q) for p, q in zip(x.tolist(), y.tolist())), default=0.0)
+    x, y = _wide(x), _wide(y)
+    if x.is_complex() != y.is_complex():
+        x, y = x.to(torch.complex128), y.to(torch.complex128)
     d = (x - y).abs()
     d[x.isnan() & y.isnan()] = 0
     return float(torch.nan_to_num(d, nan=math.inf).max()) if d.numel() else 0.0
+
+
+def _exact_gap(p: int | float, q: int | float) -> float:
+    """|p - q| of an integer and a float, computed exactly and then rounded (float64 may round the integer
+    onto the float: 2**53 + 1 against 2.0**53 is 1, not 0)."""
+    if not (math.isfinite(p) and math.isfinite(q)):
+        return math.inf
+    return float(abs(fractions.Fraction(p) - fractions.Fraction(q)))
