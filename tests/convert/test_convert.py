@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 import shardckpt
 from shardckpt import CheckpointExistsError, IncompatibleCheckpointError, StateDictType
 from shardckpt.checkpoint.verify import verify
+from shardckpt.errors import BadArgumentError
 from shardckpt.cli.main import main
 from shardckpt.offline import memory
 from shardckpt.offline import convert as convert_module
@@ -84,6 +85,23 @@ def test_a_committed_destination_is_kept_unless_overwrite(tmp_path):
     assert diff(tmp_path / "src", tmp_path / "dst").equal
     assert [n for n in os.listdir(tmp_path / "dst") if n.startswith("data-")] == \
         [f"data-{_manifest(tmp_path / 'dst').generation}"]  # the replaced generation is gone
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_world_size_above_the_formats_cap_is_refused_before_the_source_is_read(tmp_path, monkeypatch, capsys,
+                                                                                 workers):
+    """2**24 + 1 ranks (above what a manifest may record) was planned for minutes, growing to GBs, before
+    anything refused it."""
+    def unread(*args, **kwargs):
+        raise AssertionError("the source was read before world_size was checked")
+
+    monkeypatch.setattr(convert_module, "open_reader", unread)
+    with pytest.raises(BadArgumentError, match="above the format's cap of 16777216 ranks"):
+        convert(tmp_path / "src", tmp_path / "dst", world_size=(1 << 24) + 1, workers=workers)
+    args = ["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--world-size", str((1 << 24) + 1)]
+    assert main(args + ["--workers", str(workers)]) == 2
+    assert "cap of 16777216 ranks" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "dst")
 
 
 def test_a_failure_mid_way_commits_nothing_keeps_the_old_checkpoint_and_what_a_rerun_resumes(tmp_path, monkeypatch):

@@ -408,7 +408,7 @@ def test_bad_rename_maps_are_refused_before_writing(tmp_path, rules, error):
 
 def test_a_rename_map_file_that_is_not_a_json_object_is_a_usage_error(tmp_path, capsys):
     shardckpt.save(_state(), tmp_path / "src")
-    for text in ("[1, 2]", "{nope", '{"(": "x"}'):
+    for text in ("[1, 2]", "{nope", '{"(": "x"}', r'{"(.*)": "\\9"}'):  # the last: a group it does not have
         (tmp_path / "map.json").write_text(text)
         with pytest.raises(SystemExit) as exit_info:
             main(["export", str(tmp_path / "src"), str(tmp_path / "dst"), "--rename-map", str(tmp_path / "map.json")])

@@ -14,6 +14,7 @@ import torch
 
 import shardckpt
 from shardckpt import CheckpointExistsError, CorruptCheckpointError
+from shardckpt.errors import BadArgumentError
 from shardckpt.checkpoint.gc import gc
 from shardckpt.offline import safetensors_files
 from shardckpt.offline.export import INDEX_NAME, export
@@ -287,3 +288,18 @@ def test_on_an_object_store_a_failure_leaves_a_shardckpt_sources_files_for_the_r
     assert export(tmp_path / "a", dst, **OPTIONS).kept == ("model-00001-of-00004.safetensors",
                                                             "model-00002-of-00004.safetensors")
     assert verify_export(dst, against=tmp_path / "a").ok
+
+
+@pytest.mark.parametrize("inside", ["", "/model-00001-of-00004.safetensors"])
+def test_on_an_object_store_an_export_over_its_own_source_is_refused_before_anything_is_removed(tmp_path, inside):
+    """``export URL URL --overwrite`` on an object store removed the old export (its own source) before reading
+    it, then failed: nothing was left. (Local disk renames the old files away only at the commit.)"""
+    _source(tmp_path / "a", 1)
+    dst = f"memory://export-self-{uuid.uuid4().hex[:8]}"
+    export(tmp_path / "a", dst, **OPTIONS)
+    with pytest.raises(BadArgumentError, match="the source is in the destination.*export to another directory"):
+        export(dst + inside, dst, overwrite=True, dtype="bfloat16", **OPTIONS)
+    assert verify_export(dst, against=tmp_path / "a").ok
+    export(dst, dst + "-v2", dtype="bfloat16", **OPTIONS)  # a sibling whose name only starts the same is not inside
+    export(dst + "-v2", dst, overwrite=True, **OPTIONS)
+    assert open_reader(dst).tensors()["l0"].dtype == torch.bfloat16

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,9 @@ from shardckpt.checkpoint.verify import verify
 from shardckpt.cli.main import main
 from shardckpt.io import open_storage
 from tests.storage._util import assert_tree_equal
+
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fixtures")
 
 
 def _state(v: float) -> dict:
@@ -109,6 +113,24 @@ def test_gc_refuses_when_the_manifest_cannot_be_read(tmp_path):
     with pytest.raises(CheckpointError, match="manifest"):
         gc(path)
     assert len(_entries(path)) == 2 and os.path.isdir(os.path.join(path, dead))
+
+
+def test_gc_keeps_a_v1_checkpoints_data_outside_data_generation(tmp_path):
+    """A v1 manifest's paths need not start with ``data-<generation>/`` (FORMAT.md): gc removed its committed
+    data directory as debris, and the checkpoint with it."""
+    path = str(tmp_path / "v1")
+    shutil.copytree(os.path.join(FIXTURES, "v1"), path)
+    (old,) = [d for d in os.listdir(path) if d.startswith("data-")]
+    os.rename(os.path.join(path, old), os.path.join(path, "data-0ff1ce"))
+    manifest = os.path.join(path, "manifest.json")
+    with open(manifest) as f:
+        text = f.read().replace(f"{old}/", "data-0ff1ce/")
+    with open(manifest, "w") as f:
+        f.write(text)
+    assert verify(path).ok
+    dead = _debris(path)
+    assert gc(path) == [dead]
+    assert _entries(path) == {"data-0ff1ce"} and verify(path).ok
 
 
 def test_object_store_debris_goes_by_age(backend):

@@ -45,11 +45,23 @@ def committed_dir(storage: Storage) -> str | None:
     return f"data-{parse_manifest(storage.read_bytes(MANIFEST_NAME), storage.url(MANIFEST_NAME)).generation}"
 
 
+def committed_entries(storage: Storage) -> set[str]:
+    """The entries at the root that the committed manifest uses: its data directory and the first part of every
+    path its ``files`` name (a v1 manifest's need not be in ``data-<generation>/``). Empty: no checkpoint.
+    Raises ``CheckpointError`` like ``committed_dir``."""
+    if not storage.exists(MANIFEST_NAME):
+        return set()
+    manifest = parse_manifest(storage.read_bytes(MANIFEST_NAME), storage.url(MANIFEST_NAME))
+    named = (p for f in manifest.files for p in (f.path, f.index_path))
+    return {f"data-{manifest.generation}"} | {p.split("/", 1)[0] for p in named}
+
+
 def debris(storage: Storage) -> list[str]:
     """The entries at the root that belong to no committed checkpoint now (candidates only: see ``collect``)."""
-    keep = committed_dir(storage)
-    dirs = [d for d in storage.list_dirs() if (GENERATION_DIR.match(d) and d != keep) or EXPORT_STAGING.match(d)]
-    return dirs + [f for f in storage.list_files() if _TEMP_MANIFEST.match(f) or EXPORT_TEMP.match(f)]
+    keep = committed_entries(storage)
+    dirs = [d for d in storage.list_dirs() if GENERATION_DIR.match(d) or EXPORT_STAGING.match(d)]
+    files = [f for f in storage.list_files() if _TEMP_MANIFEST.match(f) or EXPORT_TEMP.match(f)]
+    return [name for name in dirs + files if name not in keep]
 
 
 def collect(storage: Storage, dry_run: bool = False, min_age_s: float | None = None) -> list[str]:
@@ -68,7 +80,7 @@ def collect(storage: Storage, dry_run: bool = False, min_age_s: float | None = N
 
 def _not_committed(storage: Storage, name: str) -> bool:
     try:
-        return committed_dir(storage) != name
+        return name not in committed_entries(storage)
     except CheckpointError:
         return False  # unreadable now: keep everything
 

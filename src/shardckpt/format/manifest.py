@@ -49,6 +49,7 @@ def version_for(compressed: bool, per_rank: bool = False) -> int:
 
 
 MANIFEST_NAME = "manifest.json"
+MAX_WORLD_SIZE = 1 << 24  # the most ranks a manifest may record
 # The checksum prefix: exactly these bytes with 8 lowercase hex digits; the CRC32C covers every byte after it.
 _SEAL = re.compile(rb'\{"crc32c":"([0-9a-f]{8})",')
 _SEAL_LEN = len(b'{"crc32c":"00000000",')
@@ -187,7 +188,7 @@ def _manifest_from_doc(doc: dict, version: int, where: str) -> Manifest:
     created_by = doc.get("created_by", "")
     if not isinstance(created_by, str):
         raise CorruptCheckpointError(f"{where}: 'created_by' must be a string")
-    return Manifest(world_size=int_field(doc, "world_size", where, 1, 1 << 24),
+    return Manifest(world_size=int_field(doc, "world_size", where, 1, MAX_WORLD_SIZE),
                     generation=generation, tree=tree, tensors=tensors, files=files, metadata=metadata,
                     created_by=created_by, version=version, checksummed=strict)
 

@@ -14,7 +14,8 @@ from shardckpt.checkpoint.load_any import pick, replace_refs, wanted_keys
 from shardckpt.checkpoint.stage import check_unique_names
 from shardckpt.offline.local_output import LocalAtWorldSize, no_layouts_error
 from shardckpt.offline.streams import Output
-from shardckpt.errors import IncompatibleCheckpointError, UnsupportedValueError
+from shardckpt.errors import BadArgumentError, IncompatibleCheckpointError, UnsupportedValueError
+from shardckpt.format.manifest import MAX_WORLD_SIZE
 from shardckpt.format.tree import TensorRef, check_savable_depth, encode, leaves, path_name
 from shardckpt.formats.api import CheckpointReader
 from shardckpt.state_dict.flat import LAYOUTS_KEY
@@ -97,10 +98,19 @@ def _rekeying(base: CheckpointReader, reader: CheckpointReader, out_type: str, k
 
 
 def world_size_of(asked: int | None, source: int) -> int:
-    world = source if asked is None else asked
-    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        raise ValueError(f"world_size must be a positive int, got {asked!r}")
-    return world
+    check_world_size(asked)
+    return source if asked is None else asked
+
+
+def check_world_size(asked: int | None) -> None:
+    """Refuses an output world size that is not a positive int or is above the format's cap (a plan for that many
+    ranks would run for minutes and fill the memory before any manifest could refuse it)."""
+    if asked is None:
+        return
+    if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
+        raise BadArgumentError(f"world_size must be a positive int, got {asked!r}")
+    if asked > MAX_WORLD_SIZE:
+        raise BadArgumentError(f"world_size {asked} is above the format's cap of {MAX_WORLD_SIZE} ranks")
 
 
 def key_type_of_option(asked: str | OptimStateKeyType | None) -> OptimStateKeyType | None:

@@ -49,7 +49,7 @@ from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
 from shardckpt.checkpoint.save_plan import SavePlan, TensorPlan, plan_placed
 from shardckpt.checkpoint.writer import write_rank_files
 from shardckpt.offline.conversion import (
-    TYPES, Conversion, ConversionRequestError, conversion, key_type_of_option,
+    TYPES, Conversion, ConversionRequestError, check_world_size, conversion, key_type_of_option,
 )
 from shardckpt.offline.local_output import LocalAtWorldSize
 from shardckpt.offline.memory import DEFAULT_MEMORY_LIMIT, buffer_budget, read_reserve
@@ -90,7 +90,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             workers: int = 1) -> ConvertReport:
     """Convert the checkpoint at ``src`` (any readable format) into a shardckpt checkpoint at ``dst``.
 
-    ``world_size``: of the output (default: the source's, 1 for formats that have none). ``type``: "full",
+    ``world_size``: of the output (default: the source's, 1 for formats that have none; at most the format's
+    ``MAX_WORLD_SIZE``, 2**24). ``type``: "full",
     "sharded" or "local" (default: the source's; FULL at ``world_size > 1`` becomes SHARDED; "local" needs a
     LOCAL source). ``dtype``: cast floating-point tensors to it (not for LOCAL output). ``only`` /
     ``exclude``: dotted-name prefixes of the entries to keep / leave out (LOCAL output keeps the layouts).
@@ -107,6 +108,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     order the source records, else its param groups'), ID-keyed groups record the names. ``workers``: local
     processes that share the writing (``offline.workers``; each within ``memory_limit``), instead of this one.
     """
+    check_world_size(world_size)  # before any worker starts
     if workers != 1:
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1 or spread_over is not None:
             raise ValueError(f"workers must be a positive int, without spread_over; got {workers!r}")

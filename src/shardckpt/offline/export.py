@@ -54,7 +54,8 @@ into place, under a lock on the destination, the old export's files moved aside 
 index (or the one file) renamed last. A directory of shards without their index is refused by every reader,
 so a killed export is never taken for a whole one; a failure renames everything back (the old export stays
 whole). On object stores each file is written at its name (an object appears only when its upload
-completes), the old files removed before, the index last. An export already at ``dst`` (``model.safetensors``,
+completes), the old files removed before, the index last (so there a source in ``dst`` is refused with
+``overwrite``: it would be removed before it is read). An export already at ``dst`` (``model.safetensors``,
 the index) raises ``CheckpointExistsError`` unless ``overwrite``, as does one committed there by another
 export meanwhile. A failure removes what this export wrote, but on object stores the files of a shardckpt
 source, which a second run of the same export may have taken as its own (a rerun resumes them; without their
@@ -86,7 +87,9 @@ import torch
 
 from shardckpt.checkpoint.load_any import wanted_keys
 from shardckpt.offline import safetensors_files
-from shardckpt.offline.export_commit import PlannedFile, commit_local, export_id, index_bytes, write_remote
+from shardckpt.offline.export_commit import (
+    PlannedFile, commit_local, export_id, index_bytes, refuse_own_source, write_remote,
+)
 from shardckpt.offline.memory import buffer_budget
 from shardckpt.offline.rename import Renames
 from shardckpt.offline.safetensors_files import SHARD_FILE, SINGLE_FILE, existing_export, header_bytes
@@ -185,6 +188,8 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     if not overwrite and (INDEX_NAME in old or SINGLE_FILE in old):
         raise CheckpointExistsError(f"{storage.url(old[0])}: an export already exists at {storage.root} "
                                     f"({len(old)} files); pass overwrite=True to replace it")
+    if overwrite and old and not isinstance(storage, LocalStorage):
+        refuse_own_source(storage, open_storage(src, storage_options), os.fspath(src))
     done = [0]
 
     def tick(n: int) -> None:

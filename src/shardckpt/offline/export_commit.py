@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 from shardckpt.checkpoint.gc import EXPORT_STAGING, EXPORT_TEMP
 from shardckpt.offline import safetensors_files
 from shardckpt.offline.safetensors_files import SINGLE_FILE, is_written
-from shardckpt.errors import CheckpointError, CheckpointExistsError
+from shardckpt.errors import BadArgumentError, CheckpointError, CheckpointExistsError
 from shardckpt.formats.safetensors_header import EXPORT_ID_KEY, INDEX_NAME
 from shardckpt.io import LocalStorage, Storage
 
@@ -209,6 +209,17 @@ class _Stage:
         ones after a failure."""
         self.storage.remove_dir(self.dir)
         self.hold.release()
+
+
+def refuse_own_source(storage: Storage, source: Storage, src: str) -> None:
+    """An object store's export with overwrite removes (or overwrites) the old export's files before it has read
+    its source (no renames there): a source at or inside the destination would be gone before it is read."""
+    if type(source) is not type(storage) or type(getattr(source, "fs", None)) is not type(getattr(storage, "fs", None)):
+        return
+    at, root = source.url("").rstrip("/"), storage.url("").rstrip("/")
+    if at == root or at.startswith(f"{root}/"):
+        raise BadArgumentError(f"{src}: the source is in the destination; on an object store, overwrite removes the "
+                               "old export before the new one is written: export to another directory")
 
 
 def write_remote(storage: Storage, files: Sequence[PlannedFile], index: bytes | None, old: list[str],

@@ -21,9 +21,15 @@ class Renames:
                 raise ValueError(f"rename rule {pattern!r}: {replacement!r}: expected a pattern and a new name "
                                  "(a string) or null")
             try:
-                self.rules.append((re.compile(pattern), replacement))
+                compiled = re.compile(pattern)
             except re.error as e:
                 raise ValueError(f"rename rule {pattern!r}: not a regular expression: {e}") from None
+            if replacement is not None:
+                try:  # the new name's group references (\9, \g<x>) are checked here, not first at a match
+                    compiled.sub(replacement, "")
+                except (re.error, IndexError) as e:
+                    raise ValueError(f"rename rule {pattern!r}: {replacement!r}: not a valid new name: {e}") from None
+            self.rules.append((compiled, replacement))
         self.used: set[int] = set()
 
     def __call__(self, name: str) -> str | None:
@@ -31,12 +37,7 @@ class Renames:
             match = pattern.fullmatch(name)
             if match:
                 self.used.add(i)
-                if replacement is None:
-                    return None
-                try:
-                    return match.expand(replacement)
-                except (re.error, IndexError) as e:
-                    raise ValueError(f"rename rule {pattern.pattern!r}: {replacement!r}: {e}") from None
+                return None if replacement is None else match.expand(replacement)
         return name
 
     def check_all_used(self) -> None:
