@@ -41,6 +41,7 @@ import io
 import os
 import sys
 import threading
+import traceback
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -166,10 +167,26 @@ class AsyncSaver:
         last, unseen = self._last, None
         if last is not None:
             error = last._future.exception()
+            if error is not None:
+                _drop_frame_locals(error)
             if error is not None and not last.observed:
                 last.observed, unseen = True, (last.path, error)
         self.side = self._planned = None
         return unseen
+
+
+def _drop_frame_locals(error: BaseException) -> None:
+    """Clear the locals of the finished frames in ``error``'s tracebacks (its chain too): they hold the side
+    group, which must not outlive the saver through an error raised at destroy or left to the exit (the same
+    abort at finalization). The traceback still prints."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        try:
+            traceback.clear_frames(error.__traceback__)
+        except RuntimeError:  # a frame still running: not one of the background's
+            pass
+        error = error.__cause__ or error.__context__
 
 
 _live: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
