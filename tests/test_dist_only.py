@@ -15,6 +15,11 @@ TYPE_IMPORTS = {
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
     ("torch.distributed.tensor.placement_types", "Partial"),
     ("torch.distributed.tensor.placement_types", "Replicate"),
+    # DCP's metadata records, which offline.dcp_output pickles into a DCP checkpoint's .metadata
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex", "StorageMeta",
+        "TensorProperties", "TensorStorageMetadata")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
 }
 TD = "torch.distributed"
 

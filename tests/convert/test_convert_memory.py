@@ -156,3 +156,19 @@ def test_a_dcp_chunk_read_slice_by_slice_is_read_and_checked_once(tmp_path, monk
     convert(tmp_path / "src", tmp_path / "dst", memory_limit=512 << 10)
     assert len(whole_reads) == 1
     assert torch.equal(shardckpt.load_full(tmp_path / "dst")["w"], w)
+
+
+def test_a_dcp_output_converts_within_the_limit(tmp_path):
+    """``--format dcp``: 3 parameters of 16 MiB with Adam state (144 MiB) written as DCP chunks of at most the
+    buffer, each ``torch.save``d from the slice buffer into its file, within the start plus 24 MiB."""
+    g = torch.Generator().manual_seed(0)
+    groups = [{f"w{i}": torch.randn(4 * MIB, generator=g) for i in range(3)}]
+    write_like_deepspeed(str(tmp_path / "src"), 3, 2, groups)
+    del groups
+    baseline = _peak_rss([sys.executable, "-c", START], tmp_path)
+    limit = baseline + 24 * MIB
+    peak = _peak_rss([sys.executable, "-m", "shardckpt.cli.main", "convert", str(tmp_path / "src"),
+                      str(tmp_path / "dst"), "--world-size", "2", "--format", "dcp", "--quiet", "--memory-limit",
+                      str(limit)], tmp_path)
+    assert peak <= limit + 8 * MIB, (peak / MIB, limit / MIB)
+    assert diff(tmp_path / "src", tmp_path / "dst").equal

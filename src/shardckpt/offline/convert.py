@@ -57,7 +57,7 @@ from shardckpt.offline.rank_files import RankFiles
 from shardckpt.offline.resume import conversion_generation, journal_dir
 from shardckpt.offline.streams import ALIGN, Output, ReadOnDemand, SliceBuffers
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
-from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from shardckpt.errors import BadArgumentError, CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from shardckpt.format.codecs import Compression
 from shardckpt.format.dtypes import DTYPES, dtype_name, itemsize
 from shardckpt.format.manifest import MANIFEST_NAME, version_for
@@ -87,7 +87,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             dst_storage_options: dict | None = None, compress: str | None = None,
             progress: Callable[[int, int], None] | None = None, spread_over: Any = None,
             memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT, optim_key: str | OptimStateKeyType | None = None,
-            workers: int = 1) -> ConvertReport:
+            workers: int = 1, format: str = "shardckpt") -> ConvertReport:
     """Convert the checkpoint at ``src`` (any readable format) into a shardckpt checkpoint at ``dst``.
 
     ``world_size``: of the output (default: the source's, 1 for formats that have none; at most the format's
@@ -107,8 +107,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     the source keys it); IDs number the parameters as the job's FULL state dict does (``param_names``, else the
     order the source records, else its param groups'), ID-keyed groups record the names. ``workers``: local
     processes that share the writing (``offline.workers``; each within ``memory_limit``), instead of this one.
+    ``format``: "shardckpt", or "dcp": a torch DCP directory (``offline.dcp_output``; SHARDED or FULL output,
+    written by this process, uncompressed).
     """
     check_world_size(world_size)  # before any worker starts
+    _check_format(format, type, workers, spread_over, compress)
     if workers != 1:
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1 or spread_over is not None:
             raise ValueError(f"workers must be a positive int, without spread_over; got {workers!r}")
@@ -120,10 +123,16 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             dst_storage_options=dst_storage_options, compress=compress, memory_limit=memory_limit,
             optim_key=optim_key))
     limit = None if memory_limit is None else parse_size(memory_limit)
+    type = type or ("sharded" if format == "dcp" else None)  # DCP stores dim-0 chunks; a LOCAL source by parameter
     compression = Compression.parse(compress)
     what = conversion(open_reader(src, storage_options=storage_options), str(src), world_size, type, dtype,
                       only, exclude, param_names, key_type_of_option(optim_key))
     storage = open_storage(dst, dst_storage_options)
+    if format == "dcp":
+        return _write_dcp(what, storage, str(src), limit, progress, overwrite,
+                          {"format": "dcp", "world": what.world, "type": what.out_type, "dtype": dtype,
+                           "only": list(only), "exclude": list(exclude), "param_names": param_names,
+                           "optim_key": None if what.key_type is None else what.key_type.value})
     if not overwrite and storage.exists(MANIFEST_NAME):
         raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: a checkpoint already exists; pass "
                                     "overwrite=True to replace it")
@@ -184,6 +193,35 @@ def _write_and_commit(what: Conversion, storage: Storage, workers: Group, shapin
             hold.release()
     written = sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in what.outputs)
     return ConvertReport(world, what.out_type, len(what.outputs), written, tuple(kept), kept_bytes[0])
+
+
+FORMATS = ("shardckpt", "dcp")  # output formats
+
+
+def _check_format(format: str, type: str | None, workers: int, spread_over: Any, compress: str | None) -> None:
+    if format not in FORMATS:
+        raise BadArgumentError(f"format must be one of {FORMATS}, got {format!r}")
+    if format == "dcp" and (type == "local" or workers != 1 or spread_over is not None or compress is not None):
+        raise BadArgumentError("format='dcp' writes SHARDED or FULL output from one process, uncompressed: "
+                               "leave out type='local', workers, spread_over and compress")
+
+
+def _write_dcp(what: Conversion, storage: Storage, src: str, limit: int | None,
+               progress: Callable[[int, int], None] | None, overwrite: bool, shaping: dict) -> ConvertReport:
+    """``what`` written as a torch DCP checkpoint (``offline.dcp_output``), resumable by ``shaping``'s generation."""
+    from shardckpt.offline.dcp_output import write_dcp
+
+    if what.out_type == "local":
+        raise ConversionRequestError(f"{src}: a LOCAL source converts to DCP as type='sharded' or 'full'")
+    place = functools.partial(_placement, out_type=what.out_type, world=what.world, reader=what.reader)
+    written = sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in what.outputs)
+    tick = Progress(written, progress)
+    tick.begin()
+    kept, kept_bytes = write_dcp(what, lambda o, rank: place(o, rank=rank), storage,
+                                 conversion_generation(what.base, storage, shaping),
+                                 min(buffer_budget(limit, "convert", read_reserve(what.base, 1)),
+                                     _largest_slice(what.outputs)), tick, overwrite)
+    return ConvertReport(what.world, what.out_type, len(what.outputs), written, tuple(kept), kept_bytes)
 
 
 def _remove_uncommitted(storage: Storage, generation: str) -> None:

@@ -70,6 +70,10 @@ class ReadOnDemand(Mapping[str, StreamedPiece]):
         return StreamedPiece(name, output.dtype, tuple(output.source.shape), region,
                              functools.partial(self._slices, output, region))
 
+    def stream(self, output: Output, region: FlatRange) -> Iterator[torch.Tensor]:
+        """``region`` of ``output`` in as few slices as the buffers hold (``offline.dcp_output``'s chunks: one)."""
+        return self._slices(output, region, itemsize(output.dtype), 0)
+
     def _slices(self, output: Output, region: FlatRange, block: int, first: int) -> Iterator[torch.Tensor]:
         region = FlatRange(region.start + first, region.stop)  # the elements before are kept (offline.resume)
         if not region.numel:
