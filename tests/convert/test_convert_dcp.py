@@ -211,3 +211,10 @@ def test_what_dcp_output_cannot_be_is_refused_before_anything_is_written(tmp_pat
     assert not (tmp_path / "dst").exists()
     with pytest.raises(CheckpointExistsError):  # a shardckpt checkpoint's directory is not made a DCP one too
         convert(tmp_path / "src", tmp_path / "src", format="dcp", overwrite=True)
+
+
+def test_the_commands_formats_are_converts():
+    from shardckpt.api import transform
+    from shardckpt.offline import convert as convert_module
+
+    assert transform.FORMATS == convert_module.FORMATS

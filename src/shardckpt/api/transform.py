@@ -17,6 +17,7 @@ from shardckpt.sizes import DEFAULT_MAX_SHARD_SIZE
 log = logging.getLogger("shardckpt")
 Progress = Callable[[int, int], None]  # progress(done_bytes, total_bytes)
 TYPES = ("full", "sharded", "local")
+FORMATS = ("shardckpt", "dcp")  # convert's output formats (offline.convert.FORMATS)
 PathLike = str | os.PathLike
 
 MEMORY_LIMIT = Opt("resident memory of this process at most about SIZE, e.g. 2GiB: what the process holds "
@@ -68,6 +69,9 @@ def convert(
     memory_limit: Annotated[int | str | None, MEMORY_LIMIT] = DEFAULT_MEMORY_LIMIT,
     workers: Annotated[int, Opt("spread the output files over N local processes (each within --memory-limit)",
                                 parse=positive_int, metavar="N")] = 1,
+    format: Annotated[str, Opt("write a shardckpt checkpoint (default) or a torch DCP directory (.metadata, "
+                               "__R_0.distcp per output rank) that torch.distributed.checkpoint reads",
+                               choices=FORMATS)] = "shardckpt",
     overwrite: Annotated[bool, Opt("replace a committed checkpoint at DST")] = False,
     storage_options: Annotated[dict | None, STORAGE] = None,
     dst_storage_options: dict | None = None,
@@ -77,7 +81,8 @@ def convert(
     param_names: Sequence[str] | None = None,
 ) -> ConvertResult:
     """Write ``src`` (any readable checkpoint) as a shardckpt checkpoint at ``dst``: another world size, type
-    or dtype; the same as ``shardckpt convert SRC DST``, whose options are these arguments.
+    or dtype; the same as ``shardckpt convert SRC DST``, whose options are these arguments. ``format="dcp"``
+    writes a torch DCP checkpoint instead (SHARDED or FULL, one process, uncompressed).
 
     ``dst_storage_options``: the destination's fsspec options (default: ``storage_options``).
     ``progress(done_bytes, total_bytes)`` is called as this process writes. ``spread_over``: a process group
@@ -95,7 +100,7 @@ def convert(
                          storage_options=storage_options, compress=compress, progress=progress,
                          dst_storage_options=storage_options if dst_storage_options is None else dst_storage_options,
                          spread_over=spread_over, memory_limit=memory_limit, optim_key=_lower(optim_key),
-                         workers=workers, param_names=param_names,
+                         workers=workers, param_names=param_names, format=format,
                          **({} if files_per_rank is None else {"files_per_rank": files_per_rank}))
     if report.kept_bytes:
         log.info("%s: resumed a killed conversion: kept %d bytes it had written (%d output ranks whole)", dst,

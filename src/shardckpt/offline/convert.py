@@ -203,7 +203,7 @@ def _check_format(format: str, type: str | None, workers: int, spread_over: Any,
         raise BadArgumentError(f"format must be one of {FORMATS}, got {format!r}")
     if format == "dcp" and (type == "local" or workers != 1 or spread_over is not None or compress is not None):
         raise BadArgumentError("format='dcp' writes SHARDED or FULL output from one process, uncompressed: "
-                               "leave out type='local', workers, spread_over and compress")
+                               "leave out type='local', compress= and workers= (and spread_over= in Python)")
 
 
 def _write_dcp(what: Conversion, storage: Storage, src: str, limit: int | None,
