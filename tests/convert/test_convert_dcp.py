@@ -13,7 +13,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import shardckpt
-from shardckpt.errors import BadArgumentError, CheckpointExistsError
+from shardckpt.errors import BadArgumentError, CheckpointExistsError, CorruptCheckpointError
 from shardckpt.format.tree import TensorRef
 from shardckpt.offline import dcp_output, memory
 from shardckpt.offline.convert import convert
@@ -181,6 +181,19 @@ def test_a_killed_dcp_convert_keeps_its_finished_ranks_and_commits_what_an_unint
     assert report.kept_ranks == (0,)
     _same(_torch_reads(dst, tmp_path), shardckpt.load_full(src))
     assert sorted(os.listdir(dst)) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+
+
+def test_values_that_do_not_match_the_sources_checksums_commit_nothing_and_are_not_kept(tmp_path, monkeypatch):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    shardckpt.save(_state(), src)
+    real = dcp_output._chunk
+    monkeypatch.setattr(dcp_output, "_chunk", lambda *a: (lambda t, crc: (t, crc ^ 1))(*real(*a)))
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        convert(src, dst, world_size=2, format="dcp")
+    assert not (dst / ".metadata").exists()
+    monkeypatch.setattr(dcp_output, "_chunk", real)
+    assert convert(src, dst, world_size=2, format="dcp").kept_ranks == ()
+    _same(_torch_reads(dst, tmp_path), shardckpt.load_full(src))
 
 
 def test_a_committed_dcp_checkpoint_is_kept_unless_overwrite_and_read_whole_until_replaced(tmp_path, monkeypatch):

@@ -84,7 +84,7 @@ class _Counting:
 def write_dcp(what: Conversion, place: Callable[[Output, int], tuple[Region, bool]], storage: Storage,
               generation: str, buffer_bytes: int, tick: Callable[[int], None], overwrite: bool) -> tuple[list[int], int]:
     """Write and commit ``what`` as a DCP checkpoint; returns the ranks kept from a killed run and their bytes."""
-    old_files = _committed_files(storage, overwrite)
+    committed, old_files = _committed_files(storage, overwrite)
     tree = decode(what.encoded_tree, "the conversion's tree")
     by_name = {o.name: o for o in what.outputs}
     keyed = flat_keys(tree)
@@ -114,30 +114,37 @@ def write_dcp(what: Conversion, place: Callable[[Output, int], tuple[Region, boo
             else:
                 result = writer.write(ReadOnDemand(what.reader, by_name, None, tick, buffers))
             stored.extend(result)
-        _check_against_source(stored, tensors)
-        storage.put_atomic(METADATA_NAME, _metadata(keyed, tensors, stored, generation),
-                           exclusive=not old_files)
+        try:
+            _check_against_source(stored, tensors)
+        except CorruptCheckpointError:
+            storage.remove_dir(journals)  # else a rerun would keep what was wrong
+            raise
+        try:
+            storage.put_atomic(METADATA_NAME, _metadata(keyed, tensors, stored, generation), exclusive=not committed)
+        except FileExistsError:
+            raise CheckpointExistsError(f"{storage.url(METADATA_NAME)}: a DCP checkpoint was committed here "
+                                        "meanwhile; nothing of this conversion was committed") from None
     finally:
         hold.release()
     _remove_old(storage, old_files - {s.path for s in stored}, journals)
     return kept, kept_bytes
 
 
-def _committed_files(storage: Storage, overwrite: bool) -> set[str]:
-    """The data files of the DCP checkpoint committed at ``storage`` (empty: none); refuses one without
+def _committed_files(storage: Storage, overwrite: bool) -> tuple[bool, set[str]]:
+    """Whether a DCP checkpoint is committed at ``storage``, and its data files; refuses one without
     ``overwrite``, and any shardckpt checkpoint there (a directory is one checkpoint, of one format)."""
     if storage.exists(MANIFEST_NAME):
         raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: a shardckpt checkpoint is there; convert to "
                                     "DCP in another directory")
     if not storage.exists(METADATA_NAME):
-        return set()
+        return False, set()
     if not overwrite:
         raise CheckpointExistsError(f"{storage.url(METADATA_NAME)}: a DCP checkpoint already exists; pass "
                                     "overwrite=True to replace it")
     try:
-        return set(parse_metadata(storage.read_bytes(METADATA_NAME), storage.url(METADATA_NAME)).files)
+        return True, set(parse_metadata(storage.read_bytes(METADATA_NAME), storage.url(METADATA_NAME)).files)
     except CheckpointError:  # unreadable: every data file there may be its
-        return {f for f in storage.list_files() if _DATA_FILE.fullmatch(f)}
+        return True, {f for f in storage.list_files() if _DATA_FILE.fullmatch(f)}
 
 
 class _RankFile:
