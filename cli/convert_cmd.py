@@ -49,7 +49,8 @@ def show(result: ConvertResult, args: argparse.Namespace) -> None:
     if result.kept_bytes:  # checked block by block against their CRCs before they were kept
         spread += (f", {format_bytes(result.kept_bytes)} kept from a killed run ({len(result.kept_ranks)} ranks "
                    "whole)")
-    print(f"{result.path}: {result.type} checkpoint at world size {result.world_size}, {result.tensors} tensors, "
+    kind = "torch DCP" if result.format == "dcp" else result.type
+    print(f"{result.path}: {kind} checkpoint at world size {result.world_size}, {result.tensors} tensors, "
           f"{format_bytes(result.tensor_bytes)} of tensor data written{spread}, {result.seconds:.1f} s")
 
 

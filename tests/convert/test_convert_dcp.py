@@ -231,3 +231,15 @@ def test_the_commands_formats_are_converts():
     from shardckpt.offline import convert as convert_module
 
     assert transform.FORMATS == convert_module.FORMATS
+
+
+def test_the_command_says_it_wrote_a_dcp_directory(tmp_path, capsys):
+    import json
+
+    from shardckpt.cli.main import main
+
+    shardckpt.save(_state(), tmp_path / "src")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--format", "dcp", "--world-size", "2"]) == 0
+    assert "torch DCP checkpoint at world size 2" in capsys.readouterr().out
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out2"), "--format", "dcp", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "dcp"

@@ -67,6 +67,7 @@ class ConvertResult(Result):
     :ivar kept_ranks: the output ranks that killed run had finished.
     :ivar workers: the processes that shared the writing.
     :ivar seconds: how long it took.
+    :ivar format: what was written: ``"shardckpt"``, or ``"dcp"`` for a torch DCP directory.
     """
 
     path: str
@@ -78,6 +79,7 @@ class ConvertResult(Result):
     kept_ranks: tuple[int, ...]
     workers: int
     seconds: float
+    format: str = "shardckpt"
 
 
 @dataclass(frozen=True)

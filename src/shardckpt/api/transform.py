@@ -107,7 +107,7 @@ def convert(
                  report.kept_bytes, len(report.kept_ranks))
     count = spread_over.size() if spread_over is not None else workers
     return ConvertResult(os.fspath(dst), report.type, report.world_size, report.tensors, report.bytes_written,
-                         report.kept_bytes, tuple(report.kept_ranks), count, time.monotonic() - start)
+                         report.kept_bytes, tuple(report.kept_ranks), count, time.monotonic() - start, format)
 
 
 def export(
