@@ -60,6 +60,7 @@ def test_from_pretrained_loads_the_export_as_is_fp32_logits_equal(tmp_path, tied
         assert torch.equal(loaded.eval()(IDS).logits, model(IDS).logits)
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["dtype"] == written["torch_dtype"] == "float32" and written["tie_word_embeddings"] is tied
+    assert written["architectures"] == ["LlamaForCausalLM"]  # the reference had none; vLLM picks the class by it
     for name in ("tokenizer.json", "generation_config.json", "special_tokens_map.json"):
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
 
@@ -210,3 +211,18 @@ def test_a_config_that_is_not_one_is_refused_before_writing(tmp_path):
     with pytest.raises(shardckpt.errors.BadArgumentError, match="no config.json"):
         export(tmp_path / "ck", tmp_path / "out", config=tmp_path)
     assert not (tmp_path / "out").exists()
+
+
+def test_verify_against_the_source_expects_the_config_s_tie_and_checks_its_values(tmp_path):
+    from shardckpt.offline.verify_export import verify_export
+
+    config = _llama_config(tie_word_embeddings=True)
+    model = _model(config)
+    _save(model, tmp_path / "ck")
+    export(tmp_path / "ck", tmp_path / "out", config=_reference(config, tmp_path / "ref"))
+    assert verify_export(tmp_path / "out", against=tmp_path / "ck").ok
+    untied = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    untied["lm_head.weight"] = untied["lm_head.weight"] + 1  # a source whose head is not the embedding
+    shardckpt.save({"model": untied}, tmp_path / "other")
+    check = verify_export(tmp_path / "out", against=tmp_path / "other")
+    assert not check.ok and any("lm_head.weight: left out as tied" in p for p in check.problems)

@@ -7,7 +7,9 @@ present beside it (the generation config, the tokenizer's files, the chat templa
 file of another name is taken alone. Nothing is fetched from the network.
 
 **Made consistent** with what is written (``plan_directory``): ``dtype`` and ``torch_dtype`` are the exported
-dtype (``keep``: the first floating-point tensor's, as ``save_pretrained`` takes the model's); tied weights
+dtype (``keep``: the first floating-point tensor's, as ``save_pretrained`` takes the model's);
+``architectures``, where the config has none, is the model class transformers builds for it (vLLM and SGLang
+pick their model by it); tied weights
 are written once when the config ties them (the second one left out, after checking that its values equal the
 first's: a checkpoint that untied them in training is refused, not silently re-tied), and
 ``tie_word_embeddings`` becomes true where the export already left a tied alias out (a LOCAL checkpoint's).
@@ -154,14 +156,16 @@ def check_weights(tensors: Shapes, config: Mapping[str, Any]) -> WeightsCheck:
     return WeightsCheck(pairs, model.num_parameters())
 
 
-def declared_ties(config: Mapping[str, Any]) -> tuple[dict[str, str], bool]:
-    """The tie pairs the model declares (tied name -> the name it is tied to) and whether this config ties
-    them (its class's default where it does not say); without transformers none, and what it says."""
+def declared_ties(config: Mapping[str, Any]) -> tuple[dict[str, str], bool, str | None]:
+    """The tie pairs the model declares (tied name -> the name it is tied to), whether this config ties them
+    (its class's default where it does not say), and the model's class name; without transformers no pairs,
+    what the config says, and no name."""
     model = _meta_model(config)
     if model is None:
-        return {}, bool(config.get("tie_word_embeddings", False))
+        return {}, bool(config.get("tie_word_embeddings", False)), None
     declared = getattr(model, "_tied_weights_keys", None) or {}
-    return (dict(declared) if isinstance(declared, dict) else {}), bool(model.config.tie_word_embeddings)
+    pairs = dict(declared) if isinstance(declared, dict) else {}
+    return pairs, bool(model.config.tie_word_embeddings), type(model).__name__
 
 
 def _config_summary(config: Mapping[str, Any]) -> str:
@@ -199,7 +203,9 @@ def plan_directory(reference: Reference, tensors: Sequence, left_out: Mapping[st
     out as tied aliases (``left_out``): what else to leave out as tied, checked, and the files to write."""
     config = dict(reference.config)
     written = {t.name: t for t in tensors}
-    pairs, configured = declared_ties(config)
+    pairs, configured, architecture = declared_ties(config)
+    if architecture is not None and not config.get("architectures"):
+        config["architectures"] = [architecture]  # what vLLM and SGLang pick the model class by
     ties = configured or any(n in pairs for n in left_out)
     dropped: dict[str, str] = {}
     for name, kept in pairs.items() if ties else ():
