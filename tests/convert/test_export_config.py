@@ -226,3 +226,16 @@ def test_verify_against_the_source_expects_the_config_s_tie_and_checks_its_value
     shardckpt.save({"model": untied}, tmp_path / "other")
     check = verify_export(tmp_path / "out", against=tmp_path / "other")
     assert not check.ok and any("lm_head.weight: left out as tied" in p for p in check.problems)
+
+
+def test_a_model_type_transformers_does_not_know_is_exported_unchecked_with_a_warning(tmp_path, caplog):
+    config = _llama_config()
+    _save(_model(config), tmp_path / "ck")
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "ref" / "config.json").write_text(json.dumps({"model_type": "my-own-llm", "hidden_size": 32}))
+    with caplog.at_level("WARNING", logger="shardckpt.offline.hf_dir"):
+        export(tmp_path / "ck", tmp_path / "out", config=tmp_path / "ref")
+    assert "does not know model_type 'my-own-llm'" in caplog.text
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written == {"model_type": "my-own-llm", "hidden_size": 32, "dtype": "float32", "torch_dtype": "float32",
+                       "tie_word_embeddings": False}

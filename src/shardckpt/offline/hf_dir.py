@@ -18,11 +18,13 @@ first's: a checkpoint that untied them in training is refused, not silently re-t
 so after any rename or adapter): where transformers is installed, against its own model built from the
 config on the meta device (no weights allocated): every tensor it expects present, none it does not know,
 every shape its shape; ``total_parameters`` (what ``save_pretrained`` puts in the index) is that model's
-``num_parameters()``. Without transformers nothing is checked but the dtypes.
+``num_parameters()``. Without transformers, or for a model type it does not know (custom code), nothing is
+checked (a warning says so for the latter).
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -36,6 +38,8 @@ from shardckpt.formats.api import CheckpointReader, ReadRequest
 from shardckpt.regions import FlatRange
 from shardckpt.sizes import DEFAULT_MAX_SHARD_SIZE
 from shardckpt.tensor_views import as_bytes
+
+log = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
 COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -175,10 +179,16 @@ def _config_summary(config: Mapping[str, Any]) -> str:
 
 
 def _meta_model(config: Mapping[str, Any]) -> Any:
-    """transformers' model for ``config`` on the meta device (no weights), or None without transformers."""
+    """transformers' model for ``config`` on the meta device (no weights), or None without transformers or
+    for a model type it does not know (a model of its own code: then nothing is checked, and a warning says so)."""
     try:
         import transformers
     except ImportError:
+        return None
+    model_type = config.get("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        log.warning("config: transformers %s does not know model_type %r: the weights are not checked against it",
+                    transformers.__version__, model_type)
         return None
     fields = {k: v for k, v in config.items() if k not in ("torch_dtype", "dtype")}
     try:
@@ -189,7 +199,7 @@ def _meta_model(config: Mapping[str, Any]) -> Any:
             if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
                 return cls(built)
             return transformers.AutoModelForCausalLM.from_config(built)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, ImportError, RuntimeError) as e:
         raise BadArgumentError(f"config: transformers builds no model from it ({type(e).__name__}: {e})") from None
 
 
