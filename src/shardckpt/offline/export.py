@@ -39,6 +39,9 @@ equal parts (``plan_shards``). A tensor larger than the limit gets a shard of it
 source without identity, see Resume), so that a reader refuses a file of another export beside the index
 (``formats.safetensors``: two exports to one object-store path); readers do not present it as a value.
 
+**Model directory** (``config``): the config and tokenizer files beside the weights (``offline.hf_dir``), checked
+before anything is written, committed before the index (or the one file); ``overwrite`` replaces them.
+
 **Streaming.** A file's header is computed from shapes and dtypes before any data is read (JSON, padded with
 spaces to a multiple of 8 bytes, as safetensors writes it); then the 8-byte header length, the header, and
 each tensor's bytes in order, read from the source in slices of at most ``slice_bytes`` (64 MiB) as
