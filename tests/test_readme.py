@@ -65,6 +65,7 @@ def test_the_readme_shows_the_examples_as_they_are():
         assert text in shown, f"README.md does not show examples/{name} as it is"
 
 
+@pytest.mark.timeout(1200)  # every block in turn, transformers' ones too: past 600 s on a loaded machine
 def test_every_code_block_runs(tmp_path):
     os.symlink(os.path.join(ROOT, "examples"), tmp_path / "examples")
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
