@@ -16,9 +16,18 @@ Output: model.safetensors, or model-0000i-of-0000N.safetensors and model.safeten
 a rerun after a kill keeps the files it had finished, for a shardckpt source),
 streamed in slices of at most 64 MiB (two buffers), whatever the model's size; --memory-limit bounds the
 process's resident memory instead (e.g. 512MiB: ~265 MiB of Python and torch, the rest buffers).
+--config FILE_OR_DIR makes DST a complete model directory that from_pretrained loads as is: config.json (its
+dtype/torch_dtype set to the exported dtype, tie_word_embeddings to what is written; tied weights written
+once), and, where present beside it, generation_config.json and the tokenizer files (tokenizer.json,
+tokenizer_config.json, special_tokens_map.json, tokenizer.model, vocab.json, merges.txt, chat template)
+copied as they are. With transformers installed the weights are first checked against its own model for
+the config, built on the meta device: a missing, unknown or misshapen tensor is refused, named, before
+anything is written; the index gets total_parameters and the shard size save_pretrained's default.
 
 examples:
   shardckpt export /ckpt/step-1000 /export/step-1000 --dtype bfloat16
+  shardckpt export /ckpt/step-1000 /export/llama --dtype bfloat16 --config /models/Llama-3.2-1B
+  shardckpt export /ckpt/step-1000 /export/llama --config ~/.cache/huggingface/hub/models--meta-llama--Llama-3.2-1B
   shardckpt export runs/example /export/latest --latest   (the latest committed step-* below a run directory)
   shardckpt export /ckpt/step-1000 s3://bucket/model --max-shard-size 2GB -o endpoint_url=http://127.0.0.1:9000
   shardckpt export /dcp/step-500 /export/ema --only ema --strip-prefix ema.

@@ -12,7 +12,6 @@ from shardckpt.api.results import ConvertResult, ExportResult
 from shardckpt.api.spec import Opt
 from shardckpt.errors import BadArgumentError
 from shardckpt.offline.memory import DEFAULT_MEMORY_LIMIT
-from shardckpt.sizes import DEFAULT_MAX_SHARD_SIZE
 
 log = logging.getLogger("shardckpt")
 Progress = Callable[[int, int], None]  # progress(done_bytes, total_bytes)
@@ -116,8 +115,14 @@ def export(
     *,
     dtype: Annotated[str, Opt("bfloat16, float16, float32 or keep (default): cast floating-point tensors",
                               parse=_cast_name)] = "keep",
-    max_shard_size: Annotated[int | str, Opt("tensor bytes per file at most, e.g. 5GB (default), 500MiB",
-                                             parse=size, metavar="SIZE")] = DEFAULT_MAX_SHARD_SIZE,
+    max_shard_size: Annotated[int | str | None, Opt("tensor bytes per file at most, e.g. 500MiB (default: 5GB; "
+                                                    "with --config, the installed transformers' save_pretrained "
+                                                    "default)", parse=size, metavar="SIZE")] = None,
+    config: Annotated[PathLike | None, Opt("write a complete model directory: config.json (dtype and tying made "
+                                           "to match the weights, which are checked against it first) and the "
+                                           "generation config and tokenizer files beside it, from this "
+                                           "config.json, model directory or local Hugging Face cache snapshot",
+                                           metavar="FILE_OR_DIR")] = None,
     only: Annotated[Sequence[str] | None, prefixes("export this dotted-name prefix instead of the model "
                                                     "weights")] = None,
     strip_prefix: Annotated[str | None, Opt("remove this prefix from the exported names", metavar="P")] = None,
@@ -152,7 +157,7 @@ def export(
     with explaining_run_dirs(storage_options, src):
         report = run_export(src, dst, dtype=dtype, max_shard_size=max_shard_size, only=only,
                             strip_prefix=strip_prefix, overwrite=overwrite, storage_options=storage_options,
-                            progress=progress, rename=rename_map, verify=verify, **extra,
+                            progress=progress, rename=rename_map, verify=verify, config=config, **extra,
                             dst_storage_options=storage_options if dst_storage_options is None else dst_storage_options)
     if report.kept:
         log.info("%s: resumed a killed export: kept %d finished files", dst, len(report.kept))

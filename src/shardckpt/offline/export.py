@@ -39,6 +39,9 @@ equal parts (``plan_shards``). A tensor larger than the limit gets a shard of it
 source without identity, see Resume), so that a reader refuses a file of another export beside the index
 (``formats.safetensors``: two exports to one object-store path); readers do not present it as a value.
 
+**Model directory** (``config``): the config and tokenizer files beside the weights (``offline.hf_dir``), checked
+before anything is written, committed before the index (or the one file); ``overwrite`` replaces them.
+
 **Streaming.** A file's header is computed from shapes and dtypes before any data is read (JSON, padded with
 spaces to a multiple of 8 bytes, as safetensors writes it); then the 8-byte header length, the header, and
 each tensor's bytes in order, read from the source in slices of at most ``slice_bytes`` (64 MiB) as
@@ -86,9 +89,9 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from shardckpt.checkpoint.load_any import wanted_keys
-from shardckpt.offline import safetensors_files
+from shardckpt.offline import hf_dir, safetensors_files
 from shardckpt.offline.export_commit import (
-    PlannedFile, commit_local, export_id, index_bytes, refuse_own_source, write_remote,
+    Beside, PlannedFile, commit_local, export_id, index_bytes, refuse_own_source, write_remote,
 )
 from shardckpt.offline.memory import buffer_budget
 from shardckpt.offline.rename import Renames
@@ -148,11 +151,12 @@ class _Tensor:
 
 
 def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch.dtype = "keep",
-           max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, only: Sequence[str] | None = None,
+           max_shard_size: int | str | None = None, only: Sequence[str] | None = None,
            strip_prefix: str | None = None, overwrite: bool = False, storage_options: dict | None = None,
            dst_storage_options: dict | None = None, progress: Callable[[int, int], None] | None = None,
            slice_bytes: int = SLICE_BYTES, verify: bool = True,
-           rename: Mapping[str, str | None] | None = None) -> ExportReport:
+           rename: Mapping[str, str | None] | None = None,
+           config: str | os.PathLike | None = None) -> ExportReport:
     """Export the model weights of ``src`` (any readable checkpoint) as safetensors files in directory ``dst``.
 
     See the module's docstring for what is selected, how names are formed, the files and the commit.
@@ -161,16 +165,26 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     is called as tensor bytes are written. ``slice_bytes``: the most bytes one read from the source fills.
     ``verify``: check the checksums the source stores (see the module's docstring for its cost on DCP).
     ``rename``: regular expression -> replacement (None: leave out), see the module's docstring.
+    ``config``: a ``config.json`` or a model directory: write a complete model directory (``offline.hf_dir``:
+    the config and tokenizer files, consistent with the weights and checked against them first);
+    ``max_shard_size`` None: the installed transformers' ``save_pretrained`` default with ``config``, else 5GB.
     Nothing is read before the selection, dtypes and sizes are checked; nothing is written before the
     destination is checked.
     """
     cast = cast_dtype(dtype)
+    if max_shard_size is None:
+        max_shard_size = DEFAULT_MAX_SHARD_SIZE if config is None else hf_dir.default_max_shard_size()
     limit = parse_size(max_shard_size)
     if not isinstance(slice_bytes, int) or slice_bytes < 1:
         raise ValueError(f"slice_bytes must be a positive int, got {slice_bytes!r}")
     base = open_reader(src, storage_options=storage_options, verify=verify)
     reader = logical_view(base)
     tensors, tied = select(reader, only, strip_prefix, cast, Renames(rename or {}))
+    directory = None
+    if config is not None:
+        directory = hf_dir.plan_directory(hf_dir.read_reference(config), tensors, tied, reader, slice_bytes)
+        tensors = [t for t in tensors if t.name not in directory.left_out]
+        tied = {**tied, **directory.left_out}
     shards = plan_shards([t.nbytes for t in tensors], limit)
     names = [SINGLE_FILE] if len(shards) == 1 else \
         [SHARD_FILE.format(index=i + 1, count=len(shards)) for i in range(len(shards))]
@@ -188,6 +202,11 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     if not overwrite and (INDEX_NAME in old or SINGLE_FILE in old):
         raise CheckpointExistsError(f"{storage.url(old[0])}: an export already exists at {storage.root} "
                                     f"({len(old)} files); pass overwrite=True to replace it")
+    extras = {} if directory is None else directory.files
+    beside = [n for n in hf_dir.OUTPUT_FILES if extras and storage.exists(n)]  # replaced or removed
+    if beside and not overwrite:
+        raise CheckpointExistsError(f"{storage.url(beside[0])}: already exists at {storage.root}; pass "
+                                    "overwrite=True to replace it")
     if overwrite and old and not isinstance(storage, LocalStorage):
         refuse_own_source(storage, open_storage(src, storage_options), os.fspath(src))
     done = [0]
@@ -202,8 +221,11 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     def write(storage, path: str, f: PlannedFile):
         return safetensors_files.write_file(storage, path, f.header, f.members, reader, buffers, tick)
 
-    args = (storage, files, index_bytes(files, total, metadata[EXPORT_ID_KEY]), old, overwrite, identity is not None, write,
-            lambda f: tick(f.nbytes))
+    counted = {} if directory is None or directory.total_parameters is None else \
+        {"total_parameters": directory.total_parameters}
+    index = index_bytes(files, total, metadata[EXPORT_ID_KEY], counted)
+    args = (storage, files, index, old, overwrite, identity is not None, write, lambda f: tick(f.nbytes),
+            Beside(extras, beside))
     kept = commit_local(*args, uuid.uuid4().hex[:12]) if isinstance(storage, LocalStorage) else write_remote(*args)
     return ExportReport(tuple(names), len(tensors), total, "keep" if cast is None else _dtype_name(cast), tied, kept)
 

@@ -39,8 +39,8 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
 
 from shardckpt.checkpoint.gc import EXPORT_STAGING, EXPORT_TEMP
 from shardckpt.offline import safetensors_files
@@ -64,6 +64,15 @@ class PlannedFile:
 Write = Callable[[Storage, str, PlannedFile], None]  # writes the file whole at a path
 
 
+@dataclass(frozen=True)
+class Beside:
+    """The small files written beside the weights (``export --config``: name -> bytes), in place before the
+    index (or the one file), and the ones there now that they replace or remove (moved aside, back on failure)."""
+
+    files: Mapping[str, bytes] = field(default_factory=dict)
+    stale: Sequence[str] = ()
+
+
 def export_id(headers: Sequence[bytes], identified: bool) -> str:
     """What names one export. Where the source has an identity (``identified``: a shardckpt generation, new at
     every save), a digest of its files' headers (names, dtypes, shapes, that identity): identical headers then
@@ -75,11 +84,12 @@ def export_id(headers: Sequence[bytes], identified: bool) -> str:
     return hashlib.sha256(b"".join(headers) + nonce).hexdigest()[:16]
 
 
-def index_bytes(files: Sequence[PlannedFile], total: int, ident: str) -> bytes | None:
-    """The ``model.safetensors.index.json`` of a sharded export (None for one file)."""
+def index_bytes(files: Sequence[PlannedFile], total: int, ident: str, counted: Mapping[str, int] = {}) -> bytes | None:
+    """The ``model.safetensors.index.json`` of a sharded export (None for one file); ``counted``: more
+    metadata (``total_parameters``, as ``save_pretrained`` writes it)."""
     if len(files) == 1:
         return None
-    index = {"metadata": {"total_size": total, EXPORT_ID_KEY: ident},
+    index = {"metadata": {**counted, "total_size": total, EXPORT_ID_KEY: ident},
              "weight_map": {t.name: f.name for f in files for t in f.members}}
     return (json.dumps(index, indent=2) + "\n").encode()
 
@@ -92,7 +102,7 @@ def unfinished_error(storage: Storage, old: list[str]) -> CheckpointExistsError:
 
 def commit_local(storage: LocalStorage, files: Sequence[PlannedFile], index: bytes | None, old: list[str],
                  overwrite: bool, resumable: bool, write: Write, skip: Callable[[PlannedFile], None],
-                 token: str) -> tuple[str, ...]:
+                 beside: Beside, token: str) -> tuple[str, ...]:
     """Write ``files`` and ``index`` at local ``storage`` and commit them (see the module's docstring);
     ``old``: the export files there now, none of them a committed export unless ``overwrite``. Returns the
     names adopted from a killed run (``skip`` is told of each)."""
@@ -106,10 +116,13 @@ def commit_local(storage: LocalStorage, files: Sequence[PlannedFile], index: byt
         for f in files:
             if f.name not in stage.ready:
                 stage.write(f, write)
+        for name, data in beside.files.items():
+            storage.put_atomic(stage.path(name), data)
+            stage.ready[name] = stage.path(name)
         if index is not None:
             storage.put_atomic(stage.path(INDEX_NAME), index)
             stage.ready[INDEX_NAME] = stage.path(INDEX_NAME)
-        stage.commit([f.name for f in files], overwrite)
+        stage.commit(list(beside.files) + [f.name for f in files], overwrite, beside.stale)
     finally:
         stage.close()
     for name in storage.list_dirs() + storage.list_files():  # what killed exports left, nobody's any more
@@ -174,9 +187,10 @@ class _Stage:
         except CheckpointError:
             return False
 
-    def commit(self, names: list[str], overwrite: bool) -> None:
-        """Under the directory's lock: the old export moved aside into this export's directory, the new files
-        in place (the index, or the one file, last); everything moved back if a step fails."""
+    def commit(self, names: list[str], overwrite: bool, stale: Sequence[str] = ()) -> None:
+        """Under the directory's lock: the old export (and ``stale``, files beside it) moved aside into this
+        export's directory, the new files in place (the index, or the one file, last); everything moved back if
+        a step fails."""
         lock = self.storage.hold_dir("", exclusive=True, wait=True)
         try:
             old = safetensors_files.existing_export(self.storage)
@@ -186,6 +200,7 @@ class _Stage:
             ours = set(self.ready.values())
             # The old index first (existing_export's order); one file replaces its old self atomically.
             moves = [(n, self.path(f"{n}.old")) for n in old if n not in ours and not (n == SINGLE_FILE == last)]
+            moves += [(n, self.path(f"{n}.old")) for n in stale if self.storage.exists(n)]
             moves += [(self.ready[n], n) for n in names + [INDEX_NAME] * (last == INDEX_NAME) if self.ready[n] != n]
             done: list[tuple[str, str]] = []
             try:
@@ -223,7 +238,8 @@ def refuse_own_source(storage: Storage, source: Storage, src: str) -> None:
 
 
 def write_remote(storage: Storage, files: Sequence[PlannedFile], index: bytes | None, old: list[str],
-                 overwrite: bool, resumable: bool, write: Write, skip: Callable[[PlannedFile], None]) -> tuple[str, ...]:
+                 overwrite: bool, resumable: bool, write: Write, skip: Callable[[PlannedFile], None],
+                 beside: Beside) -> tuple[str, ...]:
     """An object store: the stale old files removed first (the index first), then each file at its name, the
     index last; a failure removes what ``_clean_up`` says. A killed run's files under their names are kept
     where exactly what this run would write (not with ``overwrite``). Returns the names kept."""
@@ -233,6 +249,8 @@ def write_remote(storage: Storage, files: Sequence[PlannedFile], index: bytes | 
     if old and not overwrite and not finished:
         raise unfinished_error(storage, old)
     for name in sorted((n for n in old if n not in names or n == INDEX_NAME), key=lambda n: n != INDEX_NAME):
+        safetensors_files.remove(storage, name)
+    for name in beside.stale:
         safetensors_files.remove(storage, name)
     written: list[PlannedFile] = []
     put = False  # whether the index there is the one this run put
@@ -244,6 +262,8 @@ def write_remote(storage: Storage, files: Sequence[PlannedFile], index: bytes | 
             _no_other_commit(storage, names)
             written.append(f)
             write(storage, f.name, f)
+        for name, data in beside.files.items():  # before the index (or the one file's commit) is seen
+            storage.put_atomic(name, data)
         if index is not None:
             _no_other_commit(storage, names)
             _all_ours(storage, files, "nothing committed")

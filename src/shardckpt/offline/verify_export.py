@@ -8,17 +8,21 @@ With ``against``: also every value. The source is read as ``export`` reads it (`
 entry, ``only``, ``strip_prefix``, wrapper prefixes removed, tied weights once) and compared with the export
 by ``diff``, bit for bit, after casting each floating source tensor to the dtype the export holds: a cast
 export is checked against the cast values. The floating tensors of an export must share one cast (or keep
-their dtypes), as ``export`` writes them.
+their dtypes), as ``export`` writes them. Where the export's ``config.json`` ties weights (``export --config``,
+``offline.hf_dir``; with transformers installed), a tied name left out is expected left out, and its source
+values must equal those of the name written for it.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from shardckpt.offline.diff import DiffReport, diff
-from shardckpt.offline.export import select
+from shardckpt.offline import hf_dir
+from shardckpt.offline.export import SLICE_BYTES, select
 from shardckpt.offline.rename import Renames
 from shardckpt.errors import CheckpointError
 from shardckpt.format.tree import TensorRef
@@ -57,9 +61,22 @@ def verify_export(dst: str | os.PathLike, *, against: str | os.PathLike | None =
                         _structure_problems(reader))
     if against is not None:
         source = logical_view(open_reader(against, storage_options=storage_options))
-        check.values = diff(_ExpectedExport(source, only, strip_prefix, Renames(rename or {}), infos),
-                            reader)
+        expected = _ExpectedExport(source, only, strip_prefix, Renames(rename or {}), infos, _config_ties(reader))
+        check.problems += expected.problems
+        check.values = diff(expected, reader)
     return check
+
+
+def _config_ties(reader: SafetensorsReader) -> dict[str, str]:
+    """The tie pairs (left out -> written) the export's ``config.json`` ties, if it has one."""
+    try:
+        config = json.loads(reader.storage.read_bytes(hf_dir.CONFIG_NAME))
+    except (CheckpointError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    pairs, ties, _ = hf_dir.declared_ties(config)
+    return pairs if ties else {}
 
 
 def _structure_problems(reader: SafetensorsReader) -> list[str]:
@@ -88,9 +105,17 @@ class _ExpectedExport:
     ones cast to the dtype the export holds (reads cast into the caller's buffer, as export's reads do)."""
 
     def __init__(self, source: CheckpointReader, only: Sequence[str] | None, strip_prefix: str | None,
-                 rename: Renames, exported: Mapping[str, TensorInfo]):
+                 rename: Renames, exported: Mapping[str, TensorInfo], ties: Mapping[str, str]):
         self.source = source  # (the export's __metadata__ is file metadata, which diff sets apart)
         chosen, _tied = select(source, only, strip_prefix, None, rename)
+        by_name = {t.name: t for t in chosen}
+        self.problems: list[str] = []
+        for name, kept in ties.items():  # left out by the config's tie: its values must be the kept one's
+            if name in by_name and kept in by_name and name not in exported:
+                if not hf_dir.same_values(source, by_name[name], by_name[kept], SLICE_BYTES):
+                    self.problems.append(f"{name}: left out as tied to {kept} by the export's config.json, but "
+                                         "their values in the source differ")
+                chosen.remove(by_name[name])
         casts = {exported[t.name].dtype for t in chosen
                  if t.name in exported and t.source_dtype.is_floating_point and exported[t.name].dtype != t.source_dtype}
         cast = casts.pop() if len(casts) == 1 else None
