@@ -13,7 +13,7 @@ from typing import Any
 from torch.distributed.checkpoint._traverse import traverse_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from shardckpt.format.tree import TensorRef, depth_exceeds
+from shardckpt.format.tree import TensorRef, depth_exceeds, holds
 
 __all__ = ["TensorLeaf", "nested_tree", "flat_leaves"]
 
@@ -55,10 +55,11 @@ def _lists(node: Any) -> Any:
 
 
 def _plain(node: Any) -> Any:
-    """Tuples and per-rank values as lists (DCP walks lists, not tuples)."""
+    """Per-rank values, and tuples that hold tensors, as lists (DCP walks lists, not tuples); a tuple of plain
+    values stays one value, as DCP saves it."""
     if isinstance(node, dict):
         return {k: _plain(v) for k, v in node.items()}
-    if isinstance(node, (list, tuple)):
+    if isinstance(node, list) or isinstance(node, tuple) and holds(node, lambda v: isinstance(v, TensorRef)):
         return [_plain(v) for v in node]
     return node
 
