@@ -7,7 +7,9 @@ rank holding the dim-0 half of every tensor as a DTensor ``Shard(0)`` (what FSDP
 - ``dcp1``: ``FileSystemWriter(path)`` / ``FileSystemReader(path)``, DCP's defaults (one writer thread);
 - ``dcp2``: ``FileSystemWriter(path, thread_count=2)`` (as many threads as shardckpt's default files per rank);
 - ``shardckpt``: ``shardckpt.dcp.StorageWriter(path)`` / ``StorageReader(path)`` (block checksums, verified
-  on load, atomic commit).
+  on load, atomic commit);
+- ``native`` (for reference, not DCP): shardckpt's own ``save``, ``async_save`` (reused staging buffers and
+  plan) and ``load`` of the same state.
 
 Per repeat, each method in turn (the order rotating from repeat to repeat): ``dcp.save`` (timed, the max over
 ranks, fsync included: both sync their files); ``dcp.async_save``'s blocked time (until it returns; the save is
@@ -33,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 from _common import drop_caches, loadavg, median, verdict
 
-METHODS = ("dcp1", "dcp2", "shardckpt")
+METHODS = ("dcp1", "dcp2", "shardckpt", "native")
 STEPS = ("save", "async_blocked", "load")
 
 
@@ -63,6 +65,9 @@ def _storage(method: str, path: str, load: bool):
 
 
 def _timed(dist, fn) -> float:
+    """``fn``'s seconds, the max over ranks; dirty pages of earlier steps written back first (not timed), so that
+    no step's fsync pays for another's writes."""
+    os.sync()
     dist.barrier()
     t = time.perf_counter()
     fn()
@@ -99,23 +104,34 @@ def _job(rank: int, world: int, sizes: dict, root: str, out: str, order: tuple[s
 
     state = fresh(True)
     times: dict[str, dict[str, float]] = {m: {} for m in METHODS}
+    import shardckpt
+
     for method in order:
         path = os.path.join(root, method)
-        times[method]["save"] = _timed(dist, lambda: dcp.save(state, storage_writer=_storage(method, path, False)))
         pending = []
-        times[method]["async_blocked"] = _timed(dist, lambda: pending.append(dcp.async_save(
-            state, storage_writer=_storage(method, path + "-async", False), process_group=side)))
-        pending[0].result()
+        if method == "native":
+            times[method]["save"] = _timed(dist, lambda: shardckpt.save(state, path))
+            shardckpt.async_save(state, path + "-warm").wait()  # its buffers and plan are reused from the 2nd on
+            times[method]["async_blocked"] = _timed(dist, lambda: pending.append(shardckpt.async_save(
+                state, path + "-async")))
+            pending[0].wait()
+        else:
+            times[method]["save"] = _timed(dist, lambda: dcp.save(state, storage_writer=_storage(method, path, False)))
+            times[method]["async_blocked"] = _timed(dist, lambda: pending.append(dcp.async_save(
+                state, storage_writer=_storage(method, path + "-async", False), process_group=side)))
+            pending[0].result()
         target = fresh(False)
         if rank == 0:
             drop_caches()
-        times[method]["load"] = _timed(dist, lambda: dcp.load(target, storage_reader=_storage(method, path, True)))
+        times[method]["load"] = _timed(dist, lambda: dcp.load(target, storage_reader=_storage(method, path, True))
+                                       if method != "native" else shardckpt.load(target, path))
         for k, v in state["model"].items():
             assert torch.equal(target["model"][k].to_local(), v.to_local()), (method, k)
         dist.barrier()
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
-            shutil.rmtree(path + "-async", ignore_errors=True)
+            for suffix in ("-async", "-warm"):
+                shutil.rmtree(path + suffix, ignore_errors=True)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(times, f)
@@ -149,7 +165,8 @@ def main() -> int:
     total = sum(a * b * 4 for a, b in sizes.values())
     print(f"# {total / 2**30:.3f} GiB fp32 DTensors at ws 2; load average {loadavg()}", file=sys.stderr)
     base = os.environ.get("BENCH_DIR", tempfile.gettempdir())
-    runs = [run_once(sizes, base, METHODS[r % 3:] + METHODS[:r % 3]) for r in range(args.repeats)]
+    n = len(METHODS)
+    runs = [run_once(sizes, base, METHODS[r % n:] + METHODS[:r % n]) for r in range(args.repeats)]
     med = {m: {s: median([r[m][s] for r in runs]) for s in STEPS} for m in METHODS}
     if args.json:
         print(json.dumps({"bytes": total, "median_s": med, "runs": runs}, indent=2))
