@@ -137,9 +137,13 @@ class StorageWriter(_DcpStorageWriter):
         if mine.tasks:
             storage = self._opened()
             self._holds.append(storage.hold_dir(data_dir(mine.generation)))  # until the commit is decided
-            rank_result = write_rank_files(storage, f"{data_dir(mine.generation)}/rank-{self.rank:05d}", mine.tasks,
-                                           pieces, mine.files_per_rank, mine.compression,
-                                           version_for(mine.compression is not None))
+            try:
+                rank_result = write_rank_files(storage, f"{data_dir(mine.generation)}/rank-{self.rank:05d}",
+                                               mine.tasks, pieces, mine.files_per_rank, mine.compression,
+                                               version_for(mine.compression is not None))
+            except BaseException:
+                self._release()  # DCP fails the save on every rank: the generation is debris for gc
+                raise
         if results:
             results[0] = replace(results[0], storage_data=_Written(rank_result, _value_of(results[0])))
         elif rank_result is not None:
