@@ -23,6 +23,8 @@ ALLOWED = {
     "formats": BASE | {"io", "format"},
     "checkpoint": BASE | {"dist", "io", "format", "formats"},
     "runtime": BASE | {"dist"},
+    # The DCP storage backend: DCP's planners call it, it writes and reads through checkpoint/formats.
+    "dcp": BASE | {"io", "format", "formats", "checkpoint"},
     "state_dict": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime"},
     "offline": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict"},
     "api": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict", "offline"},

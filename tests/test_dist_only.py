@@ -23,6 +23,15 @@ TYPE_IMPORTS = {
 }
 TD = "torch.distributed"
 
+# shardckpt.dcp (the storage backend DCP's own save/load call) implements DCP's interface classes, so it
+# imports them, and DCP's flattening walk, from these modules; DCP makes the collectives, dcp/ makes none.
+# Only dcp/ may, and only these modules.
+DCP_INTERFACE_MODULES = {
+    "torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint.storage", "torch.distributed.checkpoint._traverse",
+}
+DCP_PACKAGE = os.path.join(SRC, "dcp")
+
 
 def _dotted(node: ast.AST) -> str | None:
     parts = []
@@ -39,8 +48,9 @@ def _is_td(module: str) -> bool:
     return module == TD or module.startswith(TD + ".")
 
 
-def uses_of_torch_distributed(path: str) -> list[str]:
-    """Every place the module reaches torch.distributed other than an allowed type import, as 'line: what'."""
+def uses_of_torch_distributed(path: str, interface_modules: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """Every place the module reaches torch.distributed other than an allowed type import (or a name from one of
+    ``interface_modules``), as 'line: what'."""
     tree = ast.parse(open(path, encoding="utf-8").read(), path)
     found: list[str] = []
     aliases: set[str] = set()  # names bound to torch.distributed or one of its submodules
@@ -55,7 +65,8 @@ def uses_of_torch_distributed(path: str) -> list[str]:
             for a in node.names:
                 full = f"{node.module}.{a.name}"
                 if (node.module == "torch" and a.name == "distributed") or \
-                        (_is_td(node.module) and (node.module, a.name) not in TYPE_IMPORTS):
+                        (_is_td(node.module) and (node.module, a.name) not in TYPE_IMPORTS
+                         and node.module not in interface_modules):
                     found.append(f"{node.lineno}: from {node.module} import {a.name}")
                     if node.module == "torch" or _is_td(full):
                         aliases.add(a.asname or a.name)
@@ -80,7 +91,8 @@ def _scan(include_dist: bool) -> dict[str, list[str]]:
         for name in files:
             if name.endswith(".py"):
                 path = os.path.join(folder, name)
-                uses = uses_of_torch_distributed(path)
+                in_dcp = folder == DCP_PACKAGE or folder.startswith(DCP_PACKAGE + os.sep)
+                uses = uses_of_torch_distributed(path, DCP_INTERFACE_MODULES if in_dcp else frozenset())
                 if uses:
                     out[os.path.relpath(path, SRC)] = uses
     return out
@@ -115,3 +127,16 @@ def test_the_scan_catches_each_way_in(tmp_path):
     assert uses == ["2: import torch.distributed as d", "3: from torch import distributed",
                     "4: from torch.distributed import all_reduce", "7: torch.distributed.barrier",
                     "8: d.get_rank", "9: distributed.new_group"], uses
+
+
+def test_the_dcp_package_takes_dcp_interface_classes_and_nothing_else(tmp_path):
+    """dcp/'s allowance is DCP's interface modules by name: a collective from torch.distributed is still caught."""
+    src = tmp_path / "m.py"
+    src.write_text(
+        "from torch.distributed.checkpoint.storage import StorageWriter\n"
+        "from torch.distributed.checkpoint.state_dict_saver import save\n"
+        "from torch.distributed import barrier\n")
+    uses = uses_of_torch_distributed(str(src), DCP_INTERFACE_MODULES)
+    assert uses == ["2: from torch.distributed.checkpoint.state_dict_saver import save",
+                    "3: from torch.distributed import barrier"], uses
+    assert len(uses_of_torch_distributed(str(src))) == 3

@@ -82,7 +82,7 @@ def test_every_code_block_runs(tmp_path):
         done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"this README block failed:\n{code}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         ran += 1
-    assert ran == 8  # 4 python, the CLI, export for inference, the 2 torchrun pairs
+    assert ran == 9  # 4 python, the CLI, export for inference, the DCP backend, the 2 torchrun pairs
     assert sorted(os.listdir(tmp_path / "runs" / "example-hf")) == [
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
 
