@@ -102,3 +102,26 @@ class Timer:
 
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
+
+
+def _gloo_rank(rank: int, world: int, port: int, fn, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_gloo(world: int, fn, *args) -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined by a gloo group on 127.0.0.1."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_gloo_rank, args=(world, port, fn, args), nprocs=world, join=True)

@@ -32,7 +32,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-from _common import loadavg, median, verdict
+from _common import loadavg, median, spawn_gloo, verdict
 
 METHODS = ("copy", "sync", "shardckpt", "dcp")
 
@@ -106,12 +106,10 @@ def _job(rank: int, world: int, sizes: dict, root: str, saves: int, out: str, or
 
 
 def run_once(sizes: dict, saves: int, base: str, order: tuple[str, ...]) -> dict:
-    from shardckpt.demo import _spawn
-
     root = tempfile.mkdtemp(dir=base)
     out = os.path.join(root, "result.json")
     try:
-        _spawn(2, _job, sizes, root, saves, out, order)
+        spawn_gloo(2, _job, sizes, root, saves, out, order)
         with open(out) as f:
             return json.load(f)
     finally:
