@@ -15,6 +15,7 @@ import torch
 
 import shardckpt
 import shardckpt.state_dict  # noqa: F401 - registers the by-parameter view (see the xfail at the end)
+from tests.test_fixtures import _assert_bit_equal
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 FIXTURE = os.path.join(ROOT, "local")
@@ -189,27 +190,10 @@ def _make_fixture():
     return module
 
 
-def _tensors(tree, prefix=""):
-    if isinstance(tree, torch.Tensor):
-        yield prefix, tree
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
-
-
-def _same(got: dict, want: dict) -> None:
-    got_t, want_t = dict(_tensors(got)), dict(_tensors(want))
-    assert got_t.keys() == want_t.keys()
-    for name, w in want_t.items():
-        g = got_t[name]
-        assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g.view(torch.uint8), w.view(torch.uint8)) \
-            if g.numel() and g.dim() else torch.equal(g, w), name
-
-
 def test_the_reader_reads_the_fixture_as_load_full_does():
     reader = Reader(FIXTURE)
     mine, theirs = reader.full(), shardckpt.load_full(FIXTURE)
-    _same(mine, theirs)
+    _assert_bit_equal(mine, theirs)
     assert mine["model"]["_flat_layouts"] == theirs["model"]["_flat_layouts"]
     assert mine["optim"]["param_groups"] == theirs["optim"]["param_groups"] and mine["step"] == theirs["step"] == 1
 
@@ -226,7 +210,7 @@ def test_by_parameter_the_reader_gets_what_shardckpt_loads():
                                       for n, v in s.items()} for k, s in mine["optim"]["state"].items()},
                         "param_groups": []}, "step": 0}
     shardckpt.load(target, FIXTURE)
-    _same(target, mine)
+    _assert_bit_equal(target, mine)
     assert target["optim"]["param_groups"] == mine["optim"]["param_groups"]
     assert list(target["optim"]["state"]) == list(mine["optim"]["state"]) == [1, 2, 3, 4, 5, 6, 7]  # pos: frozen
     assert all(not p.any() for p in padding)
