@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 
 from shardckpt.api.results import ConvertResult
-from shardckpt.dist.group import resolve_group
-from shardckpt.dist.world import torchrun_world
 from shardckpt.sizes import format_bytes
 
 EPILOG = """sources: shardckpt checkpoints of any type and world size (LOCAL ones through their flat layouts),
@@ -29,6 +27,9 @@ examples:
 
 def call(function, kwargs: dict, args: argparse.Namespace) -> ConvertResult | None:
     """``convert``, its writing shared by torchrun's copies when torchrun started several (the first reports)."""
+    from shardckpt.dist.group import resolve_group  # not at import: `--help` answers without torch
+    from shardckpt.dist.world import torchrun_world
+
     with torchrun_world() as workers:  # None unless started by torchrun with more than one process
         if workers is None:
             return function(**kwargs)

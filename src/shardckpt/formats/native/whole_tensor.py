@@ -8,7 +8,7 @@ per chunk, no second pass over the bytes. It catches a manifest whose tensor tab
 from __future__ import annotations
 
 from shardckpt.errors import CorruptCheckpointError
-from shardckpt.format.checksum import combine_block_crcs, tensor_crc_term
+from shardckpt.format.checksum import combine_equal_pieces, tensor_crc_term
 from shardckpt.format.chunks import RegularChunks
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.index import ChunkRecord
@@ -22,9 +22,9 @@ def _tensor_crc(reads: list[tuple[ChunkRead, ChunkRecord]]) -> int | None:
     entry = reads[0][0].entry
     size, total = itemsize(entry.dtype), entry.nbytes
     reads = sorted(reads, key=lambda pair: pair[0].chunk)
-    crcs = [combine_block_crcs(rec.blocks, rec.length, rec.block_size) for _, rec in reads]
+    crcs = [combine_equal_pieces(rec.blocks, rec.block_size, rec.length) for _, rec in reads]
     if isinstance(entry.chunks, RegularChunks):  # consecutive flat ranges of one size: combined as blocks are
-        return combine_block_crcs(crcs, total, entry.chunks.size * size)
+        return combine_equal_pieces(crcs, entry.chunks.size * size, total)
     term = 0
     for (read, _), crc in zip(reads, crcs):
         runs = list(contiguous_runs(read.region, entry.shape))
