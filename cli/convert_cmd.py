@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 
 from shardckpt.api.results import ConvertResult
 from shardckpt.sizes import format_bytes
@@ -29,17 +27,19 @@ examples:
 
 def call(function, kwargs: dict, args: argparse.Namespace) -> ConvertResult | None:
     """``convert``, its writing shared by torchrun's copies when torchrun started several (the first reports)."""
-    with _torchrun_workers() as workers:  # None unless started by torchrun with more than one process
+    from shardckpt.dist.group import resolve_group  # not at import: `--help` answers without torch
+    from shardckpt.dist.world import torchrun_world
+
+    with torchrun_world() as workers:  # None unless started by torchrun with more than one process
         if workers is None:
             return function(**kwargs)
         if kwargs.get("workers", 1) > 1:
             raise argparse.ArgumentTypeError("--workers: under torchrun, its processes are the workers")
-        import torch.distributed as dist
-
-        if dist.get_rank() != 0:
+        first = resolve_group(workers).rank == 0
+        if not first:
             kwargs.pop("progress", None)
         result = function(**kwargs, spread_over=workers)
-        return result if dist.get_rank() == 0 else None
+        return result if first else None
 
 
 def show(result: ConvertResult, args: argparse.Namespace) -> None:
@@ -53,17 +53,3 @@ def show(result: ConvertResult, args: argparse.Namespace) -> None:
     print(f"{result.path}: {kind} checkpoint at world size {result.world_size}, {result.tensors} tensors, "
           f"{format_bytes(result.tensor_bytes)} of tensor data written{spread}, {result.seconds:.1f} s")
 
-
-@contextlib.contextmanager
-def _torchrun_workers():
-    """The default process group (gloo), when torchrun started several copies of this command; else None."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
-        yield None
-        return
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()

@@ -38,33 +38,52 @@ def _unit(path: str, root: str) -> str:
     return rel.split("/")[0].removesuffix(".py")
 
 
-def _imports(path: str) -> set[str]:
-    """The shardckpt units a module imports, at any depth of the file (lazy imports count)."""
+def _absolute(node: ast.ImportFrom, package: str) -> list[str]:
+    """The modules an import-from names, written absolutely (``from ..io import x`` in shardckpt.state_dict is
+    shardckpt.io; ``from . import flat`` is shardckpt.state_dict.flat)."""
+    if node.level == 0:
+        return [node.module] if node.module else []
+    parts = package.split(".")
+    base = ".".join(parts[:len(parts) - node.level + 1])
+    if node.module:
+        return [f"{base}.{node.module}"]
+    return [f"{base}.{a.name}" for a in node.names]
+
+
+def _imports(path: str, package: str = "shardckpt") -> set[str]:
+    """The shardckpt units a module of ``package`` imports, at any depth of the file (lazy imports count),
+    through absolute and relative imports alike."""
     tree = ast.parse(open(path, encoding="utf-8").read(), path)
     out = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "shardckpt":
+        modules = _absolute(node, package) if isinstance(node, ast.ImportFrom) else \
+            [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and modules == ["shardckpt"]:
             # The root re-exports every layer: importing a name from it hides a dependency on all of them.
             out.update(a.name if a.name in ALLOWED else "shardckpt (the package root)" for a in node.names)
             continue
-        names = [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else \
-            [a.name for a in node.names] if isinstance(node, ast.Import) else []
-        for name in names:
+        for name in modules:
             parts = name.split(".")
             if parts[0] == "shardckpt" and len(parts) > 1:
                 out.add(parts[1])
     return out
 
 
+def _package(path: str, root: str, top: str) -> str:
+    """The dotted package a module file belongs to (a package's __init__.py belongs to that package)."""
+    rel = os.path.relpath(os.path.dirname(path), root).replace(os.sep, ".")
+    return top if rel == "." else f"{top}.{rel}"
+
+
 def _graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
-    for root, unit_of in ((SRC, lambda p: _unit(p, SRC)), (CLI, lambda p: "cli")):
+    for root, top, unit_of in ((SRC, "shardckpt", lambda p: _unit(p, SRC)), (CLI, "shardckpt.cli", lambda p: "cli")):
         for folder, _, files in os.walk(root):
             for name in files:
                 if name.endswith(".py") and not (root == SRC and folder == SRC and name == "__init__.py"):
                     path = os.path.join(folder, name)
                     unit = unit_of(path)
-                    graph.setdefault(unit, set()).update(_imports(path) - {unit})
+                    graph.setdefault(unit, set()).update(_imports(path, _package(path, root, top)) - {unit})
     return graph
 
 
@@ -96,6 +115,14 @@ def test_no_import_cycle_between_packages():
 def test_the_rule_is_not_vacuous():
     graph = _graph()
     assert {"runtime", "checkpoint"} <= graph["state_dict"] and {"io", "format"} <= graph["checkpoint"]
+
+
+def test_relative_imports_count(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from ..checkpoint import load\nfrom . import flat\nfrom .. import errors, api\n"
+                   "import shardckpt.io\n")
+    assert _imports(str(src), "shardckpt.state_dict") == {"checkpoint", "state_dict", "errors", "api", "io"}
+    assert _imports(str(src), "shardckpt.cli") == {"checkpoint", "cli", "errors", "api", "io"}
 
 
 def test_every_package_is_installed():

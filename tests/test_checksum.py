@@ -23,3 +23,14 @@ def test_terms_xor_to_whole_crc_in_any_order():
     for t in terms:
         acc ^= t
     assert acc == crc32c(data)
+
+
+def test_equal_pieces_combine_to_the_crc_of_the_whole():
+    from shardckpt.format.checksum import combine_equal_pieces
+
+    data = bytes((i * 7919 + 13) % 251 for i in range(10007))
+    for n in (0, 1, 16, 10000, 10007):
+        whole = data[:n]
+        for piece in (1, 7, 16, 1000, 5000, 10000, 10007, 20000):
+            crcs = [crc32c(whole[i:i + piece]) for i in range(0, n, piece)]
+            assert combine_equal_pieces(crcs, piece, n) == crc32c(whole), (n, piece)

@@ -1,12 +1,15 @@
 """shardckpt.dist is the only package that talks to torch.distributed: every collective, process-group creation
 and rank/world query elsewhere goes through it. Outside dist/, only the type imports listed below may name
-torch.distributed (DTensor and placement types, for detection and layout arithmetic; no communication)."""
+torch.distributed (DTensor and placement types, for detection and layout arithmetic; no communication). The
+command line (cli/, installed as shardckpt.cli) is held to the same rule."""
 from __future__ import annotations
 
 import ast
 import os
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "shardckpt")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SRC = os.path.join(REPO, "src", "shardckpt")
+CLI = os.path.join(REPO, "cli")
 DIST = os.path.join(SRC, "dist")
 
 # (module, name) pairs a `from torch.distributed... import name` outside dist/ may take.
@@ -85,7 +88,7 @@ def uses_of_torch_distributed(path: str, interface_modules: frozenset[str] | set
 
 def _scan(include_dist: bool) -> dict[str, list[str]]:
     out = {}
-    for folder, _, files in os.walk(SRC):
+    for folder, _, files in (*os.walk(SRC), *os.walk(CLI)):
         if not include_dist and (folder == DIST or folder.startswith(DIST + os.sep)):
             continue
         for name in files:
@@ -94,7 +97,7 @@ def _scan(include_dist: bool) -> dict[str, list[str]]:
                 in_dcp = folder == DCP_PACKAGE or folder.startswith(DCP_PACKAGE + os.sep)
                 uses = uses_of_torch_distributed(path, DCP_INTERFACE_MODULES if in_dcp else frozenset())
                 if uses:
-                    out[os.path.relpath(path, SRC)] = uses
+                    out[os.path.relpath(path, REPO)] = uses
     return out
 
 
@@ -105,7 +108,8 @@ def test_only_dist_calls_torch_distributed():
 
 def test_the_scan_is_not_vacuous():
     found = _scan(include_dist=True)
-    dist_uses = [use for path, uses in found.items() if path.startswith("dist" + os.sep) for use in uses]
+    dist_uses = [use for path, uses in found.items() if path.startswith(os.path.join("src", "shardckpt", "dist", ""))
+                 for use in uses]
     assert any(use.endswith("dist.all_gather_object") for use in dist_uses), dist_uses
     assert any("import torch.distributed as dist" in use for use in dist_uses), dist_uses
 
@@ -140,3 +144,9 @@ def test_the_dcp_package_takes_dcp_interface_classes_and_nothing_else(tmp_path):
     assert uses == ["2: from torch.distributed.checkpoint.state_dict_saver import save",
                     "3: from torch.distributed import barrier"], uses
     assert len(uses_of_torch_distributed(str(src))) == 3
+
+
+def test_the_scan_covers_the_command_line():
+    scanned = {os.path.relpath(os.path.join(f, n), REPO) for root in (SRC, CLI) for f, _, names in os.walk(root)
+               for n in names if n.endswith(".py")}
+    assert os.path.join("cli", "convert_cmd.py") in scanned and os.path.join("cli", "main.py") in scanned

@@ -17,6 +17,7 @@ from shardckpt import ShardedTensor
 from shardckpt.checkpoint import async_save as async_module
 from shardckpt.checkpoint import save_plan
 from shardckpt.checkpoint.verify import verify
+from tests._helpers import load_state_matches
 from tests._dist import run_ranks
 from tests.storage._util import assert_tree_equal
 
@@ -215,21 +216,11 @@ def _save_state_async(path: str, sd_type: str) -> dict:
     return want
 
 
-def _load_state_matches(path: str, want: dict) -> None:
-    from tests.state_dict._train import assert_same_state, full_state, new_run
-
-    model, optim = new_run()
-    shardckpt.load_state(model, optim, path)
-    got = full_state(model, optim)
-    if dist.get_rank() == 0:
-        assert_same_state(got, want, f"async save of {path}, loaded at another world size")
-
-
 @pytest.mark.parametrize("sd_type", ["LOCAL_STATE_DICT", "SHARDED_STATE_DICT", "FULL_STATE_DICT"])
 def test_async_save_state_holds_the_state_at_the_call(tmp_path, sd_type):
     path = str(tmp_path / sd_type)
     want = run_ranks(2, _save_state_async, path, sd_type)[0]
-    run_ranks(3, _load_state_matches, path, want)
+    run_ranks(3, load_state_matches, path, want, f"async save of {path}")
 
 
 def test_async_save_takes_save_options(tmp_path):

@@ -22,6 +22,7 @@ from shardckpt.formats.api import ReadRequest
 from shardckpt.checkpoint.verify import verify
 from shardckpt.regions import flat_bounds, intersect
 from shardckpt.tensor_views import as_bytes
+from tests._helpers import flip_byte
 from tests._dist import run_ranks
 from tests.checkpoint.cases import block_size, shard
 from tests.state_dict._train import load_state_refused, save_local_state
@@ -36,12 +37,7 @@ def _flip(path: str, name: str, byte_in_chunk: int, chunk: int = 0) -> int:
         for row in index_rows(open(index, "rb").read()):
             if row[0] == name and row[1] == chunk:
                 data_file = index[:-len(".index.json")] + ".bin"
-                at = row[2] + byte_in_chunk
-                with open(data_file, "r+b") as f:
-                    f.seek(at)
-                    b = f.read(1)
-                    f.seek(at)
-                    f.write(bytes([b[0] ^ 0x20]))
+                flip_byte(data_file, row[2] + byte_in_chunk, 0x20)
                 return row[2]
     raise AssertionError(f"{name} not found")
 

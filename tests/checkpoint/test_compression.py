@@ -20,6 +20,7 @@ from shardckpt.format.dtypes import DTYPES
 from shardckpt.formats.api import ReadRequest
 from shardckpt.formats.native import NativeReader, frames, read_manifest
 from shardckpt.io.local import LocalStorage
+from tests._helpers import flip_byte, load_state_matches
 from tests._dist import run_ranks
 from tests.checkpoint.cases import block_size
 from tests.storage._util import assert_tree_equal, index_rows
@@ -129,14 +130,6 @@ def test_partial_read_reads_only_its_frames_stored_bytes(tmp_path):
     assert _Counting.read <= sum(row[7]) / 4, (_Counting.read, sum(row[7]))
 
 
-def _flip(file: str, at: int) -> None:
-    with open(file, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x5A]))
-
-
 def test_a_damaged_frame_is_named_and_never_crashes(tmp_path):
     full = _smooth(600_000, torch.bfloat16)
     path = str(tmp_path / "c")
@@ -148,7 +141,7 @@ def test_a_damaged_frame_is_named_and_never_crashes(tmp_path):
     k = 5
     # Every byte of one compressed frame, one at a time: an error naming the frame, or (never) wrong data.
     for at in range(starts[k], starts[k + 1], max(1, (starts[k + 1] - starts[k]) // 97)):
-        _flip(file, at)
+        flip_byte(file, at, mask=0x5A)
         try:
             with pytest.raises(CorruptCheckpointError, match=rf"'w' chunk 0 frame {k} in file bytes "
                                                              rf"\[{starts[k]}, {starts[k + 1]}\)"):
@@ -156,7 +149,7 @@ def test_a_damaged_frame_is_named_and_never_crashes(tmp_path):
             (problem,) = verify(path).problems
             assert f"frame {k}" in problem.message and problem.tensor == "w"
         finally:
-            _flip(file, at)
+            flip_byte(file, at, mask=0x5A)
     assert torch.equal(shardckpt.load_full(path)["w"], full)
 
 
@@ -251,25 +244,15 @@ def _train_and_save_compressed(path: str) -> dict:
     return full_state(model, optim)
 
 
-def _load_state_matches(path: str, want: dict) -> None:
-    from tests.state_dict._train import assert_same_state, full_state, new_run
-
-    model, optim = new_run()
-    shardckpt.load_state(model, optim, path)
-    got = full_state(model, optim)  # on rank 0 only
-    if dist.get_rank() == 0:
-        assert_same_state(got, want, f"compressed LOCAL at ws {dist.get_world_size()}")
-
-
 def test_training_state_saves_compressed_and_resumes_at_another_world_size(tmp_path):
     path = str(tmp_path / "local")
     want = run_ranks(2, _train_and_save_compressed, path)[0]
     assert describe(path)["version"] == 3 and verify(path).ok
-    run_ranks(3, _load_state_matches, path, want)
+    run_ranks(3, load_state_matches, path, want, "compressed LOCAL")
     # Offline: the compressed LOCAL checkpoint converted to LOCAL at ws 3, compressed again.
     out = str(tmp_path / "ws3")
     convert(path, out, world_size=3, type="local", compress="zstd:2")
-    run_ranks(3, _load_state_matches, out, want)
+    run_ranks(3, load_state_matches, out, want, "compressed LOCAL converted to ws 3")
 
 
 _FORKED = """

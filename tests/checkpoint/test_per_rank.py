@@ -19,6 +19,7 @@ from shardckpt.offline.diff import diff
 from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError, UnsupportedValueError
 from shardckpt.format.manifest import parse_manifest, seal
 from shardckpt.format.tree import PerRankValues, encode
+from tests._helpers import manifest_json
 from tests.checkpoint.test_tree_agreement import assert_same
 
 
@@ -29,15 +30,10 @@ def _state() -> dict:
             "opt": {"state": {0: {"rng": PerRank(None)}}}}
 
 
-def _manifest(path) -> dict:
-    with open(os.path.join(path, "manifest.json")) as f:
-        return json.load(f)
-
-
 def test_per_rank_values_round_trip_as_format_v4(tmp_path):
     path = str(tmp_path / "c")
     shardckpt.save(_state(), path)
-    doc = _manifest(path)
+    doc = manifest_json(path)
     assert doc["version"] == 4
     assert doc["tree"]["rng"] == {"$per_rank": [{"$tensor": "rng.0"}]}
     assert doc["tree"]["loader"]["$per_rank"][0]["buf"] == {"$tensor": "loader.0.buf"}
@@ -58,7 +54,7 @@ def test_load_full_gives_every_ranks_values_and_saving_them_again_keeps_them_per
     only = shardckpt.load_full(str(tmp_path / "a"), keys=["loader.0.buf"])
     assert list(only) == ["loader"] and isinstance(only["loader"], PerRankValues)
     shardckpt.save(full, str(tmp_path / "b"))  # e.g. an offline edit: still one value per saving rank
-    assert _manifest(tmp_path / "b")["tree"] == _manifest(tmp_path / "a")["tree"]
+    assert manifest_json(tmp_path / "b")["tree"] == manifest_json(tmp_path / "a")["tree"]
     assert diff(str(tmp_path / "a"), str(tmp_path / "b")).equal
 
 
@@ -66,7 +62,7 @@ def test_saves_without_per_rank_values_keep_their_older_format_version(tmp_path)
     shardckpt.save({"w": torch.arange(3.0)}, str(tmp_path / "plain"))
     shardckpt.save({"w": torch.arange(3.0)}, str(tmp_path / "zstd"), compress="zstd")
     shardckpt.save({"w": torch.arange(3.0), "r": PerRank(1)}, str(tmp_path / "both"), compress="zstd")
-    assert [_manifest(tmp_path / n)["version"] for n in ("plain", "zstd", "both")] == [2, 3, 4]
+    assert [manifest_json(tmp_path / n)["version"] for n in ("plain", "zstd", "both")] == [2, 3, 4]
 
 
 @pytest.mark.parametrize("value, what", [

@@ -26,6 +26,7 @@ from shardckpt.runtime import FlatLayout
 from shardckpt.state_dict import OptimStateKeyType, unsharded_param_names
 from shardckpt.state_dict.flat import LAYOUTS_KEY
 from shardckpt.state_dict.logical import logical_view
+from tests._helpers import manifest_of
 from tests._dist import run_ranks
 from tests.checkpoint.cases import block_size
 from tests.state_dict._train import STEPS_AFTER, STEPS_BEFORE, assert_same_state, full_state, new_run, steps
@@ -42,10 +43,6 @@ def _state() -> dict:
             "step": 5}
 
 
-def _manifest(path):
-    return read_manifest(open_storage(path))
-
-
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_full_to_sharded_at_every_world_size_is_exact(tmp_path, world):
     shardckpt.save(_state(), tmp_path / "src",
@@ -54,7 +51,7 @@ def test_full_to_sharded_at_every_world_size_is_exact(tmp_path, world):
     assert report.type == ("sharded" if world > 1 else "full") and report.tensors == 7
     assert verify(tmp_path / "dst").ok
     assert diff(tmp_path / "src", tmp_path / "dst").equal  # by checksum: the bytes are the source's
-    manifest = _manifest(tmp_path / "dst")
+    manifest = manifest_of(tmp_path / "dst")
     assert manifest.world_size == world
     assert manifest.metadata == {"state_dict_type": f"{report.type.upper()}_STATE_DICT", "optim_key": "PARAM_NAME"}
     assert len(manifest.tensors["model.w"].chunks) == world  # dim-0 chunks, one per rank (10 rows)
@@ -84,7 +81,7 @@ def test_a_committed_destination_is_kept_unless_overwrite(tmp_path):
     convert(tmp_path / "src", tmp_path / "dst", world_size=2, overwrite=True)
     assert diff(tmp_path / "src", tmp_path / "dst").equal
     assert [n for n in os.listdir(tmp_path / "dst") if n.startswith("data-")] == \
-        [f"data-{_manifest(tmp_path / 'dst').generation}"]  # the replaced generation is gone
+        [f"data-{manifest_of(tmp_path / 'dst').generation}"]  # the replaced generation is gone
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -149,7 +146,7 @@ def test_foreign_sources(tmp_path):
     (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
     convert(tmp_path / "hf", tmp_path / "from-hf", world_size=3)
     assert diff(tmp_path / "hf", tmp_path / "from-hf").equal and verify(tmp_path / "from-hf").ok
-    assert _manifest(tmp_path / "from-hf").metadata["state_dict_type"] == "SHARDED_STATE_DICT"
+    assert manifest_of(tmp_path / "from-hf").metadata["state_dict_type"] == "SHARDED_STATE_DICT"
 
     with pytest.warns(UserWarning):
         dcp.save({"model": dict(flat), "step": 4}, checkpoint_id=str(tmp_path / "dcp"))
@@ -193,14 +190,14 @@ def test_a_runtime_local_checkpoint_converts_to_the_jobs_full_one(runtime_local,
     convert(local, tmp_path / "full", type="full", world_size=1)  # the parameter order save_state recorded
     report = diff(tmp_path / "full", full)
     assert report.equal and report.tensors > 0, report.differences[:5]
-    assert "param_names" not in _manifest(tmp_path / "full").metadata
+    assert "param_names" not in manifest_of(tmp_path / "full").metadata
 
 
 def test_a_runtime_local_checkpoint_converted_to_sharded_at_3_resumes_exactly(runtime_local, tmp_path):
     root, names, state, _ = runtime_local
     local = f"{root}/LOCAL_STATE_DICT-{OptimStateKeyType.PARAM_NAME.name}"
     convert(local, tmp_path / "ws3", type="sharded", world_size=3, param_names=names)
-    assert _manifest(tmp_path / "ws3").world_size == 3
+    assert manifest_of(tmp_path / "ws3").world_size == 3
     assert_same_state(run_ranks(3, _load_at, str(tmp_path / "ws3"))[0], state, "LOCAL ws2 -> SHARDED ws3")
 
 
@@ -249,7 +246,7 @@ def test_a_runtime_local_checkpoint_converted_to_local_at_another_world_size_res
     local, out = f"{root}/LOCAL_STATE_DICT-{key.name}", str(tmp_path / f"ws{world}")
     report = convert(local, out, world_size=world)  # LOCAL by default for a LOCAL source
     assert report.type == "local" and verify(out).ok
-    manifest, source = _manifest(out), _manifest(local)
+    manifest, source = manifest_of(out), manifest_of(local)
     assert manifest.world_size == world
     assert manifest.metadata == {"state_dict_type": "LOCAL_STATE_DICT", "optim_key": key.value, "param_names": names}
     layouts = {k: FlatLayout.from_dict(v) for k, v in manifest.tree["model"][LAYOUTS_KEY].items()}
@@ -277,7 +274,7 @@ def test_local_output_streamed_in_slices_across_members_is_the_same(runtime_loca
     monkeypatch.setattr(memory, "resident_bytes", lambda: 0)
     with block_size(64):  # 16 fp32 elements a block
         convert(local, tmp_path / "sliced", world_size=3, memory_limit=2 * (64 + 256))
-    whole, sliced = _manifest(tmp_path / "whole"), _manifest(tmp_path / "sliced")
+    whole, sliced = manifest_of(tmp_path / "whole"), manifest_of(tmp_path / "sliced")
     assert {n: t.crc32c for n, t in whole.tensors.items()} == {n: t.crc32c for n, t in sliced.tensors.items()}
     assert verify(tmp_path / "sliced").ok and diff(tmp_path / "sliced", local).equal
 
@@ -293,7 +290,7 @@ def test_diff_compares_local_checkpoints_of_other_layouts_by_parameter(runtime_l
     state = shardckpt.load_full(full)
     name = sorted(state["model"])[1]
     state["model"][name].view(-1)[-1] += 1  # the last element: next to the padding of a flat shard
-    shardckpt.save(state, tmp_path / "tampered", metadata=_manifest(full).metadata)
+    shardckpt.save(state, tmp_path / "tampered", metadata=manifest_of(full).metadata)
     report = diff(tmp_path / "ws3", tmp_path / "tampered")
     assert [(d.name, d.kind) for d in report.differences] == [(f"model.{name}", "values")], report.differences
 
@@ -309,7 +306,7 @@ def test_local_output_needs_a_local_source(runtime_local, tmp_path, capsys):
     assert main(["convert", f"{root}/LOCAL_STATE_DICT-PARAM_ID", str(tmp_path / "w"), "--type", "local",
                  "--world-size", "3", "--quiet"]) == 0
     by_param = [logical_view(open_reader(p)) for p in (tmp_path / "w", f"{root}/LOCAL_STATE_DICT-PARAM_ID")]
-    assert _manifest(tmp_path / "w").world_size == 3 and diff(*by_param).equal
+    assert manifest_of(tmp_path / "w").world_size == 3 and diff(*by_param).equal
     with pytest.raises(ValueError, match="dtype"):
         convert(f"{root}/LOCAL_STATE_DICT-PARAM_NAME", tmp_path / "y", world_size=3, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="leave out model._flat_layouts"):
@@ -333,7 +330,7 @@ def test_optim_key_gives_the_checkpoint_the_job_saves_with_that_key(runtime_loca
     world = {"full": 1, "sharded": 3, "local": 2}[out_type]
     convert(src, tmp_path / "out", type=out_type, world_size=world,
             optim_key=other.name.removeprefix("PARAM_").lower())
-    got, expected = _manifest(tmp_path / "out"), _manifest(want)
+    got, expected = manifest_of(tmp_path / "out"), manifest_of(want)
     assert got.metadata["optim_key"] == other.value
     assert got.tree["optim"]["param_groups"] == expected.tree["optim"]["param_groups"]
     assert got.tree["optim"]["state"].keys() == expected.tree["optim"]["state"].keys()
@@ -346,7 +343,7 @@ def test_optim_key_round_trip_and_errors(tmp_path, capsys):
                    metadata={"state_dict_type": "FULL_STATE_DICT", "optim_key": "PARAM_NAME"})
     assert main(["convert", str(tmp_path / "src"), str(tmp_path / "ids"), "--world-size", "2", "--optim-key", "id",
                  "--quiet"]) == 0
-    ids = _manifest(tmp_path / "ids")
+    ids = manifest_of(tmp_path / "ids")
     assert ids.metadata["optim_key"] == "PARAM_ID" and list(ids.tree["optim"]["state"]) == [0]
     assert ids.tree["optim"]["param_groups"] == [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0],
                                                   "param_names": ["w"]}]
@@ -354,7 +351,7 @@ def test_optim_key_round_trip_and_errors(tmp_path, capsys):
     assert exp_avg.equal(_state()["optim"]["state"]["w"]["exp_avg"])
     convert(tmp_path / "ids", tmp_path / "names", optim_key="name")
     assert diff(tmp_path / "src", tmp_path / "names").equal
-    assert _manifest(tmp_path / "names").metadata["optim_key"] == "PARAM_NAME"
+    assert manifest_of(tmp_path / "names").metadata["optim_key"] == "PARAM_NAME"
     with pytest.raises(ValueError, match="optim_key must be 'name' or 'id'"):
         convert(tmp_path / "src", tmp_path / "x", optim_key="ID")
     # torch's own ID-keyed state records no names: to key it by name, say what the IDs are
@@ -363,11 +360,11 @@ def test_optim_key_round_trip_and_errors(tmp_path, capsys):
     with pytest.raises(IncompatibleCheckpointError, match="param_names"):
         convert(tmp_path / "plain.pt", tmp_path / "x", optim_key="name")
     convert(tmp_path / "plain.pt", tmp_path / "named", optim_key="name", param_names=["layer.w"])
-    assert _manifest(tmp_path / "named").tree["optim"]["param_groups"][0]["params"] == ["layer.w"]
+    assert manifest_of(tmp_path / "named").tree["optim"]["param_groups"][0]["params"] == ["layer.w"]
     # asked for the key it has, an ID-keyed state without names stays as it is, metadata included: its IDs
     # keep the numbering a loader gives them (torch's param-group order), not the one optim_key stamps
     convert(tmp_path / "plain.pt", tmp_path / "same", optim_key="id")
-    same = _manifest(tmp_path / "same")
+    same = manifest_of(tmp_path / "same")
     assert "optim_key" not in same.metadata and list(same.tree["optim"]["state"]) == [0]
     assert same.tree["optim"]["param_groups"] == [{"lr": 0.1, "params": [0]}]
     with pytest.raises(SystemExit) as exit_info:

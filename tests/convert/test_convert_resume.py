@@ -19,10 +19,9 @@ from shardckpt.offline import memory, resume, streams
 from shardckpt.offline.convert import convert
 from shardckpt.offline.diff import diff
 from shardckpt.format.manifest import chunks_of
-from shardckpt.formats.native import read_manifest
-from shardckpt.io import LocalStorage, open_storage
+from shardckpt.io import LocalStorage
+from tests._helpers import flip_byte, manifest_of
 from tests.checkpoint.cases import block_size
-from tests.checkpoint.test_compression import _flip
 from tests.convert._kill import killed_after
 
 
@@ -40,10 +39,6 @@ def _killed_after(ranks: int, src, dst, **options) -> None:
     killed_after(ranks, convert_module, "write_rank_files", lambda: convert(src, dst, **options))
 
 
-def _manifest(path):
-    return read_manifest(open_storage(path))
-
-
 @pytest.mark.parametrize("compress", [None, "zstd"])
 def test_a_killed_convert_keeps_its_finished_ranks_and_commits_what_an_uninterrupted_run_does(tmp_path, compress):
     src, dst, fresh = tmp_path / "src", tmp_path / "dst", tmp_path / "fresh"
@@ -55,7 +50,7 @@ def test_a_killed_convert_keeps_its_finished_ranks_and_commits_what_an_uninterru
     report = convert(src, dst, **options)
     assert report.kept_ranks == (0, 1)
     convert(src, fresh, **options)
-    got, want = _manifest(dst), _manifest(fresh)
+    got, want = manifest_of(dst), manifest_of(fresh)
     assert {n: t.crc32c for n, t in got.tensors.items()} == {n: t.crc32c for n, t in want.tensors.items()}
     assert verify(dst).ok and diff(src, dst).equal
     assert sorted(os.listdir(dst)) == ["data-" + got.generation, "manifest.json"]
@@ -80,7 +75,7 @@ def test_other_options_or_a_source_saved_again_start_over(tmp_path):
     _killed_after(2, src, dst, world_size=4)
     report = convert(src, dst, world_size=4, dtype=torch.bfloat16)  # another output at the same place
     assert report.kept_ranks == () and verify(dst).ok
-    assert sorted(os.listdir(dst)) == ["data-" + _manifest(dst).generation, "manifest.json"]  # the debris gone
+    assert sorted(os.listdir(dst)) == ["data-" + manifest_of(dst).generation, "manifest.json"]  # the debris gone
     _killed_after(2, src, dst2, world_size=4)
     shardckpt.save(_state(seed=1), src, overwrite=True)  # the same path, new values: a new identity
     report = convert(src, dst2, world_size=4)
@@ -169,8 +164,8 @@ def _writes(src, dst, **options) -> int:
 
 def _same_files(got, want) -> None:
     """The same data and index files, byte for byte (the same generation: the same conversion), no journals."""
-    generation = _manifest(want).generation
-    assert _manifest(got).generation == generation
+    generation = manifest_of(want).generation
+    assert manifest_of(got).generation == generation
     a, b = os.path.join(got, f"data-{generation}"), os.path.join(want, f"data-{generation}")
     assert sorted(os.listdir(a)) == sorted(os.listdir(b))  # the journals are gone
     for name in os.listdir(b):
@@ -215,9 +210,9 @@ def _truncate(path: str, by: int) -> None:
 
 
 DAMAGE = {
-    "a flipped data byte": lambda data: _flip(os.path.join(data, "rank-00000-0.bin"), 100),
+    "a flipped data byte": lambda data: flip_byte(os.path.join(data, "rank-00000-0.bin"), 100, mask=0x5A),
     "a truncated data file": lambda data: _truncate(os.path.join(data, "rank-00000-0.bin"), 8),
-    "a flipped index byte": lambda data: _flip(os.path.join(data, "rank-00000-0.index.json"), 60),
+    "a flipped index byte": lambda data: flip_byte(os.path.join(data, "rank-00000-0.index.json"), 60, mask=0x5A),
     "the journal of another file": lambda data: shutil.copy(os.path.join(data, "resume", "rank-00001-0.bin.json"),
                                                             os.path.join(data, "resume", "rank-00000-0.bin.json")),
     "a torn journal": lambda data: _truncate(os.path.join(data, "resume", "rank-00000-0.bin.json"), 40),
@@ -266,7 +261,7 @@ def test_damage_inside_the_kept_part_of_a_partial_file_is_written_again(tmp_path
         path = max(partial, key=os.path.getsize)  # the largest file the kill left without its index
         assert os.path.getsize(path) > 512
         if case == "a flipped byte":
-            _flip(path, 300)  # in its second block
+            flip_byte(path, 300, mask=0x5A)  # in its second block
         elif case == "a truncation":
             _truncate(path, os.path.getsize(path) - 300)
         kept[case] = convert(src, dst, **SMALL).kept_bytes
@@ -300,7 +295,7 @@ def test_local_workers_keep_what_a_killed_run_wrote_and_report_it_all(tmp_path):
     shardckpt.save(_state(), src)
     _killed_after(2, src, dst, world_size=3)
     report = convert(src, dst, world_size=3, workers=2)
-    manifest = _manifest(dst)
+    manifest = manifest_of(dst)
     kept = sum(tensor.dtype.itemsize * region.numel for tensor in manifest.tensors.values()
                for _, region, file in chunks_of(tensor) if file // 2 < 2)  # two files a rank: ranks 0 and 1
     assert report.kept_ranks == (0, 1) and report.kept_bytes == kept > 0

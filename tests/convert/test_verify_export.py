@@ -15,6 +15,8 @@ from shardckpt.offline.verify_export import verify_export
 from shardckpt.errors import CheckpointError
 from shardckpt.tensor_views import as_bytes
 
+from tests._helpers import flip_byte
+
 
 def _state(seed: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
@@ -33,11 +35,10 @@ def src(tmp_path) -> str:
 
 def _flip_a_value_byte(dst: str, file: str, tensor: str) -> None:
     path = os.path.join(dst, file)
-    raw = bytearray(open(path, "rb").read())
+    raw = open(path, "rb").read()
     (n,) = struct.unpack("<Q", raw[:8])
     begin = json.loads(raw[8:8 + n])[tensor]["data_offsets"][0]
-    raw[8 + n + begin] ^= 0x04
-    open(path, "wb").write(bytes(raw))
+    flip_byte(path, 8 + n + begin, 0x04)
 
 
 @pytest.mark.parametrize("dtype", ["keep", "bfloat16", "float16"])

@@ -145,6 +145,22 @@ def fsdp1_and_runtime(offload_to_cpu: bool) -> dict[str, Any]:
 
 
 
+def fsdp1_and_runtime_full_offloaded() -> dict[str, Any]:
+    """FULL model state with ``offload_to_cpu=True`` from torch FSDP1 and from the runtime, after the same steps."""
+    from torch.distributed.fsdp import FullStateDictConfig as TorchFullConfig
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType as TST
+
+    batches = _model.make_batches(STEPS)
+    torch_model, _, _ = fsdp1_run(batches)
+    with FSDP.state_dict_type(torch_model, TST.FULL_STATE_DICT, TorchFullConfig(offload_to_cpu=True, rank0_only=False)):
+        torch_full = _plain(torch_model.state_dict())
+    model, optim = new_run()
+    steps(model, optim, batches)
+    config = shardckpt.FullStateDictConfig(offload_to_cpu=True)
+    return {"torch": torch_full, "ours": _plain(shardckpt.get_state_dict(model, None, type=FULL, config=config))["model"]}
+
+
 # ------------------------------------------------------------------------------- torch FSDP2 + DCP
 
 

@@ -20,6 +20,7 @@ from shardckpt.state_dict import OptimStateKeyType, unsharded_param_names
 from shardckpt.state_dict.flat import LAYOUTS_KEY, POSITIONS
 from shardckpt.state_dict.logical import LogicalView, MemberSource, logical_view
 from shardckpt.state_dict.param_ids import PARAM_NAMES
+from tests._helpers import state_path
 from tests._dist import run_ranks
 from tests.runtime import _model
 from tests.state_dict._train import STEPS_BEFORE, new_run, steps
@@ -29,17 +30,13 @@ LOCAL, FULL = StateDictType.LOCAL_STATE_DICT, StateDictType.FULL_STATE_DICT
 KEYS = tuple(OptimStateKeyType)
 
 
-def _path(root: str, sd_type: StateDictType, key: OptimStateKeyType) -> str:
-    return f"{root}/{sd_type.name}-{key.name}"
-
-
 def _train_and_save(root: str) -> list[str]:
     """Train at this world size, then save LOCAL and FULL, by name and by ID, from the same step."""
     model, optim = new_run()
     steps(model, optim, _model.make_batches(STEPS_BEFORE))
     for sd_type in (LOCAL, FULL):
         for key in KEYS:
-            shardckpt.save_state(model, optim, _path(root, sd_type, key), type=sd_type, optim_key=key,
+            shardckpt.save_state(model, optim, state_path(root, sd_type, key), type=sd_type, optim_key=key,
                                  extra={"step": STEPS_BEFORE})
     return unsharded_param_names(model)
 
@@ -64,7 +61,7 @@ def _straddling(view: LogicalView) -> tuple[str, int]:
 @pytest.mark.parametrize("key", KEYS, ids=lambda k: k.name)
 def test_a_local_checkpoint_is_diff_equal_to_the_jobs_full_one(saved, key):
     root, names = saved
-    local, full = open_reader(_path(root, LOCAL, key)), open_reader(_path(root, FULL, key))
+    local, full = open_reader(state_path(root, LOCAL, key)), open_reader(state_path(root, FULL, key))
     view = logical_view(local, param_names=names)
     report = diff(view, full)
     assert report.equal, report.differences[:5]
@@ -85,10 +82,10 @@ def test_a_local_checkpoint_is_diff_equal_to_the_jobs_full_one(saved, key):
 @pytest.mark.parametrize("key", KEYS, ids=lambda k: k.name)
 def test_without_param_names_the_recorded_order_is_used_else_only_the_order_differs(saved, key, tmp_path):
     root, names = saved
-    full = open_reader(_path(root, FULL, key))
-    assert diff(logical_view(open_reader(_path(root, LOCAL, key))), full).equal  # save_state recorded the order
+    full = open_reader(state_path(root, FULL, key))
+    assert diff(logical_view(open_reader(state_path(root, LOCAL, key))), full).equal  # save_state recorded the order
     unrecorded = str(tmp_path / "unrecorded")  # as saved by `save` of a LOCAL state dict: the layouts record it
-    shutil.copytree(_path(root, LOCAL, key), unrecorded)
+    shutil.copytree(state_path(root, LOCAL, key), unrecorded)
     manifest = os.path.join(unrecorded, "manifest.json")
     doc = manifest_doc(open(manifest, "rb").read())
     del doc["metadata"]["param_names"]
@@ -108,7 +105,7 @@ def test_without_param_names_the_recorded_order_is_used_else_only_the_order_diff
         assert [(d.name, d.kind) for d in report.differences] == [("optim.param_groups", "plain value")]
     else:  # IDs follow the stored layouts' order, and each group records which name each ID means
         ids = dict(zip(groups[0]["params"], groups[0][PARAM_NAMES]))
-        by_name = logical_view(open_reader(_path(root, LOCAL, OptimStateKeyType.PARAM_NAME)))
+        by_name = logical_view(open_reader(state_path(root, LOCAL, OptimStateKeyType.PARAM_NAME)))
         for i, entry in view.tree()["optim"]["state"].items():
             assert entry.keys() == by_name.tree()["optim"]["state"][ids[i]].keys()
 
@@ -116,7 +113,7 @@ def test_without_param_names_the_recorded_order_is_used_else_only_the_order_diff
 def test_a_recorded_order_that_is_not_a_list_of_names_is_a_corrupt_checkpoint(saved, tmp_path):
     root, _ = saved
     path = str(tmp_path / "bad")
-    shutil.copytree(_path(root, LOCAL, OptimStateKeyType.PARAM_NAME), path)
+    shutil.copytree(state_path(root, LOCAL, OptimStateKeyType.PARAM_NAME), path)
     manifest = os.path.join(path, "manifest.json")
     doc = manifest_doc(open(manifest, "rb").read())
     doc["metadata"]["param_names"] = [1, 2]
@@ -136,8 +133,8 @@ def _read(reader, name: str, region, dtype) -> torch.Tensor:
 def test_partial_reads_across_the_shard_boundary_equal_the_full_tensor(saved, state_key):
     root, names = saved
     key = OptimStateKeyType.PARAM_NAME
-    view = logical_view(open_reader(_path(root, LOCAL, key)), param_names=names)
-    full = open_reader(_path(root, FULL, key))
+    view = logical_view(open_reader(state_path(root, LOCAL, key)), param_names=names)
+    full = open_reader(state_path(root, FULL, key))
     member, cut = _straddling(view)
     name = f"optim.state.{member}.{state_key}" if state_key else f"model.{member}"
     info = view.tensors()[name]
@@ -156,7 +153,7 @@ def test_partial_reads_across_the_shard_boundary_equal_the_full_tensor(saved, st
 
 def test_reads_of_several_tensors_go_to_the_stored_reader_in_one_call(saved):
     root, names = saved
-    local = open_reader(_path(root, LOCAL, OptimStateKeyType.PARAM_ID))
+    local = open_reader(state_path(root, LOCAL, OptimStateKeyType.PARAM_ID))
     calls = []
     real = local.read
     local.read = lambda requests: (calls.append(list(requests)), real(requests))[1]
@@ -167,7 +164,7 @@ def test_reads_of_several_tensors_go_to_the_stored_reader_in_one_call(saved):
     assert len(calls) == 1
     assert {r.tensor for r in calls[0]} == {"model._flat_param", "model.blocks.0.mask", "optim.state.0.step",
                                             "optim.state.0.exp_avg"}
-    full = open_reader(_path(root, FULL, OptimStateKeyType.PARAM_ID))
+    full = open_reader(state_path(root, FULL, OptimStateKeyType.PARAM_ID))
     for n, d in zip(wanted, dests):
         assert torch.equal(d, _read(full, n, full_region(view.tensors()[n].shape), d.dtype))
     with pytest.raises(IncompatibleCheckpointError, match="no tensor 'model._flat_param'"):
@@ -179,7 +176,7 @@ def test_reads_of_several_tensors_go_to_the_stored_reader_in_one_call(saved):
 def test_a_checkpoint_that_is_not_local_comes_back_unchanged(saved, tmp_path):
     root, _ = saved
     for key in KEYS:
-        full = open_reader(_path(root, FULL, key))
+        full = open_reader(state_path(root, FULL, key))
         assert logical_view(full) is full
     path = str(tmp_path / "plain.pt")
     torch.save({"w": torch.arange(6.0)}, path)
@@ -190,7 +187,7 @@ def test_a_checkpoint_that_is_not_local_comes_back_unchanged(saved, tmp_path):
 def _damaged(root: str, tmp_path, change) -> str:
     """A copy of the by-name LOCAL checkpoint whose manifest ``change`` edits (re-sealed: only the layout is bad)."""
     path = str(tmp_path / "damaged")
-    shutil.copytree(_path(root, LOCAL, OptimStateKeyType.PARAM_NAME), path)
+    shutil.copytree(state_path(root, LOCAL, OptimStateKeyType.PARAM_NAME), path)
     manifest = os.path.join(path, "manifest.json")
     doc = manifest_doc(open(manifest, "rb").read())
     change(doc["tree"]["model"][LAYOUTS_KEY]["blocks.0._flat_param"])

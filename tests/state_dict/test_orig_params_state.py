@@ -14,6 +14,7 @@ from shardckpt import IncompatibleCheckpointError, OptimStateKeyType, StateDictT
 from shardckpt.offline.convert import convert
 from shardckpt.offline.diff import diff
 from shardckpt.runtime import ShardingStrategy, shard
+from tests._helpers import state_path
 from tests._dist import run_ranks
 from tests.runtime import _helpers, _model
 from tests.runtime._model import Block
@@ -31,17 +32,13 @@ def orig_run(strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD, process_g
     return model, torch.optim.AdamW(_model.three_lr_groups(model), lr=1e-2, weight_decay=0.1)
 
 
-def _path(root: str, sd_type: StateDictType, key: OptimStateKeyType) -> str:
-    return f"{root}/{sd_type.name}-{key.name}"
-
-
 def _train_and_save(root: str) -> dict:
     model, optim = orig_run()
     batches = _model.make_batches(STEPS_BEFORE + STEPS_AFTER)
     before = steps(model, optim, batches[:STEPS_BEFORE])
     for sd_type in TYPES:
         for key in KEYS:
-            shardckpt.save_state(model, optim, _path(root, sd_type, key), type=sd_type, optim_key=key)
+            shardckpt.save_state(model, optim, state_path(root, sd_type, key), type=sd_type, optim_key=key)
     state = full_state(model, optim)
     after = steps(model, optim, batches[STEPS_BEFORE:])
     return {"losses": before + after, "state": state}
@@ -52,7 +49,7 @@ def _resume(root: str) -> dict:
     results = {}
     for sd_type in TYPES:
         for key in KEYS:
-            path = _path(root, sd_type, key)
+            path = state_path(root, sd_type, key)
             model, optim = orig_run()
             shardckpt.load_state(model, optim, path)
             state = full_state(model, optim)
@@ -109,15 +106,15 @@ def _local_converts_offline(root: str, out: str, key: OptimStateKeyType) -> dict
 @pytest.mark.parametrize("key", KEYS)
 def test_a_local_checkpoint_converts_offline_through_its_layouts(saved, tmp_path, key):
     root, reference = saved
-    src = _path(root, LOCAL, key)
+    src = state_path(root, LOCAL, key)
     convert(src, tmp_path / "full", type="full")
-    assert diff(tmp_path / "full", _path(root, FULL, key)).equal
+    assert diff(tmp_path / "full", state_path(root, FULL, key)).equal
     convert(src, tmp_path / "sharded4", world_size=4, type="sharded")
-    assert diff(tmp_path / "sharded4", _path(root, FULL, key)).equal
+    assert diff(tmp_path / "sharded4", state_path(root, FULL, key)).equal
     for out_key in KEYS:  # rekeyed (name -> ID, ID -> name) or kept as it is
         out = tmp_path / f"local3-{out_key.name}"
         convert(src, out, world_size=3, type="local", optim_key=out_key)
-        assert diff(out, _path(root, LOCAL, out_key)).equal  # what the job saved keyed that way
+        assert diff(out, state_path(root, LOCAL, out_key)).equal  # what the job saved keyed that way
         state = run_ranks(3, _local_converts_offline, root, str(out), out_key)[0]
         assert_same_state(state, reference["state"], f"LOCAL by {key.name} converted to ws 3 by {out_key.name}")
 
@@ -364,7 +361,7 @@ def test_on_cuda_with_nccl(tmp_path, monkeypatch):
         want = full_state(model, optim)
         for sd_type in TYPES:
             for key in KEYS:
-                path = _path(str(tmp_path), sd_type, key)
+                path = state_path(str(tmp_path), sd_type, key)
                 shardckpt.save_state(model, optim, path, type=sd_type, optim_key=key)
                 fresh = shard(_model.make_model().cuda(), wrap=(Block,), use_orig_params=True)
                 fresh_optim = torch.optim.AdamW(_model.three_lr_groups(fresh), lr=1e-2, weight_decay=0.1)

@@ -8,6 +8,7 @@ import pytest
 
 import shardckpt
 from shardckpt import CorruptCheckpointError
+from tests._helpers import flipped
 from tests.checkpoint.cases import empty_like_state, reference
 from tests.storage._util import assert_tree_equal, index_rows
 
@@ -25,9 +26,7 @@ def _load_full(backend, **kw):
 
 
 def _flip(backend, rel: str, offset: int) -> None:
-    data = bytearray(backend.read(rel))
-    data[offset] ^= 0x10
-    backend.write(rel, bytes(data))
+    backend.write(rel, flipped(backend.read(rel), offset))
 
 
 def test_flipped_byte_names_the_tensor(backend):

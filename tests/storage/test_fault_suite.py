@@ -31,6 +31,7 @@ from shardckpt import CheckpointError
 from shardckpt.checkpoint.verify import verify
 from shardckpt.offline.convert import convert
 from shardckpt.offline.export import export
+from tests._helpers import flip_byte
 from tests.checkpoint.cases import block_size
 from tests.storage._util import assert_tree_equal, zeros_like_tree
 
@@ -63,10 +64,9 @@ def _files(path: str) -> list[str]:
 
 
 def _flip(file: str, rng: random.Random) -> None:
-    data = bytearray(open(file, "rb").read())
-    if data:
-        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
-    open(file, "wb").write(bytes(data))
+    size = os.path.getsize(file)
+    if size:
+        flip_byte(file, rng.randrange(size), 1 << rng.randrange(8))
 
 
 def _mutate(path: str, other: str, kind: str, rng: random.Random) -> str:

@@ -190,7 +190,7 @@ def load_full(path: str | os.PathLike, keys: Iterable[str] | None = None, *, ver
     containers as the reader gives them; a ``torch.save`` file of a list or of one tensor gives that).
     ``keys`` restricts it to entries whose dotted name equals a key or starts with ``key + "."`` (e.g.
     ``["model"]``); the result keeps the saved nesting. ``verify_checksums`` checks the checksums a format
-    stores (shardckpt's CRC32Cs, the CRC-32 of DCP's archives). ``progress(done_bytes, total_bytes)``: as
+    stores (shardckpt's CRC32Cs, each tensor's whole-tensor one included; the CRC-32 of DCP's archives). ``progress(done_bytes, total_bytes)``: as
     ``load``'s, the bytes of the selected tensors.
     """
     storage = open_storage(path, storage_options)

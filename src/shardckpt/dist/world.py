@@ -1,8 +1,10 @@
 """Joining and leaving a gloo world from spawned processes (the demo's ranks). The parent hosts the rendezvous
-store on a port the OS picks, so no free-port guess can race with another process."""
+store on a port the OS picks, so no free-port guess can race with another process. And the world torchrun
+started a command in (``torchrun_world``), for the CLI."""
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Iterator
 
 import torch.distributed as dist
@@ -24,5 +26,19 @@ def joined(rank: int, world_size: int, port: int) -> Iterator[None]:
     try:
         yield
         dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def torchrun_world() -> Iterator[Any]:
+    """The default process group (gloo) for the body, when torchrun started several copies of this process; else
+    None (and nothing is joined)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
+        yield None
+        return
+    dist.init_process_group("gloo")
+    try:
+        yield dist.group.WORLD
     finally:
         dist.destroy_process_group()

@@ -115,3 +115,21 @@ def combine_block_crcs(blocks: list[int] | tuple[int, ...], length: int, block_s
     for block_crc in blocks[:-1]:
         crc = shift_by_table(crc, table) ^ block_crc
     return crc32c_combine(crc, blocks[-1], length - (len(blocks) - 1) * block_size) if blocks else 0
+
+
+@functools.lru_cache(maxsize=64)
+def _shift_factor(nbytes: int) -> int:
+    """x^(8 * nbytes) modulo the polynomial: ``crc32c_shift(c, nbytes) == _multmodp(factor, c)``."""
+    return crc32c_shift(1 << 31, nbytes)  # 1 << 31 is x^0 in the reflected order
+
+
+def combine_equal_pieces(crcs: list[int] | tuple[int, ...], piece: int, length: int) -> int:
+    """The CRC32C of ``length`` bytes from those of its consecutive pieces of ``piece`` bytes each (the last may
+    be shorter): one polynomial product per piece, with no table to build (``combine_block_crcs`` builds one)."""
+    if len(crcs) <= 1:
+        return crcs[0] if crcs else 0
+    crc, factor = 0, _shift_factor(piece)
+    for piece_crc in crcs[:-1]:
+        crc = _multmodp(factor, crc) ^ piece_crc
+    last = length - (len(crcs) - 1) * piece
+    return (_multmodp(factor, crc) if last == piece else crc32c_shift(crc, last)) ^ crcs[-1]

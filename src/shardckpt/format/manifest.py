@@ -181,6 +181,9 @@ def _manifest_from_doc(doc: dict, version: int, where: str) -> Manifest:
     if not isinstance(doc.get("tree"), dict):
         raise CorruptCheckpointError(f"{where}: 'tree' must be an object (a state dict)")
     tree = decode(doc["tree"], where, per_rank=version >= PER_RANK_VERSION)
+    if not isinstance(tree, dict):  # {"$tuple": ...}, {"$tensor": ...}: no writer saves a root that is not a dict
+        raise CorruptCheckpointError(f"{where}: 'tree' must be a state dict (an object, or a $dict), not a "
+                                     f"{type(tree).__name__}")
     check_tree(tree, tensors, strict, where)
     metadata = doc.get("metadata", {})
     if not isinstance(metadata, dict):

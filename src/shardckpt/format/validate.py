@@ -76,12 +76,14 @@ def _no_duplicates(where: str):
 
 
 def parse_json(data: bytes, where: str) -> Any:
-    """Strict JSON: UTF-8, no duplicate keys, no NaN/Infinity literals."""
+    """Strict JSON: UTF-8 (no byte-order mark), no duplicate keys, no NaN/Infinity literals."""
     def no_constants(name: str) -> Any:
         raise CorruptCheckpointError(f"{where}: {name} is not valid JSON")
 
+    if data[:3] == b"\xef\xbb\xbf":  # json.loads would skip it (and take UTF-16/32 too): the format is UTF-8 alone
+        raise CorruptCheckpointError(f"{where}: starts with a byte-order mark; the format's JSON is UTF-8 without one")
     try:
-        return json.loads(data, object_pairs_hook=_no_duplicates(where), parse_constant=no_constants)
+        return json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates(where), parse_constant=no_constants)
     except (ValueError, RecursionError) as e:
         if isinstance(e, CorruptCheckpointError):
             raise

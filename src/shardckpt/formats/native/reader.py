@@ -22,9 +22,10 @@ from shardckpt.format.checksum import crc32c
 from shardckpt.format.codecs import ZSTD_PLANES
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.index import ChunkRecord, parse_index
-from shardckpt.format.manifest import FileEntry, Manifest, TensorEntry
+from shardckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, TensorEntry
 from shardckpt.formats.native.frames import read_span
 from shardckpt.formats.native.plan import ChunkRead
+from shardckpt.formats.native.whole_tensor import check_whole_tensors
 from shardckpt.tensor_views import as_bytes, from_bytes, view_of
 
 Index = dict[tuple[str, int], ChunkRecord]
@@ -158,6 +159,8 @@ def _execute(storage: Storage, manifest: Manifest, reads: list[ChunkRead], files
                       key=lambda i: -(reads[i].hi - reads[i].lo))
         tasks += [lambda i=i: execute_read(storage, manifest, reads[i], records[i], verify) for i in rest]
         list(pool.map(lambda task: task(), tasks))
+    if verify:
+        check_whole_tensors(reads, records, storage.url(MANIFEST_NAME))
 
 
 def _streamed_files(storage: Storage, manifest: Manifest, reads: list[ChunkRead], records: list[ChunkRecord],
