@@ -30,12 +30,15 @@ Targets (issue 9): convert <= 1.5x the limit; torch's path >= 2.5x convert's tim
 ``--plan-70b``: only the planning ``convert`` does before writing, for a Llama-2-70B + AdamW SHARDED
 checkpoint saved by 1024 ranks converted to 768 (the model and manifest of ``bench_manifest_scale.py``):
 the manifest is built in memory and written alone to a scratch directory (no data files), then timed:
-``open_reader`` + ``logical_view`` + ``conversion.select``, then ``convert._plan`` (one entry per tensor, its chunks placed
-for every output rank, and ``save_plan.plan_placed``); peak RSS sampled. Target: <= 10 s and <= 2 GiB.
+``open_reader`` + ``logical_view`` + ``conversion.select``, then ``convert_plan.plan_conversion`` (one entry per
+tensor: dim-0 chunks by arithmetic, replicas placed); peak RSS sampled. Target: <= 10 s and <= 2 GiB.
+``--plan-405b``: the same for a Llama-3.1-405B-shaped model + AdamW (126 layers, hidden 16384, MLP 53248, vocab
+128256: 3411 tensors), 1024 -> 8192 ranks (``--src-ranks`` / ``--dst-ranks`` change either).
 
     python benchmarks/bench_convert.py --repeats 3 --json /tmp/bench/convert.json   # 2 GiB (~3 min)
     python benchmarks/bench_convert.py --quick                                       # ~0.25 GiB, 1 repeat
     python benchmarks/bench_convert.py --plan-70b [--profile]                        # planning only
+    python benchmarks/bench_convert.py --plan-405b                                   # planning, 405B at 8192 ranks
 """
 from __future__ import annotations
 
@@ -328,6 +331,9 @@ def report(res: dict, total: int, ntensors: int, args) -> dict:
 # ------------------------------------------------------------------------------------- 70B planning
 
 
+LLAMA_405B = dict(layers=126, hidden=16384, inter=53248, vocab=128256, kv_heads=8, head_dim=128)  # Llama-3.1-405B
+
+
 def plan_70b(args) -> dict:
     import cProfile
     import io
@@ -337,13 +343,13 @@ def plan_70b(args) -> dict:
 
     from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK
     from shardckpt.offline.conversion import select
-    from shardckpt.offline.convert import _placement, _plan
+    from shardckpt.offline.convert_plan import dim0_tiled, placement, plan_conversion
     from shardckpt.format.manifest import MANIFEST_NAME
     from shardckpt.format.tree import encode
     from shardckpt.formats.detect import open_reader
     from shardckpt.state_dict.logical import logical_view
 
-    params = ms.llama70b_params()
+    params = ms.llama70b_params(**(LLAMA_405B if args.plan_405b else {}))
     tree = ms.state_tree(params, args.step_tensors)
     shapes = ms.tensor_shapes(tree)
     regions = ms.save_regions(shapes, args.src_ranks)
@@ -354,7 +360,7 @@ def plan_70b(args) -> dict:
     with open(os.path.join(scratch, MANIFEST_NAME), "wb") as f:
         f.write(data)
     numel = sum(math.prod(s) for s in shapes.values())
-    print(f"Llama-2-70B + AdamW: {len(params)} params, {len(shapes)} tensors ({numel * 4 / GIB:.0f} GiB fp32), "
+    print(f"{'Llama-3.1-405B' if args.plan_405b else 'Llama-2-70B'} + AdamW: {len(params)} params, {len(shapes)} tensors ({numel * 4 / GIB:.0f} GiB fp32), "
           f"SHARDED at {args.src_ranks} ranks (manifest {len(data):,} B, no data files) -> {args.dst_ranks} ranks; "
           f"loadavg {loadavg()}; code: {code_version()}", flush=True)
     del data
@@ -366,12 +372,14 @@ def plan_70b(args) -> dict:
         reader = logical_view(open_reader(scratch))
         _, outputs = select(reader, (), (), None)
         t1 = time.perf_counter()
-        place = functools.partial(_placement, out_type="sharded", world=world, reader=reader)
-        plan = _plan(outputs, place, world, DEFAULT_FILES_PER_RANK, None, "plan-70b")
+        place = functools.partial(placement, out_type="sharded", world=world, reader=reader)
+        tiled = functools.partial(dim0_tiled, out_type="sharded", reader=reader)
+        plan = plan_conversion(outputs, place, tiled, world, DEFAULT_FILES_PER_RANK, None, "plan-70b")
+        sum(plan.tasks.bytes(r) for r in plan.tasks.writing_ranks())  # convert's share and progress total
         t4 = time.perf_counter()
         t.update(open_select_s=t1 - t0, plan_s=t4 - t1,
                  total_s=t4 - t0, cpu_s=time.process_time() - c0, outputs=len(outputs),
-                 tasks=sum(len(x) for x in plan.tasks))
+                 tasks=sum(len(p.writers) for p in plan.tensors.values()))
         return t, plan
 
     try:
@@ -418,11 +426,15 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write all results here")
     ap.add_argument("--plan-70b", action="store_true", help="only time convert's planning, 70B 1024 -> 768 ranks")
     ap.add_argument("--src-ranks", type=int, default=1024, help="--plan-70b: source world size")
-    ap.add_argument("--dst-ranks", type=int, default=768, help="--plan-70b: output world size")
+    ap.add_argument("--dst-ranks", type=int, default=None, help="--plan-70b: output world size (default 768; "
+                    "8192 with --plan-405b)")
+    ap.add_argument("--plan-405b", action="store_true", help="as --plan-70b, for Llama-3.1-405B + AdamW, 1024 -> "
+                    "8192 ranks")
     ap.add_argument("--step-tensors", action="store_true", help="--plan-70b: AdamW step as 0-dim tensors")
     ap.add_argument("--profile", action="store_true", help="--plan-70b: cProfile the planning at 1/8 the ranks")
     args = ap.parse_args()
-    if args.plan_70b:
+    if args.plan_70b or args.plan_405b:
+        args.dst_ranks = args.dst_ranks or (8192 if args.plan_405b else 768)
         out = plan_70b(args)
         if args.json:
             with open(args.json, "w") as f:

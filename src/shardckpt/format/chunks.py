@@ -112,10 +112,15 @@ def compact_chunks(regions: Sequence[Region], files: Sequence[int], shape: Seque
         size = flat[0].numel
         if size and len(flat) == -(-numel // size) and \
                 all(r.start == i * size and r.stop == min(r.start + size, numel) for i, r in enumerate(flat)):
-            step = files[1] - files[0] if len(files) > 1 else 1
-            affine = all(f == files[0] + i * step for i, f in enumerate(files))
-            return RegularChunks(size, len(flat), (files[0], step) if affine else tuple(files), affine)
+            return regular_chunks(size, files)
     return ExplicitChunks(tuple(flat), tuple(files))
+
+
+def regular_chunks(size: int, files: Sequence[int]) -> RegularChunks:
+    """``RegularChunks`` of ``len(files)`` chunks of ``size`` elements, chunk i in ``files[i]`` (affine if it is)."""
+    step = files[1] - files[0] if len(files) > 1 else 1
+    affine = all(f == files[0] + i * step for i, f in enumerate(files))
+    return RegularChunks(size, len(files), (files[0], step) if affine else tuple(files), affine)
 
 
 def _pair(obj: Any, where: str) -> tuple[int, int]:

@@ -46,12 +46,12 @@ from shardckpt.checkpoint.agree import encoded_holds_per_rank
 from shardckpt.checkpoint.gc import committed_dir
 from shardckpt.checkpoint.progress import Progress
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
-from shardckpt.checkpoint.save_plan import SavePlan, TensorPlan, plan_placed
+from shardckpt.checkpoint.save_plan import SavePlan
 from shardckpt.checkpoint.writer import write_rank_files
 from shardckpt.offline.conversion import (
     TYPES, Conversion, ConversionRequestError, check_world_size, conversion, key_type_of_option,
 )
-from shardckpt.offline.local_output import LocalAtWorldSize
+from shardckpt.offline.convert_plan import dim0_tiled, placement, plan_conversion
 from shardckpt.offline.memory import DEFAULT_MEMORY_LIMIT, buffer_budget, read_reserve
 from shardckpt.offline.rank_files import RankFiles
 from shardckpt.offline.resume import conversion_generation, journal_dir
@@ -59,12 +59,11 @@ from shardckpt.offline.streams import ALIGN, Output, ReadOnDemand, SliceBuffers
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
 from shardckpt.errors import BadArgumentError, CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from shardckpt.format.codecs import Compression
-from shardckpt.format.dtypes import DTYPES, dtype_name, itemsize
+from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import MANIFEST_NAME, version_for
 from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.detect import open_reader
 from shardckpt.io import DirHold, Storage, open_storage
-from shardckpt.regions import Region, dim0_chunk, full_region
 from shardckpt.state_dict.types import OptimStateKeyType
 
 __all__ = ["convert", "ConvertReport", "ConversionRequestError", "TYPES"]
@@ -149,11 +148,12 @@ def _write_and_commit(what: Conversion, storage: Storage, workers: Group, shapin
     """Write this process's share of the output ranks (keeping what a killed run wrote and that checks), then
     commit: this process alone, or the workers' coordinator once every worker's share is written."""
     world, files_per_rank = what.world, shaping["files_per_rank"]
-    place = functools.partial(_placement, out_type=what.out_type, world=world, reader=what.reader)
-    plan = _plan(what.outputs, place, world, files_per_rank, compression,
-                 workers.broadcast(conversion_generation(what.base, storage, shaping)))
-    mine = [r for r in range(world) if r % workers.world_size == workers.rank and plan.tasks[r]]
-    tick = Progress(_share_bytes(plan, mine), progress)
+    place = functools.partial(placement, out_type=what.out_type, world=world, reader=what.reader)
+    tiled = functools.partial(dim0_tiled, out_type=what.out_type, reader=what.reader)
+    plan = plan_conversion(what.outputs, place, tiled, world, files_per_rank, compression,
+                           workers.broadcast(conversion_generation(what.base, storage, shaping)))
+    mine = [r for r in plan.tasks.writing_ranks() if r % workers.world_size == workers.rank]
+    tick = Progress(sum(plan.tasks.bytes(r) for r in mine), progress)
     by_name = {o.name: o for o in what.outputs}
     kept, kept_bytes = [], [0]
     version = version_for(compression is not None, encoded_holds_per_rank(what.encoded_tree))  # v4: per-rank values
@@ -235,36 +235,6 @@ def _remove_uncommitted(storage: Storage, generation: str) -> None:
         storage.remove_dir(data_dir(generation))
 
 
-def _placement(output: Output, rank: int, *, out_type: str, world: int,
-               reader: CheckpointReader) -> tuple[Region, bool]:
-    """The region of ``output`` that virtual rank ``rank`` of ``world`` holds, and whether it is a replica."""
-    shape = tuple(output.source.shape)
-    flat = reader.piece_region(output.source.name, rank) if isinstance(reader, LocalAtWorldSize) else None
-    if flat is not None:  # LOCAL output: a flat tensor's shard range
-        return flat, False
-    if out_type == "sharded" and shape:
-        return dim0_chunk(shape, rank, world), False
-    return full_region(shape), True
-
-
-def _plan(outputs: list[Output], place: Callable[..., tuple[Region, bool]], world: int,
-          files_per_rank: int, compression: Compression | None, generation: str) -> SavePlan:
-    """The save plan, one entry per tensor: its chunks are the placements of ranks 0..world-1 (tilings in
-    order by construction: dim-0 chunks, or a flat layout's shard ranges), a replica is written once."""
-    tensors, replicated = {}, set()
-    for o in outputs:
-        plan = tensors[o.name] = TensorPlan(dtype_name(o.dtype, o.name), tuple(o.source.shape))
-        for rank in range(world):
-            region, is_replica = place(o, rank)
-            if is_replica:
-                replicated.add(o.name)
-                break
-            if region.numel:
-                plan.regions.append(region)
-                plan.writers.append(rank)
-    return plan_placed(tensors, replicated, world, generation, files_per_rank, compression)
-
-
 def _hold_output(storage: Storage, generation: str, workers: Group) -> DirHold | None:
     """Worker 0 holds the output's data directory exclusively until the commit: gc leaves it alone, and a second
     run of the same conversion (the same directory, ``offline.resume``) fails at once rather than writing over
@@ -298,12 +268,6 @@ def _check_against_source(plan: SavePlan, results: list, outputs: list[Output]) 
             raise CorruptCheckpointError(f"{o.name}: the converted values' checksum {crc:08x} is not the source's "
                                          f"{o.source.crc32c:08x} (source tensor {o.source.name!r}); nothing was "
                                          "committed: run the conversion again")
-
-
-def _share_bytes(plan: SavePlan, ranks: list[int]) -> int:
-    """The stored bytes the output ranks ``ranks`` write (the progress total of the process writing them)."""
-    return sum(plan.tensors[t.name].regions[t.chunk].numel * itemsize(DTYPES[plan.tensors[t.name].dtype])
-               for r in ranks for t in plan.tasks[r])
 
 
 def _in_rank_order(shares: list, world: int) -> list:
