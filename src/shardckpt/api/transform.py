@@ -23,6 +23,11 @@ MEMORY_LIMIT = Opt("resident memory of this process at most about SIZE, e.g. 2Gi
                    "already (~265 MiB of Python and torch) is spent first, the rest is the buffers data streams "
                    "through (default: no limit, fixed buffers: convert 256 MiB, export two of 64 MiB)", parse=size,
                    metavar="SIZE")
+ADAPTER = Opt("read the model weights through a model family's adapter: its names and layouts mapped to Hugging "
+              "Face's (torchtitan-llama, torchtitan-llama-0.2, phi3-fused, or one registered with "
+              "shardckpt.offline.adapters.register); options after a colon, e.g. torchtitan-llama:config=hf/config.json "
+              "or torchtitan-llama:n_heads=32,n_kv_heads=8,tie_word_embeddings=true", metavar="NAME[:K=V,...]")
+REVERSE = Opt("apply the adapter's inverse: from Hugging Face's names and layouts to the family's")
 
 
 def _compression(text: str) -> str:
@@ -68,6 +73,8 @@ def convert(
     memory_limit: Annotated[int | str | None, MEMORY_LIMIT] = DEFAULT_MEMORY_LIMIT,
     workers: Annotated[int, Opt("spread the output files over N local processes (each within --memory-limit)",
                                 parse=positive_int, metavar="N")] = 1,
+    adapter: Annotated[str | None, ADAPTER] = None,
+    reverse: Annotated[bool, REVERSE] = False,
     overwrite: Annotated[bool, Opt("replace a committed checkpoint at DST")] = False,
     storage_options: Annotated[dict | None, STORAGE] = None,
     dst_storage_options: dict | None = None,
@@ -95,7 +102,7 @@ def convert(
                          storage_options=storage_options, compress=compress, progress=progress,
                          dst_storage_options=storage_options if dst_storage_options is None else dst_storage_options,
                          spread_over=spread_over, memory_limit=memory_limit, optim_key=_lower(optim_key),
-                         workers=workers, param_names=param_names,
+                         workers=workers, param_names=param_names, adapter=adapter, reverse=reverse,
                          **({} if files_per_rank is None else {"files_per_rank": files_per_rank}))
     if report.kept_bytes:
         log.info("%s: resumed a killed conversion: kept %d bytes it had written (%d output ranks whole)", dst,
@@ -120,6 +127,8 @@ def export(
                                            "new names (null: leave out); each name is renamed by the first "
                                            "pattern matching it whole (in Python: the dict)", metavar="FILE",
                                            parse=read_rename_map)] = None,
+    adapter: Annotated[str | None, ADAPTER] = None,
+    reverse: Annotated[bool, REVERSE] = False,
     memory_limit: Annotated[int | str | None, MEMORY_LIMIT] = None,
     latest: Annotated[bool, Opt("SRC is a run directory: use the latest committed checkpoint below it "
                                 "(`shardckpt ls` lists them)")] = False,
@@ -147,7 +156,8 @@ def export(
     with explaining_run_dirs(storage_options, src):
         report = run_export(src, dst, dtype=dtype, max_shard_size=max_shard_size, only=only,
                             strip_prefix=strip_prefix, overwrite=overwrite, storage_options=storage_options,
-                            progress=progress, rename=rename_map, verify=verify, **extra,
+                            progress=progress, rename=rename_map, verify=verify, adapter=adapter, reverse=reverse,
+                            **extra,
                             dst_storage_options=storage_options if dst_storage_options is None else dst_storage_options)
     if report.kept:
         log.info("%s: resumed a killed export: kept %d finished files", dst, len(report.kept))

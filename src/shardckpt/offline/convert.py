@@ -48,6 +48,7 @@ from shardckpt.checkpoint.progress import Progress
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
 from shardckpt.checkpoint.save_plan import SavePlan, TensorPlan, plan_placed
 from shardckpt.checkpoint.writer import write_rank_files
+from shardckpt.offline import adapters
 from shardckpt.offline.conversion import (
     TYPES, Conversion, ConversionRequestError, check_world_size, conversion, key_type_of_option,
 )
@@ -65,6 +66,7 @@ from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.detect import open_reader
 from shardckpt.io import DirHold, Storage, open_storage
 from shardckpt.regions import Region, dim0_chunk, full_region
+from shardckpt.state_dict.logical import logical_view
 from shardckpt.state_dict.types import OptimStateKeyType
 
 __all__ = ["convert", "ConvertReport", "ConversionRequestError", "TYPES"]
@@ -87,7 +89,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             dst_storage_options: dict | None = None, compress: str | None = None,
             progress: Callable[[int, int], None] | None = None, spread_over: Any = None,
             memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT, optim_key: str | OptimStateKeyType | None = None,
-            workers: int = 1) -> ConvertReport:
+            workers: int = 1, adapter: str | None = None, reverse: bool = False) -> ConvertReport:
     """Convert the checkpoint at ``src`` (any readable format) into a shardckpt checkpoint at ``dst``.
 
     ``world_size``: of the output (default: the source's, 1 for formats that have none; at most the format's
@@ -107,6 +109,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     the source keys it); IDs number the parameters as the job's FULL state dict does (``param_names``, else the
     order the source records, else its param groups'), ID-keyed groups record the names. ``workers``: local
     processes that share the writing (``offline.workers``; each within ``memory_limit``), instead of this one.
+    ``adapter``: the source's model weights seen through a model family's adapter (``offline.adapters``; from
+    HF's names and layouts when ``reverse``): the output then holds them only, as a FULL source would.
     """
     check_world_size(world_size)  # before any worker starts
     if workers != 1:
@@ -118,10 +122,13 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             world_size=world_size, type=type, dtype=dtype, only=only, exclude=exclude, overwrite=overwrite,
             files_per_rank=files_per_rank, param_names=param_names, storage_options=storage_options,
             dst_storage_options=dst_storage_options, compress=compress, memory_limit=memory_limit,
-            optim_key=optim_key))
+            optim_key=optim_key, adapter=adapter, reverse=reverse))
     limit = None if memory_limit is None else parse_size(memory_limit)
     compression = Compression.parse(compress)
-    what = conversion(open_reader(src, storage_options=storage_options), str(src), world_size, type, dtype,
+    source = open_reader(src, storage_options=storage_options)
+    if adapter is not None or reverse:  # the model weights only, as a FULL source of them
+        source = adapters.apply(logical_view(source, param_names=param_names), adapter, reverse)
+    what = conversion(source, str(src), world_size, type, dtype,
                       only, exclude, param_names, key_type_of_option(optim_key))
     storage = open_storage(dst, dst_storage_options)
     if not overwrite and storage.exists(MANIFEST_NAME):
@@ -129,7 +136,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
                                     "overwrite=True to replace it")
     shaping = {"world": what.world, "type": what.out_type, "dtype": dtype, "only": list(only),
                "exclude": list(exclude), "files_per_rank": files_per_rank, "compress": compress,
-               "param_names": param_names, "optim_key": None if what.key_type is None else what.key_type.value}
+               "param_names": param_names, "optim_key": None if what.key_type is None else what.key_type.value,
+               **({"adapter": adapter, "reverse": reverse} if adapter is not None else {})}
     return _write_and_commit(what, storage, resolve_group(LOCAL if spread_over is None else spread_over), shaping,
                              compression, limit, progress, overwrite)
 

@@ -86,7 +86,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from shardckpt.checkpoint.load_any import wanted_keys
-from shardckpt.offline import safetensors_files
+from shardckpt.offline import adapters, safetensors_files
 from shardckpt.offline.export_commit import (
     PlannedFile, commit_local, export_id, index_bytes, refuse_own_source, write_remote,
 )
@@ -152,7 +152,8 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
            strip_prefix: str | None = None, overwrite: bool = False, storage_options: dict | None = None,
            dst_storage_options: dict | None = None, progress: Callable[[int, int], None] | None = None,
            slice_bytes: int = SLICE_BYTES, verify: bool = True,
-           rename: Mapping[str, str | None] | None = None) -> ExportReport:
+           rename: Mapping[str, str | None] | None = None, adapter: str | None = None,
+           reverse: bool = False) -> ExportReport:
     """Export the model weights of ``src`` (any readable checkpoint) as safetensors files in directory ``dst``.
 
     See the module's docstring for what is selected, how names are formed, the files and the commit.
@@ -161,6 +162,8 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     is called as tensor bytes are written. ``slice_bytes``: the most bytes one read from the source fills.
     ``verify``: check the checksums the source stores (see the module's docstring for its cost on DCP).
     ``rename``: regular expression -> replacement (None: leave out), see the module's docstring.
+    ``adapter``: a model family's names and layouts to HF's (``"torchtitan-llama:n_heads=32,n_kv_heads=8"``;
+    ``offline.adapters``), from HF's when ``reverse``; applied to the model weights before the selection.
     Nothing is read before the selection, dtypes and sizes are checked; nothing is written before the
     destination is checked.
     """
@@ -169,7 +172,7 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     if not isinstance(slice_bytes, int) or slice_bytes < 1:
         raise ValueError(f"slice_bytes must be a positive int, got {slice_bytes!r}")
     base = open_reader(src, storage_options=storage_options, verify=verify)
-    reader = logical_view(base)
+    reader = adapters.apply(logical_view(base), adapter, reverse)
     tensors, tied = select(reader, only, strip_prefix, cast, Renames(rename or {}))
     shards = plan_shards([t.nbytes for t in tensors], limit)
     names = [SINGLE_FILE] if len(shards) == 1 else \
@@ -178,6 +181,8 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     identity = source_identity(base)
     if identity is not None:
         metadata["source_id"] = identity
+    if adapter is not None:  # the same names and shapes, other bytes: a resume must not keep the other's files
+        metadata["adapter"] = f"{adapter} (reverse)" if reverse else str(adapter)
     planned = [(name, [tensors[i] for i in shard]) for name, shard in zip(names, shards)]
     headers = [header_bytes(members, metadata) for _, members in planned]
     metadata[EXPORT_ID_KEY] = export_id(headers, identified=identity is not None)

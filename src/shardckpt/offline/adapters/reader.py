@@ -1,0 +1,174 @@
+"""``adapted``: a checkpoint presented through an ``Adapter``, as a ``CheckpointReader`` (export and convert read
+it as they read any source).
+
+What is adapted is the model weights: the source's ``model`` entry (names relative to it), else every tensor
+outside a top-level ``optim`` / ``optimizer`` entry; wrapper prefixes (``module.``, ``_orig_mod.``) are
+removed before the rules match. The view holds only the adapted weights, under ``model`` when the source has
+that entry, else at the root. A weight no rule matches, two outputs of one name, or an incomplete merge
+raise ``IncompatibleCheckpointError`` naming the tensor, before anything is read.
+
+A read of a region of an output tensor becomes reads of runs of source rows: a piece in order is one run, a
+permuted one a run per row (consecutive rows that stay consecutive in the source merge), each into its part of
+the caller's buffer; so memory is the caller's buffers, whatever the model's size.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Any, Mapping, Sequence
+
+from shardckpt.errors import IncompatibleCheckpointError
+from shardckpt.format.tree import TensorRef, leaves, path_name
+from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
+from shardckpt.formats.requests import check_requests
+from shardckpt.offline.adapters.base import Adapter, Opts, Part, Piece, Planned
+from shardckpt.regions import FlatRange, contiguous_runs
+
+OPTIMIZER_ENTRIES = ("optim", "optimizer")
+WRAPPERS = ("module.", "_orig_mod.")
+
+
+class AdaptedReader:
+    """``base``'s model weights as ``planned`` presents them (see the module)."""
+
+    def __init__(self, base: CheckpointReader, planned: Sequence[Planned], infos: Mapping[str, TensorInfo],
+                 prefix: str):
+        self.base = base
+        self._planned = {prefix + p.name: p for p in planned}
+        self._starts = {name: _starts(p) for name, p in self._planned.items()}
+        self._infos: dict[str, TensorInfo] = {}
+        for name, p in self._planned.items():
+            first = infos[p.pieces[0].source]
+            whole = len(p.pieces) == 1 and p.pieces[0].order is None and tuple(first.shape) == p.shape
+            self._infos[name] = TensorInfo(name, first.dtype, p.shape, first.crc32c if whole else None)
+        refs = {p.name: TensorRef(prefix + p.name) for p in planned}
+        self._tree = {"model": refs} if prefix else refs
+        self.where = getattr(base, "where", "the source")
+
+    def tensors(self) -> Mapping[str, TensorInfo]:
+        return self._infos
+
+    def tree(self) -> Any:
+        return self._tree
+
+    def read(self, requests: Sequence[ReadRequest]) -> None:
+        checked = check_requests(self._infos, requests, self.where)
+        out: list[ReadRequest] = []
+        for request, c in zip(requests, checked):
+            planned = self._planned[request.tensor]
+            row = math.prod(planned.shape[1:])
+            for start, local, count in contiguous_runs(request.region, planned.shape):
+                out += self._runs(planned, self._starts[request.tensor], row, start, count, c.flat[local:local + count])
+        if out:
+            self.base.read(out)
+
+    @staticmethod
+    def _runs(planned: Planned, starts: list[int], row: int, start: int, count: int, dest) -> list[ReadRequest]:
+        """Source reads filling ``dest`` with output elements ``[start, start + count)``."""
+        runs: list[list] = []  # [source, source start, dest start, count]
+        pos, end = start, start + count
+        while pos < end:
+            r = pos // row if row else 0
+            i = bisect.bisect_right(starts, r) - 1
+            piece, within = planned.pieces[i], r - starts[i]
+            if piece.order is None:  # the rest of this piece in one run
+                stop = min(end, (starts[i] + piece.rows) * row)
+                src = (piece.start + within) * row + pos % row
+            else:
+                stop = min(end, (r + 1) * row)
+                src = (piece.start + piece.order(within)) * row + pos % row
+            if runs and runs[-1][0] == piece.source and runs[-1][1] + runs[-1][3] == src:
+                runs[-1][3] += stop - pos
+            else:
+                runs.append([piece.source, src, pos - start, stop - pos])
+            pos = stop
+        return [ReadRequest(source, FlatRange(src, src + n), dest[at:at + n]) for source, src, at, n in runs]
+
+
+def _starts(planned: Planned) -> list[int]:
+    starts, at = [], 0
+    for piece in planned.pieces:
+        starts.append(at)
+        at += piece.rows
+    return starts
+
+
+def adapted(base: CheckpointReader, adapter: Adapter, opts: Opts) -> AdaptedReader:
+    """``base`` presented through ``adapter`` with options ``opts`` (see the module)."""
+    tree = base.tree()
+    refs = [(path, leaf) for path, leaf in leaves(tree, lambda v: isinstance(v, TensorRef))
+            if isinstance(leaf, TensorRef)]
+    if isinstance(tree, dict) and isinstance(tree.get("model"), dict):
+        chosen = [(path_name(p[1:]), leaf.name) for p, leaf in refs if p and p[0] == "model"]
+        prefix = "model."
+    else:
+        chosen = [(path_name(p), leaf.name) for p, leaf in refs if not (p and p[0] in OPTIMIZER_ENTRIES)]
+        prefix = ""
+    infos = base.tensors()
+    sources = [(strip_wrappers(name), stored, tuple(infos[stored].shape)) for name, stored in chosen]
+    return AdaptedReader(base, plan(adapter, sources, opts, infos), infos, prefix)
+
+
+def plan(adapter: Adapter, sources: Sequence[tuple[str, str, tuple[int, ...]]], opts: Opts,
+         infos: Mapping[str, TensorInfo]) -> list[Planned]:
+    """The output tensors, in source order (a merge where its first part is), from ``(name, stored, shape)``."""
+    rules = [(rule, rule.compiled()) for rule in adapter.rules]
+    out: dict[str, Planned | dict[int, tuple[Piece, tuple[int, ...]]]] = {}
+    counts: dict[str, int] = {}
+    for name, stored, shape in sources:
+        match = next(((rule, m) for rule, pattern in rules if (m := pattern.fullmatch(name))), None)
+        if match is None:
+            raise IncompatibleCheckpointError(f"tensor {name!r}: no rule of the adapter {adapter.name!r} matches "
+                                              "it; is the checkpoint of this family?")
+        rule, m = match
+        if rule.target is None:
+            continue
+        targets = [rule.target] if isinstance(rule.target, str) else list(rule.target)
+        names = [m.expand(t) for t in targets]
+        if isinstance(rule.transform, Part):
+            parts = out.setdefault(names[0], {})
+            if not isinstance(parts, dict) or rule.transform.index in parts:
+                raise IncompatibleCheckpointError(f"tensor {name!r}: its part of {names[0]!r} is there twice")
+            counts[names[0]] = rule.transform.count
+            parts[rule.transform.index] = (Piece(stored, 0, shape[0] if shape else 1), shape)
+            continue
+        for target, piece in zip(names, rule.transform.pieces(stored, shape, opts)):
+            if target in out:
+                raise IncompatibleCheckpointError(f"tensor {name!r}: a second tensor becomes {target!r}")
+            out[target] = Planned(target, (piece.rows, *shape[1:]) if shape else (), (piece,))
+    planned = [merged(name, value, counts.get(name, 0), infos) if isinstance(value, dict) else value
+               for name, value in out.items()]
+    return untied(planned, adapter, opts)
+
+
+def merged(name: str, parts: dict[int, tuple[Piece, tuple[int, ...]]], count: int,
+           infos: Mapping[str, TensorInfo]) -> Planned:
+    """The output tensor ``name`` that parts ``0..count-1`` concatenate into along dim 0."""
+    missing = [i for i in range(count) if i not in parts]
+    if missing:
+        raise IncompatibleCheckpointError(f"tensor {name!r}: parts {missing} of the {count} it merges are missing")
+    pieces = [parts[i][0] for i in range(count)]
+    shapes = [parts[i][1] for i in range(count)]
+    if any(len(s) < 1 or s[1:] != shapes[0][1:] for s in shapes) or \
+            len({infos[p.source].dtype for p in pieces}) > 1:
+        raise IncompatibleCheckpointError(f"tensor {name!r}: its parts {[p.source for p in pieces]} (shapes "
+                                          f"{[list(s) for s in shapes]}) differ in dtype or beyond dim 0")
+    return Planned(name, (sum(p.rows for p in pieces), *shapes[0][1:]), tuple(pieces))
+
+
+def untied(planned: list[Planned], adapter: Adapter, opts: Opts) -> list[Planned]:
+    """Without the second of the adapter's tied pair when the weights are tied (HF re-ties it on load)."""
+    if adapter.tied is None or not opts.get("tie_word_embeddings"):
+        return planned
+    first, second = adapter.tied
+    if not any(p.name == first for p in planned):
+        raise IncompatibleCheckpointError(f"tie_word_embeddings: the checkpoint has no {first!r} to tie "
+                                          f"{second!r} to")
+    return [p for p in planned if p.name != second]
+
+
+def strip_wrappers(name: str) -> str:
+    """``name`` without leading ``module.`` / ``_orig_mod.`` prefixes and ``_orig_mod`` components."""
+    while name.startswith(WRAPPERS):
+        name = name[len(next(w for w in WRAPPERS if name.startswith(w))):]
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
