@@ -185,12 +185,12 @@ def test_a_registered_family_merges_by_any_region_and_edge_shapes_pass(tmp_path)
           "empty": torch.empty(0, 3), "one": torch.randn(1, generator=g).to(torch.bfloat16)}
     torch.save(sd, tmp_path / "m.pt")
     reader = apply(open_reader(tmp_path / "m.pt"), "test-merge")
-    got = _read_all(reader)
+    got = {k.removeprefix("model."): v for k, v in _read_all(reader).items()}
     assert list(got) == ["ab", "scalar", "empty", "one"]
     assert torch.equal(got["ab"], torch.cat([sd["a"], sd["b"]])) and torch.equal(got["scalar"], sd["scalar"])
     assert got["empty"].shape == (0, 3) and torch.equal(got["one"], sd["one"])
     part = torch.empty(9)
-    reader.read([ReadRequest("ab", FlatRange(8, 17), part)])  # across the two parts
+    reader.read([ReadRequest("model.ab", FlatRange(8, 17), part)])  # across the two parts
     assert torch.equal(part, torch.cat([sd["a"], sd["b"]]).reshape(-1)[8:17])
 
 
@@ -217,3 +217,22 @@ def test_bad_adapters_and_sources_are_refused_naming_the_tensor(tmp_path):
         apply(open_reader(tmp_path / "qkv.safetensors"), "phi3-fused:n_heads=2,n_kv_heads=1")
     with pytest.raises(BadArgumentError, match="reverse"):
         export(tmp_path / "titan.pt", tmp_path / "out", reverse=True)
+
+
+def test_the_cli_exports_with_an_adapter_and_converts_back_under_model(tmp_path):
+    from shardckpt.cli.main import main
+
+    sd = _titan()
+    save_file(sd, tmp_path / "titan.safetensors")
+    adapter = "torchtitan-llama-0.2:n_heads=4,n_kv_heads=2"
+    assert main(["export", str(tmp_path / "titan.safetensors"), str(tmp_path / "hf"), "--adapter", adapter,
+                 "--quiet"]) == 0
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    assert all(torch.equal(hf[k], v) for k, v in _titan_to_hf(sd).items())
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "ckpt"), "--world-size", "2", "--type", "sharded",
+                 "--adapter", adapter, "--reverse", "--quiet"]) == 0
+    import shardckpt
+
+    back = shardckpt.load_full(tmp_path / "ckpt")
+    assert list(back) == ["model"] and all(torch.equal(back["model"][k], v) for k, v in sd.items())
+    assert main(["export", str(tmp_path / "hf"), str(tmp_path / "x"), "--adapter", "nope", "--quiet"]) == 2

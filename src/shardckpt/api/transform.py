@@ -24,7 +24,7 @@ MEMORY_LIMIT = Opt("resident memory of this process at most about SIZE, e.g. 2Gi
                    "through (default: no limit, fixed buffers: convert 256 MiB, export two of 64 MiB)", parse=size,
                    metavar="SIZE")
 ADAPTER = Opt("read the model weights through a model family's adapter: its names and layouts mapped to Hugging "
-              "Face's (torchtitan-llama, torchtitan-llama-0.2, phi3-fused, or one registered with "
+              "Face's (torchtitan-llama, torchtitan-llama-0.2, phi3-fused, hf: as they are; or one registered with "
               "shardckpt.offline.adapters.register); options after a colon, e.g. torchtitan-llama:config=hf/config.json "
               "or torchtitan-llama:n_heads=32,n_kv_heads=8,tie_word_embeddings=true", metavar="NAME[:K=V,...]")
 REVERSE = Opt("apply the adapter's inverse: from Hugging Face's names and layouts to the family's")

@@ -13,7 +13,7 @@ from shardckpt.formats.api import CheckpointReader
 from shardckpt.offline.adapters.base import Adapter
 
 _FAMILIES: dict[str, tuple[Adapter, Adapter]] = {}  # name -> (to HF, from HF)
-_BUILTIN = ("torchtitan_llama", "phi3_fused")
+_BUILTIN = ("hf", "torchtitan_llama", "phi3_fused")
 _LOADED: list[bool] = []
 
 

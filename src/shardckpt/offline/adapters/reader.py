@@ -3,9 +3,12 @@ it as they read any source).
 
 What is adapted is the model weights: the source's ``model`` entry (names relative to it), else every tensor
 outside a top-level ``optim`` / ``optimizer`` entry; wrapper prefixes (``module.``, ``_orig_mod.``) are
-removed before the rules match. The view holds only the adapted weights, under ``model`` when the source has
-that entry, else at the root. A weight no rule matches, two outputs of one name, or an incomplete merge
+removed before the rules match. A weight no rule matches, two outputs of one name, or an incomplete merge
 raise ``IncompatibleCheckpointError`` naming the tensor, before anything is read.
+
+The view holds the adapted weights under ``model`` (``model.<name>``), whatever the source's nesting: export
+writes them by their names, and what ``convert`` makes of the view is a checkpoint a run starts from
+(``load_state(model, None, path)``, or ``load({"model": model.state_dict()}, path)``).
 
 A read of a region of an output tensor becomes reads of runs of source rows: a piece in order is one run, a
 permuted one a run per row (consecutive rows that stay consecutive in the source merge), each into its part of
@@ -31,9 +34,8 @@ WRAPPERS = ("module.", "_orig_mod.")
 class AdaptedReader:
     """``base``'s model weights as ``planned`` presents them (see the module)."""
 
-    def __init__(self, base: CheckpointReader, planned: Sequence[Planned], infos: Mapping[str, TensorInfo],
-                 prefix: str):
-        self.base = base
+    def __init__(self, base: CheckpointReader, planned: Sequence[Planned], infos: Mapping[str, TensorInfo]):
+        self.base, prefix = base, "model."
         self._planned = {prefix + p.name: p for p in planned}
         self._starts = {name: _starts(p) for name, p in self._planned.items()}
         self._infos: dict[str, TensorInfo] = {}
@@ -42,7 +44,7 @@ class AdaptedReader:
             whole = len(p.pieces) == 1 and p.pieces[0].order is None and tuple(first.shape) == p.shape
             self._infos[name] = TensorInfo(name, first.dtype, p.shape, first.crc32c if whole else None)
         refs = {p.name: TensorRef(prefix + p.name) for p in planned}
-        self._tree = {"model": refs} if prefix else refs
+        self._tree = {"model": refs}
         self.where = getattr(base, "where", "the source")
 
     def tensors(self) -> Mapping[str, TensorInfo]:
@@ -100,13 +102,11 @@ def adapted(base: CheckpointReader, adapter: Adapter, opts: Opts) -> AdaptedRead
             if isinstance(leaf, TensorRef)]
     if isinstance(tree, dict) and isinstance(tree.get("model"), dict):
         chosen = [(path_name(p[1:]), leaf.name) for p, leaf in refs if p and p[0] == "model"]
-        prefix = "model."
     else:
         chosen = [(path_name(p), leaf.name) for p, leaf in refs if not (p and p[0] in OPTIMIZER_ENTRIES)]
-        prefix = ""
     infos = base.tensors()
     sources = [(strip_wrappers(name), stored, tuple(infos[stored].shape)) for name, stored in chosen]
-    return AdaptedReader(base, plan(adapter, sources, opts, infos), infos, prefix)
+    return AdaptedReader(base, plan(adapter, sources, opts, infos), infos)
 
 
 def plan(adapter: Adapter, sources: Sequence[tuple[str, str, tuple[int, ...]]], opts: Opts,
