@@ -109,6 +109,11 @@ def test_torchtitan_llama_equals_the_in_memory_conversion_whole_and_by_any_regio
         got = torch.empty(region.numel, dtype=dtype)
         reader.read([ReadRequest("model.model.layers.1.self_attn.q_proj.weight", region, got)])
         assert torch.equal(got, expect.reshape(-1))
+    for name, want_t in want.items():  # in slices of 37 elements, across rows and heads, several per read
+        flat = torch.empty(want_t.numel(), dtype=dtype)
+        bounds = list(range(0, want_t.numel(), 37)) + [want_t.numel()]
+        reader.read([ReadRequest(name, FlatRange(lo, hi), flat[lo:hi]) for lo, hi in zip(bounds, bounds[1:])])
+        assert torch.equal(flat, want_t.reshape(-1)), name
 
 
 def test_export_with_an_adapter_then_its_inverse_gives_the_source_back(tmp_path):

@@ -13,8 +13,8 @@ names what it becomes (``\\1``, ``\\g<name>`` refer to its groups; ``None`` leav
   (a merge: the inverse of ``Split``).
 
 Every transform is a map of output rows to source rows, so a read of any region of an output tensor is a
-read of runs of source rows (``offline.adapters.reader``): nothing is materialised, memory stays what the
-caller's buffers are. Sizes that depend on the model (heads, their count per projection) come from the
+read of runs of source rows (``offline.adapters.reader``): nothing is materialised; memory is the caller's
+buffers and, for a reordering, one group of rows (a head) staged at a time. Sizes that depend on the model (heads, their count per projection) come from the
 adapter's options (``opts``), given by the user (``--adapter NAME:n_heads=32,n_kv_heads=8``) or read from a
 ``config.json``.
 """
@@ -33,12 +33,15 @@ Opts = Mapping[str, Any]
 @dataclass(frozen=True)
 class Piece:
     """Rows ``[start, start + rows)`` of source tensor ``source``, in the order ``order`` gives (``order(i)``:
-    the source row, relative to ``start``, of the piece's ``i``-th row; None: in order)."""
+    the source row, relative to ``start``, of the piece's ``i``-th row; None: in order). A reordering keeps rows
+    within groups of ``group`` consecutive rows (a head): a read stages one group's source rows, a contiguous
+    span, and places its rows from there."""
 
     source: str
     start: int
     rows: int
     order: Callable[[int], int] | None = None
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ class RopePermute(Transform):
                 head, within = divmod(r, 2 * half)
                 a, b = divmod(within, half)
                 return head * 2 * half + 2 * b + a
-        return [Piece(source, 0, shape[0], order)]
+        return [Piece(source, 0, shape[0], order, 2 * half)]
 
 
 @dataclass(frozen=True)

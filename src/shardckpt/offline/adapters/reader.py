@@ -10,15 +10,20 @@ The view holds the adapted weights under ``model`` (``model.<name>``), whatever 
 writes them by their names, and what ``convert`` makes of the view is a checkpoint a run starts from
 (``load_state(model, None, path)``, or ``load({"model": model.state_dict()}, path)``).
 
-A read of a region of an output tensor becomes reads of runs of source rows: a piece in order is one run, a
-permuted one a run per row (consecutive rows that stay consecutive in the source merge), each into its part of
-the caller's buffer; so memory is the caller's buffers, whatever the model's size.
+A read of a region of an output tensor becomes reads of runs of source rows: a piece in order is one read
+straight into its part of the caller's buffer; a reordered one is read a group (a head) at a time, its
+source rows one contiguous span into a staging buffer of one group, then placed row by row. So memory is the
+caller's buffers and one head's rows, whatever the model's size; every source read is a long contiguous span
+(a read per row would make the source check a whole checksum block per row).
 """
 from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
+
+import torch
 
 from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.format.tree import TensorRef, leaves, path_name
@@ -54,37 +59,66 @@ class AdaptedReader:
         return self._tree
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
-        checked = check_requests(self._infos, requests, self.where)
-        out: list[ReadRequest] = []
+        checked = check_requests(self._infos, requests, self.where)  # every request, before any read
+        direct: list[ReadRequest] = []
+        staged: list[Staged] = []
         for request, c in zip(requests, checked):
             planned = self._planned[request.tensor]
             row = math.prod(planned.shape[1:])
             for start, local, count in contiguous_runs(request.region, planned.shape):
-                out += self._runs(planned, self._starts[request.tensor], row, start, count, c.flat[local:local + count])
-        if out:
-            self.base.read(out)
+                runs(planned, self._starts[request.tensor], row, start, count, c.flat[local:local + count],
+                     direct, staged)
+        if direct:
+            self.base.read(direct)
+        for job in staged:  # one group of source rows (a head) at a time
+            job.execute(self.base)
 
-    @staticmethod
-    def _runs(planned: Planned, starts: list[int], row: int, start: int, count: int, dest) -> list[ReadRequest]:
-        """Source reads filling ``dest`` with output elements ``[start, start + count)``."""
-        runs: list[list] = []  # [source, source start, dest start, count]
-        pos, end = start, start + count
-        while pos < end:
-            r = pos // row if row else 0
-            i = bisect.bisect_right(starts, r) - 1
-            piece, within = planned.pieces[i], r - starts[i]
-            if piece.order is None:  # the rest of this piece in one run
-                stop = min(end, (starts[i] + piece.rows) * row)
-                src = (piece.start + within) * row + pos % row
-            else:
-                stop = min(end, (r + 1) * row)
-                src = (piece.start + piece.order(within)) * row + pos % row
-            if runs and runs[-1][0] == piece.source and runs[-1][1] + runs[-1][3] == src:
-                runs[-1][3] += stop - pos
-            else:
-                runs.append([piece.source, src, pos - start, stop - pos])
+
+@dataclass
+class Staged:
+    """Output elements ``[lo, hi)`` (into ``dest``), all of them in group ``group`` of ``piece``."""
+
+    piece: Piece
+    first_row: int  # the piece's first output row
+    group: int
+    row: int
+    lo: int
+    hi: int
+    dest: torch.Tensor
+
+    def execute(self, base: CheckpointReader) -> None:
+        size, row = self.piece.group, self.row
+        top = self.piece.start + self.group * size  # the group's first source row
+        stage = torch.empty(size * row, dtype=self.dest.dtype)
+        base.read([ReadRequest(self.piece.source, FlatRange(top * row, (top + size) * row), stage)])
+        pos = self.lo
+        while pos < self.hi:
+            r = pos // row
+            stop = min(self.hi, (r + 1) * row)
+            src = (self.piece.order(r - self.first_row) - self.group * size) * row + pos % row
+            self.dest[pos - self.lo:stop - self.lo] = stage[src:src + stop - pos]
             pos = stop
-        return [ReadRequest(source, FlatRange(src, src + n), dest[at:at + n]) for source, src, at, n in runs]
+
+
+def runs(planned: Planned, starts: list[int], row: int, start: int, count: int, dest: torch.Tensor,
+         direct: list[ReadRequest], staged: list[Staged]) -> None:
+    """The reads filling ``dest`` with output elements ``[start, start + count)``: a piece in order as
+    ``direct`` requests (one per contiguous source run), a reordered one as a ``Staged`` job per group."""
+    pos, end = start, start + count
+    while pos < end:
+        r = pos // row if row else 0
+        i = bisect.bisect_right(starts, r) - 1
+        piece, within = planned.pieces[i], r - starts[i]
+        if piece.order is None:  # the rest of this piece in one run
+            stop = min(end, (starts[i] + piece.rows) * row)
+            src = (piece.start + within) * row + pos % row
+            direct.append(ReadRequest(piece.source, FlatRange(src, src + stop - pos),
+                                      dest[pos - start:stop - start]))
+        else:
+            group = within // piece.group
+            stop = min(end, (starts[i] + (group + 1) * piece.group) * row)
+            staged.append(Staged(piece, starts[i], group, row, pos, stop, dest[pos - start:stop - start]))
+        pos = stop
 
 
 def _starts(planned: Planned) -> list[int]:
