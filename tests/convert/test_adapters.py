@@ -142,6 +142,9 @@ def test_tied_embeddings_are_written_once_and_the_index_names_only_written_tenso
     written = {k for f in report.files for k in load_file(tmp_path / "hf" / f)}
     assert "lm_head.weight" not in written and set(index["weight_map"]) == written
     assert written == set(_titan_to_hf(sd)) - {"lm_head.weight"}
+    back = export(tmp_path / "hf", tmp_path / "back", reverse=True, adapter=f"torchtitan-llama:config={tmp_path}")
+    titan = load_file(tmp_path / "back" / back.files[0])  # the head is the embedding again, as from_hf gives it
+    assert torch.equal(titan["lm_head.weight"], sd["tok_embeddings.weight"]) and titan.keys() == sd.keys()
 
 
 def _phi3_config(tie=False):

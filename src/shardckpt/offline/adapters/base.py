@@ -138,12 +138,15 @@ class Rule:
 class Adapter:
     """One direction of a family's mapping: ``rules`` in order (the first whose pattern matches renames),
     ``options``: the names of the options it needs (``config_keys``: where a ``config.json`` holds each),
-    ``tied``: the (output) names of a tied pair, the second left out when ``opts["tie_word_embeddings"]``."""
+    ``tied``: the (output) names of a tied pair, the second left out when ``opts["tie_word_embeddings"]``;
+    ``retied``: such a pair from HF, the second presented as the first again when the source leaves it out and
+    ``opts["tie_word_embeddings"]`` (a family that stores both names, e.g. torchtitan)."""
 
     name: str
     rules: tuple[Rule, ...]
     options: Mapping[str, str] = field(default_factory=dict)  # option -> config.json key
     tied: tuple[str, str] | None = None
+    retied: tuple[str, str] | None = None
 
 
 def option(opts: Opts, name: str, tensor: str) -> int:

@@ -191,8 +191,17 @@ def merged(name: str, parts: dict[int, tuple[Piece, tuple[int, ...]]], count: in
 
 
 def untied(planned: list[Planned], adapter: Adapter, opts: Opts) -> list[Planned]:
-    """Without the second of the adapter's tied pair when the weights are tied (HF re-ties it on load)."""
-    if adapter.tied is None or not opts.get("tie_word_embeddings"):
+    """Without the second of the adapter's tied pair when the weights are tied (HF re-ties it on load); from
+    HF, with the second of its ``retied`` pair as the first, when tied and left out."""
+    if not opts.get("tie_word_embeddings"):
+        return planned
+    if adapter.retied is not None:
+        first, second = adapter.retied
+        source = next((p for p in planned if p.name == first), None)
+        if source is None or any(p.name == second for p in planned):
+            return planned
+        return planned + [Planned(second, source.shape, source.pieces)]
+    if adapter.tied is None:
         return planned
     first, second = adapter.tied
     if not any(p.name == first for p in planned):

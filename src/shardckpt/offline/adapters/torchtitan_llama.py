@@ -4,7 +4,8 @@
 Both torchtitan's current names (0.3: ``layers.N.attention.qkv_linear.wq``, ``lm_head``) and the older ones
 (0.2: ``layers.N.attention.wq``, ``output``) are read; the way back writes the current ones
 (``torchtitan-llama``) or the older ones (``torchtitan-llama-0.2``). Options: ``n_heads``, ``n_kv_heads`` (config.json: ``num_attention_heads``,
-``num_key_value_heads``), ``tie_word_embeddings`` (``lm_head.weight`` then written once, as the embedding).
+``num_key_value_heads``), ``tie_word_embeddings`` (``lm_head.weight`` then written once, as the embedding; on
+the way back, an HF directory without it gives torchtitan's head as the embedding, as ``from_hf`` does).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def from_hf(qkv: str, head: str, name: str) -> Adapter:
         Rule(H + r"self_attn\.rotary_emb\.inv_freq", None),
         Rule(r"model\.norm\.weight", "norm.weight"),
         Rule(r"lm_head\.weight", head + ".weight"),
-    ), OPTIONS)
+    ), OPTIONS, retied=("tok_embeddings.weight", head + ".weight"))
 
 
 FAMILIES = {  # name -> (to HF, from HF)
