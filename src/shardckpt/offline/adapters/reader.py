@@ -12,9 +12,10 @@ writes them by their names, and what ``convert`` makes of the view is a checkpoi
 
 A read of a region of an output tensor becomes reads of runs of source rows: a piece in order is one read
 straight into its part of the caller's buffer; a reordered one is read a group (a head) at a time, its
-source rows one contiguous span into a staging buffer of one group, then placed row by row. So memory is the
-caller's buffers and one head's rows, whatever the model's size; every source read is a long contiguous span
-(a read per row would make the source check a whole checksum block per row).
+source rows one contiguous span into the group's place in the caller's buffer, then reordered there cycle by
+cycle (one row held aside). A part of a group (at a slice's edge) is staged in a buffer of one group. So memory
+is the caller's buffers, whatever the model's size, and every source read is a long contiguous span (a read
+per row would make the source check a whole checksum block per row).
 """
 from __future__ import annotations
 
@@ -89,8 +90,14 @@ class Staged:
     def execute(self, base: CheckpointReader) -> None:
         size, row = self.piece.group, self.row
         top = self.piece.start + self.group * size  # the group's first source row
-        stage = torch.empty(size * row, dtype=self.dest.dtype)
-        base.read([ReadRequest(self.piece.source, FlatRange(top * row, (top + size) * row), stage)])
+        first = (self.first_row + self.group * size) * row  # the group's first output element
+        source = FlatRange(top * row, (top + size) * row)
+        if (self.lo, self.hi) == (first, first + size * row):  # the whole group: read in place, then reorder
+            base.read([ReadRequest(self.piece.source, source, self.dest)])
+            self._reorder(self.dest.view(size, row))
+            return
+        stage = torch.empty(size * row, dtype=self.dest.dtype)  # part of a group (a slice's edge): staged
+        base.read([ReadRequest(self.piece.source, source, stage)])
         pos = self.lo
         while pos < self.hi:
             r = pos // row
@@ -98,6 +105,23 @@ class Staged:
             src = (self.piece.order(r - self.first_row) - self.group * size) * row + pos % row
             self.dest[pos - self.lo:stop - self.lo] = stage[src:src + stop - pos]
             pos = stop
+
+    def _reorder(self, rows: torch.Tensor) -> None:
+        """``rows`` (the group's source rows in source order) reordered in place, cycle by cycle: one row's copy."""
+        base = self.group * self.piece.group
+        done = [False] * len(rows)
+        for start in range(len(rows)):
+            if done[start]:
+                continue
+            held, i = rows[start].clone(), start
+            while True:
+                done[i] = True
+                j = self.piece.order(base + i) - base  # output row i holds source row j
+                if j == start:
+                    rows[i] = held
+                    break
+                rows[i] = rows[j]
+                i = j
 
 
 def runs(planned: Planned, starts: list[int], row: int, start: int, count: int, dest: torch.Tensor,
