@@ -22,6 +22,10 @@ examples:
   shardckpt convert /ckpt/step-1000 /archive/step-1000 --compress zstd      (bf16 ~1.45x smaller)
   shardckpt convert /dcp/step-500 s3://bucket/step-500 --world-size 4 -o endpoint_url=http://127.0.0.1:9000
   torchrun --nproc-per-node 4 -m shardckpt.cli.main convert s3://b/step-1000 s3://b/step-1000-ws64 --world-size 64
+  shardckpt convert hf/llama /ckpt/start --world-size 8 --type sharded --adapter hf   (HF weights under `model`:
+      a run's first checkpoint, for load_state(model, None, path) or load({"model": sd}, path))
+  shardckpt convert hf/llama /ckpt/titan-start --world-size 8 --type sharded --reverse
+      --adapter torchtitan-llama:config=hf/llama        (in torchtitan's names and q/k layout)
 """
 
 

@@ -35,6 +35,8 @@ examples:
     with llama-names.json: {"tok\\.weight": "model.embed_tokens.weight",
                             "blocks\\.(\\d+)\\.attn\\.(q|k|v)\\.weight": "model.layers.\\1.self_attn.\\2_proj.weight",
                             "rope\\..*": null}
+  shardckpt export /titan/step-1000 /export/hf --adapter torchtitan-llama:config=hf-llama/config.json
+    (torchtitan names -> HF's, q/k rotary permutation; n_heads, n_kv_heads, tie_word_embeddings from the config)
 """
 
 

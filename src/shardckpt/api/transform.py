@@ -23,6 +23,11 @@ MEMORY_LIMIT = Opt("resident memory of this process at most about SIZE, e.g. 2Gi
                    "already (~265 MiB of Python and torch) is spent first, the rest is the buffers data streams "
                    "through (default: no limit, fixed buffers: convert 256 MiB, export two of 64 MiB)", parse=size,
                    metavar="SIZE")
+ADAPTER = Opt("read the model weights through a model family's adapter: its names and layouts mapped to Hugging "
+              "Face's (torchtitan-llama, torchtitan-llama-0.2, phi3-fused, hf: as they are; or one registered with "
+              "shardckpt.offline.adapters.register); options after a colon, e.g. torchtitan-llama:config=hf/config.json "
+              "or torchtitan-llama:n_heads=32,n_kv_heads=8,tie_word_embeddings=true", metavar="NAME[:K=V,...]")
+REVERSE = Opt("apply the adapter's inverse: from Hugging Face's names and layouts to the family's")
 
 
 def _compression(text: str) -> str:
@@ -71,6 +76,8 @@ def convert(
     format: Annotated[str, Opt("write a shardckpt checkpoint (default) or a torch DCP directory (.metadata, "
                                "__R_0.distcp per output rank) that torch.distributed.checkpoint reads",
                                choices=FORMATS)] = "shardckpt",
+    adapter: Annotated[str | None, ADAPTER] = None,
+    reverse: Annotated[bool, REVERSE] = False,
     overwrite: Annotated[bool, Opt("replace a committed checkpoint at DST")] = False,
     storage_options: Annotated[dict | None, STORAGE] = None,
     dst_storage_options: dict | None = None,
@@ -99,7 +106,7 @@ def convert(
                          storage_options=storage_options, compress=compress, progress=progress,
                          dst_storage_options=storage_options if dst_storage_options is None else dst_storage_options,
                          spread_over=spread_over, memory_limit=memory_limit, optim_key=_lower(optim_key),
-                         workers=workers, param_names=param_names, format=format,
+                         workers=workers, param_names=param_names, format=format, adapter=adapter, reverse=reverse,
                          **({} if files_per_rank is None else {"files_per_rank": files_per_rank}))
     if report.kept_bytes:
         log.info("%s: resumed a killed conversion: kept %d bytes it had written (%d output ranks whole)", dst,
@@ -130,6 +137,8 @@ def export(
                                            "new names (null: leave out); each name is renamed by the first "
                                            "pattern matching it whole (in Python: the dict)", metavar="FILE",
                                            parse=read_rename_map)] = None,
+    adapter: Annotated[str | None, ADAPTER] = None,
+    reverse: Annotated[bool, REVERSE] = False,
     memory_limit: Annotated[int | str | None, MEMORY_LIMIT] = None,
     latest: Annotated[bool, Opt("SRC is a run directory: use the latest committed checkpoint below it "
                                 "(`shardckpt ls` lists them)")] = False,
@@ -157,7 +166,8 @@ def export(
     with explaining_run_dirs(storage_options, src):
         report = run_export(src, dst, dtype=dtype, max_shard_size=max_shard_size, only=only,
                             strip_prefix=strip_prefix, overwrite=overwrite, storage_options=storage_options,
-                            progress=progress, rename=rename_map, verify=verify, config=config, **extra,
+                            progress=progress, rename=rename_map, verify=verify, config=config, adapter=adapter,
+                            reverse=reverse, **extra,
                             dst_storage_options=storage_options if dst_storage_options is None else dst_storage_options)
     if report.kept:
         log.info("%s: resumed a killed export: kept %d finished files", dst, len(report.kept))

@@ -48,6 +48,7 @@ from shardckpt.checkpoint.progress import Progress
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
 from shardckpt.checkpoint.save_plan import SavePlan
 from shardckpt.checkpoint.writer import write_rank_files
+from shardckpt.offline import adapters
 from shardckpt.offline.conversion import (
     TYPES, Conversion, ConversionRequestError, check_world_size, conversion, key_type_of_option,
 )
@@ -61,9 +62,9 @@ from shardckpt.errors import BadArgumentError, CheckpointError, CheckpointExists
 from shardckpt.format.codecs import Compression
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import MANIFEST_NAME, version_for
-from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.detect import open_reader
 from shardckpt.io import DirHold, Storage, open_storage
+from shardckpt.state_dict.logical import logical_view
 from shardckpt.state_dict.types import OptimStateKeyType
 
 __all__ = ["convert", "ConvertReport", "ConversionRequestError", "TYPES"]
@@ -86,7 +87,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             dst_storage_options: dict | None = None, compress: str | None = None,
             progress: Callable[[int, int], None] | None = None, spread_over: Any = None,
             memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT, optim_key: str | OptimStateKeyType | None = None,
-            workers: int = 1, format: str = "shardckpt") -> ConvertReport:
+            workers: int = 1, format: str = "shardckpt", adapter: str | None = None,
+            reverse: bool = False) -> ConvertReport:
     """Convert the checkpoint at ``src`` (any readable format) into a shardckpt checkpoint at ``dst``.
 
     ``world_size``: of the output (default: the source's, 1 for formats that have none; at most the format's
@@ -108,6 +110,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     processes that share the writing (``offline.workers``; each within ``memory_limit``), instead of this one.
     ``format``: "shardckpt", or "dcp": a torch DCP directory (``offline.dcp_output``; SHARDED or FULL output,
     written by this process, uncompressed).
+    ``adapter``: the source's model weights seen through a model family's adapter (``offline.adapters``; from
+    HF's names and layouts when ``reverse``): the output then holds them only, as a FULL source would.
     """
     check_world_size(world_size)  # before any worker starts
     _check_format(format, type, workers, spread_over, compress)
@@ -120,11 +124,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
             world_size=world_size, type=type, dtype=dtype, only=only, exclude=exclude, overwrite=overwrite,
             files_per_rank=files_per_rank, param_names=param_names, storage_options=storage_options,
             dst_storage_options=dst_storage_options, compress=compress, memory_limit=memory_limit,
-            optim_key=optim_key))
+            optim_key=optim_key, adapter=adapter, reverse=reverse))
     limit = None if memory_limit is None else parse_size(memory_limit)
     type = type or ("sharded" if format == "dcp" else None)  # DCP stores dim-0 chunks; a LOCAL source by parameter
     compression = Compression.parse(compress)
-    what = conversion(open_reader(src, storage_options=storage_options), str(src), world_size, type, dtype,
+    source = open_reader(src, storage_options=storage_options)
+    if adapter is not None or reverse:  # the model weights only, as a FULL source of them
+        source = adapters.apply(logical_view(source, param_names=param_names), adapter, reverse)
+    what = conversion(source, str(src), world_size, type, dtype,
                       only, exclude, param_names, key_type_of_option(optim_key))
     storage = open_storage(dst, dst_storage_options)
     if format == "dcp":
@@ -137,7 +144,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
                                     "overwrite=True to replace it")
     shaping = {"world": what.world, "type": what.out_type, "dtype": dtype, "only": list(only),
                "exclude": list(exclude), "files_per_rank": files_per_rank, "compress": compress,
-               "param_names": param_names, "optim_key": None if what.key_type is None else what.key_type.value}
+               "param_names": param_names, "optim_key": None if what.key_type is None else what.key_type.value,
+               **({"adapter": adapter, "reverse": reverse} if adapter is not None else {})}
     return _write_and_commit(what, storage, resolve_group(LOCAL if spread_over is None else spread_over), shaping,
                              compression, limit, progress, overwrite)
 
@@ -213,7 +221,7 @@ def _write_dcp(what: Conversion, storage: Storage, src: str, limit: int | None,
 
     if what.out_type == "local":
         raise ConversionRequestError(f"{src}: a LOCAL source converts to DCP as type='sharded' or 'full'")
-    place = functools.partial(_placement, out_type=what.out_type, world=what.world, reader=what.reader)
+    place = functools.partial(placement, out_type=what.out_type, world=what.world, reader=what.reader)
     written = sum(math.prod(o.source.shape) * itemsize(o.dtype) for o in what.outputs)
     tick = Progress(written, progress)
     tick.begin()

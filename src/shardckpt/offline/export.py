@@ -89,7 +89,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from shardckpt.checkpoint.load_any import wanted_keys
-from shardckpt.offline import hf_dir, safetensors_files
+from shardckpt.offline import adapters, hf_dir, safetensors_files
 from shardckpt.offline.export_commit import (
     Beside, PlannedFile, commit_local, export_id, index_bytes, refuse_own_source, write_remote,
 )
@@ -155,8 +155,8 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
            strip_prefix: str | None = None, overwrite: bool = False, storage_options: dict | None = None,
            dst_storage_options: dict | None = None, progress: Callable[[int, int], None] | None = None,
            slice_bytes: int = SLICE_BYTES, verify: bool = True,
-           rename: Mapping[str, str | None] | None = None,
-           config: str | os.PathLike | None = None) -> ExportReport:
+           rename: Mapping[str, str | None] | None = None, adapter: str | None = None,
+           reverse: bool = False, config: str | os.PathLike | None = None) -> ExportReport:
     """Export the model weights of ``src`` (any readable checkpoint) as safetensors files in directory ``dst``.
 
     See the module's docstring for what is selected, how names are formed, the files and the commit.
@@ -168,6 +168,8 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     ``config``: a ``config.json`` or a model directory: write a complete model directory (``offline.hf_dir``:
     the config and tokenizer files, consistent with the weights and checked against them first);
     ``max_shard_size`` None: the installed transformers' ``save_pretrained`` default with ``config``, else 5GB.
+    ``adapter``: a model family's names and layouts to HF's (``"torchtitan-llama:n_heads=32,n_kv_heads=8"``;
+    ``offline.adapters``), from HF's when ``reverse``; applied to the model weights before the selection.
     Nothing is read before the selection, dtypes and sizes are checked; nothing is written before the
     destination is checked.
     """
@@ -178,7 +180,7 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     if not isinstance(slice_bytes, int) or slice_bytes < 1:
         raise ValueError(f"slice_bytes must be a positive int, got {slice_bytes!r}")
     base = open_reader(src, storage_options=storage_options, verify=verify)
-    reader = logical_view(base)
+    reader = adapters.apply(logical_view(base), adapter, reverse)
     tensors, tied = select(reader, only, strip_prefix, cast, Renames(rename or {}))
     directory = None
     if config is not None:
@@ -192,6 +194,8 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     identity = source_identity(base)
     if identity is not None:
         metadata["source_id"] = identity
+    if adapter is not None:  # the same names and shapes, other bytes: a resume must not keep the other's files
+        metadata["adapter"] = f"{adapter} (reverse)" if reverse else str(adapter)
     planned = [(name, [tensors[i] for i in shard]) for name, shard in zip(names, shards)]
     headers = [header_bytes(members, metadata) for _, members in planned]
     metadata[EXPORT_ID_KEY] = export_id(headers, identified=identity is not None)
