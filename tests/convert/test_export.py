@@ -60,8 +60,9 @@ def _files(dst) -> list[str]:
     return [SINGLE_FILE]
 
 
-def _exported(dst, source: str | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the export at ``dst``, each file checked with safetensors' own readers."""
+def _exported(dst) -> dict[str, torch.Tensor]:
+    """Every tensor of the export at ``dst``, each file checked with safetensors' own readers; its ``__metadata__``
+    holds nothing of the source's path or save (two exports of equal weights are equal files)."""
     out: dict[str, torch.Tensor] = {}
     for name in _files(dst):
         path = os.path.join(str(dst), name)
@@ -72,7 +73,7 @@ def _exported(dst, source: str | None = None) -> dict[str, torch.Tensor]:
         with safe_open(path, "pt") as f:
             assert set(f.keys()) == set(loaded)
             meta = f.metadata()
-        assert meta["format"] == "pt" and (source is None or meta["source"] == source)
+        assert meta["format"] == "pt" and set(meta) <= {"format", "export_id", "adapter"}, meta
         assert not set(loaded) & set(out), "a tensor in two files"
         out.update(loaded)
     return out
@@ -98,7 +99,7 @@ def test_a_full_checkpoint_exports_its_model_weights(tmp_path, dtype, cast):
     assert done[-1] == (report.total_size, report.total_size)
     assert report.files == (SINGLE_FILE,) and report.tensors == 7 and not report.tied
     assert sorted(os.listdir(tmp_path / "dst")) == [SINGLE_FILE]
-    got = _exported(tmp_path / "dst", source=str(tmp_path / "src"))
+    got = _exported(tmp_path / "dst")
     _same(got, _model_state(), cast)
     assert got["i"].dtype == torch.int64 and got["flag"].dtype == torch.bool  # only floating point is cast
     assert report.total_size == sum(t.nbytes for t in got.values())
@@ -165,7 +166,7 @@ def test_a_torch_dcp_directory_and_a_torch_save_file(tmp_path):
 
     torch.save(_state(), tmp_path / "train.pt")
     export(tmp_path / "train.pt", tmp_path / "from-pt")
-    _same(_exported(tmp_path / "from-pt", source=str(tmp_path / "train.pt")), _model_state())
+    _same(_exported(tmp_path / "from-pt"), _model_state())
 
     # A plain state dict of a wrapped, compiled model: every tensor, the wrapper prefixes removed.
     wrapped = {f"module._orig_mod.{k}": v for k, v in _model_state().items()}
@@ -556,3 +557,37 @@ def test_a_killed_sharded_export_is_refused_by_every_verb(tmp_path, capsys, fini
             err = capsys.readouterr().err
             assert "Traceback" not in err and (where == dst or "index model.safetensors.index.json is missing" in err)
         assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "conv")
+
+
+def _file_bytes(dst) -> dict[str, bytes]:
+    return {name: open(os.path.join(str(dst), name), "rb").read() for name in sorted(os.listdir(str(dst)))}
+
+
+def test_two_exports_of_equal_weights_are_equal_files(tmp_path):
+    """Issue 36: ``__metadata__`` is ``{"format": "pt"}`` and the export id, nothing that makes two exports of
+    equal weights differ: not the source's path, its save's generation or its world size."""
+    state = _big_state()
+    shardckpt.save(state, tmp_path / "a")
+    shardckpt.save(state, tmp_path / "elsewhere" / "b")  # another save (another generation) of the same values
+    export(tmp_path / "a", tmp_path / "out-a", max_shard_size=40_000)
+    export(tmp_path / "elsewhere" / "b", tmp_path / "out-b", max_shard_size=40_000)
+    first = _file_bytes(tmp_path / "out-a")
+    assert len(first) == 4 and first == _file_bytes(tmp_path / "out-b")
+    from safetensors.torch import save_file  # a source without checksums, exported to local disk twice
+    save_file(state["model"], str(tmp_path / "m.safetensors"))
+    export(tmp_path / "m.safetensors", tmp_path / "st-1", max_shard_size=40_000)
+    export(tmp_path / "m.safetensors", tmp_path / "st-2", max_shard_size=40_000)
+    assert _file_bytes(tmp_path / "st-1") == _file_bytes(tmp_path / "st-2")
+
+
+def test_exports_of_different_weights_have_different_ids(tmp_path):
+    shardckpt.save(_big_state(), tmp_path / "a")
+    changed = _big_state()
+    next(iter(changed["model"].values())).view(-1)[0] += 1  # one element of one tensor
+    shardckpt.save(changed, tmp_path / "b")
+    ids = []
+    for name in ("a", "b"):
+        export(tmp_path / name, tmp_path / f"out-{name}")
+        with safe_open(str(tmp_path / f"out-{name}" / SINGLE_FILE), "pt") as f:
+            ids.append(f.metadata()["export_id"])
+    assert ids[0] != ids[1]

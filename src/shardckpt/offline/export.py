@@ -34,10 +34,14 @@ not knowable from the files, and both are written.
 number of shards is the fewest the limit allows (tensors kept in source order, never split), and the shards
 are balanced: a tensor goes to the shard its middle byte falls in when the bytes are cut into that many
 equal parts (``plan_shards``). A tensor larger than the limit gets a shard of its own. Every file's
-``__metadata__`` is ``{"format": "pt", "source": <src as given>, "source_id": <see Resume>, "export_id": ...}``;
-``export_id`` (also in the index's ``metadata``) names this export's plan and source (a digest; random for a
-source without identity, see Resume), so that a reader refuses a file of another export beside the index
-(``formats.safetensors``: two exports to one object-store path); readers do not present it as a value.
+``__metadata__`` is ``{"format": "pt", "export_id": ...}`` (and ``"adapter"`` with one): nothing of the source's
+path or save, so two exports of equal weights write equal files. ``export_id`` (also in the index's
+``metadata``) digests the files' headers and the source's content (``resume.content_identity``: a shardckpt
+checkpoint's tensor checksums, tree and metadata), so that a reader refuses a file of another export beside the
+index (``formats.safetensors``: two exports to one object-store path); readers do not present it as a value.
+Only an export of a source without checksums (another format) to an object store gets a random one: there two
+such exports of different weights could otherwise mix unnoticed; on local disk the commit's renames under a
+lock leave no mix, and its id is the headers' digest.
 
 **Model directory** (``config``): the config and tokenizer files beside the weights (``offline.hf_dir``), checked
 before anything is written, committed before the index (or the one file); ``overwrite`` replaces them.
@@ -66,9 +70,9 @@ index no reader takes them for an export): see ``export_commit``.
 
 **Resume.** A killed export leaves its finished files (in its directory on local disk, each named only once
 durable). Run again with the same source and options, it keeps every file whose size and header are exactly
-what it would write, and writes the rest: the header records the source's identity (``__metadata__.source_id``: a shardckpt
-checkpoint's generation, new at every save), so a source saved again since is never mixed in. Sources of
-other formats have no such identity: their unfinished exports are not resumed. What a killed export left
+what it would write, and writes the rest: the header's ``export_id`` digests the source's content (its tensors'
+CRC32Cs), so a source saved since with other values is never mixed in. Sources of other formats have no
+checksums: their unfinished exports are not resumed. What a killed export left
 is removed by the next export and by ``shardckpt gc`` (then nothing is resumed). On object stores, an
 unfinished export of another source or with other options raises ``CheckpointExistsError`` unless
 ``overwrite``. The byte-I/O protocol has no rename, delete or abort of one file yet:
@@ -96,7 +100,7 @@ from shardckpt.offline.export_commit import (
 from shardckpt.offline.memory import buffer_budget
 from shardckpt.offline.rename import Renames
 from shardckpt.offline.safetensors_files import SHARD_FILE, SINGLE_FILE, existing_export, header_bytes
-from shardckpt.offline.resume import source_identity
+from shardckpt.offline.resume import content_identity
 from shardckpt.errors import CheckpointExistsError, IncompatibleCheckpointError, UnsupportedValueError
 from shardckpt.format.tree import TensorRef, leaves, path_name
 from shardckpt.formats.api import CheckpointReader
@@ -190,18 +194,17 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     shards = plan_shards([t.nbytes for t in tensors], limit)
     names = [SINGLE_FILE] if len(shards) == 1 else \
         [SHARD_FILE.format(index=i + 1, count=len(shards)) for i in range(len(shards))]
-    metadata = {"format": "pt", "source": os.fspath(src)}
-    identity = source_identity(base)
-    if identity is not None:
-        metadata["source_id"] = identity
+    metadata = {"format": "pt"}  # nothing of the source's path or save: equal weights, equal files
+    identity = content_identity(base)
     if adapter is not None:  # the same names and shapes, other bytes: a resume must not keep the other's files
         metadata["adapter"] = f"{adapter} (reverse)" if reverse else str(adapter)
     planned = [(name, [tensors[i] for i in shard]) for name, shard in zip(names, shards)]
     headers = [header_bytes(members, metadata) for _, members in planned]
-    metadata[EXPORT_ID_KEY] = export_id(headers, identified=identity is not None)
+    storage = open_storage(dst, dst_storage_options)
+    local = isinstance(storage, LocalStorage)  # committed by renames under a lock: no other export's file mixes in
+    metadata[EXPORT_ID_KEY] = export_id(headers, identity if identity is not None or not local else "")
     files = [PlannedFile(name, header_bytes(members, metadata), members) for name, members in planned]
     total = sum(t.nbytes for t in tensors)
-    storage = open_storage(dst, dst_storage_options)
     old = existing_export(storage)
     if not overwrite and (INDEX_NAME in old or SINGLE_FILE in old):
         raise CheckpointExistsError(f"{storage.url(old[0])}: an export already exists at {storage.root} "
@@ -211,7 +214,7 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     if beside and not overwrite:
         raise CheckpointExistsError(f"{storage.url(beside[0])}: already exists at {storage.root}; pass "
                                     "overwrite=True to replace it")
-    if overwrite and old and not isinstance(storage, LocalStorage):
+    if overwrite and old and not local:
         refuse_own_source(storage, open_storage(src, storage_options), os.fspath(src))
     done = [0]
 
@@ -230,7 +233,7 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     index = index_bytes(files, total, metadata[EXPORT_ID_KEY], counted)
     args = (storage, files, index, old, overwrite, identity is not None, write, lambda f: tick(f.nbytes),
             Beside(extras, beside))
-    kept = commit_local(*args, uuid.uuid4().hex[:12]) if isinstance(storage, LocalStorage) else write_remote(*args)
+    kept = commit_local(*args, uuid.uuid4().hex[:12]) if local else write_remote(*args)
     return ExportReport(tuple(names), len(tensors), total, "keep" if cast is None else _dtype_name(cast), tied, kept)
 
 

@@ -73,14 +73,14 @@ class Beside:
     stale: Sequence[str] = ()
 
 
-def export_id(headers: Sequence[bytes], identified: bool) -> str:
-    """What names one export. Where the source has an identity (``identified``: a shardckpt generation, new at
-    every save), a digest of its files' headers (names, dtypes, shapes, that identity): identical headers then
-    mean identical bytes, and a rerun of the same export has the same id (and resumes). Else random: a foreign
-    source's headers hold only names, dtypes, shapes and its path as given, which two different files can
-    share, and their exports' files must never be taken for each other's. Readers do not present it among the
-    plain values (``formats.safetensors``), so two exports of one source stay ``diff``-equal."""
-    nonce = b"" if identified else uuid.uuid4().bytes
+def export_id(headers: Sequence[bytes], content: str | None) -> str:
+    """What names one export: a digest of its files' headers (names, dtypes, shapes, adapter) and the source's
+    ``content`` (``resume.content_identity``): two exports of equal weights get the same id, and identical ids
+    mean identical bytes, so a rerun resumes and a mix of two such exports' files is harmless. Random for a
+    source without one (``content`` None): its headers hold only names, dtypes and shapes, which two different
+    sources can share, and their exports' files must never be taken for each other's. Readers do not present
+    it among the plain values (``formats.safetensors``), so two exports stay ``diff``-equal."""
+    nonce = uuid.uuid4().bytes if content is None else content.encode()
     return hashlib.sha256(b"".join(headers) + nonce).hexdigest()[:16]
 
 

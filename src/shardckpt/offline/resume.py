@@ -45,6 +45,19 @@ def source_identity(reader: CheckpointReader) -> str | None:
     return f"shardckpt-generation:{manifest.generation}" if manifest is not None else None
 
 
+def content_identity(reader: CheckpointReader) -> str | None:
+    """What the source holds, whatever save wrote it: a digest of a shardckpt checkpoint's tensors (name, dtype,
+    shape and whole-tensor CRC32C, which sharding does not change), its tree and its metadata; not its
+    generation, paths or world size. Two saves of equal state have the same; a changed tensor changes it
+    unless its CRC32C collides (the odds ``kept`` takes for a resumed block too). None for other formats."""
+    manifest = getattr(reader, "manifest", None)
+    if manifest is None:
+        return None
+    tensors = sorted((name, str(t.dtype), list(t.shape), t.crc32c) for name, t in manifest.tensors.items())
+    key = json.dumps([tensors, manifest.tree, manifest.metadata], sort_keys=True, default=repr)
+    return "shardckpt-content:" + hashlib.sha256(key.encode()).hexdigest()
+
+
 def conversion_generation(source: CheckpointReader, storage: Storage, options: dict) -> str:
     """The data directory's generation: a hash of the source's identity and ``options`` (what shapes the
     output), or a random one when the source has no identity or the committed checkpoint at ``storage``
