@@ -56,20 +56,23 @@ def committed_entries(storage: Storage) -> set[str]:
     return {f"data-{manifest.generation}"} | {p.split("/", 1)[0] for p in named}
 
 
-def debris(storage: Storage) -> list[str]:
-    """The entries at the root that belong to no committed checkpoint now (candidates only: see ``collect``)."""
-    keep = committed_entries(storage)
+def debris(storage: Storage, committed: set[str] | None = None) -> list[str]:
+    """The entries at the root that belong to no committed checkpoint now (candidates only: see ``collect``).
+    ``committed``: ``committed_entries`` as the caller knows them (a save that just committed), not parsed again."""
+    keep = committed_entries(storage) if committed is None else committed
     dirs = [d for d in storage.list_dirs() if GENERATION_DIR.match(d) or EXPORT_STAGING.match(d)]
     files = [f for f in storage.list_files() if _TEMP_MANIFEST.match(f) or EXPORT_TEMP.match(f)]
     return [name for name in dirs + files if name not in keep]
 
 
-def collect(storage: Storage, dry_run: bool = False, min_age_s: float | None = None) -> list[str]:
+def collect(storage: Storage, dry_run: bool = False, min_age_s: float | None = None, *,
+            committed: set[str] | None = None) -> list[str]:
     """Remove (or, ``dry_run``, list) the debris no live writer is using; returns what was removed. Each
     directory is checked against the manifest again once locked: a save may have committed it since
-    ``debris`` looked (its writer holds the lock until its manifest is written)."""
+    ``debris`` looked (its writer holds the lock until its manifest is written). ``committed``: as ``debris``'s
+    (a stale set only makes a candidate of a newer save's directory, which that check then keeps)."""
     removed = []
-    for name in debris(storage):
+    for name in debris(storage, committed):
         age = min_age_s if min_age_s is not None else _min_age(storage, name)
         if storage.remove_abandoned(name, age, dry_run, unused=lambda name=name: _not_committed(storage, name)):
             removed.append(name)

@@ -335,7 +335,8 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
     try:  # committed: what follows only tidies up, and a failure here must not report the save as failed
         if previous is not None and previous != generation:
             storage.remove_dir(data_dir(previous))
-        collect(storage)  # what interrupted saves left here (checkpoint/gc.py)
+        # what interrupted saves left here (checkpoint/gc.py); the manifest just written is not parsed again
+        collect(storage, committed={data_dir(generation)})
     except (OSError, CheckpointError):
         pass
 

@@ -36,6 +36,8 @@ from shardckpt.tensor_views import as_bytes
 
 ALIGN = 64  # chunk offsets are aligned so that a memory map of the file gives aligned tensors
 WRITE_SIZE = 16 << 20  # bytes written per call (16 checksum blocks, each CRC'd just before, while in cache)
+SMALL_WRITE = 64 << 10  # writes shorter than this are gathered (``_Coalesced``) ...
+COALESCE_BYTES = 4 << 20  # ... and written once this many bytes are gathered
 
 
 @dataclass(frozen=True)
@@ -187,10 +189,12 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
     earlier writing of this same file whose bytes are checked and kept (streamed pieces only; ``writer`` then
     writes after them). ``journal(progress)``: called after every write; ``tick(n)`` too, with its tensor bytes."""
     progress = start if start is not None else FileProgress()
+    writer = writer or storage.open_writer(data_path)
+    if journal is None:  # (a journal records each write as made: convert's resume trusts it, so no buffering)
+        writer = _Coalesced(writer)
     journal = journal or (lambda progress: None)
     tick = tick or (lambda n: None)
     terms: dict[str, int] = {}
-    writer = writer or storage.open_writer(data_path)
     try:
         for task in tasks:
             key, piece = (task.name, task.chunk), pieces[task.name]
@@ -214,6 +218,34 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
     index_writer.write(memoryview(index))
     index_writer.close()
     return FileEntry(data_path, progress.size, index_path, len(index), crc32c(index)), terms
+
+
+class _Coalesced:
+    """A file writer that gathers small writes (small chunks and their alignment padding) into one buffer and
+    writes it as one: many small tensors cost a write per ``COALESCE_BYTES``, not two per tensor."""
+
+    def __init__(self, writer: FileWriter):
+        self._writer, self._buf = writer, bytearray()
+
+    def write(self, data: memoryview) -> None:
+        if len(data) >= SMALL_WRITE:
+            self._flush()
+            self._writer.write(data)
+            return
+        self._buf += data
+        if len(self._buf) >= COALESCE_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._buf:
+            buf, self._buf = self._buf, bytearray()
+            self._writer.write(memoryview(buf))
+
+    def close(self) -> None:
+        try:
+            self._flush()
+        finally:
+            self._writer.close()
 
 
 WriteFile = Callable[[int, str, str, list[WriteTask]], tuple[FileEntry, dict[str, int]]]

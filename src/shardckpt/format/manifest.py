@@ -19,7 +19,7 @@ from shardckpt.regions import Region
 from shardckpt.format.checksum import crc32c
 from shardckpt.format.chunks import Chunks, RegularChunks, chunks_from_json
 from shardckpt.format.codecs import MAX_RATIO
-from shardckpt.format.dtypes import dtype_from_name, dtype_name, itemsize
+from shardckpt.format.dtypes import DTYPES, dtype_from_name, dtype_name, itemsize
 from shardckpt.format.index import MIN_ROW_BYTES
 from shardckpt.format.tree import TensorRef, decode, leaves, path_name
 from shardckpt.format.validate import (
@@ -228,9 +228,49 @@ def _claim(entry: TensorEntry, version: int) -> str:
     return f"{entry.nbytes} bytes in {len(entry.chunks)} chunks (at least {min_stored_bytes(entry, version)} stored)"
 
 
+_TENSOR_FIELDS = frozenset(("dtype", "shape", "crc32c", "chunks"))
+_REGULAR_FIELDS = frozenset(("size", "count", "files"))
+_AFFINE_FIELDS = frozenset(("first", "step"))
+
+
+def _is_int(v: Any, lo: int, hi: int) -> bool:
+    return type(v) is int and lo <= v <= hi
+
+
+def _fast_regular(name: str, obj: Any, n_files: int) -> TensorEntry | None:
+    """The common entry (format v2 on: regular chunks in affine files) checked with plain comparisons, the same
+    rules as the general path below; None for anything else, which that path then checks (and names the fault).
+    A manifest of many small tensors spends most of its parse here."""
+    if type(obj) is not dict or obj.keys() != _TENSOR_FIELDS:
+        return None
+    name_of_dtype, shape, crc, chunks = obj["dtype"], obj["shape"], obj["crc32c"], obj["chunks"]
+    dtype = DTYPES.get(name_of_dtype) if type(name_of_dtype) is str else None
+    if dtype is None or type(shape) is not list or len(shape) > 64 or not _is_int(crc, 0, 0xFFFFFFFF):
+        return None
+    if not all(type(s) is int and 0 <= s <= MAX_NUMEL for s in shape):
+        return None
+    numel = math.prod(shape)
+    if numel > MAX_NUMEL or type(chunks) is not dict or chunks.keys() != _REGULAR_FIELDS:
+        return None
+    size, count, placed = chunks["size"], chunks["count"], chunks["files"]
+    if not (_is_int(size, 1, MAX_NUMEL) and type(count) is int and count == -(-numel // size)):
+        return None
+    if type(placed) is not dict or placed.keys() != _AFFINE_FIELDS:
+        return None
+    first, step = placed["first"], placed["step"]
+    if not (_is_int(first, 0, n_files - 1 if count else n_files) and _is_int(step, -n_files, n_files)):
+        return None
+    if count and not 0 <= first + (count - 1) * step < n_files:
+        return None
+    return TensorEntry(name, dtype, tuple(shape), crc, RegularChunks(size, count, (first, step), True))
+
+
 def _tensor_from_json(name: str, obj: Any, files: list[FileEntry], stored: int, version: int,
                       where: str) -> TensorEntry:
     strict = version >= 2
+    entry = _fast_regular(name, obj, len(files)) if strict else None
+    if entry is not None:
+        return _check_claims(entry, files, stored, version, where)
     if strict:
         check_fields(obj, ("dtype", "shape", "crc32c", "chunks"), (), where)
     dtype = dtype_from_name(get_field(obj, "dtype", where), where)
@@ -243,6 +283,11 @@ def _tensor_from_json(name: str, obj: Any, files: list[FileEntry], stored: int, 
     crc = int_field(obj, "crc32c", where, 0, 0xFFFFFFFF)
     entry = TensorEntry(name, dtype, shape, crc, chunks_from_json(get_field(obj, "chunks", where), shape,
                                                                   len(files), strict, where))
+    return _check_claims(entry, files, stored, version, where)
+
+
+def _check_claims(entry: TensorEntry, files: list[FileEntry], stored: int, version: int, where: str) -> TensorEntry:
+    """The tensor's bytes and chunk count against what its files can hold (FORMAT.md, ``tensors[name]``)."""
     # O(1) bound first: no loop may run over a count of chunks that the files' bytes could not back.
     claimed = min_stored_bytes(entry, version)
     if claimed > stored:

@@ -27,23 +27,23 @@ from shardckpt.sharded_tensor import PerRank
 Path = tuple[Any, ...]
 _SCALARS = (type(None), bool, int, str)
 _KEY_TYPES = (type(None), bool, int, float, str)
+_CONTAINERS = (dict, list, tuple)
 MAX_DEPTH = 100  # levels of containers; real state dicts use fewer than 10
 
 
 def depth_exceeds(obj: Any, limit: int = MAX_DEPTH) -> bool:
     """True if containers nest more than ``limit`` deep in ``obj`` (iterative: safe at any depth)."""
-    stack = [(obj, 0)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            kids = node.values()
-        elif isinstance(node, (list, tuple)):
-            kids = node
-        else:
-            continue
+    # Level by level, containers only: a flat dict of 100k tensors is one pass over its values in C-speed loops.
+    level = [obj] if isinstance(obj, _CONTAINERS) else []
+    depth = 0
+    while level:
         if depth >= limit:
             return True
-        stack.extend((k, depth + 1) for k in kids)
+        below: list = []
+        for node in level:
+            kids = node.values() if isinstance(node, dict) else node
+            below += [k for k in kids if isinstance(k, _CONTAINERS)]
+        level, depth = below, depth + 1
     return False
 
 

@@ -6,7 +6,8 @@ compressed chunk's blocks are frames, decoded by ``frames.read_span``. On object
 (nearly) whole is one streaming GET, its reads done in file order (``Storage.stream``).
 When the needed elements land contiguously, in stored order, in a CPU target of the same dtype, they are
 read straight into the target's memory and only the widening goes to small side buffers; otherwise the
-span is read into a buffer and copied piece by piece (any device, any dtype cast).
+span is read into a buffer and copied piece by piece (any device, any dtype cast). Small chunks close together
+in one file are read in runs, one ranged read each (``small_spans``), then checked and copied one by one.
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ from shardckpt.tensor_views import as_bytes, from_bytes, view_of
 
 Index = dict[tuple[str, int], ChunkRecord]
 STREAM_FRACTION = 0.5  # an object-store file is streamed whole when at least this part of it is read
+SMALL_CHUNK = 256 << 10  # chunks up to this size are read in runs (``small_spans``), not one ranged read each
+SPAN_BYTES = 8 << 20  # the most bytes one run reads
+SPAN_GAP = 64 << 10  # the most unneeded bytes a run reads between two of its chunks
 
 
 def check_data_file(storage: Storage, file: FileEntry) -> None:
@@ -155,8 +159,10 @@ def _execute(storage: Storage, manifest: Manifest, reads: list[ChunkRead], files
         # One task per streamed file, then the other reads, biggest first, so that the pool's tail is short.
         tasks = [lambda idx=idx: _read_streamed(storage, manifest, reads, records, idx, verify)
                  for idx in streamed.values()]
-        rest = sorted((i for i, r in enumerate(reads) if r.file not in streamed),
-                      key=lambda i: -(reads[i].hi - reads[i].lo))
+        rest = [i for i, r in enumerate(reads) if r.file not in streamed]
+        spans, rest = small_spans(reads, records, rest)
+        tasks += [lambda span=span: _read_small(storage, manifest, reads, records, span, verify) for span in spans]
+        rest.sort(key=lambda i: -(reads[i].hi - reads[i].lo))
         tasks += [lambda i=i: execute_read(storage, manifest, reads[i], records[i], verify) for i in rest]
         list(pool.map(lambda task: task(), tasks))
     if verify:
@@ -184,3 +190,73 @@ def _read_streamed(storage: Storage, manifest: Manifest, reads: list[ChunkRead],
     with storage.stream(path, start, stop) as stream:
         for i in idx:
             execute_read(stream, manifest, reads[i], records[i], verify)
+
+
+def small_spans(reads: list[ChunkRead], records: list[ChunkRecord], which: list[int],
+                ) -> tuple[list[list[int]], list[int]]:
+    """The reads of small chunks (at most ``SMALL_CHUNK`` stored bytes) grouped into runs of one file, in file
+    order, each run at most ``SPAN_BYTES`` from its first byte to its last and with gaps of at most ``SPAN_GAP``:
+    one ranged read per run instead of one per chunk (many small tensors). The other reads are returned apart."""
+    small = sorted((i for i in which if records[i].stored_length <= SMALL_CHUNK),
+                   key=lambda i: (reads[i].file, records[i].offset))
+    spans: list[list[int]] = []
+    start = end = -1
+    for i in small:
+        a, b = records[i].offset, records[i].offset + records[i].stored_length
+        last = spans[-1] if spans else None
+        if last and reads[last[0]].file == reads[i].file and a - end <= SPAN_GAP and b - start <= SPAN_BYTES:
+            last.append(i)
+            end = max(end, b)
+        else:
+            spans.append([i])
+            start, end = a, b
+    large = [i for i in which if records[i].stored_length > SMALL_CHUNK]
+    return [span for span in spans if len(span) > 1], large + [span[0] for span in spans if len(span) == 1]
+
+
+class _Window:
+    """Bytes ``[start, start + len(buf))`` of one data file, read once, served to ``read_span`` as a storage."""
+
+    def __init__(self, storage: Storage, path: str, start: int, buf: memoryview):
+        self.storage, self.path, self.start, self.buf = storage, path, start, buf
+
+    def url(self, path: str) -> str:
+        return self.storage.url(path)
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        lo = offset - self.start
+        if path != self.path or lo < 0 or lo + len(out) > len(self.buf):
+            raise ValueError(f"read of {path} [{offset}, {offset + len(out)}) outside the window")  # a bug, not input
+        out[:] = self.buf[lo:lo + len(out)]
+
+
+def _read_small(storage: Storage, manifest: Manifest, reads: list[ChunkRead], records: list[ChunkRecord],
+                span: list[int], verify: bool) -> None:
+    """One run of ``small_spans``: one ranged read, then each chunk from memory, every one checked as before."""
+    path = manifest.files[reads[span[0]].file].path
+    start = records[span[0]].offset
+    stop = max(records[i].offset + records[i].stored_length for i in span)
+    buf = memoryview(bytearray(stop - start))
+    storage.read_into(path, start, buf)
+    window = _Window(storage, path, start, buf)
+    for i in span:
+        if not _copy_whole_chunk(window, reads[i], records[i], verify):
+            execute_read(window, manifest, reads[i], records[i], verify)
+
+
+def _copy_whole_chunk(window: _Window, read: ChunkRead, rec: ChunkRecord, verify: bool) -> bool:
+    """The common case of a small chunk, without ``execute_read``'s general machinery: a whole raw one-block
+    chunk that fills one CPU target of its dtype exactly. False: not that case, or its checksum fails (then
+    ``execute_read`` reads it again and reports the failing block as always)."""
+    if rec.frames or len(rec.blocks) != 1 or len(read.copies) != 1 or read.lo != 0 or \
+            read.hi != read.region.numel or read.entry.dtype == torch.bool:
+        return False
+    piece, target = read.copies[0]
+    dest = target.flat
+    if target.region != read.region or piece != read.region or dest.device.type != "cpu" or \
+            dest.dtype != read.entry.dtype or not dest.is_contiguous() or dest.is_conj() or dest.is_neg():
+        return False
+    out = memoryview(as_bytes(dest).numpy())
+    lo = rec.offset - window.start
+    out[:] = window.buf[lo:lo + rec.length]
+    return not verify or crc32c(out) == rec.blocks[0]

@@ -1,0 +1,182 @@
+"""Many small tensors (issue 38): small chunks read in runs of one file and written through one buffer, every
+chunk still checked on its own; the manifest's common entry parsed by a fast path that refuses what the
+general one refuses."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardckpt
+from shardckpt import ShardedTensor
+from shardckpt.errors import CorruptCheckpointError
+from shardckpt.format.manifest import parse_manifest, seal
+from shardckpt.formats.native import reader
+from tests._dist import run_ranks
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool, torch.complex64)
+
+
+def many_small(n: int = 600) -> dict:
+    """``n`` small tensors of mixed dtypes and shapes (0-d, empty, one element), and one large one among them."""
+    g = torch.Generator().manual_seed(38)
+    shapes = [(), (0,), (1,), (3, 0), (5, 7), (2, 3, 4), (17,)]
+    out = {}
+    for i in range(n):
+        dtype, shape = DTYPES[i % len(DTYPES)], shapes[i % len(shapes)]
+        t = torch.randn(shape, generator=g) * 100
+        out[f"layers.{i // 8}.experts.{i % 8}.w"] = t > 0 if dtype == torch.bool else t.to(dtype)
+    out["layers.big"] = torch.randn(80_000, generator=g)  # above reader.SMALL_CHUNK: read on its own
+    return out
+
+
+def _equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k, v in b.items():
+        assert a[k].dtype == v.dtype and a[k].shape == v.shape and torch.equal(a[k], v), k
+
+
+@pytest.fixture
+def counted_runs(monkeypatch):
+    """How many runs of small chunks the reader read, and how many chunks they held."""
+    seen = {"runs": 0, "chunks": 0}
+    original = reader._read_small
+
+    def counting(storage, manifest, reads, records, span, verify):
+        seen["runs"] += 1
+        seen["chunks"] += len(span)
+        return original(storage, manifest, reads, records, span, verify)
+
+    monkeypatch.setattr(reader, "_read_small", counting)
+    return seen
+
+
+def test_many_small_tensors_of_every_kind_round_trip_read_in_runs(tmp_path, counted_runs):
+    sd = many_small()
+    path = str(tmp_path / "ck")
+    shardckpt.save(sd, path)
+    _equal(shardckpt.load_full(path), sd)
+    filled = {k: torch.empty_like(v) for k, v in sd.items()}
+    shardckpt.load(filled, path)
+    _equal(filled, sd)
+    stored = sum(1 for v in sd.values() if v.numel())  # chunks; the large one is read apart
+    # 2 loads x 2 files, each file's run split at most once by the large chunk's gap; a lone chunk is read apart
+    assert counted_runs["chunks"] >= 2 * (stored - 1) - 8 and counted_runs["runs"] <= 2 * 2 * 2
+    assert shardckpt.verify(path).ok
+
+
+def test_a_partial_load_of_small_tensors_reads_only_what_it_needs_from_each_run(tmp_path, counted_runs):
+    sd = many_small(64)
+    path = str(tmp_path / "ck")
+    shardckpt.save(sd, path)
+    # Every other tensor, and halves of the 1-D ones: runs with gaps, and chunks read in part.
+    wanted = {k: v for i, (k, v) in enumerate(sd.items()) if i % 2 and v.numel()}
+    pieces = {k: ShardedTensor.from_full(torch.empty_like(v), 1, 2) if v.dim() == 1 and v.numel() > 1 else
+              torch.empty_like(v) for k, v in wanted.items()}
+    shardckpt.load(pieces, path, strict=False)
+    for k, v in wanted.items():
+        got = pieces[k]
+        expected = ShardedTensor.from_full(v, 1, 2).local if isinstance(got, ShardedTensor) else v
+        assert torch.equal(got.local if isinstance(got, ShardedTensor) else got, expected), k
+    assert counted_runs["runs"] >= 1
+
+
+def _flip_byte_of(path: str, name: str) -> None:
+    for index_path in glob.glob(os.path.join(path, "data-*", "*.index.json")):
+        with open(index_path) as f:
+            rows = json.load(f)["chunks"]
+        for row in rows:
+            if row[0] == name:
+                data_path = index_path.replace(".index.json", ".bin")
+                with open(data_path, "r+b") as f:
+                    f.seek(row[2] + row[3] // 2)
+                    byte = f.read(1)
+                    f.seek(-1, os.SEEK_CUR)
+                    f.write(bytes([byte[0] ^ 0x5A]))
+                return
+    raise AssertionError(f"no chunk of {name}")
+
+
+def test_a_corrupt_byte_inside_a_run_of_small_chunks_is_refused_naming_the_tensor(tmp_path):
+    sd = many_small(200)
+    path = str(tmp_path / "ck")
+    shardckpt.save(sd, path)
+    victim = "layers.12.experts.6.w"  # (5, 7) int64, in the middle of its file
+    assert sd[victim].numel() == 35
+    _flip_byte_of(path, victim)
+    with pytest.raises(CorruptCheckpointError, match=rf"tensor '{victim}' chunk 0 fails its checksum"):
+        shardckpt.load_full(path)
+    with pytest.raises(CorruptCheckpointError, match=rf"tensor '{victim}'"):
+        shardckpt.load({k: torch.empty_like(v) for k, v in sd.items()}, path)
+    report = shardckpt.verify(path)
+    assert not report.ok and any(victim in str(p) for p in report.problems)
+    others = {k: torch.empty_like(v) for k, v in sd.items() if k != victim}
+    shardckpt.load(others, path, strict=False)  # the other chunks of the same run are intact
+    _equal(others, {k: v for k, v in sd.items() if k != victim})
+
+
+def _save_many_sharded(path: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sd = {k: ShardedTensor.from_full(v, rank, world) if v.dim() and i % 3 else v
+          for i, (k, v) in enumerate(many_small(300).items())}
+    shardckpt.save(sd, path)
+
+
+def _load_many_resharded(path: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = many_small(300)
+    sd = {k: ShardedTensor.from_full(torch.empty_like(v), rank, world) if v.dim() and i % 2 else torch.empty_like(v)
+          for i, (k, v) in enumerate(full.items())}
+    shardckpt.load(sd, path)
+    for i, (k, v) in enumerate(full.items()):
+        got = sd[k]
+        if isinstance(got, ShardedTensor):
+            assert torch.equal(got.local, ShardedTensor.from_full(v, rank, world).local), k
+        else:
+            assert torch.equal(got, v), k
+
+
+@pytest.mark.parametrize(("save_ws", "load_ws"), [(2, 3), (3, 2), (3, 1)])
+def test_many_small_tensors_saved_at_one_world_size_load_resharded_at_another(tmp_path, save_ws, load_ws):
+    path = str(tmp_path / "ck")
+    run_ranks(save_ws, _save_many_sharded, path)
+    run_ranks(load_ws, _load_many_resharded, path)
+    _equal(shardckpt.load_full(path), many_small(300))
+
+
+def _manifest_doc(tmp_path) -> tuple[dict, str]:
+    path = str(tmp_path / "ck")
+    shardckpt.save({"w": torch.ones(4, 2), "b": torch.zeros(3)}, path)
+    with open(os.path.join(path, "manifest.json"), "rb") as f:
+        data = f.read()
+    return json.loads(b"{" + data[len(b'{"crc32c":"00000000",'):]), path
+
+
+@pytest.mark.parametrize("change", [
+    lambda t: t.update(dtype=["float32"]), lambda t: t.update(dtype="float33"), lambda t: t.update(shape=[4.0, 2]),
+    lambda t: t.update(shape=[True, 8]), lambda t: t.update(crc32c=-1), lambda t: t.update(crc32c=1 << 32),
+    lambda t: t.update(extra=1), lambda t: t["chunks"].update(count=2), lambda t: t["chunks"].update(size=0),
+    lambda t: t["chunks"]["files"].update(first=5), lambda t: t["chunks"]["files"].update(step=9),
+    lambda t: t["chunks"]["files"].pop("step"), lambda t: t["chunks"].update(files={"first": 0, "step": 1, "x": 0}),
+    lambda t: t.update(shape=[1 << 30, 1 << 30]),
+])
+def test_the_manifest_fast_path_refuses_what_the_format_refuses(tmp_path, change):
+    doc, path = _manifest_doc(tmp_path)
+    change(doc["tensors"]["w"])
+    data = seal(json.dumps(doc, separators=(",", ":")).encode())
+    with pytest.raises(CorruptCheckpointError, match="tensor 'w'"):
+        parse_manifest(data, "m")
+
+
+def test_the_manifest_fast_path_gives_what_the_general_path_gives(tmp_path, monkeypatch):
+    from shardckpt.format import manifest
+
+    doc, _ = _manifest_doc(tmp_path)
+    data = seal(json.dumps(doc, separators=(",", ":")).encode())
+    fast = parse_manifest(data, "m")
+    monkeypatch.setattr(manifest, "_fast_regular", lambda *a: None)
+    assert parse_manifest(data, "m").tensors == fast.tensors
