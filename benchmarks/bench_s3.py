@@ -102,7 +102,8 @@ def run(endpoint: str, key: str, secret: str, sizes: list[int], repeats: int, tu
     assert urlsplit(endpoint).hostname == "127.0.0.1", "only 127.0.0.1 may be contacted"
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process
     client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
-                          region_name="us-east-1", config=botocore.config.Config(max_pool_connections=16, read_timeout=600))
+                          region_name="us-east-1",  # one 1 GiB put_object on a loaded machine outlasts 60 s
+                          config=botocore.config.Config(max_pool_connections=16, read_timeout=600))
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     client.create_bucket(Bucket=bucket)
     options = {"endpoint_url": endpoint, "key": key, "secret": secret, "client_kwargs": {"region_name": "us-east-1"}}

@@ -11,6 +11,8 @@
   exponential backoff and full jitter, until ``retry_deadline_s``; an endpoint that cannot be reached at
   all (refused, unknown host) only for ``connect_deadline_s``; then a ``StorageError`` names the object
   (``io/retry.py``). Each retry is logged on the ``shardckpt.io`` logger.
+- botocore hashes no bodies (no SHA256 payload signing, no CRC32 per request) unless ``config_kwargs``
+  asks: shardckpt's own CRC32C covers every byte, and aiobotocore hashed on s3fs's one loop thread.
 - An exclusive put (the commit) is a conditional PUT (``If-None-Match: *``). If a retried one finds the
   object present, the object is read back: if it is the bytes this writer sent, an earlier attempt
   succeeded and the commit stands.
