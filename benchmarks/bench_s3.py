@@ -129,12 +129,14 @@ def run(endpoint: str, key: str, secret: str, sizes: list[int], repeats: int, tu
             server_cpu.setdefault(name, []).append(_cpu_s(flags.server_pid) - sc)
 
         def method_raw_put(tag: str) -> None:
-            timed("raw put_object", lambda: client.put_object(Bucket=bucket, Key=f"raw/{tag}/a", Body=blob))
+            if not flags.no_single:
+                timed("raw put_object", lambda: client.put_object(Bucket=bucket, Key=f"raw/{tag}/a", Body=blob))
             timed("raw multipart", lambda: client.upload_fileobj(io.BytesIO(blob), bucket, f"raw/{tag}/b",
                                                                  Config=transfer))
 
         def method_raw_get(tag: str) -> None:
-            timed("raw get_object", lambda: client.get_object(Bucket=bucket, Key=f"raw/{tag}/a")["Body"].read())
+            if not flags.no_single:
+                timed("raw get_object", lambda: client.get_object(Bucket=bucket, Key=f"raw/{tag}/a")["Body"].read())
             timed("raw ranged", lambda: client.download_fileobj(bucket, f"raw/{tag}/b", io.BytesIO(),
                                                                 Config=transfer))
 
@@ -207,6 +209,7 @@ def main() -> None:
     ap.add_argument("--no-dcp", action="store_true", help="leave torch DCP out")
     ap.add_argument("--botocore-hashing", action="store_true",
                     help="also shardckpt with botocore's own SHA256/CRC32 on (as before issue 38)")
+    ap.add_argument("--no-single", action="store_true", help="leave one put_object / get_object out (server space)")
     ap.add_argument("--vs-best", action="store_true", help="ratios to the faster of multipart and one put/get")
     ap.add_argument("--server-pid", type=int, action="append", default=[], help="a server process to count CPU of")
     ap.add_argument("--json", help="write the results here")
