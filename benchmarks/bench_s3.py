@@ -180,7 +180,7 @@ def run(endpoint: str, key: str, secret: str, sizes: list[int], repeats: int, tu
         gib = nbytes / (1 << 30)
         cpu_per_gib = {k: median(v) / gib for k, v in cpu.items()}
         server_per_gib = {k: median(v) / gib for k, v in server_cpu.items()}
-        ratios = {f"{what} {op} vs raw": (raw_put if op == "save" else raw_get) / med[f"{what} {op}{label}"]
+        ratios = {f"{what} {op}{label} vs raw": (raw_put if op == "save" else raw_get) / med[f"{what} {op}{label}"]
                   for what, label in (("shardckpt", ""), ("shardckpt", " (botocore hashing)"), ("dcp", ""))
                   for op in ("save", "load") if f"{what} {op}{label}" in med}
         ratios = {k.replace("shardckpt ", "") if "hashing" not in k else k: v for k, v in ratios.items()}
