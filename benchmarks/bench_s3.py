@@ -4,11 +4,18 @@ Workload: ``--mib`` MiB of fp32 state (16 MiB tensors), in one process (world si
 
 Methods, their order rotating from repeat to repeat, each timed in-process (medians over ``--repeats``):
 
-- ``raw put``: the faster of boto3's multipart ``upload_fileobj`` (8 MiB parts, 10 threads) and one
-  ``put_object`` of the same bytes (both are timed and shown; the faster is the limit);
-- ``raw get``: the faster of ``download_fileobj`` (8 MiB ranged GETs, 10 threads) and one ``get_object``;
+- ``raw put``: boto3's multipart ``upload_fileobj`` with shardckpt's part size and concurrency (8 MiB, 8
+  threads by default; botocore's default hashing: SHA256 payload signing over http, CRC32 per part) and one
+  ``put_object`` of the same bytes; the ratios are to the multipart (``--vs-best``: to the faster of both);
+- ``raw get``: ``download_fileobj`` (ranged GETs, the same part size and threads) and one ``get_object``;
 - ``shardckpt save`` / ``load`` over ``s3://`` (load into preallocated tensors, checksums verified);
-- ``dcp save`` / ``load``: ``torch.distributed.checkpoint`` with its ``FsspecWriter``/``FsspecReader``.
+- ``dcp save`` / ``load``: ``torch.distributed.checkpoint`` with its ``FsspecWriter``/``FsspecReader``
+  (``--no-dcp`` leaves it out);
+- ``--botocore-hashing``: also ``shardckpt save/load (botocore hashing)``, with botocore's own per-request
+  SHA256 and CRC32 turned back on (shardckpt turns them off: its CRC32C covers every byte; issue 38).
+
+CPU: the client process's CPU seconds per GiB (all its threads) beside each method, and with
+``--server-pid`` (repeatable; moto's own when started here) the server's, from ``/proc/PID/stat``.
 
 Every save goes to a fresh key, removed after each repeat. The S3 server is moto's (``moto_server`` started here on 127.0.0.1 in its
 own process), or any S3 endpoint given with ``--endpoint`` (e.g. radosgw from ``tests/storage/radosgw.sh``).
@@ -66,7 +73,23 @@ def _state(mib: int) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(4 * MiB, generator=g) for i in range(max(1, mib // 16))}
 
 
-def run(endpoint: str, key: str, secret: str, sizes: list[int], repeats: int, tuning: dict) -> list[dict]:
+def _cpu_s(pids: list[int]) -> float:
+    """utime + stime of ``pids`` (and their threads), seconds."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+BOTOCORE_HASHING = {"config_kwargs": {"request_checksum_calculation": "when_supported",
+                                      "response_checksum_validation": "when_supported",
+                                      "s3": {"payload_signing_enabled": True}}}
+
+
+def run(endpoint: str, key: str, secret: str, sizes: list[int], repeats: int, tuning: dict,
+        flags: argparse.Namespace) -> list[dict]:
     import boto3
     import botocore.config
     import s3fs
@@ -79,44 +102,56 @@ def run(endpoint: str, key: str, secret: str, sizes: list[int], repeats: int, tu
     assert urlsplit(endpoint).hostname == "127.0.0.1", "only 127.0.0.1 may be contacted"
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process
     client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
-                          region_name="us-east-1", config=botocore.config.Config(max_pool_connections=16))
+                          region_name="us-east-1",  # one 1 GiB put_object on a loaded machine outlasts 60 s
+                          config=botocore.config.Config(max_pool_connections=16, read_timeout=600))
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     client.create_bucket(Bucket=bucket)
     options = {"endpoint_url": endpoint, "key": key, "secret": secret, "client_kwargs": {"region_name": "us-east-1"}}
     tuned = {**options, **tuning}  # shardckpt's knobs (dcp and the raw client get their own defaults)
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
-    transfer = TransferConfig(multipart_chunksize=8 * MiB, multipart_threshold=8 * MiB, max_concurrency=10)
+    part, threads = tuning.get("default_block_size", 8 * MiB), tuning.get("max_concurrency", 8)
+    transfer = TransferConfig(multipart_chunksize=part, multipart_threshold=part, max_concurrency=threads)
     rows = []
     for mib in sizes:
         state = _state(mib)
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         blob = b"".join(t.numpy().tobytes() for t in state.values())
         times: dict[str, list[float]] = {}
+        cpu: dict[str, list[float]] = {}
+        server_cpu: dict[str, list[float]] = {}
         peak: list[int] = []
 
         def timed(name: str, fn) -> None:
-            t = time.perf_counter()
+            t, c, sc = time.perf_counter(), time.process_time(), _cpu_s(flags.server_pid)
             fn()
             times.setdefault(name, []).append(time.perf_counter() - t)
+            cpu.setdefault(name, []).append(time.process_time() - c)
+            server_cpu.setdefault(name, []).append(_cpu_s(flags.server_pid) - sc)
 
         def method_raw_put(tag: str) -> None:
-            timed("raw put_object", lambda: client.put_object(Bucket=bucket, Key=f"raw/{tag}/a", Body=blob))
+            if not flags.no_single:
+                timed("raw put_object", lambda: client.put_object(Bucket=bucket, Key=f"raw/{tag}/a", Body=blob))
             timed("raw multipart", lambda: client.upload_fileobj(io.BytesIO(blob), bucket, f"raw/{tag}/b",
                                                                  Config=transfer))
 
         def method_raw_get(tag: str) -> None:
-            timed("raw get_object", lambda: client.get_object(Bucket=bucket, Key=f"raw/{tag}/a")["Body"].read())
+            if not flags.no_single:
+                timed("raw get_object", lambda: client.get_object(Bucket=bucket, Key=f"raw/{tag}/a")["Body"].read())
             timed("raw ranged", lambda: client.download_fileobj(bucket, f"raw/{tag}/b", io.BytesIO(),
                                                                 Config=transfer))
 
-        def method_shardckpt(tag: str) -> None:
-            url = f"s3://{bucket}/shardckpt/{tag}"
+        def method_shardckpt(tag: str, label: str = "", options: dict = tuned) -> None:
+            url = f"s3://{bucket}/shardckpt/{tag}/{'hashing' if label else 'plain'}"
             with RssSampler() as rss:
-                timed("shardckpt save", lambda: shardckpt.save(state, url, storage_options=tuned))
-            peak.append(rss.delta)
+                timed("shardckpt save" + label, lambda: shardckpt.save(state, url, storage_options=dict(options)))
+            if not label:
+                peak.append(rss.delta)
             target = {k: torch.empty_like(v) for k, v in state.items()}
-            timed("shardckpt load", lambda: shardckpt.load(target, url, storage_options=tuned))
+            timed("shardckpt load" + label, lambda: shardckpt.load(target, url, storage_options=dict(options)))
             assert all(torch.equal(target[k], state[k]) for k in state)
+
+        def method_shardckpt_hashing(tag: str) -> None:
+            method_shardckpt(tag, " (botocore hashing)", {**tuned, **BOTOCORE_HASHING})
 
         def method_dcp(tag: str) -> None:
             url = f"s3://{bucket}/dcp/{tag}"
@@ -125,7 +160,8 @@ def run(endpoint: str, key: str, secret: str, sizes: list[int], repeats: int, tu
             timed("dcp load", lambda: dcp.load(target, storage_reader=FsspecReader(url, **options)))
             assert all(torch.equal(target[k], state[k]) for k in state)
 
-        methods = [method_raw_put, method_raw_get, method_shardckpt, method_dcp]
+        methods = [method_raw_put, method_raw_get, method_shardckpt] + \
+            [method_shardckpt_hashing] * flags.botocore_hashing + [method_dcp] * (not flags.no_dcp)
         for r in range(repeats):
             tag = uuid.uuid4().hex[:8]
             order = methods[r % len(methods):] + methods[:r % len(methods)]
@@ -135,21 +171,29 @@ def run(endpoint: str, key: str, secret: str, sizes: list[int], repeats: int, tu
             for m in order:
                 m(tag)
             for prefix in ("raw", "shardckpt", "dcp"):  # the server may hold objects in memory (moto)
-                fs.rm(f"{bucket}/{prefix}/{tag}", recursive=True)
+                if fs.find(f"{bucket}/{prefix}/{tag}"):
+                    fs.rm(f"{bucket}/{prefix}/{tag}", recursive=True)
         med = {k: median(v) for k, v in times.items()}
-        raw_put = min(med["raw put_object"], med["raw multipart"])
-        raw_get = min(med["raw get_object"], med["raw ranged"])
+        raw_put = min(med["raw put_object"], med["raw multipart"]) if flags.vs_best else med["raw multipart"]
+        raw_get = min(med["raw get_object"], med["raw ranged"]) if flags.vs_best else med["raw ranged"]
         mbps = {k: nbytes / v / 1e6 for k, v in med.items()}
-        rows.append({"mib": nbytes // MiB, "seconds": med, "MB/s": mbps,
-                     "save vs raw": raw_put / med["shardckpt save"], "load vs raw": raw_get / med["shardckpt load"],
-                     "dcp save vs raw": raw_put / med["dcp save"], "dcp load vs raw": raw_get / med["dcp load"],
-                     "shardckpt save peak RSS delta MiB": median(peak) / MiB})
-        print(f"\n{nbytes // MiB} MiB, median of {repeats} (load average {loadavg()}):")
+        gib = nbytes / (1 << 30)
+        cpu_per_gib = {k: median(v) / gib for k, v in cpu.items()}
+        server_per_gib = {k: median(v) / gib for k, v in server_cpu.items()}
+        ratios = {f"{what} {op}{label} vs raw": (raw_put if op == "save" else raw_get) / med[f"{what} {op}{label}"]
+                  for what, label in (("shardckpt", ""), ("shardckpt", " (botocore hashing)"), ("dcp", ""))
+                  for op in ("save", "load") if f"{what} {op}{label}" in med}
+        ratios = {k.replace("shardckpt ", "") if "hashing" not in k else k: v for k, v in ratios.items()}
+        rows.append({"mib": nbytes // MiB, "seconds": med, "MB/s": mbps, "client CPU s/GiB": cpu_per_gib,
+                     "server CPU s/GiB": server_per_gib, **ratios,
+                     "shardckpt save peak RSS delta MiB": median(peak) / MiB, "load average": loadavg()})
+        print(f"\n{nbytes // MiB} MiB, median of {repeats} (load average {loadavg()}), raw: {threads} threads, "
+              f"{part // MiB} MiB parts:")
         for k in sorted(med):
-            print(f"  {k:16s} {med[k]:7.3f} s  {mbps[k]:7.1f} MB/s")
-        print(f"  shardckpt save / raw: {rows[-1]['save vs raw']:.0%}, load / raw: {rows[-1]['load vs raw']:.0%}; "
-              f"dcp save / raw: {rows[-1]['dcp save vs raw']:.0%}, load / raw: {rows[-1]['dcp load vs raw']:.0%}; "
-              f"shardckpt save peak RSS +{rows[-1]['shardckpt save peak RSS delta MiB']:.0f} MiB")
+            print(f"  {k:36s} {med[k]:7.3f} s  {mbps[k]:7.1f} MB/s  client CPU {cpu_per_gib[k]:5.2f} s/GiB"
+                  f"  server CPU {server_per_gib[k]:5.2f} s/GiB")
+        print("  " + ", ".join(f"{k}: {v:.0%}" for k, v in ratios.items()) +
+              f"; shardckpt save peak RSS +{rows[-1]['shardckpt save peak RSS delta MiB']:.0f} MiB")
     return rows
 
 
@@ -162,6 +206,12 @@ def main() -> None:
     ap.add_argument("--secret", default="testing")
     ap.add_argument("--part-mib", type=int, help="shardckpt's part size (storage option default_block_size)")
     ap.add_argument("--concurrency", type=int, help="shardckpt's parts in flight per file (max_concurrency)")
+    ap.add_argument("--no-dcp", action="store_true", help="leave torch DCP out")
+    ap.add_argument("--botocore-hashing", action="store_true",
+                    help="also shardckpt with botocore's own SHA256/CRC32 on (as before issue 38)")
+    ap.add_argument("--no-single", action="store_true", help="leave one put_object / get_object out (server space)")
+    ap.add_argument("--vs-best", action="store_true", help="ratios to the faster of multipart and one put/get")
+    ap.add_argument("--server-pid", type=int, action="append", default=[], help="a server process to count CPU of")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
@@ -172,10 +222,11 @@ def main() -> None:
     endpoint = args.endpoint
     if endpoint is None:
         proc, endpoint = _start_moto()
+        args.server_pid.append(proc.pid)
     try:
         tuning = {k: v for k, v in (("default_block_size", args.part_mib and args.part_mib * MiB),
                                     ("max_concurrency", args.concurrency)) if v}
-        rows = run(endpoint, args.key, args.secret, args.mib or [256, 1024], args.repeats, tuning)
+        rows = run(endpoint, args.key, args.secret, args.mib or [256, 1024], args.repeats, tuning, args)
     finally:
         if proc is not None:
             proc.kill()

@@ -137,3 +137,50 @@ def test_export_to_s3_stages_nothing_locally_and_verifies_against_its_source(s3_
     assert fs.exists(f"{bucket}/hf/{INDEX_NAME}")
     check = verify_export(url, against=src, dst_storage_options=server.options())
     assert check.ok and check.values.tensors == 2
+
+
+def test_botocore_hashes_no_body_by_default_but_a_callers_config_wins(s3_bucket):
+    # Issue 38: botocore's SHA256 (payload signing over http) and CRC32 of every part ran on s3fs's one
+    # event-loop thread, in series with the upload; shardckpt's CRC32C already covers every byte.
+    import boto3
+    import botocore.config
+
+    from shardckpt.io.s3 import S3Tuning
+
+    server, bucket = s3_bucket
+    options: dict = {}
+    S3Tuning.take_from(options)
+    config = options["config_kwargs"]
+    assert config["request_checksum_calculation"] == config["response_checksum_validation"] == "when_required"
+    sent = []
+    client = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=server.key,
+                          aws_secret_access_key=server.secret, region_name="us-east-1",
+                          config=botocore.config.Config(**config))
+    client.meta.events.register("before-send.s3.PutObject", lambda request, **_: sent.append(request.headers))
+    client.put_object(Bucket=bucket, Key="hashing/a", Body=b"x" * 100_000)
+    assert sent[0]["X-Amz-Content-SHA256"] == b"UNSIGNED-PAYLOAD", dict(sent[0])
+    assert not any(k.lower().startswith("x-amz-checksum") for k in sent[0]), dict(sent[0])
+    # The caller's own choices are kept.
+    options = {"config_kwargs": {"request_checksum_calculation": "when_supported",
+                                 "s3": {"payload_signing_enabled": True, "addressing_style": "path"}}}
+    S3Tuning.take_from(options)
+    assert options["config_kwargs"]["request_checksum_calculation"] == "when_supported"
+    assert options["config_kwargs"]["s3"] == {"payload_signing_enabled": True, "addressing_style": "path"}
+
+
+@pytest.mark.parametrize("where", ["data", "manifest"])
+def test_s3_corrupt_object_refused_on_load(s3_bucket, where):
+    # Without botocore's own checksums, shardckpt's CRC32C must still refuse any byte changed on the server.
+    server, bucket = s3_bucket
+    state = {"big": torch.randn(5 << 20, generator=torch.Generator().manual_seed(1))}  # 20 MiB: multipart
+    url = f"s3://{bucket}/corrupt-{where}"
+    shardckpt.save(state, url, storage_options=server.options())
+    fs = server.raw_fs
+    files = fs.find(f"{bucket}/corrupt-{where}")
+    victim = max((p for p in files if p.endswith(".bin")), key=fs.size) if where == "data" else \
+        next(p for p in files if p.rsplit("/", 1)[-1].startswith("manifest"))
+    data = bytearray(fs.cat_file(victim))
+    data[len(data) * 2 // 3] ^= 0x10  # one bit, in a later part
+    fs.pipe_file(victim, bytes(data))
+    with pytest.raises(shardckpt.CorruptCheckpointError):
+        shardckpt.load({"big": torch.empty(5 << 20)}, url, storage_options=server.options())
