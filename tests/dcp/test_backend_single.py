@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 import shardckpt
 from shardckpt.dcp import StorageReader, StorageWriter
-from shardckpt.errors import CheckpointExistsError, CorruptCheckpointError
+from shardckpt.errors import CheckpointExistsError, CorruptCheckpointError, UnsupportedValueError
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -166,3 +166,10 @@ def test_bad_options_are_refused_at_construction():
         StorageWriter("x", files_per_rank=0)
     with pytest.raises(BaseException, match="zstd"):
         StorageWriter("x", compress="lz4")
+
+
+@pytest.mark.parametrize("metadata", [{"a": object()}, {"a": float("nan")}])
+def test_metadata_that_is_not_json_is_refused_at_construction_before_anything_is_written(tmp_path, metadata):
+    with pytest.raises(UnsupportedValueError, match="StorageWriter\\(metadata=...\\) must be JSON-able"):
+        StorageWriter(str(tmp_path / "ckpt"), metadata=metadata)
+    assert not os.path.exists(tmp_path / "ckpt")
