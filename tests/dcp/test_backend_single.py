@@ -14,7 +14,8 @@ import torch.distributed.checkpoint as dcp
 import shardckpt
 from shardckpt.dcp import StorageReader, StorageWriter
 from shardckpt.errors import (
-    CheckpointExistsError, CorruptCheckpointError, IncompatibleCheckpointError, UnsupportedValueError,
+    CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError,
+    UnsupportedValueError,
 )
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -192,3 +193,31 @@ def test_a_target_of_another_dtype_is_refused_naming_the_key_and_nothing_loads(t
         dcp.load(state, storage_reader=StorageReader(path))
     assert "IncompatibleCheckpointError" in repr(info.value) or isinstance(info.value, IncompatibleCheckpointError)
     assert state["step"] == 0 and not target.any() and not state[other].any()  # nothing of the plan loaded
+
+
+def _rank_failures(error: BaseException) -> list:
+    return [v[0] if isinstance(v, tuple) else v for v in getattr(error, "failures", {}).values()]
+
+
+def test_a_damaged_or_missing_manifest_is_the_ranks_shardckpt_error_inside_dcps(tmp_path):
+    """torch 2.13's dcp.load catches read_metadata's error, asks again with rank=, then asserts; the reader's
+    placeholder answer lets set_up_storage_reader raise the CorruptCheckpointError itself."""
+    path = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.ones(4)}, storage_writer=StorageWriter(path))
+    manifest = os.path.join(path, "manifest.json")
+    with open(manifest, "rb") as f:
+        data = f.read()
+    assert b'"world_size":1' in data
+    with open(manifest, "wb") as f:
+        f.write(data.replace(b'"world_size":1', b'"world_size":2'))
+    target = {"w": torch.zeros(4)}
+    with pytest.raises(BaseException) as info:
+        dcp.load(target, storage_reader=StorageReader(path))
+    failures = _rank_failures(info.value)
+    assert [type(e) for e in failures] == [CorruptCheckpointError] and "manifest.json" in str(failures[0])
+    assert not target["w"].any()
+    with pytest.raises(BaseException) as info:
+        dcp.load(target, storage_reader=StorageReader(str(tmp_path / "absent")))
+    assert [type(e) for e in _rank_failures(info.value)] == [CheckpointNotFoundError]
+    with pytest.raises(CorruptCheckpointError):  # asked directly, the error itself
+        StorageReader(path).read_metadata()

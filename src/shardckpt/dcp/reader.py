@@ -50,14 +50,26 @@ class StorageReader(_DcpStorageReader):
         self._names: dict[str, str] = {}  # DCP key -> the reader's tensor name
         self._values: dict[str, Any] = {}  # DCP key -> plain value
         self._infos: dict[str, Any] = {}  # the reader's tensor name -> its TensorInfo
+        self._failure: CheckpointError | None = None  # why the checkpoint could not be opened
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
-        self._reader, self._names, self._values, self._infos = None, {}, {}, {}
+        self._reader, self._names, self._values, self._infos, self._failure = None, {}, {}, {}, None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        reader = self._reader = open_reader(self.path, storage_options=self.storage_options, verify=self.verify)
+        """The checkpoint's keys as DCP's metadata. A checkpoint that cannot be opened raises shardckpt's error;
+        torch 2.13's ``dcp.load`` catches it and asks again with ``rank=``, then would fail with an
+        ``AssertionError`` holding only its text: that second ask gets an empty placeholder instead, and
+        ``set_up_storage_reader`` (DCP's next call) raises the error itself, which DCP reports as the rank's."""
+        if "rank" in kwargs and self._failure is not None:
+            return Metadata(state_dict_metadata={})
+        try:
+            reader = open_reader(self.path, storage_options=self.storage_options, verify=self.verify)
+        except CheckpointError as e:
+            self._failure = e
+            raise
+        self._reader, self._failure = reader, None
         infos = self._infos = reader.tensors()
         entries: dict[str, Any] = {}
         self._names, self._values = {}, {}
@@ -78,6 +90,8 @@ class StorageReader(_DcpStorageReader):
         return Metadata(state_dict_metadata=entries)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._failure is not None:  # the placeholder metadata must never plan a load
+            raise self._failure
         if self._reader is None:
             self.read_metadata()
 
