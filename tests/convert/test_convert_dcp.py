@@ -13,7 +13,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import shardckpt
-from shardckpt.errors import BadArgumentError, CheckpointExistsError, CorruptCheckpointError
+from shardckpt.errors import BadArgumentError, CheckpointExistsError, CorruptCheckpointError, UnsupportedValueError
 from shardckpt.format.tree import TensorRef
 from shardckpt.offline import dcp_output, memory
 from shardckpt.offline.convert import convert
@@ -243,3 +243,21 @@ def test_the_command_says_it_wrote_a_dcp_directory(tmp_path, capsys):
     assert "torch DCP checkpoint at world size 2" in capsys.readouterr().out
     assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out2"), "--format", "dcp", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["format"] == "dcp"
+
+
+def test_per_rank_values_are_refused_naming_their_keys_and_the_rest_converts_without_them(tmp_path, capsys):
+    """DCP stores one value per key; the golden v4 checkpoint's rng, loader and mixed hold one per saving rank."""
+    from shardckpt.cli.main import main
+
+    source = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fixtures", "v4")
+    with pytest.raises(UnsupportedValueError, match=r"rng, loader, mixed: per-rank values .* exclude=\['rng', "):
+        convert(source, tmp_path / "dst", format="dcp")
+    assert not os.path.exists(tmp_path / "dst" / ".metadata")
+    assert main(["convert", source, str(tmp_path / "cli"), "--format", "dcp"]) == 2
+    assert "--exclude rng --exclude loader --exclude mixed" in capsys.readouterr().err
+    rest = ["rng", "loader", "mixed"]
+    convert(source, tmp_path / "dst", format="dcp", exclude=rest)
+    convert(source, tmp_path / "ref", exclude=rest)
+    assert diff(tmp_path / "ref", tmp_path / "dst").equal
+    flat = flatten_state_dict(shardckpt.load_full(tmp_path / "ref"))[0]
+    _same(flatten_state_dict(_torch_reads(tmp_path / "dst", tmp_path))[0], flat)  # DCP's keys are strings: 0 is '0'

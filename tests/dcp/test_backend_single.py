@@ -13,7 +13,10 @@ import torch.distributed.checkpoint as dcp
 
 import shardckpt
 from shardckpt.dcp import StorageReader, StorageWriter
-from shardckpt.errors import CheckpointExistsError, CorruptCheckpointError
+from shardckpt.errors import (
+    CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError,
+    UnsupportedValueError,
+)
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -83,14 +86,14 @@ def test_the_reader_gives_dcp_a_checkpoint_saved_by_shardckpt_and_one_saved_by_d
 
 def test_a_partial_region_lands_where_dcp_asks(tmp_path):
     """A target shaped like a shard (a DTensor's local view is what DCP narrows to): here a whole-tensor load of a
-    narrowed, non-contiguous view, and a dtype cast."""
+    narrowed, non-contiguous view (a dtype cast is refused: test_a_target_of_another_dtype_is_refused...)."""
     path = str(tmp_path / "ckpt")
     w = torch.arange(24.0).reshape(4, 6)
     dcp.save({"w": w}, storage_writer=StorageWriter(path))
-    big = torch.zeros(6, 4, dtype=torch.float64)
+    big = torch.zeros(6, 4)
     target = {"w": big.t()[:4]}  # a non-contiguous (4, 6) view
     dcp.load(target, storage_reader=StorageReader(path))
-    assert torch.equal(big.t()[:4], w.double())
+    assert torch.equal(big.t()[:4], w)
 
 
 def test_an_existing_checkpoint_is_refused_unless_overwrite_and_then_replaced_whole(tmp_path):
@@ -166,3 +169,55 @@ def test_bad_options_are_refused_at_construction():
         StorageWriter("x", files_per_rank=0)
     with pytest.raises(BaseException, match="zstd"):
         StorageWriter("x", compress="lz4")
+
+
+@pytest.mark.parametrize("metadata", [{"a": object()}, {"a": float("nan")}])
+def test_metadata_that_is_not_json_is_refused_at_construction_before_anything_is_written(tmp_path, metadata):
+    with pytest.raises(UnsupportedValueError, match="StorageWriter\\(metadata=...\\) must be JSON-able"):
+        StorageWriter(str(tmp_path / "ckpt"), metadata=metadata)
+    assert not os.path.exists(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("key,target", [("w", torch.zeros(3, 4, dtype=torch.float64)),
+                                        ("h", torch.zeros(3, dtype=torch.float32)),
+                                        ("i", torch.zeros(2, dtype=torch.int32))])
+def test_a_target_of_another_dtype_is_refused_naming_the_key_and_nothing_loads(tmp_path, key, target):
+    """torch's FileSystemReader casts (int64 2**40 into int32 becomes 0); shardckpt's reader refuses."""
+    path = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.arange(12.0).reshape(3, 4), "h": torch.arange(3.0).to(torch.bfloat16),
+              "i": torch.tensor([2**40, 5]), "step": 7}, storage_writer=StorageWriter(path))
+    other = "h" if key != "h" else "w"  # a tensor of the stored dtype, in the same plan
+    state = {key: target, other: torch.zeros(3, dtype=torch.bfloat16) if other == "h" else torch.zeros(3, 4),
+             "step": 0}
+    with pytest.raises(BaseException, match=f"tensor '{key}': the checkpoint .* holds torch.") as info:
+        dcp.load(state, storage_reader=StorageReader(path))
+    assert "IncompatibleCheckpointError" in repr(info.value) or isinstance(info.value, IncompatibleCheckpointError)
+    assert state["step"] == 0 and not target.any() and not state[other].any()  # nothing of the plan loaded
+
+
+def _rank_failures(error: BaseException) -> list:
+    return [v[0] if isinstance(v, tuple) else v for v in getattr(error, "failures", {}).values()]
+
+
+def test_a_damaged_or_missing_manifest_is_the_ranks_shardckpt_error_inside_dcps(tmp_path):
+    """torch 2.13's dcp.load catches read_metadata's error, asks again with rank=, then asserts; the reader's
+    placeholder answer lets set_up_storage_reader raise the CorruptCheckpointError itself."""
+    path = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.ones(4)}, storage_writer=StorageWriter(path))
+    manifest = os.path.join(path, "manifest.json")
+    with open(manifest, "rb") as f:
+        data = f.read()
+    assert b'"world_size":1' in data
+    with open(manifest, "wb") as f:
+        f.write(data.replace(b'"world_size":1', b'"world_size":2'))
+    target = {"w": torch.zeros(4)}
+    with pytest.raises(BaseException) as info:
+        dcp.load(target, storage_reader=StorageReader(path))
+    failures = _rank_failures(info.value)
+    assert [type(e) for e in failures] == [CorruptCheckpointError] and "manifest.json" in str(failures[0])
+    assert not target["w"].any()
+    with pytest.raises(BaseException) as info:
+        dcp.load(target, storage_reader=StorageReader(str(tmp_path / "absent")))
+    assert [type(e) for e in _rank_failures(info.value)] == [CheckpointNotFoundError]
+    with pytest.raises(CorruptCheckpointError):  # asked directly, the error itself
+        StorageReader(path).read_metadata()

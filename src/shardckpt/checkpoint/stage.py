@@ -95,6 +95,18 @@ def stage(state_dict: dict, *, process_group: Any = None, metadata: dict | None 
     return staged
 
 
+def checked_metadata(metadata: dict | None, where: str) -> dict | None:
+    """A copy of the user's manifest ``metadata``, refused (``UnsupportedValueError``) unless strict JSON (no NaN),
+    so that a save fails before anything is written, not at its commit."""
+    if metadata is None:
+        return None
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise UnsupportedValueError(f"{where} must be JSON-able: {e}") from None
+    return copy_module.deepcopy(metadata)
+
+
 def _stage(state_dict: dict, rank: int, metadata: dict | None, copy: bool,
            buffers: StagingBuffers | None) -> Staged:
     check_savable_depth(state_dict)
@@ -108,12 +120,7 @@ def _stage(state_dict: dict, rank: int, metadata: dict | None, copy: bool,
         return marker(path_name(path))
 
     tree = encode(state_dict, is_tensor_like, per_rank=per_rank)
-    if metadata is not None:
-        try:
-            json.dumps(metadata, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise UnsupportedValueError(f"save(metadata=...) must be JSON-able: {e}") from None
-        metadata = copy_module.deepcopy(metadata)
+    metadata = checked_metadata(metadata, "save(metadata=...)")
     host: dict[str, LocalPiece] = {}
     aliased = set()
     if buffers is not None:

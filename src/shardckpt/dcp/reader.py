@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.storage import StorageReader as _DcpStorageRea
 from torch.futures import Future
 
 from shardckpt.dcp.tree import flat_leaves
-from shardckpt.errors import CheckpointError
+from shardckpt.errors import CheckpointError, IncompatibleCheckpointError
 from shardckpt.format.tree import TensorRef
 from shardckpt.formats.api import CheckpointReader, ReadRequest
 from shardckpt.formats.detect import open_reader
@@ -37,6 +37,8 @@ class StorageReader(_DcpStorageReader):
     Keys are DCP's: a state dict ``{"model": ..., "optim": ...}`` meets a checkpoint saved from one of that
     shape by ``shardckpt.save`` or by ``dcp.save`` with ``StorageWriter``; a DeepSpeed checkpoint presents
     ``model.<name>`` and ``optim.state.<name>.<key>``. ``verify``: check stored checksums (default on).
+    A target tensor of another dtype than the stored one is refused (``IncompatibleCheckpointError`` naming the
+    key, before anything of the rank's plan is loaded), where torch's ``FileSystemReader`` casts silently.
     A ``checkpoint_id`` given to ``dcp.load`` replaces ``path``.
     """
 
@@ -47,15 +49,28 @@ class StorageReader(_DcpStorageReader):
         self._reader: CheckpointReader | None = None
         self._names: dict[str, str] = {}  # DCP key -> the reader's tensor name
         self._values: dict[str, Any] = {}  # DCP key -> plain value
+        self._infos: dict[str, Any] = {}  # the reader's tensor name -> its TensorInfo
+        self._failure: CheckpointError | None = None  # why the checkpoint could not be opened
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
-        self._reader, self._names, self._values = None, {}, {}
+        self._reader, self._names, self._values, self._infos, self._failure = None, {}, {}, {}, None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        reader = self._reader = open_reader(self.path, storage_options=self.storage_options, verify=self.verify)
-        infos = reader.tensors()
+        """The checkpoint's keys as DCP's metadata. A checkpoint that cannot be opened raises shardckpt's error;
+        torch 2.13's ``dcp.load`` catches it and asks again with ``rank=``, then would fail with an
+        ``AssertionError`` holding only its text: that second ask gets an empty placeholder instead, and
+        ``set_up_storage_reader`` (DCP's next call) raises the error itself, which DCP reports as the rank's."""
+        if "rank" in kwargs and self._failure is not None:
+            return Metadata(state_dict_metadata={})
+        try:
+            reader = open_reader(self.path, storage_options=self.storage_options, verify=self.verify)
+        except CheckpointError as e:
+            self._failure = e
+            raise
+        self._reader, self._failure = reader, None
+        infos = self._infos = reader.tensors()
         entries: dict[str, Any] = {}
         self._names, self._values = {}, {}
         for key, leaf in flat_leaves(reader.tree()).items():
@@ -75,6 +90,8 @@ class StorageReader(_DcpStorageReader):
         return Metadata(state_dict_metadata=entries)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._failure is not None:  # the placeholder metadata must never plan a load
+            raise self._failure
         if self._reader is None:
             self.read_metadata()
 
@@ -89,18 +106,20 @@ class StorageReader(_DcpStorageReader):
         a buffer), then handed to the planner; plain values as DCP's bytes."""
         if self._reader is None:
             self.read_metadata()
-        requests, landed = [], []
+        tensor_items = [item for item in plan.items if item.type != LoadItemType.BYTE_IO]
+        targets = [self._target(item, planner) for item in tensor_items]  # every dtype checked before any load
         for item in plan.items:
-            key = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
+                key = item.storage_index.fqn
                 if key not in self._values:
                     raise CheckpointError(f"{self.path}: no value {key!r} in the checkpoint")
                 buf = io.BytesIO()
                 torch.save(self._values[key], buf)
                 buf.seek(0)
                 planner.load_bytes(item, buf)
-                continue
-            target = planner.resolve_tensor(item).detach()
+        requests, landed = [], []
+        for item, target in zip(tensor_items, targets):
+            key = item.storage_index.fqn
             direct = target.device.type == "cpu" and target.is_contiguous()
             dest = target if direct else torch.empty(tuple(item.lengths), dtype=target.dtype)
             if dest.numel():
@@ -122,6 +141,17 @@ class StorageReader(_DcpStorageReader):
     @property
     def checkpoint_id(self) -> str:
         return self.path
+
+    def _target(self, item: Any, planner: LoadPlanner) -> torch.Tensor:
+        """Where DCP wants ``item``: refused unless of the stored dtype (torch's ``FileSystemReader`` casts,
+        truncating int64 into int32; shardckpt never loads changed values silently)."""
+        target = planner.resolve_tensor(item).detach()
+        key = item.storage_index.fqn
+        stored = self._infos[self._name(key)].dtype
+        if target.dtype != stored:
+            raise IncompatibleCheckpointError(f"tensor {key!r}: the checkpoint {self.path} holds {stored}, the state "
+                                              f"dict expects {target.dtype}; load into a {stored} tensor and cast it")
+        return target
 
     def _name(self, key: str) -> str:
         if key not in self._names:

@@ -30,7 +30,7 @@ from torch.futures import Future
 from shardckpt.checkpoint.collect import LocalPiece, region_key
 from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, commit, data_dir
 from shardckpt.checkpoint.save_plan import PieceInfo, SavePlan, WriteTask, make_save_plan
-from shardckpt.checkpoint.stage import host_tensor
+from shardckpt.checkpoint.stage import checked_metadata, host_tensor
 from shardckpt.checkpoint.writer import RankResult, write_rank_files
 from shardckpt.dcp.tree import TensorLeaf, nested_tree
 from shardckpt.errors import CheckpointExistsError, UnsupportedValueError
@@ -70,7 +70,7 @@ class StorageWriter(_DcpStorageWriter):
     mix); without it a save onto one is refused before anything is written, and of saves racing to one new
     path exactly one commits. ``compress``: ``"zstd"`` or ``"zstd:LEVEL"`` (as ``shardckpt.save``'s).
     ``files_per_rank``: data files each rank writes in parallel. ``metadata``: a JSON-able dict stored in the
-    manifest. A ``checkpoint_id`` given to ``dcp.save`` replaces ``path``.
+    manifest (anything else, NaN too, is refused here with ``UnsupportedValueError``). A ``checkpoint_id`` given to ``dcp.save`` replaces ``path``.
 
     Non-tensor values are stored as shardckpt's plain JSON values (None, bool, int, float, str and lists,
     tuples and dicts of them): another object (e.g. ``bytes``) fails the save, naming its key.
@@ -85,7 +85,8 @@ class StorageWriter(_DcpStorageWriter):
         self.compression = Compression.parse(compress)
         self.path = os.fspath(path)
         self.overwrite, self.files_per_rank = overwrite, files_per_rank
-        self.storage_options, self.metadata = storage_options, metadata
+        self.storage_options = storage_options
+        self.metadata = checked_metadata(metadata, "StorageWriter(metadata=...)")  # before DCP writes any data
         self._storage: Storage | None = None
         self._save_plan: SavePlan | None = None
         self._holds: list = []

@@ -1,6 +1,7 @@
 """``convert --format dcp``: the conversion ``offline.conversion`` decided, written as a torch DCP directory
 (``.metadata`` plus ``__R_K.distcp`` files, one per output rank) that ``torch.distributed.checkpoint.load``,
-``format_utils.dcp_to_torch_save`` and torchtitan read.
+``format_utils.dcp_to_torch_save`` and torchtitan read. DCP stores one value per key: per-rank values (format v4)
+are refused, naming their keys (``--exclude`` them).
 
 The same plan and streams as the shardckpt output (``offline.convert``'s placement, ``offline.streams``): each
 DCP chunk (``offline.dcp_layout``: a box of at most one slice buffer) is read from the source (cast if asked)
@@ -31,8 +32,9 @@ from typing import Any, Callable
 
 import torch
 
+from shardckpt.checkpoint.agree import per_rank_names
 from shardckpt.errors import (
-    CheckpointError, CheckpointExistsError, CorruptCheckpointError,
+    CheckpointError, CheckpointExistsError, CorruptCheckpointError, UnsupportedValueError,
 )
 from shardckpt.format.checksum import crc32c, runs_crc_term
 from shardckpt.format.dtypes import itemsize
@@ -84,6 +86,7 @@ class _Counting:
 def write_dcp(what: Conversion, place: Callable[[Output, int], tuple[Region, bool]], storage: Storage,
               generation: str, buffer_bytes: int, tick: Callable[[int], None], overwrite: bool) -> tuple[list[int], int]:
     """Write and commit ``what`` as a DCP checkpoint; returns the ranks kept from a killed run and their bytes."""
+    _refuse_per_rank(what.encoded_tree)
     committed, old_files = _committed_files(storage, overwrite)
     tree = decode(what.encoded_tree, "the conversion's tree")
     by_name = {o.name: o for o in what.outputs}
@@ -128,6 +131,15 @@ def write_dcp(what: Conversion, place: Callable[[Output, int], tuple[Region, boo
         hold.release()
     _remove_old(storage, old_files - {s.path for s in stored}, journals)
     return kept, kept_bytes
+
+
+def _refuse_per_rank(encoded_tree: Any) -> None:
+    """DCP stores one value per key: per-rank values (format v4, ``shardckpt.PerRank``) have no form there."""
+    names = per_rank_names(encoded_tree)
+    if names:
+        raise UnsupportedValueError(f"{', '.join(names)}: per-rank values (shardckpt.PerRank) have no form in DCP, "
+                                    f"which stores one value per key; pass exclude={names} to convert the rest "
+                                    "(a conversion to the shardckpt format keeps them)")
 
 
 def _committed_files(storage: Storage, overwrite: bool) -> tuple[bool, set[str]]:
