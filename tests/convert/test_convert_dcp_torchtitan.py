@@ -143,3 +143,22 @@ def test_the_command_and_workers_strip_it_too(tmp_path):
     for name, tensor in state["model"].items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
 
+
+
+def test_a_killed_run_is_resumed_by_the_same_prefix_only(tmp_path):
+    """A rerun with the killed run's prefix keeps its finished rank files; one with another prefix keeps
+    nothing and writes the names it asks for."""
+    from shardckpt.offline import dcp_output
+    from tests.convert._kill import killed_after
+
+    state = _source(tmp_path / "src")
+    src, dst = tmp_path / "src", tmp_path / "dcp"
+    killed_after(2, dcp_output._RankFile, "write",
+                 lambda: convert(src, dst, world_size=4, format="dcp", strip_prefix="model."))
+    assert convert(src, dst, world_size=4, format="dcp", strip_prefix="model.a.").kept_ranks == ()
+    killed_after(2, dcp_output._RankFile, "write",
+                 lambda: convert(src, tmp_path / "dcp2", world_size=4, format="dcp", strip_prefix="model."))
+    assert convert(src, tmp_path / "dcp2", world_size=4, format="dcp", strip_prefix="model.").kept_ranks
+    for out, name in ((dst, "w"), (tmp_path / "dcp2", "a.w")):
+        dcp_to_torch_save(out, tmp_path / "out.pt")
+        assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=False)[name], state["model"]["a.w"])

@@ -82,9 +82,9 @@ class ConvertReport:
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int | None = None,
             type: str | None = None, dtype: torch.dtype | None = None, only: Sequence[str] = (),
-            exclude: Sequence[str] = (), strip_prefix: str | None = None, overwrite: bool = False, files_per_rank: int = DEFAULT_FILES_PER_RANK,
-            param_names: Sequence[str] | None = None, storage_options: dict | None = None,
-            dst_storage_options: dict | None = None, compress: str | None = None,
+            exclude: Sequence[str] = (), strip_prefix: str | None = None, overwrite: bool = False,
+            files_per_rank: int = DEFAULT_FILES_PER_RANK, param_names: Sequence[str] | None = None,
+            storage_options: dict | None = None, dst_storage_options: dict | None = None, compress: str | None = None,
             progress: Callable[[int, int], None] | None = None, spread_over: Any = None,
             memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT, optim_key: str | OptimStateKeyType | None = None,
             workers: int = 1, format: str = "shardckpt", adapter: str | None = None,
@@ -125,8 +125,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
 
         return convert_in_workers(workers, progress, src, dst, dict(
             world_size=world_size, type=type, dtype=dtype, only=only, exclude=exclude, strip_prefix=strip_prefix,
-            overwrite=overwrite,
-            files_per_rank=files_per_rank, param_names=param_names, storage_options=storage_options,
+            overwrite=overwrite, files_per_rank=files_per_rank, param_names=param_names, storage_options=storage_options,
             dst_storage_options=dst_storage_options, compress=compress, memory_limit=memory_limit,
             optim_key=optim_key, adapter=adapter, reverse=reverse))
     limit = None if memory_limit is None else parse_size(memory_limit)
