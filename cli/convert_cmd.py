@@ -26,6 +26,8 @@ examples:
       a run's first checkpoint, for load_state(model, None, path) or load({"model": sd}, path))
   shardckpt convert hf/llama /ckpt/titan-start --world-size 8 --type sharded --reverse
       --adapter torchtitan-llama:config=hf/llama        (in torchtitan's names and q/k layout)
+  shardckpt convert /ckpt/step-1000 titan/checkpoint/step-1000 --format dcp --only model --strip-prefix model.
+      (a save({"model": sd}) as torchtitan's CheckpointManager loads it: flat model keys)
 """
 
 

@@ -68,6 +68,8 @@ def convert(
     dtype: Annotated[str | None, Opt("cast floating-point tensors, e.g. bfloat16", parse=_float_dtype)] = None,
     only: Annotated[Sequence[str], prefixes("keep only this dotted-name prefix")] = (),
     exclude: Annotated[Sequence[str], prefixes("leave out this dotted-name prefix")] = (),
+    strip_prefix: Annotated[str | None, Opt("remove this prefix from the output names, moving what is under it to "
+                                            "the top, e.g. model. for torchtitan's flat DCP keys", metavar="P")] = None,
     compress: Annotated[str | None, Opt("store chunks as zstd frames (floats split into byte planes first); "
                                         "default: raw", parse=_compression, metavar="zstd[:LEVEL]")] = None,
     memory_limit: Annotated[int | str | None, MEMORY_LIMIT] = DEFAULT_MEMORY_LIMIT,
@@ -97,12 +99,14 @@ def convert(
 
     >>> shardckpt.convert("runs/a/step-1000", "runs/a/step-1000-ws8", world_size=8)  # doctest: +SKIP
     ConvertResult(path='runs/a/step-1000-ws8', type='sharded', world_size=8, ...)
+    >>> shardckpt.convert("runs/a/step-1000", "titan/checkpoint/step-1000", format="dcp",
+    ...                   only=["model"], strip_prefix="model.")  # doctest: +SKIP
     """
     from shardckpt.offline.convert import convert as run_convert
 
     start = time.monotonic()
     report = run_convert(src, dst, world_size=world_size, type=_lower(type), dtype=_torch_dtype(dtype),
-                         only=tuple(only), exclude=tuple(exclude), overwrite=overwrite,
+                         only=tuple(only), exclude=tuple(exclude), strip_prefix=strip_prefix, overwrite=overwrite,
                          storage_options=storage_options, compress=compress, progress=progress,
                          dst_storage_options=storage_options if dst_storage_options is None else dst_storage_options,
                          spread_over=spread_over, memory_limit=memory_limit, optim_key=_lower(optim_key),

@@ -1,12 +1,12 @@
 """What ``convert`` makes of a source, decided before anything is written: the output's world size and type,
 the reader the output is made of (the source by parameter, or a LOCAL source at the new world size), the
-optimizer state's key type, and the output's encoded tree and tensors after ``only`` / ``exclude``, the rekey
-and the cast, checked as ``save`` checks a state dict. ``offline.convert`` writes it."""
+optimizer state's key type, and the output's encoded tree and tensors after ``only`` / ``exclude``, the rekey,
+``strip_prefix`` and the cast, checked as ``save`` checks a state dict. ``offline.convert`` writes it."""
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -33,6 +33,14 @@ class ConversionRequestError(IncompatibleCheckpointError, ValueError):
     """What was asked cannot be made of this source: a selection that keeps nothing, or a cast of LOCAL output."""
 
 
+class Selection(NamedTuple):
+    """Which source entries the output holds (dotted-name prefixes), and the prefix removed from their names."""
+
+    only: Sequence[str] = ()
+    exclude: Sequence[str] = ()
+    strip_prefix: str | None = None
+
+
 @dataclass
 class Conversion:
     """What a conversion writes, decided from the source before anything is written."""
@@ -48,8 +56,8 @@ class Conversion:
 
 
 def conversion(base: CheckpointReader, src: str, world_size: int | None, type: str | None,
-                dtype: torch.dtype | None, only: Sequence[str], exclude: Sequence[str],
-                param_names: Sequence[str] | None, key_type: OptimStateKeyType | None) -> Conversion:
+                dtype: torch.dtype | None, selection: Selection, param_names: Sequence[str] | None,
+                key_type: OptimStateKeyType | None) -> Conversion:
     metadata = dict(getattr(getattr(base, "manifest", None), "metadata", None) or {})
     stored_type = metadata.get("state_dict_type", "full")
     source_type = "local" if is_local(base.tree()) else _TYPE_NAMES.get(stored_type, stored_type)
@@ -66,12 +74,13 @@ def conversion(base: CheckpointReader, src: str, world_size: int | None, type: s
         reader = logical_view(base, param_names=param_names)
         metadata.pop("param_names", None)  # a FULL or SHARDED output has no flat layouts to go with them
     key_type, rekey = _rekeying(base, reader, out_type, key_type, param_names)
-    encoded_tree, outputs = select(reader, only, exclude, dtype, rekey)
+    encoded_tree, outputs = select(reader, selection, dtype, rekey)
     if key_type is not None and isinstance(encoded_tree.get("optim"), dict):
         metadata["optim_key"] = key_type.value
     if out_type == "local" and not is_local(encoded_tree):
-        raise ConversionRequestError(f"only={list(only)} exclude={list(exclude)} leave out model.{LAYOUTS_KEY}: "
-                                     "LOCAL output keeps the flat layouts")
+        raise ConversionRequestError(f"only={list(selection.only)} exclude={list(selection.exclude)} strip_prefix="
+                                     f"{selection.strip_prefix!r} leave out model.{LAYOUTS_KEY}: LOCAL output keeps "
+                                     "the flat layouts")
     metadata["state_dict_type"] = _STORED_TYPES[out_type]
     return Conversion(base, reader, world, out_type, key_type, encoded_tree, outputs, metadata)
 
@@ -138,11 +147,12 @@ def _is_output_tensor(value: Any) -> bool:
     return isinstance(value, OutputTensor)
 
 
-def select(reader: CheckpointReader, only: Sequence[str], exclude: Sequence[str], dtype: torch.dtype | None,
-            rekey: Callable[[dict], dict] | None = None) -> tuple[Any, list[Output]]:
-    """The encoded output tree and its tensors, after ``only``/``exclude``, ``rekey`` (of the optimizer state)
-    and the cast; checked as ``save`` checks a state dict (depth, unique names, plain values it can store)
-    before anything is written."""
+def select(reader: CheckpointReader, selection: Selection, dtype: torch.dtype | None,
+           rekey: Callable[[dict], dict] | None = None) -> tuple[Any, list[Output]]:
+    """The encoded output tree and its tensors, after ``only``/``exclude``, ``rekey`` (of the optimizer state),
+    ``strip_prefix`` and the cast; checked as ``save`` checks a state dict (depth, unique names, plain values it
+    can store) before anything is written."""
+    only, exclude = selection.only, selection.exclude
     source = reader.tree()
     if not isinstance(source, dict):
         raise UnsupportedValueError(f"the source holds a {type(source).__name__} at its root; a shardckpt checkpoint "
@@ -153,6 +163,8 @@ def select(reader: CheckpointReader, only: Sequence[str], exclude: Sequence[str]
         raise ConversionRequestError(f"nothing to convert: only={list(only)} exclude={list(exclude)} leave no entry of the source")
     if rekey is not None and isinstance(tree.get("optim"), dict) and "state" in tree["optim"]:
         tree["optim"] = {**tree["optim"], **rekey(tree["optim"])}
+    if selection.strip_prefix:
+        tree = _stripped(tree, selection.strip_prefix)
     infos = reader.tensors()
     outputs = []
     for path, leaf in leaves(tree, lambda v: isinstance(v, TensorRef)):
@@ -164,6 +176,45 @@ def select(reader: CheckpointReader, only: Sequence[str], exclude: Sequence[str]
     check_savable_depth(marked)
     check_unique_names(_as_tensors(marked))
     return encode(marked, _is_output_tensor), outputs
+
+
+def _stripped(tree: dict, prefix: str) -> dict:
+    """``tree`` with ``prefix`` removed from the dotted names that start with it: the entries under it move up
+    to the root (``{"model": {"w": t}}`` with "model." is ``{"w": t}``); other entries stay where they are."""
+    kept, lifted = _split_prefix(tree, prefix, "")
+    if not lifted:
+        raise ConversionRequestError(f"strip_prefix {prefix!r}: no entry's name starts with it (the names start "
+                                     f"with {', '.join(repr(str(k)) for k in list(tree)[:5])})")
+    named = {str(k): str(k) for k in kept}  # output name -> the source name it comes from
+    for name, key, value in lifted:
+        if not key:
+            raise ConversionRequestError(f"strip_prefix {prefix!r}: the name of {name!r} would become empty; "
+                                         "strip a shorter prefix")
+        if key in named:
+            raise ConversionRequestError(f"strip_prefix {prefix!r}: {name!r} would be named {key!r}, as "
+                                         f"{named[key]!r} is; strip a longer prefix, or leave one out with exclude")
+        named[key] = name
+        kept[key] = value
+    return kept
+
+
+def _split_prefix(node: dict, prefix: str, above: str) -> tuple[dict, list[tuple[str, str, Any]]]:
+    """``node`` less its entries whose names start with ``prefix`` (a dict whose name the prefix goes through
+    is split in turn), and those entries: (full name, name less the prefix, value)."""
+    kept: dict = {}
+    lifted: list[tuple[str, str, Any]] = []
+    for key, value in node.items():
+        name = str(key)
+        if name.startswith(prefix):
+            lifted.append((above + name, name[len(prefix):], value))
+        elif prefix.startswith(name + ".") and isinstance(value, dict):
+            rest, inner = _split_prefix(value, prefix[len(name) + 1:], f"{above}{name}.")
+            lifted.extend(inner)
+            if rest or not inner:  # a dict the prefix emptied is left out
+                kept[key] = rest
+        else:
+            kept[key] = value
+    return kept, lifted
 
 
 def _rekeyed(optim: dict, key_type: OptimStateKeyType, id_order: Sequence[str] | None,

@@ -50,7 +50,7 @@ from shardckpt.checkpoint.save_plan import SavePlan
 from shardckpt.checkpoint.writer import write_rank_files
 from shardckpt.offline import adapters
 from shardckpt.offline.conversion import (
-    TYPES, Conversion, ConversionRequestError, check_world_size, conversion, key_type_of_option,
+    TYPES, Conversion, ConversionRequestError, Selection, check_world_size, conversion, key_type_of_option,
 )
 from shardckpt.offline.convert_plan import dim0_tiled, placement, plan_conversion
 from shardckpt.offline.memory import DEFAULT_MEMORY_LIMIT, buffer_budget, read_reserve
@@ -82,9 +82,9 @@ class ConvertReport:
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int | None = None,
             type: str | None = None, dtype: torch.dtype | None = None, only: Sequence[str] = (),
-            exclude: Sequence[str] = (), overwrite: bool = False, files_per_rank: int = DEFAULT_FILES_PER_RANK,
-            param_names: Sequence[str] | None = None, storage_options: dict | None = None,
-            dst_storage_options: dict | None = None, compress: str | None = None,
+            exclude: Sequence[str] = (), strip_prefix: str | None = None, overwrite: bool = False,
+            files_per_rank: int = DEFAULT_FILES_PER_RANK, param_names: Sequence[str] | None = None,
+            storage_options: dict | None = None, dst_storage_options: dict | None = None, compress: str | None = None,
             progress: Callable[[int, int], None] | None = None, spread_over: Any = None,
             memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT, optim_key: str | OptimStateKeyType | None = None,
             workers: int = 1, format: str = "shardckpt", adapter: str | None = None,
@@ -96,6 +96,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     "sharded" or "local" (default: the source's; FULL at ``world_size > 1`` becomes SHARDED; "local" needs a
     LOCAL source). ``dtype``: cast floating-point tensors to it (not for LOCAL output). ``only`` /
     ``exclude``: dotted-name prefixes of the entries to keep / leave out (LOCAL output keeps the layouts).
+    ``strip_prefix``: removed from the output names that start with it, the entries under it moved up to the root
+    (``"model."`` makes ``{"model": sd}`` torchtitan's flat DCP keys); a name it would empty or make equal to
+    another is refused.
     ``param_names``: for a LOCAL source, the unsharded model's parameter names in order (they number
     optimizer IDs as the job's FULL state dict would; see ``state_dict.logical``). ``compress``: as
     ``shardckpt.save``'s (``"zstd"``, ``"zstd:LEVEL"``; default raw, whatever the source's codecs).
@@ -121,8 +124,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
         from shardckpt.offline.workers import convert_in_workers
 
         return convert_in_workers(workers, progress, src, dst, dict(
-            world_size=world_size, type=type, dtype=dtype, only=only, exclude=exclude, overwrite=overwrite,
-            files_per_rank=files_per_rank, param_names=param_names, storage_options=storage_options,
+            world_size=world_size, type=type, dtype=dtype, only=only, exclude=exclude, strip_prefix=strip_prefix,
+            overwrite=overwrite, files_per_rank=files_per_rank, param_names=param_names, storage_options=storage_options,
             dst_storage_options=dst_storage_options, compress=compress, memory_limit=memory_limit,
             optim_key=optim_key, adapter=adapter, reverse=reverse))
     limit = None if memory_limit is None else parse_size(memory_limit)
@@ -131,21 +134,22 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     source = open_reader(src, storage_options=storage_options)
     if adapter is not None or reverse:  # the model weights only, as a FULL source of them
         source = adapters.apply(logical_view(source, param_names=param_names), adapter, reverse)
-    what = conversion(source, str(src), world_size, type, dtype,
-                      only, exclude, param_names, key_type_of_option(optim_key))
+    what = conversion(source, str(src), world_size, type, dtype, Selection(tuple(only), tuple(exclude), strip_prefix),
+                      param_names, key_type_of_option(optim_key))
+    stripped = {"strip_prefix": strip_prefix} if strip_prefix else {}  # resume identity; older runs' unchanged
     storage = open_storage(dst, dst_storage_options)
     if format == "dcp":
         return _write_dcp(what, storage, str(src), limit, progress, overwrite,
                           {"format": "dcp", "world": what.world, "type": what.out_type, "dtype": dtype,
                            "only": list(only), "exclude": list(exclude), "param_names": param_names,
-                           "optim_key": None if what.key_type is None else what.key_type.value})
+                           "optim_key": None if what.key_type is None else what.key_type.value, **stripped})
     if not overwrite and storage.exists(MANIFEST_NAME):
         raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: a checkpoint already exists; pass "
                                     "overwrite=True to replace it")
     shaping = {"world": what.world, "type": what.out_type, "dtype": dtype, "only": list(only),
                "exclude": list(exclude), "files_per_rank": files_per_rank, "compress": compress,
                "param_names": param_names, "optim_key": None if what.key_type is None else what.key_type.value,
-               **({"adapter": adapter, "reverse": reverse} if adapter is not None else {})}
+               **({"adapter": adapter, "reverse": reverse} if adapter is not None else {}), **stripped}
     return _write_and_commit(what, storage, resolve_group(LOCAL if spread_over is None else spread_over), shaping,
                              compression, limit, progress, overwrite)
 
