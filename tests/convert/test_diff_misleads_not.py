@@ -61,15 +61,23 @@ def test_only_selects_on_both_sides_and_strip_prefix_refuses_a_collision(tmp_pat
         diff(tmp_path / "c", tmp_path / "a", strip_prefix="model.")
 
 
-def test_exports_of_identical_tensors_from_other_paths_are_equal_their_metadata_apart(trained, tmp_path):
+def test_exports_of_identical_tensors_from_other_paths_are_equal_files(trained, tmp_path):
     copy = tmp_path / "copy"
     shardckpt.save(shardckpt.load_full(trained), copy)
     export(trained, tmp_path / "hf-a")
     export(copy, tmp_path / "hf-b")
     report = diff(tmp_path / "hf-a", tmp_path / "hf-b")
     assert report.equal and report.tensors == 2 and report.differences == []  # it said DIFFERENT
+    assert report.metadata_differences == []  # no path or save generation in __metadata__ (issue 36)
+
+
+def test_exports_that_differ_in_metadata_only_are_equal_their_metadata_apart(trained, tmp_path):
+    export(trained, tmp_path / "hf-a")
+    export(trained, tmp_path / "hf-b", adapter="hf")  # HF's names as they are: the same tensors, noted in metadata
+    report = diff(tmp_path / "hf-a", tmp_path / "hf-b")
+    assert report.equal and report.tensors == 2 and report.differences == []
     fields = {d.name: d.detail for d in report.metadata_differences}
-    assert fields["__metadata__.source"] == f"{trained!r} != {str(copy)!r}"
+    assert "__metadata__.adapter" in fields and "__metadata__.export_id" not in fields, fields
     assert all(d.kind == "metadata" for d in report.metadata_differences)
 
 
