@@ -244,3 +244,23 @@ def test_the_cli_exports_with_an_adapter_and_converts_back_under_model(tmp_path)
     back = shardckpt.load_full(tmp_path / "ckpt")
     assert list(back) == ["model"] and all(torch.equal(back["model"][k], v) for k, v in sd.items())
     assert main(["export", str(tmp_path / "hf"), str(tmp_path / "x"), "--adapter", "nope", "--quiet"]) == 2
+
+
+@pytest.mark.parametrize("spec", ["n_heads=2,n_kv_heads=2", "n_heads=4,n_kv_heads=1", "n_heads=1,n_kv_heads=1"])
+def test_head_options_that_divide_the_rows_but_not_the_model_are_refused_both_ways(tmp_path, spec):
+    # 4 heads, 2 kv, dim 16: a wrong count that still divides the rows would permute the wrong rows, silently
+    torch.save(_titan(), tmp_path / "titan.pt")
+    save_file(_titan_to_hf(_titan()), tmp_path / "hf.safetensors")
+    with pytest.raises(IncompatibleCheckpointError, match=r"w[qk]\.weight.*check the adapter's head options"):
+        apply(open_reader(tmp_path / "titan.pt"), f"torchtitan-llama:{spec}")
+    with pytest.raises(IncompatibleCheckpointError, match=r"[qk]_proj\.weight.*check the adapter's head options"):
+        apply(open_reader(tmp_path / "hf.safetensors"), f"torchtitan-llama:{spec}", reverse=True)
+
+
+def test_phi3_head_options_that_divide_the_rows_but_not_the_columns_are_refused(tmp_path):
+    # 4 heads, 2 kv, hidden 32: qkv rows 64 = (6 + 2) x 8 too, but 32 columns are not 6 heads
+    save_file({"model.layers.0.self_attn.qkv_proj.weight": torch.zeros(64, 32)}, tmp_path / "qkv.safetensors")
+    for spec in ("n_heads=6,n_kv_heads=1", "n_heads=2,n_kv_heads=3"):
+        with pytest.raises(IncompatibleCheckpointError, match="qkv_proj.*check n_heads and n_kv_heads"):
+            apply(open_reader(tmp_path / "qkv.safetensors"), f"phi3-fused:{spec}")
+    apply(open_reader(tmp_path / "qkv.safetensors"), "phi3-fused:n_heads=4,n_kv_heads=2")

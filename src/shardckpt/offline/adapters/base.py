@@ -76,6 +76,7 @@ class RopePermute(Transform):
 
     heads: str
     inverse: bool = False
+    width_heads: str | None = None  # the option whose head count divides the columns into heads (head_dim)
 
     def pieces(self, source: str, shape: Shape, opts: Opts) -> list[Piece]:
         heads = option(opts, self.heads, source)
@@ -83,6 +84,8 @@ class RopePermute(Transform):
             raise IncompatibleCheckpointError(f"tensor {source!r} of shape {list(shape)}: its rows do not split into "
                                               f"{heads} heads of an even size ({self.heads}={heads}); check the "
                                               "adapter's options")
+        if self.width_heads is not None:
+            check_head_rows(source, shape, heads, self.heads, option(opts, self.width_heads, source))
         half = shape[0] // heads // 2
         if self.inverse:
             def order(r: int) -> int:
@@ -147,6 +150,15 @@ class Adapter:
     options: Mapping[str, str] = field(default_factory=dict)  # option -> config.json key
     tied: tuple[str, str] | None = None
     retied: tuple[str, str] | None = None
+
+
+def check_head_rows(tensor: str, shape: Shape, heads: int, name: str, width_heads: int) -> None:
+    """Refuse head options that do not fit ``tensor``: its columns ``width_heads`` heads of ``head_dim`` each, its
+    rows ``heads`` of them (a wrong count that still divides the rows would permute the wrong rows silently)."""
+    columns = shape[1] if len(shape) == 2 else 0
+    if columns % width_heads or shape[0] != heads * (columns // width_heads):
+        raise IncompatibleCheckpointError(f"tensor {tensor!r} of shape {list(shape)}: not {heads} heads ({name}) of "
+                                          f"{columns} columns / {width_heads} heads; check the adapter's head options")
 
 
 def option(opts: Opts, name: str, tensor: str) -> int:

@@ -14,10 +14,11 @@ L = r"(model\.layers\.\d+\.)"
 
 def qkv_rows(shape: Shape, opts: Opts) -> list[int]:
     heads, kv = option(opts, "n_heads", "qkv_proj"), option(opts, "n_kv_heads", "qkv_proj")
-    if not shape or shape[0] % (heads + 2 * kv):
+    hidden = shape[1] if len(shape) == 2 else 0
+    head = hidden // heads  # head_dim = hidden // n_heads: a wrong count that divides the rows is refused here
+    if hidden % heads or shape[0] != (heads + 2 * kv) * head:
         raise IncompatibleCheckpointError(f"qkv_proj of shape {list(shape)}: its rows are not {heads} + 2 x {kv} "
-                                          "heads of one size; check n_heads and n_kv_heads")
-    head = shape[0] // (heads + 2 * kv)
+                                          f"heads of {hidden} columns / {heads}; check n_heads and n_kv_heads")
     return [heads * head, kv * head, kv * head]
 
 

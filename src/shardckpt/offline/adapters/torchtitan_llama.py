@@ -4,7 +4,8 @@
 Both torchtitan's current names (0.3: ``layers.N.attention.qkv_linear.wq``, ``lm_head``) and the older ones
 (0.2: ``layers.N.attention.wq``, ``output``) are read; the way back writes the current ones
 (``torchtitan-llama``) or the older ones (``torchtitan-llama-0.2``). Options: ``n_heads``, ``n_kv_heads`` (config.json: ``num_attention_heads``,
-``num_key_value_heads``), ``tie_word_embeddings`` (``lm_head.weight`` then written once, as the embedding; on
+``num_key_value_heads``; checked against wq's and wk's shapes: head_dim = dim // n_heads, as torchtitan's Llama
+has it), ``tie_word_embeddings`` (``lm_head.weight`` then written once, as the embedding; on
 the way back, an HF directory without it gives torchtitan's head as the embedding, as ``from_hf`` does).
 """
 from __future__ import annotations
@@ -18,8 +19,8 @@ ATTN = r"attention\.(?:qkv_linear\.)?"
 
 TO_HF = Adapter("torchtitan-llama", (
     Rule(r"tok_embeddings\.weight", "model.embed_tokens.weight"),
-    Rule(L + ATTN + r"wq\.weight", HF + "self_attn.q_proj.weight", RopePermute("n_heads")),
-    Rule(L + ATTN + r"wk\.weight", HF + "self_attn.k_proj.weight", RopePermute("n_kv_heads")),
+    Rule(L + ATTN + r"wq\.weight", HF + "self_attn.q_proj.weight", RopePermute("n_heads", width_heads="n_heads")),
+    Rule(L + ATTN + r"wk\.weight", HF + "self_attn.k_proj.weight", RopePermute("n_kv_heads", width_heads="n_heads")),
     Rule(L + ATTN + r"wv\.weight", HF + "self_attn.v_proj.weight"),
     Rule(L + r"attention\.wo\.weight", HF + "self_attn.o_proj.weight"),
     Rule(L + r"feed_forward\.w1\.weight", HF + "mlp.gate_proj.weight"),
@@ -37,8 +38,8 @@ def from_hf(qkv: str, head: str, name: str) -> Adapter:
     H, T = r"model\.layers\.(\d+)\.", r"layers.\1."
     return Adapter(name, (
         Rule(r"model\.embed_tokens\.weight", "tok_embeddings.weight"),
-        Rule(H + r"self_attn\.q_proj\.weight", T + qkv + "wq.weight", RopePermute("n_heads", inverse=True)),
-        Rule(H + r"self_attn\.k_proj\.weight", T + qkv + "wk.weight", RopePermute("n_kv_heads", inverse=True)),
+        Rule(H + r"self_attn\.q_proj\.weight", T + qkv + "wq.weight", RopePermute("n_heads", True, "n_heads")),
+        Rule(H + r"self_attn\.k_proj\.weight", T + qkv + "wk.weight", RopePermute("n_kv_heads", True, "n_heads")),
         Rule(H + r"self_attn\.v_proj\.weight", T + qkv + "wv.weight"),
         Rule(H + r"self_attn\.o_proj\.weight", T + "attention.wo.weight"),
         Rule(H + r"mlp\.gate_proj\.weight", T + "feed_forward.w1.weight"),
