@@ -264,3 +264,18 @@ def test_phi3_head_options_that_divide_the_rows_but_not_the_columns_are_refused(
         with pytest.raises(IncompatibleCheckpointError, match="qkv_proj.*check n_heads and n_kv_heads"):
             apply(open_reader(tmp_path / "qkv.safetensors"), f"phi3-fused:{spec}")
     apply(open_reader(tmp_path / "qkv.safetensors"), "phi3-fused:n_heads=4,n_kv_heads=2")
+
+
+def test_head_options_that_disagree_with_the_config_are_refused_before_anything_is_written(tmp_path):
+    # n_heads=2, n_kv_heads=1 fits the shapes of a 4-head, 2-kv model (head_dim 8): only the config tells
+    torch.save(_titan(), tmp_path / "titan.pt")
+    transformers.LlamaConfig(vocab_size=10, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path / "ref")
+    for spec, where in (("n_heads=2,n_kv_heads=1", "--config"), (f"config={tmp_path / 'ref'},n_heads=2", "ref")):
+        with pytest.raises(BadArgumentError, match=f"n_heads=2, but the config .*{where}.*num_attention_heads=4"):
+            export(tmp_path / "titan.pt", tmp_path / "out", adapter=f"torchtitan-llama:{spec}", config=tmp_path / "ref")
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(BadArgumentError, match="n_kv_heads=1, but the config .*num_key_value_heads=2"):
+        resolve("torchtitan-llama:n_heads=4,n_kv_heads=1", config={"num_attention_heads": 4, "num_key_value_heads": 2})
+    _, opts = resolve("torchtitan-llama:n_heads=4", config={"num_attention_heads": 4})  # agreeing: as given
+    assert opts == {"n_heads": 4}

@@ -184,11 +184,12 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
     if not isinstance(slice_bytes, int) or slice_bytes < 1:
         raise ValueError(f"slice_bytes must be a positive int, got {slice_bytes!r}")
     base = open_reader(src, storage_options=storage_options, verify=verify)
-    reader = adapters.apply(logical_view(base), adapter, reverse)
+    reference = None if config is None else hf_dir.read_reference(config)
+    reader = adapters.apply(logical_view(base), adapter, reverse, None if reference is None else reference.config)
     tensors, tied = select(reader, only, strip_prefix, cast, Renames(rename or {}))
     directory = None
-    if config is not None:
-        directory = hf_dir.plan_directory(hf_dir.read_reference(config), tensors, tied, reader, slice_bytes)
+    if reference is not None:
+        directory = hf_dir.plan_directory(reference, tensors, tied, reader, slice_bytes)
         tensors = [t for t in tensors if t.name not in directory.left_out]
         tied = {**tied, **directory.left_out}
     shards = plan_shards([t.nbytes for t in tensors], limit)

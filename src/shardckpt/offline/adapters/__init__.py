@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Mapping
 
 from shardckpt.errors import BadArgumentError
 from shardckpt.formats.api import CheckpointReader
@@ -29,9 +29,11 @@ def names() -> list[str]:
     return sorted(_FAMILIES)
 
 
-def resolve(spec: str, reverse: bool = False) -> tuple[Adapter, dict[str, Any]]:
+def resolve(spec: str, reverse: bool = False,
+            config: Mapping[str, Any] | None = None) -> tuple[Adapter, dict[str, Any]]:
     """The adapter named by ``spec`` (``NAME`` or ``NAME:key=value,...``; ``config=PATH`` reads the options the
-    adapter needs from a Hugging Face ``config.json``, a file or its directory), from HF when ``reverse``."""
+    adapter needs from a Hugging Face ``config.json``, a file or its directory), from HF when ``reverse``.
+    An option given that disagrees with ``config=PATH``'s or ``config``'s (the export's ``--config``) is refused."""
     _load_builtin()
     name, _, rest = str(spec).partition(":")
     if name not in _FAMILIES:
@@ -44,8 +46,20 @@ def resolve(spec: str, reverse: bool = False) -> tuple[Adapter, dict[str, Any]]:
             raise BadArgumentError(f"adapter {spec!r}: {item!r} is not key=value")
         opts[key.strip()] = _value(value.strip())
     if "config" in opts:
-        opts = {**_from_config(str(opts.pop("config")), adapter), **opts}
+        path = str(opts.pop("config"))
+        opts = {**_agreeing(_from_config(path, adapter), opts, adapter, path), **opts}
+    if config is not None:
+        _agreeing(config_options(config, adapter), opts, adapter, "--config")
     return adapter, opts
+
+
+def _agreeing(known: dict[str, Any], given: Mapping[str, Any], adapter: Adapter, where: str) -> dict[str, Any]:
+    """``known`` (a config's options), after refusing a head option ``given`` otherwise (wrong data, silently)."""
+    for name in adapter.options:
+        if name in known and name in given and known[name] != given[name]:
+            raise BadArgumentError(f"adapter {adapter.name!r}: {name}={given[name]!r}, but the config ({where}) has "
+                                   f"{adapter.options[name]}={known[name]!r}; leave the option out or fix it")
+    return known
 
 
 def _value(text: str) -> Any:
@@ -67,6 +81,11 @@ def _from_config(path: str, adapter: Adapter) -> dict[str, Any]:
         raise BadArgumentError(f"adapter config {file}: cannot read it as JSON: {e}") from None
     if not isinstance(config, dict):
         raise BadArgumentError(f"adapter config {file}: not a JSON object")
+    return config_options(config, adapter)
+
+
+def config_options(config: Mapping[str, Any], adapter: Adapter) -> dict[str, Any]:
+    """The options ``adapter`` needs, as a Hugging Face ``config.json``'s ``config`` gives them."""
     keys = {**adapter.options, "tie_word_embeddings": "tie_word_embeddings"}
     opts = {option: config[key] for option, key in keys.items() if key in config}
     if "n_kv_heads" in adapter.options and "n_kv_heads" not in opts and "n_heads" in opts:
@@ -85,13 +104,15 @@ def _load_builtin() -> None:
     _LOADED.append(True)
 
 
-def apply(reader: CheckpointReader, spec: str | None, reverse: bool = False) -> CheckpointReader:
-    """``reader`` seen through the adapter ``spec`` names (``resolve``); as it is when ``spec`` is None."""
+def apply(reader: CheckpointReader, spec: str | None, reverse: bool = False,
+          config: Mapping[str, Any] | None = None) -> CheckpointReader:
+    """``reader`` seen through the adapter ``spec`` names (``resolve``, ``config`` checking its options); as it
+    is when ``spec`` is None."""
     if spec is None:
         if reverse:
             raise BadArgumentError("reverse: name the adapter to reverse (adapter=NAME)")
         return reader
     from shardckpt.offline.adapters.reader import adapted
 
-    adapter, opts = resolve(spec, reverse)
+    adapter, opts = resolve(spec, reverse, config)
     return adapted(reader, adapter, opts)
