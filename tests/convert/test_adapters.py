@@ -279,3 +279,24 @@ def test_head_options_that_disagree_with_the_config_are_refused_before_anything_
         resolve("torchtitan-llama:n_heads=4,n_kv_heads=1", config={"num_attention_heads": 4, "num_key_value_heads": 2})
     _, opts = resolve("torchtitan-llama:n_heads=4", config={"num_attention_heads": 4})  # agreeing: as given
     assert opts == {"n_heads": 4}
+
+
+def test_a_tied_hf_directory_converts_back_with_lm_head_as_the_embedding(tmp_path):
+    import shardckpt
+    from shardckpt.offline.convert import convert
+
+    config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "hf")  # no lm_head.weight in the file
+    convert(tmp_path / "hf", tmp_path / "ck", world_size=3, type="sharded", adapter=f"hf:config={tmp_path / 'hf'}")
+    torch.manual_seed(1)
+    fresh = transformers.LlamaForCausalLM(config).eval()
+    target = {k: torch.zeros_like(v) for k, v in fresh.state_dict().items()}
+    shardckpt.load({"model": target}, tmp_path / "ck")  # every key the model has, lm_head included
+    assert torch.equal(target["lm_head.weight"], model.model.embed_tokens.weight)
+    fresh.load_state_dict(target)
+    ids = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=ids).logits, model(input_ids=ids).logits)
