@@ -228,14 +228,71 @@ def test_verify_against_the_source_expects_the_config_s_tie_and_checks_its_value
     assert not check.ok and any("lm_head.weight: left out as tied" in p for p in check.problems)
 
 
-def test_a_model_type_transformers_does_not_know_is_exported_unchecked_with_a_warning(tmp_path, caplog):
+def test_a_model_type_transformers_does_not_know_is_exported_unchecked_with_a_warning_only_with_auto_map(
+        tmp_path, caplog):
     config = _llama_config()
     _save(_model(config), tmp_path / "ck")
     (tmp_path / "ref").mkdir()
-    (tmp_path / "ref" / "config.json").write_text(json.dumps({"model_type": "my-own-llm", "hidden_size": 32}))
+    own = {"model_type": "my-own-llm", "hidden_size": 32}
+    (tmp_path / "ref" / "config.json").write_text(json.dumps(own))
+    with pytest.raises(shardckpt.errors.BadArgumentError, match="does not know model_type 'my-own-llm'.*no auto_map"):
+        export(tmp_path / "ck", tmp_path / "out", config=tmp_path / "ref")
+    assert not (tmp_path / "out").exists()
+    own["auto_map"] = {"AutoModelForCausalLM": "modeling_mine.MyModel"}  # trust_remote_code: its own code
+    (tmp_path / "ref" / "config.json").write_text(json.dumps(own))
     with caplog.at_level("WARNING", logger="shardckpt.offline.hf_dir"):
         export(tmp_path / "ck", tmp_path / "out", config=tmp_path / "ref")
     assert "does not know model_type 'my-own-llm'" in caplog.text
     written = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert written == {"model_type": "my-own-llm", "hidden_size": 32, "dtype": "float32", "torch_dtype": "float32",
-                       "tie_word_embeddings": False}
+    assert written == {**own, "dtype": "float32", "torch_dtype": "float32", "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"model_type": None}, "not a model config"),
+    ({"model_type": 3}, "not a model config"),
+    ({"model_type": ""}, "not a model config"),
+    ({"hidden_size": "32"}, "transformers builds no model from it .*hidden_size"),
+    ({"num_attention_heads": 0}, "transformers builds no model from it"),
+])
+def test_a_config_transformers_cannot_build_is_refused_in_one_line_naming_it(tmp_path, change, match):
+    config = _llama_config()
+    _save(_model(config), tmp_path / "ck")
+    ref = _reference(config, tmp_path / "ref")
+    fields = {k: v for k, v in {**json.loads((ref / "config.json").read_text()), **change}.items() if v is not None}
+    (ref / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(shardckpt.errors.BadArgumentError, match=match) as e:
+        export(tmp_path / "ck", tmp_path / "out", config=ref)
+    assert "\n" not in str(e.value) and (match.startswith("not") or str(ref / "config.json") in str(e.value))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field", ["num_hidden_layers", "n_layer", "num_layers"])
+def test_a_layer_count_above_the_weights_is_refused_before_transformers_builds_it(tmp_path, field, monkeypatch):
+    config = _llama_config()
+    _save(_model(config), tmp_path / "ck")
+    ref = _reference(config, tmp_path / "ref")
+    (ref / "config.json").write_text(json.dumps({**json.loads((ref / "config.json").read_text()), field: 10**9}))
+    monkeypatch.setattr(transformers.AutoConfig, "for_model", None)  # building it would hang: never reached
+    with pytest.raises(ConfigMismatchError, match=f"{field} is 1000000000, .* at most 2 layers"):
+        export(tmp_path / "ck", tmp_path / "out", config=ref)
+    with pytest.raises(ConfigMismatchError, match=field):
+        check_weights({"model.layers.0.w": ((1,), torch.float32)}, {"model_type": "llama", field: 3})
+    assert not (tmp_path / "out").exists()
+
+
+def test_overwrite_without_a_config_removes_the_old_export_s_directory_files(tmp_path):
+    config = _llama_config()
+    _save(_model(config), tmp_path / "ck")
+    ref = _reference(config, tmp_path / "ref")
+    export(tmp_path / "ck", tmp_path / "out", config=ref, max_shard_size="20KB")
+    assert "tokenizer.json" in os.listdir(tmp_path / "out")
+    export(tmp_path / "ck", tmp_path / "out", dtype="float16", overwrite=True)
+    assert os.listdir(tmp_path / "out") == ["model.safetensors"]  # no config.json saying float32 beside fp16
+
+
+def test_an_export_without_a_config_leaves_files_in_a_directory_with_no_export(tmp_path):
+    _save(_model(_llama_config()), tmp_path / "ck")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
+    export(tmp_path / "ck", tmp_path / "out", overwrite=True)
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]

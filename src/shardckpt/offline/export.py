@@ -44,7 +44,8 @@ such exports of different weights could otherwise mix unnoticed; on local disk t
 lock leave no mix, and its id is the headers' digest.
 
 **Model directory** (``config``): the config and tokenizer files beside the weights (``offline.hf_dir``), checked
-before anything is written, committed before the index (or the one file); ``overwrite`` replaces them.
+before anything is written, committed before the index (or the one file); ``overwrite`` replaces them, and
+without ``config`` removes those an old export there had (a config.json naming another dtype, its tokenizer).
 
 **Streaming.** A file's header is computed from shapes and dtypes before any data is read (JSON, padded with
 spaces to a multiple of 8 bytes, as safetensors writes it); then the 8-byte header length, the header, and
@@ -211,7 +212,8 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | torch
         raise CheckpointExistsError(f"{storage.url(old[0])}: an export already exists at {storage.root} "
                                     f"({len(old)} files); pass overwrite=True to replace it")
     extras = {} if directory is None else directory.files
-    beside = [n for n in hf_dir.OUTPUT_FILES if extras and storage.exists(n)]  # replaced or removed
+    # Replaced or removed: an overwrite leaves none of the old export's directory files beside other weights.
+    beside = [n for n in hf_dir.OUTPUT_FILES if (extras or (overwrite and old)) and storage.exists(n)]
     if beside and not overwrite:
         raise CheckpointExistsError(f"{storage.url(beside[0])}: already exists at {storage.root}; pass "
                                     "overwrite=True to replace it")

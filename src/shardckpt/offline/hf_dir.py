@@ -18,8 +18,11 @@ first's: a checkpoint that untied them in training is refused, not silently re-t
 so after any rename or adapter): where transformers is installed, against its own model built from the
 config on the meta device (no weights allocated): every tensor it expects present, none it does not know,
 every shape its shape; ``total_parameters`` (what ``save_pretrained`` puts in the index) is that model's
-``num_parameters()``. Without transformers, or for a model type it does not know (custom code), nothing is
-checked (a warning says so for the latter).
+``num_parameters()``. Without transformers nothing is checked; a model type it does not know is refused, unless
+the config has an ``auto_map`` (a model of its own code, ``trust_remote_code``): then nothing is checked (a
+warning says so). A config that transformers builds no model from is refused, naming the file; so is a layer
+count (``num_hidden_layers``, ``n_layer``, ``num_layers``) above what the weights' names number (checked first,
+so a wrong count never makes transformers build a huge model).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -100,7 +103,7 @@ def read_reference(path: str | os.PathLike) -> Reference:
         config = json.loads(_read(config_path))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadArgumentError(f"config {os.fspath(config_path)!r}: not JSON ({e})") from None
-    if not isinstance(config, dict) or not isinstance(config.get("model_type", ""), str):
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str) or not config["model_type"]:
         raise BadArgumentError(f"config {os.fspath(config_path)!r}: not a model config (a JSON object with a "
                                "model_type string)")
     files = {} if config_path.name != CONFIG_NAME else \
@@ -131,12 +134,13 @@ def _read(path: Path) -> bytes:
 # The check, pure over names, shapes and dtypes
 
 
-def check_weights(tensors: Shapes, config: Mapping[str, Any]) -> WeightsCheck:
+def check_weights(tensors: Shapes, config: Mapping[str, Any], where: str = "config") -> WeightsCheck:
     """Check the tensors to be written (name -> (shape, dtype), after renames) against the model ``config``
     describes: with transformers, its meta-device model (``ConfigMismatchError`` naming the first tensor
     missing, unknown or misshapen); without, nothing. The tie pairs are those the model declares (whether or
-    not the config ties them)."""
-    model = _meta_model(config)
+    not the config ties them). ``where``: the config's file, for errors."""
+    check_layer_count(tensors, config, where)
+    model = _meta_model(config, where)
     if model is None:
         return WeightsCheck({}, None)
     declared = getattr(model, "_tied_weights_keys", None) or {}
@@ -160,11 +164,11 @@ def check_weights(tensors: Shapes, config: Mapping[str, Any]) -> WeightsCheck:
     return WeightsCheck(pairs, model.num_parameters())
 
 
-def declared_ties(config: Mapping[str, Any]) -> tuple[dict[str, str], bool, str | None]:
+def declared_ties(config: Mapping[str, Any], where: str = "config") -> tuple[dict[str, str], bool, str | None]:
     """The tie pairs the model declares (tied name -> the name it is tied to), whether this config ties them
     (its class's default where it does not say), and the model's class name; without transformers no pairs,
     what the config says, and no name."""
-    model = _meta_model(config)
+    model = _meta_model(config, where)
     if model is None:
         return {}, bool(config.get("tie_word_embeddings", False)), None
     declared = getattr(model, "_tied_weights_keys", None) or {}
@@ -178,18 +182,37 @@ def _config_summary(config: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={config[k]}" for k in keys if k in config)
 
 
-def _meta_model(config: Mapping[str, Any]) -> Any:
+LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def check_layer_count(tensors: Iterable[str], config: Mapping[str, Any], where: str = "config") -> None:
+    """Refuse a layer count above what the weights' names number (their largest index component + 1): each layer
+    has weights named by its index, and a wrong count must not make transformers build a huge model."""
+    indices = [int(part) for name in tensors for part in name.split(".") if part.isdigit()]
+    present = max(indices) + 1 if indices else 0
+    for key in LAYER_FIELDS:
+        count = config.get(key)
+        if isinstance(count, int) and not isinstance(count, bool) and count > present:
+            raise ConfigMismatchError(f"{where}: {key} is {count}, but the weights to be written hold at "
+                                      f"most {present} layers (by their names' indices); give the config of the model trained")
+
+
+def _meta_model(config: Mapping[str, Any], where: str = "config") -> Any:
     """transformers' model for ``config`` on the meta device (no weights), or None without transformers or
-    for a model type it does not know (a model of its own code: then nothing is checked, and a warning says so)."""
+    for a model type it does not know with an ``auto_map`` (a model of its own code: then nothing is checked,
+    and a warning says so); any other model type it does not know, or failure to build, is refused."""
     try:
         import transformers
     except ImportError:
         return None
     model_type = config.get("model_type")
     if model_type not in transformers.CONFIG_MAPPING:
-        log.warning("config: transformers %s does not know model_type %r: the weights are not checked against it",
-                    transformers.__version__, model_type)
-        return None
+        if config.get("auto_map"):
+            log.warning("config: transformers %s does not know model_type %r (a model of its own code, auto_map): "
+                        "the weights are not checked against it", transformers.__version__, model_type)
+            return None
+        raise BadArgumentError(f"{where}: transformers {transformers.__version__} does not know model_type "
+                               f"{model_type!r} (and the config has no auto_map); give the model's own config")
     fields = {k: v for k, v in config.items() if k not in ("torch_dtype", "dtype")}
     try:
         built = transformers.AutoConfig.for_model(**fields)
@@ -199,8 +222,9 @@ def _meta_model(config: Mapping[str, Any]) -> Any:
             if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
                 return cls(built)
             return transformers.AutoModelForCausalLM.from_config(built)
-    except (ValueError, KeyError, TypeError, AttributeError, ImportError, RuntimeError) as e:
-        raise BadArgumentError(f"config: transformers builds no model from it ({type(e).__name__}: {e})") from None
+    except Exception as e:  # transformers' own checks raise anything (TypeError for a string size, ...)
+        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        raise BadArgumentError(f"{where}: transformers builds no model from it ({reason})") from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -213,7 +237,9 @@ def plan_directory(reference: Reference, tensors: Sequence, left_out: Mapping[st
     out as tied aliases (``left_out``): what else to leave out as tied, checked, and the files to write."""
     config = dict(reference.config)
     written = {t.name: t for t in tensors}
-    pairs, configured, architecture = declared_ties(config)
+    where = f"config {reference.where!r}"
+    check_layer_count(written, config, where)  # before transformers builds the model
+    pairs, configured, architecture = declared_ties(config, where)
     if architecture is not None and not config.get("architectures"):
         config["architectures"] = [architecture]  # what vLLM and SGLang pick the model class by
     ties = configured or any(n in pairs for n in left_out)
@@ -225,7 +251,7 @@ def plan_directory(reference: Reference, tensors: Sequence, left_out: Mapping[st
                                           "(tie_word_embeddings); set \"tie_word_embeddings\": false in the config")
             dropped[name] = kept
     config["tie_word_embeddings"] = ties
-    check = check_weights({n: (t.shape, t.dtype) for n, t in written.items() if n not in dropped}, config)
+    check = check_weights({n: (t.shape, t.dtype) for n, t in written.items() if n not in dropped}, config, where)
     floats = [t.dtype for t in tensors if t.dtype.is_floating_point]
     if floats:
         config["torch_dtype"] = config["dtype"] = str(floats[0]).removeprefix("torch.")
