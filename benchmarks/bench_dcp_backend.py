@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-from _common import drop_caches, loadavg, median, verdict
+from _common import drop_caches, loadavg, median, spawn_gloo, verdict
 
 METHODS = ("dcp1", "dcp2", "shardckpt", "native")
 STEPS = ("save", "async_blocked", "load")
@@ -77,16 +76,8 @@ def _timed(dist, fn) -> float:
     return max(times)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _job(rank: int, world: int, sizes: dict, root: str, out: str, order: tuple[str, ...], port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _job(rank: int, world: int, sizes: dict, root: str, out: str, order: tuple[str, ...]) -> None:
     import torch.distributed as dist
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -136,16 +127,13 @@ def _job(rank: int, world: int, sizes: dict, root: str, out: str, order: tuple[s
         with open(out, "w") as f:
             json.dump(times, f)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def run_once(sizes: dict, base: str, order: tuple[str, ...]) -> dict:
-    import torch.multiprocessing as mp
-
     root = tempfile.mkdtemp(dir=base)
     out = os.path.join(root, "result.json")
     try:
-        mp.spawn(_job, args=(2, sizes, root, out, order, _free_port()), nprocs=2, join=True)
+        spawn_gloo(2, _job, sizes, root, out, order)
         with open(out) as f:
             return json.load(f)
     finally:
