@@ -137,9 +137,10 @@ def _build_fsdp2(cfg: Config, device: torch.device, strategy: str, bf16: bool) -
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
-        raise SystemExit("the FSDP2 comparison here covers FULL_SHARD and SHARD_GRAD_OP")
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if strategy == "NO_SHARD":  # FSDP2's form of it: HSDP replicating over every rank, shards of one rank
+        mesh = init_device_mesh(device.type, (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     with torch.device(device):
         model = GPT(cfg)
@@ -183,7 +184,7 @@ def _compare_orig_params(cfg: Config, device: torch.device, args: argparse.Names
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=sorted(CONFIGS), help="default: 1b on CUDA, small on CPU")
-    parser.add_argument("--strategy", default="FULL_SHARD", choices=["FULL_SHARD", "SHARD_GRAD_OP"])
+    parser.add_argument("--strategy", default="FULL_SHARD", choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--orig-params", action="store_true",
