@@ -30,13 +30,13 @@ for part in "$@"; do
     echo "=== $part $(date +%T)"
     case $part in
     gpu-tests)
-        timeout 150 python3 -m pytest -q -p no:cacheprovider --junitxml="$out/junit_gpu.xml" \
+        timeout 150 python3 -m pytest -q -p no:cacheprovider -rs --junitxml="$out/junit_gpu.xml" \
             tests/checkpoint/test_cuda.py \
             tests/state_dict/test_orig_params_state.py::test_on_cuda_with_nccl \
             tests/formats/test_safetensors_reader.py::test_reads_into_a_gpu_buffer > "$out/gpu_tests.log" 2>&1
         tail -5 "$out/gpu_tests.log" ;;
     ckpt)
-        timeout 260 python3 benchmarks/bench_cuda_ckpt.py --gib 8 --repeats 3 --dir /tmp \
+        timeout "${CKPT_S:-330}" python3 benchmarks/bench_cuda_ckpt.py --gib "${GIB:-8}" --repeats "${REPEATS:-3}" --dir /tmp \
             --json "$out/bench_cuda.json" > "$out/bench_cuda.log" 2>&1
         tail -12 "$out/bench_cuda.log" ;;
     runtime)

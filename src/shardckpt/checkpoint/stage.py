@@ -14,13 +14,17 @@ Copies, and what a ``Staged`` aliases:
   caller's tensors: they must not be modified until ``persist`` returns. ``copy=True`` asks for a real
   snapshot (one host copy of each such tensor), after which the caller may change them at once (what a
   background ``persist`` of CPU tensors needs).
-- A device tensor is copied to (pageable) host memory, and a non-contiguous or lazily conjugated/negated
-  CPU tensor is copied into a contiguous one: those buffers never alias the caller's tensors.
+- A contiguous CUDA tensor whose region is one run of the saved tensor is, without ``copy`` or ``buffers``, kept on
+  its device: the writer copies it to the host a slice at a time as it writes (``checkpoint.device_slices``), so it
+  aliases the caller's tensor as a contiguous CPU tensor does. Any other device tensor is copied to (pageable)
+  host memory, and a non-contiguous or lazily conjugated/negated CPU tensor is copied into a contiguous one: those
+  buffers never alias the caller's tensors.
 - Plain values (the tree) and the metadata are snapshots (encoded / deep-copied here).
 
 Every tensor piece this rank holds is staged, except replicas that another rank stores (a DTensor's
 non-owner replica): which rank stores a plain (replicated) tensor is decided later, by ``plan``, so every
-rank stages its plain tensors. For device tensors the whole of this rank's share is on the host at once.
+rank stages its plain tensors. For device tensors copied to the host, the whole of this rank's share is on the host
+at once.
 
 ``stage`` does not raise: a rank that raised here would leave the others waiting in ``plan``'s
 collectives. Its error is kept in ``Staged.failure`` and ``plan`` raises it on every rank.
@@ -37,6 +41,7 @@ import torch
 
 from shardckpt.checkpoint.agree import marker
 from shardckpt.checkpoint.collect import LocalPiece, is_saved_leaf, is_tensor_like, local_pieces, per_rank_leaves
+from shardckpt.checkpoint.device_slices import keeps_on_device
 from shardckpt.checkpoint.save_plan import PieceInfo
 from shardckpt.dist.group import Failure, attempt, resolve_group
 from shardckpt.errors import UnsupportedValueError
@@ -49,8 +54,8 @@ from shardckpt.tensor_views import as_bytes
 class Staged:
     """One rank's snapshot of a state dict, ready for ``plan`` and ``persist``.
 
-    ``pieces``: by name, what this rank may write; each ``data`` is a contiguous CPU tensor (see the module
-    docstring for when it aliases the caller's tensor). ``infos``: what ``plan`` tells rank 0 about every
+    ``pieces``: by name, what this rank may write; each ``data`` is a contiguous CPU tensor, or a CUDA tensor the
+    writer streams (see the module docstring for when, and for when it aliases the caller's tensor). ``infos``: what ``plan`` tells rank 0 about every
     tensor leaf. ``tree``: the encoded tree, each ``PerRank`` as a marker (``checkpoint.agree``).
     ``per_rank``: by name, this rank's ``PerRank`` values, encoded. ``aliased``: the names whose buffer is a
     view of the caller's tensor (empty with ``copy=True``). ``failure``: this rank's staging error, raised on
@@ -125,17 +130,24 @@ def _stage(state_dict: dict, rank: int, metadata: dict | None, copy: bool,
     aliased = set()
     if buffers is not None:
         buffers.begin()
+    on_device = set()
     for piece in pieces:
         if not piece.owner:  # a replica another rank stores: never written from here
             continue
-        data, shares = (buffers.copy_in(piece.name, piece.data), False) if buffers is not None else \
-            host_tensor(piece.data, copy)
+        if buffers is None and not copy and keeps_on_device(piece.data, piece.region, piece.shape):
+            data, shares = piece.data.detach(), True
+            on_device.add(data.device)
+        else:
+            data, shares = (buffers.copy_in(piece.name, piece.data), False) if buffers is not None else \
+                host_tensor(piece.data, copy)
         host[piece.name] = LocalPiece(piece.name, piece.path, data, piece.shape, piece.region, piece.replicated,
                                       piece.owner)
         if shares:
             aliased.add(piece.name)
     if buffers is not None:
         buffers.end()
+    for device in on_device:  # the writers' side streams then read the values the caller saw
+        torch.cuda.synchronize(device)
     return Staged(rank, host, infos, tree, metadata, frozenset(aliased), per_rank=parts)
 
 

@@ -1,7 +1,8 @@
 """Writing one rank's data files from staged host buffers: checksum each block, write it, make the files durable.
 
-The pieces come from ``checkpoint.stage`` (their ``data`` is already a contiguous CPU tensor: this module
-copies nothing to the host). Each block's CRC32C is computed just before the block is written, while its
+The pieces come from ``checkpoint.stage``: their ``data`` is a contiguous CPU tensor, which this module writes as
+it is, or a CUDA tensor a synchronous save kept on its device, copied to the host a slice at a time under the
+writes (``checkpoint.device_slices``). Each block's CRC32C is computed just before the block is written, while its
 bytes are in cache; a call to the storage writer covers ``WRITE_SIZE`` bytes (whole blocks). With
 compression, each block is encoded as one frame on ``format.codecs.codec_pool`` (its CRC taken in the same
 task), a bounded number of frames ahead of the writes, so that encoding overlaps writing.
@@ -24,6 +25,7 @@ from typing import Callable, Iterator, Union
 import torch
 
 from shardckpt.checkpoint.collect import LocalPiece
+from shardckpt.checkpoint.device_slices import device_slices
 from shardckpt.checkpoint.progress import Progress, ProgressCallback
 from shardckpt.checkpoint.save_plan import WriteTask
 from shardckpt.regions import FlatRange, contiguous_runs
@@ -154,6 +156,9 @@ def _write_chunk(writer, piece: Piece, compression: Compression | None, progress
     kept = len(progress.blocks) * block
     if isinstance(piece, StreamedPiece):
         raw, dtype, parts = None, piece.dtype, map(as_bytes, piece.slices(block, kept // piece.dtype.itemsize))
+    elif piece.data.device.type != "cpu":  # kept on its device by a synchronous save (``checkpoint.device_slices``)
+        raw, dtype = None, piece.data.dtype
+        parts = map(as_bytes, device_slices(piece.data)(block, kept // dtype.itemsize))
     else:
         raw = _staged_bytes(piece)
         dtype, parts = piece.data.dtype, iter([raw])
