@@ -20,7 +20,6 @@ PENDING = {
     ("src/shardckpt/checkpoint/writer.py", "_write_frames"),
     ("src/shardckpt/checkpoint/writer.py", "write_data_file"),
     ("src/shardckpt/checkpoint/writer.py", "write_rank_files"),
-    ("src/shardckpt/demo/job.py", "run_demo"),
     ("src/shardckpt/formats/native/frames.py", "read_span"),
     ("src/shardckpt/formats/native/frames.py", "_read_frames"),
     ("src/shardckpt/offline/convert.py", "convert"),
