@@ -11,8 +11,9 @@ from typing import Any, Mapping, Sequence
 from shardckpt.errors import CheckpointNotFoundError
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from shardckpt.formats.api import ReadRequest, TensorInfo
-from shardckpt.formats.native.plan import plan_reads, target_of
+from shardckpt.formats.native.plan import plan_reads
 from shardckpt.formats.native.reader import execute_reads
+from shardckpt.formats.requests import check_requests
 from shardckpt.io import DEFAULT_IO_THREADS, Storage
 
 
@@ -37,6 +38,5 @@ class NativeReader:
         return self.manifest.tree
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
-        where = self.storage.url(MANIFEST_NAME)
-        targets = [target_of(self.manifest, r, where) for r in requests]
+        targets = check_requests(self.manifest.tensors, requests, self.storage.url(MANIFEST_NAME))
         execute_reads(self.storage, self.manifest, plan_reads(targets), self.io_threads, self.verify)
