@@ -13,7 +13,7 @@ from shardckpt.state_dict.api import (
     state_dict_type,
 )
 from shardckpt.state_dict.load_state import load_state
-from shardckpt.state_dict.logical import by_parameter_unless_local
+from shardckpt.formats.local_view import by_parameter_unless_local
 from shardckpt.state_dict.optim_state import init_optim_state, unsharded_param_names
 from shardckpt.state_dict.rekey import rekey_optim_state_dict
 from shardckpt.state_dict.types import (

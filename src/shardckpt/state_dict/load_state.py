@@ -18,18 +18,19 @@ import torch
 from torch import nn
 
 from shardckpt.checkpoint.load import ReaderContents, load_pieces
-from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError, ShardingError
+from shardckpt.errors import IncompatibleCheckpointError
+from shardckpt.format.flat_layout import stored_layouts
 from shardckpt.regions import FlatRange, Region, full_region
-from shardckpt.runtime import FlatGroup, FlatLayout, groups, is_sharded
+from shardckpt.runtime import FlatGroup, groups, is_sharded
 from shardckpt.runtime.flat_group import shards_changed
-from shardckpt.state_dict.flat import LAYOUTS_KEY, MemberPiece, flat_pieces, held_region
+from shardckpt.state_dict.flat import MemberPiece, flat_pieces, held_region
 from shardckpt.state_dict.model_state import buffers
 from shardckpt.state_dict.optim_state import _held, init_optim_state, names_by_group, unsharded_param_names
 from shardckpt.state_dict.param_groups import match_param_groups
 from shardckpt.state_dict.plain_optim import plain_names
 from shardckpt.state_dict.optim_checks import check_members_agree, same_value
 from shardckpt.state_dict.per_param import shaped_like
-from shardckpt.state_dict.param_ids import positional_names, resolve_id_names, unknown_ids
+from shardckpt.format.param_ids import positional_names, resolve_id_names, unknown_ids
 from shardckpt.state_dict.rekey import key_type_of
 from shardckpt.state_dict.types import OptimStateKeyType
 from shardckpt.format.manifest import Manifest
@@ -178,21 +179,6 @@ class Saved:
                 names.extend([n for n, (k, _, _) in self.local.items() if k == p] if p in self.local_order else [p])
             out.append({**pg, "params": names})
         return out
-
-
-def stored_layouts(tree: Any) -> dict[str, FlatLayout]:
-    """The flat layouts a LOCAL checkpoint's tree stores (``model._flat_layouts``), by flat key, in stored
-    order; {} when it stores none. One that is not a valid layout is a ``CorruptCheckpointError`` naming it."""
-    model = tree.get("model") if isinstance(tree, dict) else None
-    docs = model.get(LAYOUTS_KEY) if isinstance(model, dict) else None
-    layouts = {}
-    for key, doc in (docs.items() if isinstance(docs, dict) else ()):
-        try:
-            layouts[key] = FlatLayout.from_dict(doc)
-        except ShardingError as e:
-            raise CorruptCheckpointError(f"the checkpoint's model.{LAYOUTS_KEY}.{key} is not a valid flat "
-                                         f"layout: {e}") from None
-    return layouts
 
 
 def _tree(manifest: Manifest | ReaderContents, *path: str) -> Any:

@@ -24,7 +24,7 @@ from shardckpt.state_dict.optim_checks import (
     agree, check_members_agree, check_same_optimizer, fingerprint, same_value,
 )
 from shardckpt.state_dict.param_groups import group_starts, match_param_groups
-from shardckpt.state_dict.param_ids import hyper_parameters, positional_names
+from shardckpt.format.param_ids import hyper_parameters, positional_names
 from shardckpt.state_dict.per_param import shaped_like
 from shardckpt.state_dict.plain_optim import check_plain, get_plain, set_plain
 from shardckpt.state_dict.rekey import keyed_by_name, rekey_optim_state_dict

@@ -41,7 +41,7 @@ import torch
 
 from shardckpt.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.format.tree import TensorRef
-from shardckpt.formats.api import ReadRequest, TensorInfo
+from shardckpt.formats.api import Facts, ReadRequest, TensorInfo
 from shardckpt.formats.deepspeed.catalog import Catalog
 from shardckpt.formats.deepspeed.fields import (
     COUNTS, LIST, MAPPING, NAMED, PADDINGS, TENSORS, plain, root, take,
@@ -258,6 +258,9 @@ class DeepSpeedReader:
 
     def tensors(self) -> Mapping[str, TensorInfo]:
         return dict(self._cat.infos)
+
+    def facts(self) -> Facts:
+        return Facts("DeepSpeed", self.path, world_size=self.world_size)
 
     def tree(self) -> Any:
         return self._tree

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from shardckpt.errors import CheckpointNotFoundError
-from shardckpt.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
-from shardckpt.formats.api import ReadRequest, TensorInfo
+from shardckpt.format.manifest import FORMAT_NAME, MANIFEST_NAME, Manifest, parse_manifest
+from shardckpt.formats.api import Facts, ReadRequest, TensorInfo
 from shardckpt.formats.native.plan import plan_reads
 from shardckpt.formats.native.reader import execute_reads
 from shardckpt.formats.requests import check_requests
@@ -33,6 +33,11 @@ class NativeReader:
 
     def tensors(self) -> Mapping[str, TensorInfo]:
         return {name: TensorInfo(name, e.dtype, e.shape, e.crc32c) for name, e in self.manifest.tensors.items()}
+
+    def facts(self) -> Facts:
+        m = self.manifest
+        return Facts(FORMAT_NAME, self.storage.url(""), m.world_size, m.metadata.get("state_dict_type"), m.metadata,
+                     f"shardckpt-generation:{m.generation}")
 
     def tree(self) -> Any:
         return self.manifest.tree
