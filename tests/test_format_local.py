@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import shardckpt
-import shardckpt.state_dict  # noqa: F401 - registers the by-parameter view (see the xfail at the end)
 from tests.test_fixtures import _assert_bit_equal
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
@@ -239,12 +238,16 @@ def test_the_fixture_covers_what_a_reader_must_get_right():
 
 
 def test_loading_by_parameter_does_not_depend_on_what_was_imported():
+    """``load`` reads LOCAL by parameter whatever else was imported, and reading LOCAL (load, inspect by parameter)
+    imports neither the training runtime nor the state-dict layer: LOCAL's layout is the format's."""
     reader = Reader(FIXTURE)
     mine, _ = by_parameter(reader.full(), reader.doc["metadata"])
     shapes = {k: list(v.shape) for k, v in mine["model"].items()}
     code = ("import json, sys, torch, shardckpt\n"
             "target = {'model': {k: torch.zeros(s) for k, s in json.loads(sys.argv[2]).items()}}\n"
             "shardckpt.load(target, sys.argv[1], strict=False)\n"
+            "assert shardckpt.inspect(sys.argv[1]).details['parameters']\n"
+            "assert not {'shardckpt.runtime', 'shardckpt.state_dict'} & set(sys.modules), 'imported to read'\n"
             "print(json.dumps({k: v.tolist() for k, v in target['model'].items()}))\n")
     done = subprocess.run([sys.executable, "-c", code, FIXTURE, json.dumps(shapes)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-500:]

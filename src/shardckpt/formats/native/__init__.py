@@ -6,13 +6,13 @@ overwrite) is ``checkpoint.load``'s.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from shardckpt.errors import CheckpointNotFoundError
 from shardckpt.format.manifest import FORMAT_NAME, MANIFEST_NAME, Manifest, parse_manifest
 from shardckpt.formats.api import Facts, ReadRequest, TensorInfo
 from shardckpt.formats.native.plan import plan_reads
-from shardckpt.formats.native.reader import execute_reads
+from shardckpt.formats.native.reader import check_stored, execute_reads
 from shardckpt.formats.requests import check_requests
 from shardckpt.io import DEFAULT_IO_THREADS, Storage
 
@@ -41,6 +41,10 @@ class NativeReader:
 
     def tree(self) -> Any:
         return self.manifest.tree
+
+    def check_stored(self, names: Iterable[str]) -> None:
+        """Before memory is allocated for tensors ``names``: the data files can hold them (``reader.check_stored``)."""
+        check_stored(self.storage, self.manifest, names)
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
         targets = check_requests(self.manifest.tensors, requests, self.storage.url(MANIFEST_NAME))
