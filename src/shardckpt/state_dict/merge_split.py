@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.regions import FlatRange, Region, full_region, strided_view
 from shardckpt.format.flat_layout import LAYOUTS_KEY, POSITIONS, FlatLayout, param_order
 from shardckpt.sharded_tensor import ShardedTensor
