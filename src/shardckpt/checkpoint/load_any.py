@@ -2,9 +2,9 @@
 
 ``whole_plan`` turns a reader's ``tree()`` into a plain nested value: every ``TensorRef`` leaf becomes a full
 CPU tensor of the reader's dtype and shape, all of them filled by one read of whole-tensor ``ReadRequest``s;
-plain values are kept as the reader gives them, and containers keep their types (dict, list, tuple). ``keys`` selects by dotted name exactly as shardckpt's own ``load_full`` does: a tensor, or a
-maximal tensor-free subtree (e.g. ``optim.param_groups``), is kept when its dotted name equals a key or
-starts with ``key + "."``; list positions before a kept one are ``None``.
+plain values are kept as the reader gives them, and containers keep their types (dict, list, tuple). ``keys``
+selects by dotted name: a tensor, or a maximal tensor-free subtree (e.g. ``optim.param_groups``), is kept when
+its dotted name equals a key or starts with ``key + "."``; list positions before a kept one are ``None``.
 
 Nothing is allocated before the sizes are checked. The readers of other formats check what a header claims
 against the bytes present when they open (safetensors: the tensors tile the file's data exactly; torch DCP:
