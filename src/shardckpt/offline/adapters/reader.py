@@ -51,7 +51,7 @@ class AdaptedReader:
             self._infos[name] = TensorInfo(name, first.dtype, p.shape, first.crc32c if whole else None)
         refs = {p.name: TensorRef(prefix + p.name) for p in planned}
         self._tree = {"model": refs}
-        self.where = getattr(base, "where", "the source")
+        self.where = base.facts().location
 
     def tensors(self) -> Mapping[str, TensorInfo]:
         return self._infos
