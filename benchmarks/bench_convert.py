@@ -347,7 +347,7 @@ def plan_70b(args) -> dict:
     from shardckpt.format.manifest import MANIFEST_NAME
     from shardckpt.format.tree import encode
     from shardckpt.formats.detect import open_reader
-    from shardckpt.state_dict.logical import logical_view
+    from shardckpt.formats.local_view import logical_view
 
     params = ms.llama70b_params(**(LLAMA_405B if args.plan_405b else {}))
     tree = ms.state_tree(params, args.step_tensors)

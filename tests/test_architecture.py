@@ -22,7 +22,7 @@ ALLOWED = {
     "format": BASE,
     "formats": BASE | {"io", "format"},
     "checkpoint": BASE | {"dist", "io", "format", "formats"},
-    "runtime": BASE | {"dist"},
+    "runtime": BASE | {"dist", "format"},  # format.flat_layout: the LOCAL layout it keeps its flat parameters by
     # The DCP storage backend: DCP's planners call it, it writes and reads through checkpoint/formats.
     "dcp": BASE | {"io", "format", "formats", "checkpoint"},
     "state_dict": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime"},

@@ -24,8 +24,8 @@ from shardckpt.formats.native import read_manifest
 from shardckpt.io import open_storage
 from shardckpt.runtime import FlatLayout
 from shardckpt.state_dict import OptimStateKeyType, unsharded_param_names
-from shardckpt.state_dict.flat import LAYOUTS_KEY
-from shardckpt.state_dict.logical import logical_view
+from shardckpt.format.flat_layout import LAYOUTS_KEY
+from shardckpt.formats.local_view import logical_view
 from tests._helpers import manifest_of
 from tests._dist import run_ranks
 from tests.checkpoint.cases import block_size

@@ -171,8 +171,9 @@ def inspect(
 
 def _by_parameter(path: PathLike, options: dict | None) -> list[dict] | None:
     """A LOCAL checkpoint's tensors by parameter name, through its flat layouts (None: not LOCAL)."""
+    from shardckpt.format.flat_layout import is_local
     from shardckpt.formats.detect import open_reader
-    from shardckpt.state_dict.logical import is_local, logical_view
+    from shardckpt.formats.local_view import logical_view
 
     reader = open_reader(path, storage_options=options, verify=False)
     if not is_local(reader.tree()):

@@ -15,11 +15,11 @@ from shardckpt.checkpoint.stage import check_unique_names
 from shardckpt.offline.local_output import LocalAtWorldSize, no_layouts_error
 from shardckpt.offline.streams import Output
 from shardckpt.errors import BadArgumentError, IncompatibleCheckpointError, UnsupportedValueError
-from shardckpt.format.manifest import MAX_WORLD_SIZE
+from shardckpt.format.flat_layout import LAYOUTS_KEY, is_local
+from shardckpt.format.manifest import FORMAT_NAME, MAX_WORLD_SIZE
 from shardckpt.format.tree import TensorRef, check_savable_depth, encode, leaves, path_name
 from shardckpt.formats.api import CheckpointReader
-from shardckpt.state_dict.flat import LAYOUTS_KEY
-from shardckpt.state_dict.logical import is_local, logical_view, recorded_param_names
+from shardckpt.formats.local_view import logical_view, recorded_param_names
 from shardckpt.state_dict.rekey import key_type_of, keyed_by_name, rekey_optim_state_dict
 from shardckpt.state_dict.types import OptimStateKeyType, StateDictType
 
@@ -58,10 +58,13 @@ class Conversion:
 def conversion(base: CheckpointReader, src: str, world_size: int | None, type: str | None,
                 dtype: torch.dtype | None, selection: Selection, param_names: Sequence[str] | None,
                 key_type: OptimStateKeyType | None) -> Conversion:
-    metadata = dict(getattr(getattr(base, "manifest", None), "metadata", None) or {})
-    stored_type = metadata.get("state_dict_type", "full")
+    facts = base.facts()
+    metadata = dict(facts.metadata)
+    stored_type = facts.state_dict_type or "full"
     source_type = "local" if is_local(base.tree()) else _TYPE_NAMES.get(stored_type, stored_type)
-    world = world_size_of(world_size, getattr(getattr(base, "manifest", None), "world_size", 1))
+    # shardckpt's own checkpoints convert at the world size they were saved at; other formats (a DeepSpeed
+    # checkpoint records its ranks too) to one rank, unless asked
+    world = world_size_of(world_size, facts.world_size if facts.format == FORMAT_NAME else 1)
     out_type = _output_type(type, source_type, world)
     if out_type == "local":
         if source_type != "local":

@@ -5,7 +5,7 @@ or several that see the same source and destination.
 
 What is converted is decided first, before anything is written (``offline.conversion``). The source is
 read through the read interface; a LOCAL shardckpt checkpoint through its flat layouts
-(``state_dict.logical``), so its parameters and optimizer state appear by name, padding never shows. The
+(``formats.local_view``), so its parameters and optimizer state appear by name, padding never shows. The
 output is planned as ``world_size`` ranks would save it (``checkpoint.save_plan``) and written rank by rank,
 ``files_per_rank`` writers at a time: each chunk is streamed, a slice at a time, from the source through the
 cast (if asked) and the checksums into its file, so that memory stays within ``memory_limit``
@@ -64,7 +64,7 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import MANIFEST_NAME, version_for
 from shardckpt.formats.detect import open_reader
 from shardckpt.io import DirHold, Storage, open_storage
-from shardckpt.state_dict.logical import logical_view
+from shardckpt.formats.local_view import logical_view
 from shardckpt.state_dict.types import OptimStateKeyType
 
 __all__ = ["convert", "ConvertReport", "ConversionRequestError", "TYPES"]
@@ -100,7 +100,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, world_size: int |
     (``"model."`` makes ``{"model": sd}`` torchtitan's flat DCP keys); a name it would empty or make equal to
     another is refused.
     ``param_names``: for a LOCAL source, the unsharded model's parameter names in order (they number
-    optimizer IDs as the job's FULL state dict would; see ``state_dict.logical``). ``compress``: as
+    optimizer IDs as the job's FULL state dict would; see ``formats.local_view``). ``compress``: as
     ``shardckpt.save``'s (``"zstd"``, ``"zstd:LEVEL"``; default raw, whatever the source's codecs).
     ``progress(done_bytes, total_bytes)`` is called as this process writes (its share of the bytes).
     ``spread_over``: a process group whose ranks share the writing, each calling ``convert`` with the same

@@ -21,7 +21,7 @@ both sides, ``notes`` says what to try. ``progress(done, total)`` is told the by
 
 LOCAL checkpoints (flat groups plus their layouts) are compared as stored when both sides have the same
 layouts; otherwise (another world size or wrapping, or a LOCAL and a FULL/SHARDED/foreign checkpoint) both
-sides are compared by parameter, through ``state_dict.logical.logical_view``: the same model state at 2 and
+sides are compared by parameter, through ``formats.local_view.logical_view``: the same model state at 2 and
 3 ranks is equal, as it should be, and padding never counts.
 """
 from __future__ import annotations
@@ -37,14 +37,14 @@ import torch
 
 from shardckpt.offline.diff_select import nothing_compared_hint, select
 from shardckpt.format.dtypes import itemsize
+from shardckpt.format.flat_layout import LAYOUTS_KEY, is_local
 from shardckpt.format.tree import TensorRef, leaves, path_name
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
 from shardckpt.formats.detect import open_reader
+from shardckpt.formats.local_view import logical_view
 from shardckpt.formats.safetensors import SafetensorsReader
 from shardckpt.formats.safetensors_header import METADATA_KEY
 from shardckpt.regions import FlatRange
-from shardckpt.state_dict.flat import LAYOUTS_KEY
-from shardckpt.state_dict.logical import is_local, logical_view
 from shardckpt.tensor_views import as_bytes
 
 SLICE_BYTES = 64 << 20  # per side and per read: the memory a comparison holds

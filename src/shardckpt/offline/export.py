@@ -20,7 +20,7 @@ each name is renamed by the first rule whose pattern matches the whole name (``r
 rule matches are kept as they are. A rule that matches no tensor is an error (a typo would otherwise
 export silently under the old names), as are two tensors renamed to one name.
 
-A LOCAL shardckpt checkpoint is read through ``state_dict.logical.logical_view``, so its parameters appear by
+A LOCAL shardckpt checkpoint is read through ``formats.local_view.logical_view``, so its parameters appear by
 name, padding never shows. **Tied weights** are written once, under the first name (the one
 ``named_parameters()`` keeps), as transformers expects: it re-ties the others on load. Tied means: the
 logical view presents the names as aliases of one member (LOCAL), or the checkpoint's tree refers to one
@@ -109,7 +109,7 @@ from shardckpt.formats.detect import open_reader
 from shardckpt.formats.safetensors_header import DTYPE_NAMES, EXPORT_ID_KEY, INDEX_NAME, METADATA_KEY
 from shardckpt.io import LocalStorage, open_storage
 from shardckpt.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
-from shardckpt.state_dict.logical import LogicalView, logical_view
+from shardckpt.formats.local_view import LogicalView, logical_view
 
 SLICE_BYTES = 64 << 20  # bytes per read from the source at most: the memory an export holds (twice, with a cast)
 MIN_SLICE_BYTES = 1 << 20  # the slices of a memory limit below what the process holds already

@@ -41,8 +41,7 @@ def source_identity(reader: CheckpointReader) -> str | None:
     """What changes whenever the source's values may: a shardckpt checkpoint's generation (new at every save
     and convert). None for other formats: nothing in their files changes with every write, so their
     conversions and exports are never resumed, always redone."""
-    manifest = getattr(reader, "manifest", None)
-    return f"shardckpt-generation:{manifest.generation}" if manifest is not None else None
+    return reader.facts().identity
 
 
 def content_identity(reader: CheckpointReader) -> str | None:
@@ -50,11 +49,11 @@ def content_identity(reader: CheckpointReader) -> str | None:
     shape and whole-tensor CRC32C, which sharding does not change), its tree and its metadata; not its
     generation, paths or world size. Two saves of equal state have the same; a changed tensor changes it
     unless its CRC32C collides (the odds ``kept`` takes for a resumed block too). None for other formats."""
-    manifest = getattr(reader, "manifest", None)
-    if manifest is None:
+    facts = reader.facts()
+    if facts.identity is None:
         return None
-    tensors = sorted((name, str(t.dtype), list(t.shape), t.crc32c) for name, t in manifest.tensors.items())
-    key = json.dumps([tensors, manifest.tree, manifest.metadata], sort_keys=True, default=repr)
+    tensors = sorted((name, str(t.dtype), list(t.shape), t.crc32c) for name, t in reader.tensors().items())
+    key = json.dumps([tensors, reader.tree(), dict(facts.metadata)], sort_keys=True, default=repr)
     return "shardckpt-content:" + hashlib.sha256(key.encode()).hexdigest()
 
 

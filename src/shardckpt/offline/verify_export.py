@@ -26,11 +26,11 @@ from shardckpt.offline.export import SLICE_BYTES, select
 from shardckpt.offline.rename import Renames
 from shardckpt.errors import CheckpointError
 from shardckpt.format.tree import TensorRef
-from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
+from shardckpt.formats.api import CheckpointReader, Facts, ReadRequest, TensorInfo
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.safetensors import SafetensorsReader
 from shardckpt.formats.safetensors_header import INDEX_NAME, SUFFIX
-from shardckpt.state_dict.logical import logical_view
+from shardckpt.formats.local_view import logical_view
 
 
 @dataclass
@@ -128,6 +128,9 @@ class _ExpectedExport:
 
     def tensors(self) -> Mapping[str, TensorInfo]:
         return dict(self._infos)
+
+    def facts(self) -> Facts:
+        return self.source.facts()
 
     def tree(self) -> Any:
         return {name: TensorRef(name) for name in self._infos}
