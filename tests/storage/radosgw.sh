@@ -10,7 +10,8 @@
 # No mgr (not needed for RADOS or RGW). The mon listens on two free ports picked at `up`, so several
 # clusters can run side by side as long as DIR and PORT differ.
 #
-# Object store: bluestore on a sparse 10 GiB file DIR/osd/block (OSD_STORE=memstore to override). Bluestore
+# Object store: bluestore on a sparse file DIR/osd/block of OSD_GIB GiB (default 10; benchmarks/bench_s3.py at
+# 4 GiB wants 40) (OSD_STORE=memstore to override). Bluestore
 # keeps the OSD at a few hundred MiB RSS whatever the amount of data (the data goes to disk, written blocks
 # only), where memstore keeps every byte in RAM (its RSS grew to 4.5 GiB in a 256 MB benchmark). Bluestore
 # opens its block file with O_DIRECT: DIR on tmpfs works on Linux >= 6.6 only (and then holds the data in RAM).
@@ -85,7 +86,7 @@ stop_daemons() {  # stop_daemons DIR: TERM each started daemon, wait, KILL if it
 
 cmd_up() {
     [ $# -eq 2 ] || die "usage: radosgw.sh up DIR PORT"
-    local port=$2 d c fsid mon2 mon1 osd_uuid osd_id store i
+    local port=$2 d c fsid mon2 mon1 osd_uuid osd_id store osd_gib i
     case $port in ''|*[!0-9]*) die "PORT must be a number, got '$port'" ;; esac
     [ "$port" -ge 1 ] && [ "$port" -le 65535 ] || die "PORT must be in 1-65535, got $port"
     command -v radosgw >/dev/null 2>&1 || die "radosgw is not installed: run 'radosgw.sh install' first"
@@ -94,6 +95,8 @@ cmd_up() {
     d=$(cd "$1" && pwd)
     [ -z "$(ls -A "$d")" ] || die "$d is not empty (a running cluster? run 'radosgw.sh down $d' first)"
     store=${OSD_STORE:-bluestore}
+    osd_gib=${OSD_GIB:-10}
+    case $osd_gib in ''|*[!0-9]*) die "OSD_GIB must be a whole number of GiB, got '$osd_gib'" ;; esac
     c=$d/ceph.conf
     mkdir -p "$d"/{mon,osd,rgw,run,log,pids}
     fsid=$(uuid)
@@ -139,7 +142,7 @@ EOF
         cat >> "$c" <<EOF
 osd objectstore = bluestore
 bluestore block create = true
-bluestore block size = 10737418240
+bluestore block size = $((osd_gib << 30))
 bluestore fsck on mkfs = false
 bluestore cache size = 268435456
 osd memory target = 939524096
