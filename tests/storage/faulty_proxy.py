@@ -10,8 +10,9 @@ signatures still match) and, for a seeded-random fraction of requests, injects o
   answer, so the client cannot know it succeeded;
 - ``cut``: the answer's headers and half its body are sent, then the connection is reset.
 
-``script`` lists the faults (or None) of the first requests, before the random ones; ``stop()`` (or
-``stop_after``, a request count) makes it reset every connection from then on (a server gone mid-save).
+``script`` lists the faults (or None) of the first requests, before the random ones; ``only`` limits both to
+requests whose path contains it (e.g. ``.bin``: data files); ``stop()`` (or ``stop_after``, a request count)
+makes it reset every connection from then on (a server gone mid-save).
 Stdlib only.
 """
 from __future__ import annotations
@@ -32,9 +33,9 @@ _ERROR_XML = ("<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><
 
 class FaultyProxy:
     def __init__(self, upstream: str, rate: float = 0.0, faults: tuple[str, ...] = FAULTS, seed: int = 0,
-                 script: tuple[str | None, ...] = (), stop_after: int | None = None):
+                 script: tuple[str | None, ...] = (), stop_after: int | None = None, only: str = ""):
         self.upstream = urlsplit(upstream)
-        self.rate, self.faults = rate, faults
+        self.rate, self.faults, self.only = rate, faults, only
         self._script, self._stop_after = list(script), stop_after
         self.injected: Counter[str] = Counter()
         self.requests = 0
@@ -78,6 +79,8 @@ class FaultyProxy:
             self.log.append((method, path))
             if self._stopped or (self._stop_after is not None and self.requests > self._stop_after):
                 return "stopped"
+            if self.only not in path:
+                return None
             if self._script:
                 if self._script[0] == "cut" and method != "GET":
                     return None

@@ -98,11 +98,14 @@ class Storage(Protocol):
 
 
 class StreamingStorage(Storage, Protocol):
-    """Optional, for object stores where one GET of a whole file beats many ranged ones (``io/s3.py``): a
-    storage whose ``streams_whole_files`` is True has ``stream``, and the native reader reads a file it
-    needs (nearly) whole through it (``formats/native/reader.py``); other storages are read by range."""
+    """Optional, for object stores where a few long GETs beat many short ranged ones (``io/s3.py``): a
+    storage whose ``streams_whole_files`` is True has ``stream`` and ``stream_lanes``, and the native reader
+    reads a file it needs (nearly) whole through up to ``stream_lanes`` streams at once, each over its own
+    stretch of the file (``formats/native/lanes.py``); other storages are read by range."""
 
     streams_whole_files: bool
+    stream_lanes: int
+    """How many streams one load keeps open at once (S3: ``max_concurrency``)."""
 
     def stream(self, path: str, start: int, stop: int):
         """A context manager with ``read_into(path, offset, out)`` serving bytes ``[start, stop)`` of ``path``

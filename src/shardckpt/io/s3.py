@@ -4,9 +4,10 @@
   writes the next ones, so a file's memory is at most ``concurrency + 1`` parts; a file that fits in one
   part is one ``PutObject``.
 - A ranged read larger than a part is split into parts fetched ``concurrency`` at a time, each streamed
-  straight into its slice of the caller's buffer. A file read (nearly) whole goes through one
-  whole-object GET instead (``stream``): on stores where a ranged GET costs the whole object (moto) that
-  is the only fast way, and elsewhere it is one request instead of many.
+  straight into its slice of the caller's buffer. A file read (nearly) whole goes through up to
+  ``concurrency`` long streaming GETs at once (``stream``, ``stream_lanes``), each over its own stretch of
+  the file: as many connections as the raw client's ranged GETs, but few requests (on stores where a
+  ranged GET costs the whole object, moto, that is the only fast way).
 - Every request is retried on throttling (503 SlowDown), 5xx, timeouts and connection resets, with
   exponential backoff and full jitter, until ``retry_deadline_s``; an endpoint that cannot be reached at
   all (refused, unknown host) only for ``connect_deadline_s``; then a ``StorageError`` names the object
@@ -18,7 +19,7 @@
   succeeded and the commit stands.
 
 Knobs, from ``storage_options`` (all optional): s3fs's own ``default_block_size`` (the part size, default
-8 MiB here, as boto3's) and ``max_concurrency`` (parts in flight per file, default 8), and
+8 MiB here, as boto3's) and ``max_concurrency`` (parts in flight per file, and streams per load; default 8), and
 ``retry_deadline_s`` (default 120) and ``connect_deadline_s`` (default 3), which shardckpt takes out before
 the rest goes to s3fs. botocore's own retries are off unless ``config_kwargs`` sets them, so that a
 deadline bounds a request's whole retrying.
@@ -118,6 +119,7 @@ class S3Storage(FsspecStorage):
     def __init__(self, fs, root: str, protocol: str, tuning: S3Tuning):
         super().__init__(fs, root, protocol)
         self.tuning = tuning
+        self.stream_lanes = tuning.concurrency  # streams in flight per load, as ranged GETs per read
 
     # -- running requests -------------------------------------------------------------------------
     def _run(self, coro: Awaitable[T]) -> T:

@@ -3,7 +3,8 @@
 A read is widened to whole checksum blocks around the needed span (at most one extra partial block at
 each end) and every block is checked, so no byte reaches a caller unchecked while ``verify`` is on. A
 compressed chunk's blocks are frames, decoded by ``frames.read_span``. On object stores, a file read
-(nearly) whole is one streaming GET, its reads done in file order (``Storage.stream``).
+(nearly) whole is read through a few streaming GETs at once, each over its own stretch of the file, its reads
+done in file order (``lanes.py``, ``Storage.stream``).
 When the needed elements land contiguously, in stored order, in a CPU target of the same dtype, they are
 read straight into the target's memory and only the widening goes to small side buffers; otherwise the
 span is read into a buffer and copied piece by piece (any device, any dtype cast). Small chunks close together
@@ -28,6 +29,7 @@ from shardckpt.format.manifest import (
     COMPRESSED_VERSION, MANIFEST_NAME, FileEntry, Manifest, TensorEntry, chunks_of, min_stored_bytes,
 )
 from shardckpt.formats.native.frames import read_span
+from shardckpt.formats.native.lanes import Piece, cut_read, lanes, share, stored_span
 from shardckpt.formats.native.plan import ChunkRead
 from shardckpt.formats.native.whole_tensor import check_whole_tensors
 from shardckpt.tensor_views import as_bytes, from_bytes, view_of
@@ -139,17 +141,37 @@ def _direct_destination(read: ChunkRead) -> torch.Tensor | None:
     return view if view.is_contiguous() else None
 
 
-def execute_read(storage: Storage, manifest: Manifest, read: ChunkRead, rec: ChunkRecord, verify: bool) -> None:
+class Scratch:
+    """One buffer that a lane's reads take in turn: a fresh one per piece would pile up in malloc's arenas."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def take(self, *sizes: int) -> list[torch.Tensor]:
+        """Consecutive uint8 buffers of ``sizes`` bytes, valid until the next ``take``."""
+        if self._buf is None or self._buf.numel() < sum(sizes):
+            self._buf = torch.empty(sum(sizes), dtype=torch.uint8)
+        return list(self._buf[:sum(sizes)].split(sizes))
+
+
+def _fresh(*sizes: int) -> list[torch.Tensor]:
+    return [torch.empty(n, dtype=torch.uint8) for n in sizes]
+
+
+def execute_read(storage: Storage, manifest: Manifest, read: ChunkRead, rec: ChunkRecord, verify: bool,
+                 scratch: Scratch | None = None) -> None:
     size = itemsize(read.entry.dtype)
     lo, hi = read.lo * size, read.hi * size
     # Widened to whole blocks to check them, and for a compressed chunk to decode whole frames.
     start, stop = rec.block_bounds(lo, hi) if verify or rec.frames else (lo, hi)
     direct = _direct_destination(read)
+    take = scratch.take if scratch is not None else _fresh
     if direct is not None:
         wanted = as_bytes(direct)
-        parts = [torch.empty(lo - start, dtype=torch.uint8), wanted, torch.empty(stop - hi, dtype=torch.uint8)]
+        before, after = take(lo - start, stop - hi)
+        parts = [before, wanted, after]
     else:
-        buf = torch.empty(stop - start, dtype=torch.uint8)
+        (buf,) = take(stop - start)
         parts, wanted = [buf], buf[lo - start:hi - start]
     where = chunk_where(storage, manifest, read.file, read.entry.name, read.chunk)
     read_span(storage, manifest.files[read.file].path, rec, start, stop, [p.numpy() for p in parts],
@@ -182,16 +204,19 @@ def _execute(storage: Storage, manifest: Manifest, reads: list[ChunkRead], files
              verify: bool) -> None:
     with ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="shardckpt-read") as pool:
         indexes = read_indexes(storage, manifest, files, pool)
-        records = [chunk_record(storage, manifest, indexes, r) for r in reads]
-        streamed = _streamed_files(storage, manifest, reads, records)
-        # One task per streamed file, then the other reads, biggest first, so that the pool's tail is short.
-        tasks = [lambda idx=idx: _read_streamed(storage, manifest, reads, records, idx, verify)
-                 for idx in streamed.values()]
-        rest = [i for i, r in enumerate(reads) if r.file not in streamed]
-        spans, rest = small_spans(reads, records, rest)
-        tasks += [lambda span=span: _read_small(storage, manifest, reads, records, span, verify) for span in spans]
-        rest.sort(key=lambda i: -(reads[i].hi - reads[i].lo))
-        tasks += [lambda i=i: execute_read(storage, manifest, reads[i], records[i], verify) for i in rest]
+    records = [chunk_record(storage, manifest, indexes, r) for r in reads]
+    streamed = _streamed_files(storage, manifest, reads, records)
+    # The lanes of streamed files first (few, long), then the other reads, biggest first, so that the tail is short.
+    tasks = [lambda lane=lane: _read_lane(storage, manifest, lane, verify)
+             for lane in _lanes(storage, manifest, reads, records, streamed)]
+    rest = [i for i, r in enumerate(reads) if r.file not in streamed]
+    spans, rest = small_spans(reads, records, rest)
+    tasks += [lambda span=span: _read_small(storage, manifest, reads, records, span, verify) for span in spans]
+    rest.sort(key=lambda i: -(reads[i].hi - reads[i].lo))
+    tasks += [lambda i=i: execute_read(storage, manifest, reads[i], records[i], verify) for i in rest]
+    # Every lane in flight at once: a lane is one GET, and the storage said how many suit it.
+    threads = max(1, io_threads, min(len(tasks), getattr(storage, "stream_lanes", 0) if streamed else 0))
+    with ThreadPoolExecutor(threads, thread_name_prefix="shardckpt-read") as pool:
         list(pool.map(lambda task: task(), tasks))
     if verify:
         check_whole_tensors(reads, records, storage.url(MANIFEST_NAME))
@@ -199,8 +224,8 @@ def _execute(storage: Storage, manifest: Manifest, reads: list[ChunkRead], files
 
 def _streamed_files(storage: Storage, manifest: Manifest, reads: list[ChunkRead], records: list[ChunkRecord],
                     ) -> dict[int, list[int]]:
-    """The files to read through one streaming GET each, with their reads in file order: on storages that
-    stream (object stores), the files whose reads cover at least ``STREAM_FRACTION`` of their bytes."""
+    """The files to read through streaming GETs, with their reads in file order: on storages that stream
+    (object stores), the files whose reads cover at least ``STREAM_FRACTION`` of their bytes."""
     if not getattr(storage, "streams_whole_files", False):
         return {}
     by_file: dict[int, list[int]] = {}
@@ -210,14 +235,23 @@ def _streamed_files(storage: Storage, manifest: Manifest, reads: list[ChunkRead]
             if sum(records[i].stored_length for i in idx) >= STREAM_FRACTION * manifest.files[f].size}
 
 
-def _read_streamed(storage: Storage, manifest: Manifest, reads: list[ChunkRead], records: list[ChunkRecord],
-                   idx: list[int], verify: bool) -> None:
-    path = manifest.files[reads[idx[0]].file].path
-    start = min(records[i].offset for i in idx)
-    stop = max(records[i].offset + records[i].stored_length for i in idx)
-    with storage.stream(path, start, stop) as stream:
-        for i in idx:
-            execute_read(stream, manifest, reads[i], records[i], verify)
+def _lanes(storage: Storage, manifest: Manifest, reads: list[ChunkRead], records: list[ChunkRecord],
+           streamed: dict[int, list[int]]) -> list[tuple[str, list[Piece]]]:
+    """The streamed files' reads, big ones cut into pieces, as lanes (``lanes.py``): ``stream_lanes`` of them
+    shared among the files by their bytes, each lane with its file's path."""
+    pieces = {f: [Piece(part, records[i], *stored_span(part, records[i])) for i in idx
+                  for part in cut_read(reads[i], records[i])] for f, idx in streamed.items()}
+    counts = share({f: sum(p.stop - p.start for p in ps) for f, ps in pieces.items()},
+                   getattr(storage, "stream_lanes", 1))
+    return [(manifest.files[f].path, lane) for f, ps in pieces.items() for lane in lanes(ps, counts[f])]
+
+
+def _read_lane(storage: Storage, manifest: Manifest, lane: tuple[str, list[Piece]], verify: bool) -> None:
+    path, pieces = lane
+    scratch = Scratch()
+    with storage.stream(path, pieces[0].start, max(p.stop for p in pieces)) as stream:
+        for p in pieces:
+            execute_read(stream, manifest, p.read, p.rec, verify, scratch)
 
 
 def small_spans(reads: list[ChunkRead], records: list[ChunkRecord], which: list[int],
