@@ -262,8 +262,8 @@ def run(endpoint: str, key: str, secret: str, sizes: list[int], repeats: int, tu
                                       ("shardckpt", " (one GET per file)"), ("dcp", ""))
                   for op in ("save", "load") if f"{what} {op}{label}" in med}
         ratios = {k.replace("shardckpt ", "") if "hashing" not in k else k: v for k, v in ratios.items()}
-        rows.append({"mib": nbytes // MiB, "seconds": med, "MB/s": mbps, "client CPU s/GiB": cpu_per_gib,
-                     "server CPU s/GiB": server_per_gib, **ratios,
+        rows.append({"mib": nbytes // MiB, "seconds": med, "every repeat s": times, "MB/s": mbps,
+                     "client CPU s/GiB": cpu_per_gib, "server CPU s/GiB": server_per_gib, **ratios,
                      "shardckpt save peak RSS delta MiB": median(peak) / MiB, "load average": loadavg()})
         print(f"\n{nbytes // MiB} MiB, median of {repeats} (load average {loadavg()}), raw: {threads} threads, "
               f"{part // MiB} MiB parts:")
