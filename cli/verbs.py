@@ -12,7 +12,7 @@ import re
 import sys
 from typing import Any
 
-from shardckpt.api.options import size
+from shardckpt.options import size
 from shardckpt.api.spec import Param, Verb, params, python_only
 from shardckpt.cli.options import STORAGE_HELP, usage_error
 from shardckpt.cli.progress import Progress

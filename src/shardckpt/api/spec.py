@@ -19,18 +19,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
-
-@dataclass(frozen=True)
-class Opt:
-    """How a parameter appears on the command line."""
-
-    help: str
-    flags: tuple[str, ...] = ()  # default: ("--name-with-dashes",); a positional takes none
-    parse: Callable[[str], Any] | None = None  # the text -> the value; its ValueError is a usage error
-    metavar: str | None = None
-    choices: tuple[str, ...] | None = None  # matched case-insensitively, passed on in lower case
-    repeat: bool = False  # may be given several times (action="append"); the function gets a list
-    collect: Callable[[list], Any] | None = None  # with repeat: the list -> the function's value
+from shardckpt.options import Opt
 
 
 @dataclass(frozen=True)

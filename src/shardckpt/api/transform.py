@@ -7,9 +7,9 @@ import os
 import time
 from typing import Annotated, Any, Callable, Sequence
 
-from shardckpt.api.options import STORAGE, positive_int, prefixes, read_rename_map, size
 from shardckpt.api.results import ConvertResult, ExportResult
-from shardckpt.api.spec import Opt
+from shardckpt.options import STORAGE, Opt, positive_int, prefixes, size
+from shardckpt.offline.rename import read_rename_map
 from shardckpt.errors import BadArgumentError
 from shardckpt.offline.memory import DEFAULT_MEMORY_LIMIT
 

@@ -1,13 +1,28 @@
-"""Options several verbs share, as ``Opt``s, and the parsers of their command-line text (light: no torch).
-A parser raises ``ValueError``; the CLI turns it into a usage error (exit 2) naming the option."""
+"""How a verb's parameter appears on its command line (``Opt``), the options several verbs share, and the parsers of
+their command-line text. Light (no torch) and at the base, so that the verbs' specs (``api``'s signatures,
+``offline.spec``'s dataclasses) annotate their fields with it. A parser raises ``ValueError``; the CLI turns it
+into a usage error (exit 2) naming the option."""
 from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from shardckpt.api.spec import Opt
 from shardckpt.sizes import parse_size
+
+
+@dataclass(frozen=True)
+class Opt:
+    """How a parameter appears on the command line."""
+
+    help: str
+    flags: tuple[str, ...] = ()  # default: ("--name-with-dashes",); a positional takes none
+    parse: Callable[[str], Any] | None = None  # the text -> the value; its ValueError is a usage error
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None  # matched case-insensitively, passed on in lower case
+    repeat: bool = False  # may be given several times (action="append"); the function gets a list
+    collect: Callable[[list], Any] | None = None  # with repeat: the list -> the function's value
 
 
 def positive_int(text: str) -> int:
@@ -70,25 +85,6 @@ def storage_options_from(pairs: list[str]) -> dict | None:
                 raise ValueError(f"--storage-option {item!r}: {part!r} is already a value")
         node[leaf] = _value(key, text)
     return out or None
-
-
-def read_rename_map(path: str) -> dict:
-    """The rename rules in JSON file ``path`` (a ValueError naming the file if unreadable or not an object)."""
-    from shardckpt.offline.rename import Renames  # compiles the patterns; light (no torch)
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            rules = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--rename-map {path}: {e}") from None
-    if not isinstance(rules, dict):
-        raise ValueError(f"--rename-map {path}: expected a JSON object of pattern -> new name, got "
-                         f"{type(rules).__name__}")
-    try:
-        Renames(rules)  # every pattern compiles, every new name is a string or null
-    except ValueError as e:
-        raise ValueError(f"--rename-map {path}: {e}") from None
-    return rules
 
 
 STORAGE = Opt("an fsspec storage option KEY=VALUE (repeatable; see below); in Python a dict",
