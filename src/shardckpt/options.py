@@ -4,8 +4,11 @@ their command-line text. Light (no torch) and at the base, so that the verbs' sp
 into a usage error (exit 2) naming the option."""
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import math
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -25,14 +28,34 @@ class Opt:
     collect: Callable[[list], Any] | None = None  # with repeat: the list -> the function's value
 
 
-def positive_int(text: str) -> int:
+def takes(spec: type, **python_only: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A function whose options are the fields of dataclass ``spec`` (it takes them as ``**options`` and builds the
+    spec): its signature becomes its own positional parameters, then the spec's fields (those without a default
+    positional, the others keyword-only, with their annotations), then ``python_only`` (name -> default: what it
+    takes besides the spec). Users, ``help()``, the docs and ``cli/verbs.py``'s parser see these keywords."""
+    def signed(function: Callable[..., Any]) -> Callable[..., Any]:
+        hints, own = typing.get_type_hints(spec, include_extras=True), typing.get_type_hints(function)
+        keyword, positional = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD
+        fields = {f.name: f for f in dataclasses.fields(spec)}
+        leading = [p.replace(annotation=own.get(name, p.annotation))
+                   for name, p in inspect.signature(function).parameters.items()
+                   if p.kind is positional and name not in fields]
+        given = [inspect.Parameter(f.name, positional if f.default is dataclasses.MISSING else keyword,
+                                   default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default,
+                                   annotation=hints[f.name]) for f in fields.values()]
+        extra = [inspect.Parameter(name, keyword, default=default, annotation=own.get(name, inspect.Parameter.empty))
+                 for name, default in python_only.items()]
+        function.__signature__ = inspect.Signature(leading + given + extra, return_annotation=own.get("return"))
+        return function
+    return signed
+
+
+def integer(text: str) -> int:
+    """An int, whatever its range (the spec that takes it checks that)."""
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"expected a positive integer, got {text!r}")
-    return value
+        raise ValueError(f"expected an integer, got {text!r}") from None
 
 
 def non_negative(text: str) -> float:
