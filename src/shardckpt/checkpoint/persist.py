@@ -62,8 +62,14 @@ def persist(writer: OutputWriter, group: Group | None = None) -> None:
 
 def write_files(files: Sequence[F], write: Callable[[F], R], threads: int) -> list[R]:
     """``write(file)`` for every file, each in one writer thread (buffered writes to one file serialise on its
-    lock, so files are the unit), ``threads`` at once; the results in ``files``' order."""
+    lock, so files are the unit), ``threads`` at once; the results in ``files``' order. A failure is raised once
+    the files being written end; the others are not begun."""
     if len(files) <= 1 or threads <= 1:
         return [write(f) for f in files]
     with ThreadPoolExecutor(min(threads, len(files)), thread_name_prefix="shardckpt-write") as pool:
-        return list(pool.map(write, files))
+        futures = [pool.submit(write, f) for f in files]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:  # the first failure stops the files not begun: nothing more is written for nothing
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise

@@ -14,6 +14,7 @@ progress whose bytes a caller has checked, with a writer that keeps them.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -173,25 +174,27 @@ def _write_chunk(sink: _Sink, piece: Piece, compression: Compression | None) -> 
     progress = sink.progress
     kept = len(progress.blocks) * block
     if isinstance(piece, StreamedPiece):
-        raw, dtype, parts = None, piece.dtype, map(as_bytes, piece.slices(block, kept // piece.dtype.itemsize))
+        raw, dtype, slices = None, piece.dtype, piece.slices(block, kept // piece.dtype.itemsize)
     elif piece.data.device.type != "cpu":  # kept on its device by a synchronous save (``checkpoint.device_slices``)
         raw, dtype = None, piece.data.dtype
-        parts = map(as_bytes, device_slices(piece.data)(block, kept // dtype.itemsize))
+        slices = device_slices(piece.data)(block, kept // dtype.itemsize)
     else:
         raw = _staged_bytes(piece)
-        dtype, parts = piece.data.dtype, iter([raw])
+        dtype, slices = piece.data.dtype, iter([raw])
     codec = RAW if compression is None else compression.codec_for(dtype)
     length = kept
-    for part in parts:
-        if length % block:
-            raise ValueError(f"{piece.name!r}: a slice before the last ends mid-block ({length} bytes written, "
-                             f"blocks of {block})")
-        data = memoryview(part.numpy())
-        if codec == RAW:
-            _write_raw(sink, data, block)
-        else:
-            _write_frames(sink, data, block, codec, dtype.itemsize, compression.level)
-        length += len(data)
+    with contextlib.closing(slices) if hasattr(slices, "close") else contextlib.nullcontext():
+        # (closed at once on a failure: a slice generator holds its buffer until it ends)
+        for part in map(as_bytes, slices):
+            if length % block:
+                raise ValueError(f"{piece.name!r}: a slice before the last ends mid-block ({length} bytes written, "
+                                 f"blocks of {block})")
+            data = memoryview(part.numpy())
+            if codec == RAW:
+                _write_raw(sink, data, block)
+            else:
+                _write_frames(sink, data, block, codec, dtype.itemsize, compression.level)
+            length += len(data)
     frames = progress.frames
     if codec != RAW and sum(frames) >= length:
         codec = RAW  # every frame was stored as it is: the stored bytes are the raw chunk
