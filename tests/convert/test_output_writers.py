@@ -15,7 +15,7 @@ from shardckpt.checkpoint.persist import OutputWriter, persist
 from shardckpt.checkpoint.save import _Saved
 from shardckpt.dist.group import resolve_group
 from shardckpt.format.tree import TensorRef
-from shardckpt.formats.api import ReadRequest, TensorInfo
+from shardckpt.formats.api import Facts, ReadRequest, TensorInfo
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.safetensors_header import INDEX_NAME
 from shardckpt.io import open_storage
@@ -41,6 +41,9 @@ class MemoryReader:
 
     def tree(self):
         return {"model": {name.split(".", 1)[1]: TensorRef(name) for name in VALUES}, "step": 3}
+
+    def facts(self):
+        return Facts("memory", "memory")
 
     def read(self, requests):
         for r in requests:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import builtins
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 
 from shardckpt.format.tree import TensorRef
-from shardckpt.formats.api import TensorInfo
+from shardckpt.format.manifest import FORMAT_NAME
+from shardckpt.formats.api import Facts, TensorInfo
 from shardckpt.offline.conversion import ConversionRequestError
 from shardckpt.offline.convert_plan import ConversionPlan, plan_conversion
 from shardckpt.offline.spec import ConvertSpec
@@ -22,22 +22,21 @@ SHAPES = {"model.w": ((10, 3), torch.float32), "model.b": ((3,), torch.float32),
           "model.scale": ((), torch.float32)}
 
 
-@dataclass(frozen=True)
-class _Manifest:
-    generation: str
-    world_size: int
-    metadata: dict
+def _shardckpt(identity: str, world_size: int, metadata: dict) -> Facts:
+    return Facts(FORMAT_NAME, "stub", world_size, metadata.get("state_dict_type"), metadata, identity)
 
 
 class StubReader:
-    """A source held by nothing: tensors and a tree, no values (a read fails the test), optionally a manifest
-    (a shardckpt source's identity)."""
+    """A source held by nothing: tensors and a tree, no values (a read fails the test), and its facts (with an
+    identity: a shardckpt source's)."""
 
-    def __init__(self, manifest: _Manifest | None = None):
+    def __init__(self, facts: Facts | None = None):
         self._infos = {name: TensorInfo(name, dtype, shape, None) for name, (shape, dtype) in SHAPES.items()}
         self._tree: Any = {"model": {name.split(".", 1)[1]: TensorRef(name) for name in SHAPES}, "step": 7}
-        if manifest is not None:
-            self.manifest = manifest
+        self._facts = facts or Facts("safetensors", "stub")
+
+    def facts(self) -> Facts:
+        return self._facts
 
     def tensors(self):
         return self._infos
@@ -90,11 +89,11 @@ def test_the_spec_decides_the_selection_the_cast_and_the_format(no_io):
 
 
 def test_the_generation_is_the_same_for_the_same_conversion_of_the_same_source(no_io):
-    source = StubReader(_Manifest("g1", 4, {"state_dict_type": "SHARDED_STATE_DICT"}))
+    source = StubReader(_shardckpt("g1", 4, {"state_dict_type": "SHARDED_STATE_DICT"}))
     first, again = _plan(source, world_size=2), _plan(source, world_size=2)
     assert first.generation == again.generation == first.chunks.generation  # a rerun finds the killed run's files
     assert _plan(source, world_size=3).generation != first.generation
-    assert _plan(StubReader(_Manifest("g2", 4, {})), world_size=2).generation != first.generation
+    assert _plan(StubReader(_shardckpt("g2", 4, {})), world_size=2).generation != first.generation
     assert _plan(world_size=2).generation != _plan(world_size=2).generation  # no identity: never resumed
     assert _plan(source).what.world == 4  # the source's world size by default
     renamed = first.with_generation("fresh")
