@@ -114,9 +114,12 @@ class FileJournal:
                            "size": progress.size, "index": index, "current": current}, separators=(",", ":")).encode()
         if isinstance(self.storage, LocalStorage):  # whole or absent for readers (a rename), and not synced
             url = self.storage.url(self.path)
-            with open(f"{url}.tmp", "wb") as f:
-                f.write(data)
-            os.replace(f"{url}.tmp", url)
+            try:
+                with open(f"{url}.tmp", "wb") as f:
+                    f.write(data)
+                os.replace(f"{url}.tmp", url)
+            except FileNotFoundError:  # its directory removed: a run of the same conversion committed (no locks)
+                return
         else:
             self.storage.put_atomic(self.path, data)
         self.written = progress.size
