@@ -14,19 +14,8 @@ MAX_LINES, MAX_PARAMS = 60, 8
 EXCEPTIONS = {("src/shardckpt/runtime/api.py", "shard")}
 PENDING = {
     ("src/shardckpt/api/check.py", "diff"),
-    ("src/shardckpt/api/transform.py", "convert"),
-    ("src/shardckpt/api/transform.py", "export"),
-    ("src/shardckpt/checkpoint/save.py", "save"),
-    ("src/shardckpt/checkpoint/writer.py", "_write_frames"),
-    ("src/shardckpt/checkpoint/writer.py", "write_data_file"),
-    ("src/shardckpt/checkpoint/writer.py", "write_rank_files"),
     ("src/shardckpt/formats/native/frames.py", "read_span"),
     ("src/shardckpt/formats/native/frames.py", "_read_frames"),
-    ("src/shardckpt/offline/convert.py", "convert"),
-    ("src/shardckpt/offline/diff.py", "diff"),
-    ("src/shardckpt/offline/export.py", "export"),
-    ("src/shardckpt/offline/export_commit.py", "commit_local"),
-    ("src/shardckpt/offline/export_commit.py", "write_remote"),
 }
 
 

@@ -7,10 +7,10 @@ import os
 import time
 from typing import Annotated, Sequence
 
-from shardckpt.api.options import STORAGE, bounded_int, non_negative, prefixes, read_rename_map
 from shardckpt.api.results import DiffResult, Difference, InspectResult, Problem, VerifyResult
 from shardckpt.api.runs import LATEST
-from shardckpt.api.spec import Opt
+from shardckpt.options import STORAGE, Opt, bounded_int, non_negative, prefixes
+from shardckpt.offline.rename import read_rename_map
 from shardckpt.api.transform import PathLike, Progress
 from shardckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                               IncompatibleCheckpointError)

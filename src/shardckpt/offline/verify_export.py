@@ -22,7 +22,8 @@ from typing import Any, Mapping, Sequence
 
 from shardckpt.offline.diff import DiffReport, diff
 from shardckpt.offline import hf_dir
-from shardckpt.offline.export import SLICE_BYTES, select
+from shardckpt.offline.export import SLICE_BYTES
+from shardckpt.offline.export_plan import select
 from shardckpt.offline.rename import Renames
 from shardckpt.errors import CheckpointError
 from shardckpt.format.tree import TensorRef
@@ -122,7 +123,7 @@ class _ExpectedExport:
         casts = {exported[t.name].dtype for t in chosen
                  if t.name in exported and t.source_dtype.is_floating_point and exported[t.name].dtype != t.source_dtype}
         cast = casts.pop() if len(casts) == 1 else None
-        self._source_of = {t.name: t.source for t in chosen}
+        self._source_of = {t.name: t.source.name for t in chosen}
         self._infos = {t.name: TensorInfo(t.name, cast if cast is not None and t.source_dtype.is_floating_point
                                           else t.source_dtype, t.shape, None) for t in chosen}
 
