@@ -92,12 +92,15 @@ def loadavg() -> str:
 
 
 class Timer:
+    """Wall seconds (``s``) and this process's CPU seconds, all its threads (``cpu``)."""
+
     def __enter__(self) -> Timer:  # noqa: PYI034
-        self.t0 = time.perf_counter()
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
         return self
 
     def __exit__(self, *exc) -> None:
         self.s = time.perf_counter() - self.t0
+        self.cpu = time.process_time() - self.c0
 
 
 def verdict(ok: bool) -> str:

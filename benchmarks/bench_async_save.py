@@ -71,6 +71,9 @@ def _job(rank: int, world: int, sizes: dict, root: str, saves: int, out: str, or
         v.to_local().copy_(local[k])
     buffers = {k: torch.empty_like(v) for k, v in local.items()}
     blocked: dict[str, list[float]] = {m: [] for m in METHODS}
+    # CPU seconds while blocked, summed over ranks: the whole process (all threads) and the calling thread alone
+    blocked_cpu: dict[str, list[float]] = {m: [] for m in METHODS}
+    blocked_thread_cpu: dict[str, list[float]] = {m: [] for m in METHODS}
     pending = None
     for method in order:
         for i in range(saves):
@@ -80,7 +83,7 @@ def _job(rank: int, world: int, sizes: dict, root: str, saves: int, out: str, or
                 v.to_local().add_(1e-3)
             path = os.path.join(root, f"{method}-{i}")
             dist.barrier()
-            t = time.perf_counter()
+            t, c, ct = time.perf_counter(), time.process_time(), time.thread_time()
             if method == "copy":
                 for k, v in local.items():
                     buffers[k].copy_(v)
@@ -90,17 +93,20 @@ def _job(rank: int, world: int, sizes: dict, root: str, saves: int, out: str, or
                 pending = shardckpt.async_save(sharded, path)
             else:
                 pending = dcp.async_save(dtensors, checkpoint_id=path)
-            dt = time.perf_counter() - t
+            dt, dc, dct = time.perf_counter() - t, time.process_time() - c, time.thread_time() - ct
             if pending is not None:
                 pending.wait() if method == "shardckpt" else pending.result()
                 pending = None
             times = [None] * world
-            dist.all_gather_object(times, dt)
-            blocked[method].append(max(times))
+            dist.all_gather_object(times, (dt, dc, dct))
+            blocked[method].append(max(w for w, _, _ in times))
+            blocked_cpu[method].append(sum(c for _, c, _ in times))
+            blocked_thread_cpu[method].append(sum(c for _, _, c in times))
     staging = saver_for().staging_bytes
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"blocked": blocked, "staging_bytes_rank0": staging,
+            json.dump({"blocked": blocked, "blocked_cpu": blocked_cpu,
+                       "blocked_thread_cpu": blocked_thread_cpu, "staging_bytes_rank0": staging,
                        "rank_bytes": sum(v.nbytes for v in local.values())}, f)
     dist.barrier()
 
@@ -136,14 +142,19 @@ def main() -> int:
     first = {m: median([r["blocked"][m][0] for r in runs]) for m in METHODS}
     # Steady state: every call after the first (the 3rd save is the last of 3), median over runs.
     steady = {m: median([t for r in runs for t in r["blocked"][m][1:]]) for m in METHODS}
-    result = {"bytes": total, "first_s": first, "steady_s": steady, "staging_bytes_per_rank": runs[0]["staging_bytes_rank0"],
+    steady_cpu = {m: median([t for r in runs for t in r["blocked_cpu"][m][1:]]) for m in METHODS}
+    steady_thread_cpu = {m: median([t for r in runs for t in r["blocked_thread_cpu"][m][1:]]) for m in METHODS}
+    result = {"bytes": total, "first_s": first, "steady_s": steady, "steady_cpu_s": steady_cpu,
+              "steady_thread_cpu_s": steady_thread_cpu,
+              "staging_bytes_per_rank": runs[0]["staging_bytes_rank0"],
               "rank_bytes": runs[0]["rank_bytes"], "runs": runs}
     if args.json:
         print(json.dumps(result, indent=2))
     print(f"blocked time (max over ranks; medians over {args.repeats} runs): first call / steady state (calls 2.."
           f"{args.saves})")
     for m in METHODS:
-        print(f"  {m:10s} {first[m] * 1e3:8.1f} ms  {steady[m] * 1e3:8.1f} ms")
+        print(f"  {m:10s} {first[m] * 1e3:8.1f} ms  {steady[m] * 1e3:8.1f} ms  (CPU, both ranks: process "
+              f"{steady_cpu[m] * 1e3:.1f} ms, calling thread {steady_thread_cpu[m] * 1e3:.1f} ms)")
     copy, mine, theirs = steady["copy"], steady["shardckpt"], steady["dcp"]
     limit = max(2 * copy, copy + 0.050)
     print(f"staging memory per rank: {result['staging_bytes_per_rank'] / 2**20:.0f} MiB "

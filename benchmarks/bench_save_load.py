@@ -225,7 +225,8 @@ def out_path(base: str, method: str) -> str:
 def run_single(sd: dict, shapes: dict, base: str, repeats: int, check: bool) -> dict:
     res: dict = {"save": {m: [] for m in SAVE_METHODS}, "load": {m: [] for m in LOAD_METHODS},
                  "load_only": {m: [] for m in LOAD_METHODS}, "touch": {m: [] for m in LOAD_METHODS},
-                 "peak_delta": {m: [] for m in LOAD_METHODS}, "loadavg": []}
+                 "peak_delta": {m: [] for m in LOAD_METHODS}, "loadavg": [],
+                 "save_cpu": {m: [] for m in SAVE_METHODS}, "load_cpu": {m: [] for m in LOAD_METHODS}}
     targets = make_targets(shapes)
     touch(sd.values())  # warm up the reduction kernels / thread pool outside any timing
     for rep in range(repeats):
@@ -238,7 +239,8 @@ def run_single(sd: dict, shapes: dict, base: str, repeats: int, check: bool) -> 
             with Timer() as t:
                 SAVERS[m](sd, p)
             res["save"][m].append(t.s)
-            print(f"  rep {rep} save {m:12s} {t.s:7.3f} s", flush=True)
+            res["save_cpu"][m].append(t.cpu)
+            print(f"  rep {rep} save {m:12s} {t.s:7.3f} s, CPU {t.cpu:.3f} s", flush=True)
         order = LOAD_METHODS[rep % len(LOAD_METHODS):] + LOAD_METHODS[:rep % len(LOAD_METHODS)]
         for m in order:
             for t in targets.values():
@@ -246,16 +248,17 @@ def run_single(sd: dict, shapes: dict, base: str, repeats: int, check: bool) -> 
             gc.collect()
             drop_caches()
             with RssSampler() as mem:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 got = LOADERS[m](targets, out_path(base, LOAD_SOURCE[m]))
                 t1 = time.perf_counter()
                 touch(got.values())
-                t2 = time.perf_counter()
+                t2, c2 = time.perf_counter(), time.process_time()
+            res["load_cpu"][m].append(c2 - c0)
             res["load"][m].append(t2 - t0)
             res["load_only"][m].append(t1 - t0)
             res["touch"][m].append(t2 - t1)
             res["peak_delta"][m].append(mem.delta)
-            print(f"  rep {rep} load {m:12s} {t2 - t0:7.3f} s (load {t1 - t0:.3f} + touch {t2 - t1:.3f}), "
+            print(f"  rep {rep} load {m:12s} {t2 - t0:7.3f} s (load {t1 - t0:.3f} + touch {t2 - t1:.3f}), CPU {c2 - c0:.3f} s, "
                   f"peak RSS +{mem.delta / GIB:.3f} GiB", flush=True)
             if check and rep == 0:
                 for k in shapes:
@@ -381,6 +384,8 @@ def report(res: dict, ws2: dict | None, total: int, args) -> dict:
         print(f"  {verdict(ok)}  {name}: {ratio:.2f}   [min: {rmin:.2f} {verdict(okmin)}]")
     return {"gib": gib, "bytes": total, "repeats": args.repeats, "save_median_s": S, "load_median_s": L,
             "save_min_s": Smin, "load_min_s": Lmin,
+            "save_cpu_median_s": {m: median(v) for m, v in res["save_cpu"].items()},
+            "load_cpu_median_s": {m: median(v) for m, v in res["load_cpu"].items()},
             "load_only_median_s": Lo, "touch_median_s": T, "peak_rss_delta_bytes_max": P, "raw": res,
             "ws2": ws2, "checks": [{"target": n, "ratio": r, "pass": ok} for n, r, ok in checks],
             "checks_min": [{"target": n, "ratio": r, "pass": ok} for n, r, ok in checks_min],
