@@ -14,8 +14,6 @@ MAX_LINES, MAX_PARAMS = 60, 8
 EXCEPTIONS = {("src/shardckpt/runtime/api.py", "shard")}
 PENDING = {
     ("src/shardckpt/api/check.py", "diff"),
-    ("src/shardckpt/formats/native/frames.py", "read_span"),
-    ("src/shardckpt/formats/native/frames.py", "_read_frames"),
 }
 
 
