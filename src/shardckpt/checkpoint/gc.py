@@ -23,10 +23,11 @@ import os
 import re
 import warnings
 from dataclasses import dataclass
+from functools import partial
 
 from shardckpt.errors import CheckpointError
 from shardckpt.format.manifest import MANIFEST_NAME, parse_manifest
-from shardckpt.io import LocalStorage, Storage, open_storage
+from shardckpt.io import LocalStorage, Storage, lifecycle, open_storage
 
 log = logging.getLogger("shardckpt")
 REMOTE_MIN_AGE_S = 6 * 3600.0
@@ -74,7 +75,7 @@ def collect(storage: Storage, dry_run: bool = False, min_age_s: float | None = N
     removed = []
     for name in debris(storage, committed):
         age = min_age_s if min_age_s is not None else _min_age(storage, name)
-        if storage.remove_abandoned(name, age, dry_run, unused=lambda name=name: _not_committed(storage, name)):
+        if lifecycle(storage).remove_abandoned(name, age, dry_run, unused=partial(_not_committed, storage, name)):
             removed.append(name)
             if not dry_run:
                 log.info("removed %s (what an interrupted save left)", storage.url(name))

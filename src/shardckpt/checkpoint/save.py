@@ -43,7 +43,7 @@ from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptChec
 from shardckpt.format.codecs import Compression
 from shardckpt.format.manifest import MANIFEST_NAME, check_tree, version_for
 from shardckpt.format.tree import decode
-from shardckpt.io import Storage, open_storage
+from shardckpt.io import Storage, lifecycle, open_storage
 from shardckpt.options import takes
 
 __all__ = ["save", "stage", "plan", "persist", "Staged", "Planned", "DEFAULT_FILES_PER_RANK"]
@@ -289,7 +289,7 @@ def _write(planned: Planned, staged: Staged, holds: list,
         if progress is not None:
             progress(0, 0)  # nothing for this rank to write: done
         return None
-    holds.append(planned.storage.hold_dir(planned.data_dir))
+    holds.append(lifecycle(planned.storage).hold_dir(planned.data_dir))
     base = f"{planned.data_dir}/rank-{planned.group.rank:05d}"
     return write_rank_files(planned.storage, base, planned.tasks, staged.pieces, planned.files_per_rank,
                             planned.compression, planned.version, progress=progress)

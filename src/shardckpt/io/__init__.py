@@ -6,11 +6,12 @@ import os
 
 from shardckpt.errors import CheckpointError, StorageConfigError
 from shardckpt.io.local import LocalStorage
-from shardckpt.io.protocol import DirHold, FileWriter, Storage
+from shardckpt.io.protocol import DirHold, FileWriter, Lifecycle, NoLifecycle, Storage, lifecycle
 from shardckpt.io.remote import FsspecStorage
 from shardckpt.io.s3 import S3Storage, S3Tuning
 
-__all__ = ["DEFAULT_IO_THREADS", "DirHold", "FileWriter", "FsspecStorage", "LocalStorage", "S3Storage", "Storage", "open_storage", "split_url"]
+__all__ = ["DEFAULT_IO_THREADS", "DirHold", "FileWriter", "FsspecStorage", "Lifecycle", "LocalStorage", "NoLifecycle",
+           "S3Storage", "Storage", "lifecycle", "open_storage", "split_url"]
 
 DEFAULT_IO_THREADS = 4  # concurrent reads per rank (load, verify)
 

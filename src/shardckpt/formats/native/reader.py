@@ -20,7 +20,7 @@ import torch
 
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.regions import StridedView, strided_view
-from shardckpt.io import Storage
+from shardckpt.io import Storage, lifecycle
 from shardckpt.format.checksum import crc32c
 from shardckpt.format.codecs import ZSTD_PLANES
 from shardckpt.format.dtypes import itemsize
@@ -193,11 +193,11 @@ def execute_reads(storage: Storage, manifest: Manifest, reads: list[ChunkRead], 
                   verify: bool) -> None:
     files = {r.file for r in reads}
     # Open every data file first: a concurrent overwrite may delete them once a new manifest is committed.
-    storage.pin([manifest.files[f].path for f in sorted(files)])
+    lifecycle(storage).pin([manifest.files[f].path for f in sorted(files)])
     try:
         _execute(storage, manifest, reads, files, io_threads, verify)
     finally:
-        storage.release()
+        lifecycle(storage).release()
 
 
 def _execute(storage: Storage, manifest: Manifest, reads: list[ChunkRead], files: set[int], io_threads: int,
