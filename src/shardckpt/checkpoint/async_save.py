@@ -51,6 +51,7 @@ from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, Planned, persist, 
 from shardckpt.checkpoint.stage import StagingBuffers, stage
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, before_destroy, destroys, resolve_group, side_group
 from shardckpt.errors import CheckpointError
+from shardckpt.storage_options import Options
 
 __all__ = ["async_save", "AsyncSaver", "SaveHandle", "saver_for", "release"]
 
@@ -100,7 +101,7 @@ class AsyncSaver:
 
     def save(self, state_dict: dict, path: str | os.PathLike, *, overwrite: bool = False,
              metadata: dict | None = None, files_per_rank: int = DEFAULT_FILES_PER_RANK,
-             storage_options: dict | None = None, compress: str | None = None,
+             storage_options: Options | None = None, compress: str | None = None,
              progress: ProgressCallback | None = None) -> SaveHandle:
         """``shardckpt.save``'s options; returns once the state is staged (collective, like ``save``).
         ``progress`` is called from the background threads as the staged bytes are written."""

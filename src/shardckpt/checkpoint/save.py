@@ -45,6 +45,7 @@ from shardckpt.format.manifest import MANIFEST_NAME, check_tree, version_for
 from shardckpt.format.tree import decode
 from shardckpt.io import Storage, lifecycle, open_storage
 from shardckpt.options import takes
+from shardckpt.storage_options import Options
 
 __all__ = ["save", "stage", "plan", "persist", "Staged", "Planned", "DEFAULT_FILES_PER_RANK"]
 
@@ -60,7 +61,7 @@ class SaveOptions:
     overwrite: bool = False
     metadata: dict | None = None
     files_per_rank: int = DEFAULT_FILES_PER_RANK
-    storage_options: dict | None = None
+    storage_options: Options | None = None
     compress: str | None = None
 
 
@@ -116,7 +117,7 @@ class Planned:
 
 
 def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
-         files_per_rank: int = DEFAULT_FILES_PER_RANK, storage_options: dict | None = None,
+         files_per_rank: int = DEFAULT_FILES_PER_RANK, storage_options: Options | None = None,
          compress: str | None = None, reuse: Planned | None = None) -> Planned:
     """Save step 2 of 3 (collective): rank 0 gathers every rank's piece infos and a digest of its tree, checks
     that the trees agree (``checkpoint.agree``; if not, every rank raises ``UnsupportedValueError`` naming the

@@ -27,6 +27,7 @@ from shardckpt.format.manifest import Manifest, TensorEntry, chunks_of
 from shardckpt.formats.native import read_manifest
 from shardckpt.formats.native.frames import StoredChunk, block_problem, read_span
 from shardckpt.formats.native.reader import Index, check_data_file, read_index, record_problem
+from shardckpt.storage_options import Options
 
 READ_SIZE = 16 << 20  # bytes read at a time when checksumming a chunk
 
@@ -115,7 +116,8 @@ def _sized_files(storage: Storage, manifest: Manifest, report: VerifyReport) -> 
     return good
 
 
-def verify(path: str | os.PathLike, *, storage_options: dict | None = None, io_threads: int = DEFAULT_IO_THREADS,
+def verify(path: str | os.PathLike | Storage, *, storage_options: Options | None = None,
+           io_threads: int = DEFAULT_IO_THREADS,
            progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check everything about the checkpoint at ``path``; problems are collected, not raised.
 

@@ -48,6 +48,7 @@ from shardckpt.formats.safetensors_header import (
 from shardckpt.io import DEFAULT_IO_THREADS, Storage, lifecycle, open_storage, split_url
 from shardckpt.regions import contiguous_runs
 from shardckpt.tensor_views import as_bytes, from_bytes
+from shardckpt.storage_options import Options
 
 READ_PIECE = 64 << 20  # bytes per ranged read at most (a longer run is split, so that threads share it)
 
@@ -252,7 +253,7 @@ def _refuse_other_exports(reader: SafetensorsReader) -> None:
                                          "while replacing the other. Export again")
 
 
-def open_safetensors(path: str | os.PathLike, storage_options: dict | None = None, *,
+def open_safetensors(path: str | os.PathLike, storage_options: Options | None = None, *,
                      io_threads: int = DEFAULT_IO_THREADS) -> SafetensorsReader:
     """A ``.safetensors`` file, or a directory (index or one file), by local path or fsspec URL."""
     path = os.fspath(path)
