@@ -120,6 +120,15 @@ def test_save_load_verify_inspect_through_a_memory_storage():
     assert shardckpt.inspect(ckpt).tensors
 
 
+def test_async_save_to_a_memory_storage():
+    files: dict[str, bytes] = {}
+    ckpt = MemoryStorage(files, "async")
+    handle = shardckpt.async_save(reference(), ckpt)
+    handle.wait()
+    assert "memory-test://async" in handle.path
+    assert_tree_equal(shardckpt.load_full(ckpt), reference())
+
+
 def test_a_flipped_byte_in_a_memory_storage_is_found():
     files: dict[str, bytes] = {}
     ckpt = MemoryStorage(files, "c")

@@ -66,9 +66,9 @@ class SaveOptions:
 
 
 @takes(SaveOptions, process_group=None, progress=None)
-def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None,
+def save(state_dict: dict, path: str | os.PathLike | Storage, *, process_group: Any = None,
          progress: ProgressCallback | None = None, **options: Any) -> None:
-    """Save a (nested) state dict as a checkpoint at ``path`` (a local path or an fsspec URL).
+    """Save a (nested) state dict as a checkpoint at ``path`` (a local path, an fsspec URL, or a ``Storage``).
 
     Called collectively on every rank of ``process_group`` (default: the default group, or a world of one
     when torch.distributed is not initialised). Values may be plain tensors (full or replicated: stored
