@@ -142,6 +142,8 @@ def rename_rules(name: str, value: Any) -> dict | None:
 
 def options(name: str, value: Any) -> StorageOptions | None:
     """A ``StorageOptions``, or a dict of fsspec's options made one (``as_storage_options``)."""
+    if value is not None and not isinstance(value, (dict, StorageOptions)):
+        raise _bad(name, value, "expected a dict of fsspec options or a StorageOptions")
     return None if value is None else as_storage_options(value)
 
 
