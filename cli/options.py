@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-STORAGE_HELP = """storage options (passed to the fsspec filesystem of s3://, gs://, ... URLs):
+STORAGE_HELP = """storage options (passed to the fsspec filesystem of s3://, gs://, ... URLs, but for shardckpt's own
+retry_deadline_s and connect_deadline_s, its StorageTuning):
   --storage-option endpoint_url=http://127.0.0.1:9000   a custom S3 endpoint (MinIO, Ceph radosgw, ...)
   --storage-option anon=true                            values are JSON where they parse as JSON
   --storage-option client_kwargs.region_name=eu-west-1  dotted keys build nested options

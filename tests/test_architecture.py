@@ -8,14 +8,15 @@ import os
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "shardckpt")
 CLI = os.path.join(os.path.dirname(SRC), "..", "cli")
 
-BASE = {"_version", "errors", "regions", "tensor_views", "sharded_tensor", "sizes", "options"}
+BASE = {"_version", "errors", "regions", "tensor_views", "sharded_tensor", "sizes", "options", "storage_options"}
 # package -> what it may import besides itself (BASE modules import only each other).
 ALLOWED = {
     "_version": set(),
     "errors": set(),
     "regions": set(),
     "sizes": set(),
-    "options": {"sizes"},
+    "options": {"sizes", "storage_options"},
+    "storage_options": {"errors"},
     "tensor_views": {"regions"},
     "sharded_tensor": {"regions"},
     "dist": BASE,

@@ -34,6 +34,8 @@ _LAZY = {
         "set_state_dict", "state_dict_type"),
     "shardckpt.state_dict.zero_redundancy": ("load_zero_partition_state", "zero_partition_state"),
     "shardckpt.api": ("convert", "export", "verify", "diff", "inspect", "gc", "latest", "ls"),
+    "shardckpt.io": ("Storage", "open_storage"),
+    "shardckpt.storage_options": ("StorageOptions", "StorageTuning"),
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
 
@@ -43,6 +45,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; tests/test_package.py chec
     from shardckpt.checkpoint.latest import latest_checkpoint
     from shardckpt.checkpoint.load import load, load_full
     from shardckpt.checkpoint.save import save
+    from shardckpt.io import Storage, open_storage
     from shardckpt.regions import Box, FlatRange
     from shardckpt.sharded_tensor import PerRank, ShardedTensor
     from shardckpt.state_dict import (
@@ -63,6 +66,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; tests/test_package.py chec
         state_dict_type,
     )
     from shardckpt.state_dict.zero_redundancy import load_zero_partition_state, zero_partition_state
+    from shardckpt.storage_options import StorageOptions, StorageTuning
 
 
 def __getattr__(name: str) -> Any:
@@ -85,6 +89,7 @@ __all__ = [
     "get_state_dict", "set_state_dict", "state_dict_type", "save_state", "load_state", "rekey_optim_state_dict",
     "zero_partition_state", "load_zero_partition_state",
     "convert", "export", "verify", "diff", "inspect", "gc", "latest", "ls",
+    "Storage", "open_storage", "StorageOptions", "StorageTuning",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompatibleCheckpointError", "ShardingError", "StorageConfigError", "StorageError", "UnsupportedValueError",
 ]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from shardckpt.sizes import parse_size
+from shardckpt.storage_options import StorageOptions, split_tuning
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,9 @@ def _value(key: str, text: str) -> Any:
         return text
 
 
-def storage_options_from(pairs: list[str]) -> dict | None:
-    """``KEY=VALUE`` pairs (dotted keys nest) as fsspec storage options, or None when there are none."""
+def storage_options_from(pairs: list[str]) -> StorageOptions | None:
+    """``KEY=VALUE`` pairs (dotted keys nest) as storage options, or None when there are none: shardckpt's own
+    keys (``retry_deadline_s``, ``connect_deadline_s``) typed as its ``StorageTuning``, the rest fsspec's."""
     out: dict = {}
     for item in pairs:
         key, sep, text = item.partition("=")
@@ -107,10 +109,11 @@ def storage_options_from(pairs: list[str]) -> dict | None:
             if not isinstance(node, dict):
                 raise ValueError(f"--storage-option {item!r}: {part!r} is already a value")
         node[leaf] = _value(key, text)
-    return out or None
+    return split_tuning(out) if out else None
 
 
-STORAGE = Opt("an fsspec storage option KEY=VALUE (repeatable; see below); in Python a dict",
+STORAGE = Opt("a storage option KEY=VALUE (repeatable; see below); in Python a StorageOptions (or a dict of "
+              "fsspec's options)",
               flags=("--storage-option", "-o"), metavar="KEY=VALUE", repeat=True, collect=storage_options_from)
 SIZE_HELP = "bytes, or a size such as 2GiB, 500MB"
 

@@ -72,10 +72,14 @@ def test_storage_options_parse_json_values_and_dotted_keys():
     from shardckpt.cli.main import build_parser
     from shardckpt.cli.verbs import keyword_arguments
 
+    from shardckpt import StorageOptions, StorageTuning
+
     args = build_parser().parse_args(["verify", "s3://b/c", "-o", "endpoint_url=http://127.0.0.1:9000", "-o",
-                                      "anon=true", "--storage-option", "client_kwargs.region_name=eu-west-1"])
-    assert keyword_arguments(args.spec, args)["storage_options"] == {
-        "endpoint_url": "http://127.0.0.1:9000", "anon": True, "client_kwargs": {"region_name": "eu-west-1"}}
+                                      "anon=true", "--storage-option", "client_kwargs.region_name=eu-west-1",
+                                      "-o", "retry_deadline_s=30"])
+    assert keyword_arguments(args.spec, args)["storage_options"] == StorageOptions({
+        "endpoint_url": "http://127.0.0.1:9000", "anon": True, "client_kwargs": {"region_name": "eu-west-1"}},
+        StorageTuning(retry_deadline_s=30))  # shardckpt's own key typed at the edge
     args = build_parser().parse_args(["inspect", "/x"])
     assert "storage_options" not in keyword_arguments(args.spec, args)  # not given: the function's default
 

@@ -18,6 +18,7 @@ from shardckpt.cli.verbs import in_cli_words
 from shardckpt.errors import BadArgumentError
 from shardckpt.offline.spec import ConvertSpec, ExportSpec
 from shardckpt.state_dict import OptimStateKeyType
+from shardckpt.storage_options import StorageOptions
 
 SPECS = {"convert": ConvertSpec, "export": ExportSpec}
 
@@ -85,7 +86,8 @@ def test_a_spec_is_frozen_normalised_and_picklable():
                        storage_options={"anon": True})
     assert (spec.type, spec.optim_key, spec.dtype, spec.only, spec.exclude) == \
         ("sharded", "name", torch.bfloat16, ("model",), ("optim.state",))  # one string is one prefix
-    assert spec.memory_limit == 1 << 30 and spec.files_per_rank == 2 and spec.dst_storage_options == {"anon": True}
+    assert spec.memory_limit == 1 << 30 and spec.files_per_rank == 2  # fsspec's dict, typed with the default tuning:
+    assert spec.storage_options == spec.dst_storage_options == StorageOptions({"anon": True})
     assert pickle.loads(pickle.dumps(spec)) == spec  # what convert_in_workers sends its workers
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.world_size = 4
@@ -93,7 +95,7 @@ def test_a_spec_is_frozen_normalised_and_picklable():
         dataclasses.replace(spec, world_size=0)  # a changed spec is checked again
     export = ExportSpec("a", "b", dtype=torch.float16, max_shard_size="2KB", only="model", dst_storage_options={})
     assert (export.dtype, export.max_shard_size, export.only, export.dst_storage_options) == \
-        ("float16", 2000, ("model",), {})
+        ("float16", 2000, ("model",), StorageOptions())
     assert ExportSpec("a", "b", dtype="BF16", strip_prefix="").dtype == "bfloat16"
 
 

@@ -145,11 +145,11 @@ def test_botocore_hashes_no_body_by_default_but_a_callers_config_wins(s3_bucket)
     import boto3
     import botocore.config
 
+    from shardckpt import StorageOptions
     from shardckpt.io.s3 import S3Tuning
 
     server, bucket = s3_bucket
-    options: dict = {}
-    S3Tuning.take_from(options)
+    _, options = S3Tuning.resolve(StorageOptions())
     config = options["config_kwargs"]
     assert config["request_checksum_calculation"] == config["response_checksum_validation"] == "when_required"
     sent = []
@@ -163,7 +163,7 @@ def test_botocore_hashes_no_body_by_default_but_a_callers_config_wins(s3_bucket)
     # The caller's own choices are kept.
     options = {"config_kwargs": {"request_checksum_calculation": "when_supported",
                                  "s3": {"payload_signing_enabled": True, "addressing_style": "path"}}}
-    S3Tuning.take_from(options)
+    _, options = S3Tuning.resolve(StorageOptions(options))
     assert options["config_kwargs"]["request_checksum_calculation"] == "when_supported"
     assert options["config_kwargs"]["s3"] == {"payload_signing_enabled": True, "addressing_style": "path"}
 

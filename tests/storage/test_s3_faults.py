@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import shardckpt
+from shardckpt import StorageOptions, StorageTuning
 from shardckpt import CheckpointExistsError, StorageError
 from shardckpt.checkpoint.verify import verify
 from shardckpt.io import open_storage
@@ -83,7 +84,7 @@ def test_a_server_gone_mid_save_leaves_the_old_checkpoint_and_commits_nothing(pr
     shardckpt.save(_state(2), f"s3://{bucket}/counted", storage_options=options)
     commit = next(i for i, (m, p) in enumerate(counting.log) if m == "PUT" and "counted/manifest.json" in p)
     proxy, options = make(stop_after=int(fraction * commit))
-    options["retry_deadline_s"] = 2.0
+    options = StorageOptions(options, StorageTuning(retry_deadline_s=2.0))
     start = time.monotonic()
     with pytest.raises(StorageError) as err:
         shardckpt.save(_state(2), url, storage_options=options, overwrite=True)
@@ -99,7 +100,7 @@ def test_reading_from_a_server_gone_is_a_storage_error_naming_the_object(proxied
     url = f"s3://{bucket}/read"
     shardckpt.save(_state(1), url, storage_options=server.options())
     proxy, options = make()
-    options["retry_deadline_s"] = 1.0
+    options = StorageOptions(options, StorageTuning(retry_deadline_s=1.0))
     storage = open_storage(url, options)
     proxy.stop()
     data_file = next(p for p in server.raw_fs.find(f"{bucket}/read") if p.endswith(".bin"))

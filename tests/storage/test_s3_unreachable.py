@@ -56,9 +56,12 @@ def test_the_cli_says_so_in_one_line_with_exit_2(capsys):
     assert retries and all(r.startswith("shardckpt inspect: ") and "retry" in r for r in retries)  # as they happen
 
 
-def test_connect_deadline_s_is_an_option_and_bounded_by_retry_deadline_s():
+def test_connect_deadline_s_is_a_typed_option_and_bounded_by_retry_deadline_s():
+    from shardckpt import StorageOptions, StorageTuning
+
     endpoint = f"http://127.0.0.1:{_closed_port()}"
-    storage = open_storage("s3://bucket/x", _options(endpoint, connect_deadline_s=0.5, retry_deadline_s=60))
+    tuning = StorageTuning(connect_deadline_s=0.5, retry_deadline_s=60)
+    storage = open_storage("s3://bucket/x", StorageOptions(_options(endpoint), tuning))
     assert storage.tuning.connect_deadline_s == 0.5
     with pytest.raises(StorageError, match="connect_deadline_s=0.5 "):
         storage.exists("manifest.json")
@@ -104,8 +107,8 @@ def test_transient_faults_are_still_retried_and_logged_as_they_happen(s3_bucket,
 
 
 def test_botocore_makes_one_attempt_per_request_so_that_every_retry_is_ours():
+    from shardckpt import StorageOptions
     from shardckpt.io.s3 import S3Tuning
 
-    options: dict = {}
-    S3Tuning.take_from(options)
+    _, options = S3Tuning.resolve(StorageOptions())
     assert options["config_kwargs"]["retries"] == {"total_max_attempts": 1}  # {"max_attempts": 1} retried once

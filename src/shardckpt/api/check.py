@@ -9,11 +9,14 @@ from typing import Annotated, Sequence
 
 from shardckpt.api.results import DiffResult, Difference, InspectResult, Problem, VerifyResult
 from shardckpt.api.runs import LATEST
-from shardckpt.options import STORAGE, Opt, bounded_int, non_negative, prefixes
+from shardckpt.io import Storage, open_storage, where
+from shardckpt.offline.spec import DiffSpec
+from shardckpt.options import STORAGE, Opt, bounded_int, prefixes, takes
 from shardckpt.offline.rename import read_rename_map
 from shardckpt.api.transform import PathLike, Progress
 from shardckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                               IncompatibleCheckpointError)
+from shardckpt.storage_options import Options
 
 WITH_AGAINST = "with --against: what export was given"
 
@@ -29,7 +32,7 @@ def verify(
                                            parse=read_rename_map)] = None,
     threads: Annotated[int | None, Opt("parallel reads (default: shardckpt.io's, 4)",
                                        parse=bounded_int(1, 256))] = None,
-    storage_options: Annotated[dict | None, STORAGE] = None,
+    storage_options: Annotated[Options | None, STORAGE] = None,
     progress: Progress | None = None,
 ) -> VerifyResult:
     """Check that the checkpoint at ``path`` is complete and uncorrupted (every byte against its checksums),
@@ -47,23 +50,25 @@ def verify(
     if against is not None or (other is not None and other.startswith("safetensors")):
         result = _verify_export(path, against, only, strip_prefix, rename_map, storage_options)
     elif other is not None:
-        raise IncompatibleCheckpointError(f"{path}: {other}, not a shardckpt checkpoint; verify checks shardckpt "
+        raise IncompatibleCheckpointError(f"{where(path)}: {other}, not a shardckpt checkpoint; verify checks "
+                                          "shardckpt "
                                           "checkpoints against the checksums they store (inspect lists this one)")
     else:
-        result = _verify_checkpoint(path, threads, storage_options, progress)
+        result = _verify_checkpoint(path, open_storage(path, storage_options), threads, progress)
     return VerifyResult(**{**result, "seconds": time.monotonic() - start})
 
 
-def _verify_checkpoint(path: PathLike, threads: int | None, storage_options: dict | None, progress) -> dict:
+def _verify_checkpoint(path: PathLike | Storage, storage: Storage, threads: int | None, progress) -> dict:
+    """``path``'s checkpoint, opened once (``storage``), checked byte by byte."""
     from shardckpt.checkpoint.verify import verify as run_verify
 
     try:
-        report = run_verify(path, storage_options=storage_options, progress=progress,
+        report = run_verify(storage, progress=progress,
                             **({} if threads is None else {"io_threads": threads}))
     except CorruptCheckpointError as e:  # the manifest itself: nothing else can be checked
-        return dict(path=os.fspath(path), ok=False, kind="checkpoint", tensors=0, tensor_bytes=0,
+        return dict(path=where(path), ok=False, kind="checkpoint", tensors=0, tensor_bytes=0,
                     problems=(Problem(str(e)),))
-    return dict(path=os.fspath(path), ok=report.ok, kind="checkpoint", tensors=report.tensors,
+    return dict(path=where(path), ok=report.ok, kind="checkpoint", tensors=report.tensors,
                 tensor_bytes=report.bytes_checked, problems=tuple(Problem(p.message, p.tensor, p.file)
                                                                   for p in report.problems),
                 version=report.version, manifest_checksum=report.manifest_checksum, chunks=report.chunks)
@@ -72,7 +77,7 @@ def _verify_checkpoint(path: PathLike, threads: int | None, storage_options: dic
 def _verify_export(path, against, only, strip_prefix, rename_map, storage_options) -> dict:
     from shardckpt.offline.verify_export import verify_export
 
-    base = dict(path=os.fspath(path), kind="export", against=None if against is None else os.fspath(against))
+    base = dict(path=where(path), kind="export", against=None if against is None else where(against))
     try:
         check = verify_export(path, against=against, only=only, strip_prefix=strip_prefix, rename=rename_map,
                               storage_options=storage_options, dst_storage_options=storage_options)
@@ -88,25 +93,8 @@ def _differences(report, field: str = "differences") -> tuple[Difference, ...]:
     return tuple(Difference(d.name, d.kind, d.detail, d.max_abs_error) for d in getattr(report, field))
 
 
-def diff(
-    a: Annotated[PathLike, Opt("a checkpoint, file or fsspec URL (shardckpt, torch DCP, safetensors, "
-                               "torch.save)")],
-    b: Annotated[PathLike, Opt("the other one")],
-    *,
-    atol: Annotated[float, Opt("absolute tolerance for values (default 0: exact)", parse=non_negative)] = 0.0,
-    rtol: Annotated[float, Opt("relative tolerance for values (default 0: exact)", parse=non_negative)] = 0.0,
-    only: Annotated[Sequence[str] | None, prefixes("compare only the tensors and values under this dotted-name "
-                                                    "prefix, on each side that has any (a side with none is "
-                                                    "compared whole)")] = None,
-    strip_prefix: Annotated[str | None, Opt("remove this prefix from the names that start with it (after "
-                                            "--only), e.g. model. against an export", metavar="P")] = None,
-    latest: Annotated[bool, Opt("A or B is a run directory: use the latest committed checkpoint below it "
-                                "(`shardckpt ls` lists them)")] = False,
-    read_all: Annotated[bool, Opt("compare every tensor by value, also where both sides store equal checksums "
-                                  "(CRC32C: a collision is 1 in 2**32 by chance, and can be made)")] = False,
-    storage_options: Annotated[dict | None, STORAGE] = None,
-    progress: Progress | None = None,
-) -> DiffResult:
+@takes(DiffSpec, progress=None)
+def diff(a: PathLike, b: PathLike, *, progress: Progress | None = None, **options) -> DiffResult:
     """Compare checkpoints ``a`` and ``b`` (any readable formats) tensor by tensor, and their plain values;
     the same as ``shardckpt diff A B``. Differences are collected in the result (``equal`` False); with a
     tolerance, floating-point tensors of other dtypes are compared by value (``dtype_differences``); the
@@ -121,23 +109,25 @@ def diff(
     from shardckpt.offline.diff import diff as run_diff
 
     start = time.monotonic()
-    a, b = _sides(a, b, latest, storage_options)
+    spec = DiffSpec(a, b, **options)
+    storage_options = spec.storage_options
+    a, b = _sides(a, b, spec.latest, storage_options)
     with explaining_run_dirs(storage_options, a, b):
-        report = run_diff(a, b, atol=atol, rtol=rtol, only=only, strip_prefix=strip_prefix, read_all=read_all,
-                          storage_options=storage_options, progress=progress)
-    return DiffResult(os.fspath(a), os.fspath(b), report.equal, report.tensors, report.by_checksum,
+        report = run_diff(a, b, atol=spec.atol, rtol=spec.rtol, only=spec.only, strip_prefix=spec.strip_prefix,
+                          read_all=spec.read_all, storage_options=storage_options, progress=progress)
+    return DiffResult(where(a), where(b), report.equal, report.tensors, report.by_checksum,
                       report.bytes_read, report.plain_values, _differences(report), time.monotonic() - start,
                       _differences(report, "dtype_differences"), _differences(report, "metadata_differences"),
                       tuple(report.notes))
 
 
-def _sides(a: PathLike, b: PathLike, latest: bool, storage_options: dict | None) -> tuple[str, str]:
+def _sides(a: PathLike, b: PathLike, latest: bool, storage_options: Options | None) -> tuple[str, str]:
     """A and B, with ``latest`` each run directory among them replaced by its latest committed checkpoint."""
     from shardckpt.api.runs import resolve
 
     sides = tuple(resolve(p, latest, storage_options, required=False) for p in (a, b))
-    if latest and sides == (os.fspath(a), os.fspath(b)):
-        raise CheckpointNotFoundError(f"latest=True: neither {os.fspath(a)} nor {os.fspath(b)} has a committed "
+    if latest and sides == (a, b):
+        raise CheckpointNotFoundError(f"latest=True: neither {where(a)} nor {where(b)} has a committed "
                                       "checkpoint below it")
     return sides
 
@@ -146,7 +136,7 @@ def inspect(
     path: Annotated[PathLike, Opt("checkpoint directory, file or fsspec URL")],
     *,
     latest: Annotated[bool, LATEST] = False,
-    storage_options: Annotated[dict | None, STORAGE] = None,
+    storage_options: Annotated[Options | None, STORAGE] = None,
 ) -> InspectResult:
     """What the checkpoint at ``path`` holds: its format, tensors (name, dtype, shape, tensor bytes,
     checksum) and, for shardckpt's own, world size, type and how it is stored; the same as ``shardckpt
@@ -166,10 +156,10 @@ def inspect(
     if info["format"] == FORMAT_NAME:
         info["parameters"] = _by_parameter(path, storage_options)
     details = {k: v for k, v in info.items() if k not in ("path", "format", "tensors")}
-    return InspectResult(os.fspath(path), info["format"], tuple(info["tensors"]), info["total_bytes"], details)
+    return InspectResult(where(path), info["format"], tuple(info["tensors"]), info["total_bytes"], details)
 
 
-def _by_parameter(path: PathLike, options: dict | None) -> list[dict] | None:
+def _by_parameter(path: PathLike, options: Options | None) -> list[dict] | None:
     """A LOCAL checkpoint's tensors by parameter name, through its flat layouts (None: not LOCAL)."""
     from shardckpt.format.flat_layout import is_local
     from shardckpt.formats.detect import open_reader

@@ -8,7 +8,9 @@ import os
 from typing import Annotated, Iterator
 
 from shardckpt.api.results import LsResult
+from shardckpt.io import Storage, is_named
 from shardckpt.options import STORAGE, Opt
+from shardckpt.storage_options import Options
 
 LATEST = Opt("PATH is a run directory: use the latest committed checkpoint below it (the highest step; "
              "`shardckpt ls` lists them)")
@@ -17,7 +19,7 @@ LATEST = Opt("PATH is a run directory: use the latest committed checkpoint below
 def ls(
     run_dir: Annotated[str | os.PathLike, Opt("run directory or fsspec URL")],
     *,
-    storage_options: Annotated[dict | None, STORAGE] = None,
+    storage_options: Annotated[Options | None, STORAGE] = None,
 ) -> LsResult:
     """The checkpoints directly below ``run_dir`` (e.g. the ``step-*`` directories a training loop writes):
     name, step, state (committed, incomplete, being written, empty, unreadable, run directory), format,
@@ -37,17 +39,19 @@ def ls(
                     tuple(asdict(e) for e in listing.checkpoints), listing.summary())
 
 
-def resolve(path: str | os.PathLike, latest: bool, storage_options: dict | None, required: bool = True) -> str:
-    """``path``, or with ``latest`` the latest committed checkpoint below it (``checkpoint_or_latest``)."""
+def resolve(path: str | os.PathLike | Storage, latest: bool, storage_options: Options | None,
+            required: bool = True) -> str | Storage:
+    """``path`` (a ``Storage`` as it is), or with ``latest`` the latest committed checkpoint below it
+    (``checkpoint_or_latest``)."""
     if not latest:
-        return os.fspath(path)
+        return path if not is_named(path) else os.fspath(path)
     from shardckpt.checkpoint.runs import checkpoint_or_latest
 
     return checkpoint_or_latest(path, latest=True, storage_options=storage_options, required=required)
 
 
 @contextlib.contextmanager
-def explaining_run_dirs(storage_options: dict | None, *paths: str | os.PathLike) -> Iterator[None]:
+def explaining_run_dirs(storage_options: Options | None, *paths: str | os.PathLike) -> Iterator[None]:
     """A "no checkpoint here" error for one of ``paths`` that is a run directory becomes one that names the
     checkpoints below it and the latest."""
     from shardckpt.errors import CheckpointNotFoundError

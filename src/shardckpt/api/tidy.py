@@ -5,8 +5,10 @@ import os
 from typing import Annotated
 
 from shardckpt.api.results import GcResult, LatestResult
+from shardckpt.io import where
 from shardckpt.options import STORAGE, Opt, non_negative
 from shardckpt.api.transform import PathLike
+from shardckpt.storage_options import Options
 
 
 def gc(
@@ -15,7 +17,7 @@ def gc(
     dry_run: Annotated[bool, Opt("list what would be removed, remove nothing")] = False,
     min_age: Annotated[float | None, Opt("keep entries newer than this (default: by lock on local disk, 6 h on "
                                          "object stores)", parse=non_negative, metavar="SECONDS")] = None,
-    storage_options: Annotated[dict | None, STORAGE] = None,
+    storage_options: Annotated[Options | None, STORAGE] = None,
 ) -> GcResult:
     """Remove what interrupted saves left at ``path`` (never a committed checkpoint's data, never what a live
     save still writes); the same as ``shardckpt gc PATH``. A run directory (no checkpoint of its own): the
@@ -28,13 +30,13 @@ def gc(
     from shardckpt.checkpoint.gc import gc as run_gc
 
     removed = run_gc(path, dry_run=dry_run, min_age_s=min_age, storage_options=storage_options)
-    return GcResult(os.fspath(path), tuple(removed), dry_run)
+    return GcResult(where(path), tuple(removed), dry_run)
 
 
 def latest(
     run_dir: Annotated[PathLike, Opt("a run directory (or fsspec URL) holding step-* checkpoints")],
     *,
-    storage_options: Annotated[dict | None, STORAGE] = None,
+    storage_options: Annotated[Options | None, STORAGE] = None,
 ) -> LatestResult:
     """The committed checkpoint directly under ``run_dir`` with the highest step in its name (``latest`` is
     None if there is none; a directory an interrupted save left is skipped); the same as ``shardckpt latest``.

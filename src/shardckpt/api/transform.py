@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable
 
 from shardckpt.api.results import ConvertResult, ExportResult
+from shardckpt.io import where
 from shardckpt.offline.spec import ConvertSpec, ExportSpec
 from shardckpt.options import takes
 
@@ -57,7 +58,7 @@ def convert(src: PathLike, dst: PathLike, *, progress: Progress | None = None, s
         log.info("%s: resumed a killed conversion: kept %d bytes it had written (%d output ranks whole)", dst,
                  report.kept_bytes, len(report.kept_ranks))
     count = spread_over.size() if spread_over is not None else spec.workers
-    return ConvertResult(os.fspath(dst), report.type, report.world_size, report.tensors, report.bytes_written,
+    return ConvertResult(where(dst), report.type, report.world_size, report.tensors, report.bytes_written,
                          report.kept_bytes, tuple(report.kept_ranks), count, time.monotonic() - start, spec.format)
 
 
@@ -83,5 +84,5 @@ def export(src: PathLike, dst: PathLike, *, progress: Progress | None = None, **
         report = run(spec, progress)
     if report.kept:
         log.info("%s: resumed a killed export: kept %d finished files", dst, len(report.kept))
-    return ExportResult(os.fspath(dst), tuple(report.files), report.tensors, report.total_size, report.dtype,
+    return ExportResult(where(dst), tuple(report.files), report.tensors, report.total_size, report.dtype,
                         dict(report.tied), tuple(report.kept), time.monotonic() - start)

@@ -51,6 +51,8 @@ from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, Planned, persist, 
 from shardckpt.checkpoint.stage import StagingBuffers, stage
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, before_destroy, destroys, resolve_group, side_group
 from shardckpt.errors import CheckpointError
+from shardckpt.io import Storage, is_named, where
+from shardckpt.storage_options import Options
 
 __all__ = ["async_save", "AsyncSaver", "SaveHandle", "saver_for", "release"]
 
@@ -98,13 +100,13 @@ class AsyncSaver:
         self._lock = threading.Lock()
         _live.add(self)
 
-    def save(self, state_dict: dict, path: str | os.PathLike, *, overwrite: bool = False,
+    def save(self, state_dict: dict, path: str | os.PathLike | Storage, *, overwrite: bool = False,
              metadata: dict | None = None, files_per_rank: int = DEFAULT_FILES_PER_RANK,
-             storage_options: dict | None = None, compress: str | None = None,
+             storage_options: Options | None = None, compress: str | None = None,
              progress: ProgressCallback | None = None) -> SaveHandle:
         """``shardckpt.save``'s options; returns once the state is staged (collective, like ``save``).
         ``progress`` is called from the background threads as the staged bytes are written."""
-        path = os.fspath(path)
+        path = os.fspath(path) if is_named(path) else path  # a Storage is the place itself
         with self._lock:
             if self.side is None:
                 raise CheckpointError("this AsyncSaver's process group was destroyed; use shardckpt.async_save "
@@ -123,7 +125,7 @@ class AsyncSaver:
                 self._planned = planned
                 persist(ready, planned, progress=progress)
 
-            self._last = SaveHandle(self._executor.submit(background), path)
+            self._last = SaveHandle(self._executor.submit(background), where(path))
             return self._last
 
     def _finish_previous(self) -> None:
@@ -274,7 +276,7 @@ def saver_for(process_group: Any = None, background_group: Any = None) -> AsyncS
         return _savers[key]
 
 
-def async_save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None,
+def async_save(state_dict: dict, path: str | os.PathLike | Storage, *, process_group: Any = None,
                background_group: Any = None, **options: Any) -> SaveHandle:
     """Save like ``shardckpt.save`` (same options), returning once the state is copied into this rank's
     staging buffers; the rest runs in the background (see the module docstring). Collective.

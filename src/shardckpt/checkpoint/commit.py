@@ -14,7 +14,7 @@ from shardckpt.dist.group import Failure, raise_failures
 from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from shardckpt.format.dtypes import DTYPES
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorEntry, parse_manifest, version_for
-from shardckpt.io import Storage
+from shardckpt.io import Storage, lifecycle
 
 
 def data_dir(generation: str) -> str:
@@ -49,7 +49,7 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
             crc ^= result.crc_terms.get(name, 0) if result is not None else 0
         tensors[name] = TensorEntry(name, DTYPES[tp.dtype], tp.shape, crc, tp.chunks(first_file))
     if files:
-        storage.sync_dir(data_dir(generation))
+        lifecycle(storage).sync_dir(data_dir(generation))
     previous = _previous_generation(storage)
     manifest = Manifest(world_size=world_size, generation=generation, tree=None, tensors=tensors,
                         files=files, metadata=metadata or {}, created_by=f"shardckpt {__version__}",

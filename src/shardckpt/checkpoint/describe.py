@@ -18,7 +18,8 @@ from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.native import NativeReader
 from shardckpt.formats.native.reader import read_index
-from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage
+from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage, where
+from shardckpt.storage_options import Options
 
 
 def format_description(reader: CheckpointReader, storage: Storage) -> tuple[str, int | None]:
@@ -43,7 +44,7 @@ def _count(n: int | None, what: str) -> str:
     return f"{n if n is not None else '?'} {what}{'' if n == 1 else 's'}"
 
 
-def foreign_format(path: str | os.PathLike, *, storage_options: dict | None = None) -> str | None:
+def foreign_format(path: str | os.PathLike, *, storage_options: Options | None = None) -> str | None:
     """The description of the format at ``path`` when it holds a checkpoint of a format other than
     shardckpt's own; ``None`` when it holds shardckpt's format or nothing recognised. A committed manifest says
     shardckpt's format without being read: a damaged one is for ``verify`` to report."""
@@ -57,7 +58,7 @@ def foreign_format(path: str | os.PathLike, *, storage_options: dict | None = No
     return None if reader.facts().format == FORMAT_NAME else format_description(reader, storage)[0]
 
 
-def describe(path: str | os.PathLike, *, storage_options: dict | None = None) -> dict:
+def describe(path: str | os.PathLike, *, storage_options: Options | None = None) -> dict:
     """A JSON-able summary: format, world size, state-dict type, total (logical) and stored bytes, and one
     entry per tensor, with its stored bytes and codecs (from every chunk index in format v3, which may
     compress; before it every chunk is ``raw``, stored as its bytes).
@@ -84,7 +85,7 @@ def describe(path: str | os.PathLike, *, storage_options: dict | None = None) ->
                 **stored.of(t), "chunks": len(t.chunks), "crc32c": f"{t.crc32c:08x}"}
                for t in manifest.tensors.values()]
     return {
-        "path": os.fspath(path),
+        "path": where(path),
         "format": FORMAT_NAME,
         "version": manifest.version,
         "manifest_checksum": manifest.checksummed,
@@ -145,7 +146,7 @@ def describe_reader(reader: CheckpointReader, path: str | os.PathLike, storage: 
                         "bytes": nbytes, "crc32c": None if t.crc32c is None else f"{t.crc32c:08x}"})
     values = [path_name(p) for p, leaf in leaves(reader.tree(), _is_ref) if not isinstance(leaf, TensorRef)]
     return {
-        "path": os.fspath(path),
+        "path": where(path),
         "format": reader.facts().format,
         "description": description,
         "files": files,

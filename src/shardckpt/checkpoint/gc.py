@@ -23,10 +23,12 @@ import os
 import re
 import warnings
 from dataclasses import dataclass
+from functools import partial
 
 from shardckpt.errors import CheckpointError
 from shardckpt.format.manifest import MANIFEST_NAME, parse_manifest
-from shardckpt.io import LocalStorage, Storage, open_storage
+from shardckpt.io import LocalStorage, Storage, is_named, lifecycle, open_storage
+from shardckpt.storage_options import Options
 
 log = logging.getLogger("shardckpt")
 REMOTE_MIN_AGE_S = 6 * 3600.0
@@ -74,7 +76,7 @@ def collect(storage: Storage, dry_run: bool = False, min_age_s: float | None = N
     removed = []
     for name in debris(storage, committed):
         age = min_age_s if min_age_s is not None else _min_age(storage, name)
-        if storage.remove_abandoned(name, age, dry_run, unused=lambda name=name: _not_committed(storage, name)):
+        if lifecycle(storage).remove_abandoned(name, age, dry_run, unused=partial(_not_committed, storage, name)):
             removed.append(name)
             if not dry_run:
                 log.info("removed %s (what an interrupted save left)", storage.url(name))
@@ -92,8 +94,8 @@ def _min_age(storage: Storage, name: str) -> float:
     return 0.0 if isinstance(storage, LocalStorage) else REMOTE_MIN_AGE_S  # local disk goes by locks
 
 
-def gc(path: str | os.PathLike, *, dry_run: bool = False, min_age_s: float | None = None,
-       storage_options: dict | None = None) -> list[str]:
+def gc(path: str | os.PathLike | Storage, *, dry_run: bool = False, min_age_s: float | None = None,
+       storage_options: Options | None = None) -> list[str]:
     """``shardckpt gc``: remove what interrupted saves left at ``path`` (see the module docstring), and, where
     ``path`` holds no committed checkpoint itself (a run directory), below it (``collect_run``); returns the
     paths removed, relative to ``path``. ``min_age_s`` overrides the age below which an entry may still be a
@@ -102,7 +104,7 @@ def gc(path: str | os.PathLike, *, dry_run: bool = False, min_age_s: float | Non
     if not storage.is_dir():
         raise CheckpointError(f"{storage.url('')}: no such directory")
     removed = collect(storage, dry_run, min_age_s)
-    if committed_dir(storage) is None:
+    if committed_dir(storage) is None and is_named(path):  # a Storage is one checkpoint's place, never a run's
         removed += collect_run(path, dry_run=dry_run, min_age_s=min_age_s, storage_options=storage_options).removed
     return removed
 
@@ -116,7 +118,7 @@ class RunCollected:
 
 
 def collect_run(run_dir: str | os.PathLike, *, dry_run: bool = False, min_age_s: float | None = None,
-                storage_options: dict | None = None) -> RunCollected:
+                storage_options: Options | None = None) -> RunCollected:
     """The debris of every checkpoint directly below ``run_dir`` (``gc.collect`` on each, with its safety
     rules; a checkpoint: ``is_checkpoint_dir``), then each directory this leaves empty that a save made (named
     for a step, or holding the debris just removed): on local disk, removed only while empty and held by no

@@ -25,6 +25,7 @@ from shardckpt.formats.api import CheckpointReader, Facts, ReadRequest, TensorIn
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.native import NativeReader
 from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage
+from shardckpt.storage_options import Options
 
 T = TypeVar("T")
 ATTEMPTS = 5  # runs of the work: a concurrent overwrite can remove the data a reader is on; it then reads the new
@@ -90,7 +91,7 @@ class PinnedReader:
 
 
 def open_checkpoint(where: str | os.PathLike | Storage, *, process_group: Any = None,
-                    storage_options: dict | None = None, io_threads: int = DEFAULT_IO_THREADS,
+                    storage_options: Options | None = None, io_threads: int = DEFAULT_IO_THREADS,
                     verify: bool = True) -> PinnedReader:
     """The checkpoint at ``where`` (a local path, an fsspec URL, or a ``Storage`` of its directory) opened for
     every rank of ``process_group`` (collective; ``dist.group.LOCAL``: this process alone), of any format
@@ -146,7 +147,7 @@ def _committed_manifest(group: Group, storage: Storage, quiet: bool = False) -> 
     return data
 
 
-def _other_format(group: Group, where: str | os.PathLike | Storage, storage_options: dict | None, io_threads: int,
+def _other_format(group: Group, where: str | os.PathLike | Storage, storage_options: Options | None, io_threads: int,
                   verify: bool) -> CheckpointReader | None:
     """The reader of another format at ``where``, opened on every rank (a failure on any: raised on all); None when
     some rank found shardckpt's own format there after all (committed since rank 0 looked: every rank reads it

@@ -5,7 +5,9 @@ import os
 import re
 
 from shardckpt.format.manifest import MANIFEST_NAME
-from shardckpt.io import open_storage
+from shardckpt.errors import BadArgumentError
+from shardckpt.io import is_named, open_storage, where
+from shardckpt.storage_options import Options
 
 _STEP = re.compile(r"step[-_]?(\d+)", re.IGNORECASE)
 _NUMBER = re.compile(r"\d+")
@@ -18,10 +20,13 @@ def step_of(name: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def latest_checkpoint(root: str | os.PathLike, *, storage_options: dict | None = None) -> str | None:
+def latest_checkpoint(root: str | os.PathLike, *, storage_options: Options | None = None) -> str | None:
     """The committed checkpoint directly under ``root`` (a path or fsspec URL) with the highest step in its
     name (``step_of``), or None if there is none. A directory without a committed manifest, such as one
     an interrupted save left, is skipped; among equal steps the last name in sorted order wins."""
+    if not is_named(root):
+        raise BadArgumentError(f"{where(root)}: latest_checkpoint looks below a run directory, named by a path or "
+                               "URL; a Storage is one checkpoint's place")
     storage = open_storage(root, storage_options)
     named = sorted(((step, name) for name in storage.list_dirs() if (step := step_of(name)) is not None),
                    reverse=True)

@@ -23,6 +23,7 @@ from shardckpt.dist.group import LOCAL
 from shardckpt.formats.api import CheckpointReader, ReadRequest
 from shardckpt.formats.local_view import by_parameter_unless_local
 from shardckpt.io import DEFAULT_IO_THREADS, Storage
+from shardckpt.storage_options import Options
 
 # How a load sees a checkpoint's reader for a given target state dict (the reader itself where it does not apply).
 ReaderView = Callable[[CheckpointReader, Any], CheckpointReader]
@@ -30,7 +31,7 @@ ReaderView = Callable[[CheckpointReader, Any], CheckpointReader]
 
 def load(state_dict: dict, path: str | os.PathLike | Storage, *, process_group: Any = None, strict: bool = True,
          verify_checksums: bool = True, io_threads: int = DEFAULT_IO_THREADS,
-         storage_options: dict | None = None, progress: ProgressCallback | None = None) -> None:
+         storage_options: Options | None = None, progress: ProgressCallback | None = None) -> None:
     """Fill ``state_dict`` in place from the checkpoint at ``path``, whatever world size and sharding wrote it.
 
     Called collectively on every rank. Each rank reads only the bytes its tensors need: plain tensors
@@ -59,7 +60,7 @@ def matched(reader: CheckpointReader, state_dict: dict, strict: bool, rank: int,
 
 def load_pieces(path: str | os.PathLike | Storage, build: Callable[[CheckpointReader], list[ReadRequest]], *,
                 process_group: Any = None, verify_checksums: bool = True, io_threads: int = DEFAULT_IO_THREADS,
-                storage_options: dict | None = None) -> CheckpointReader:
+                storage_options: Options | None = None) -> CheckpointReader:
     """Collective, lower-level ``load``: ``build`` turns the checkpoint's reader (its ``tree()``, ``tensors()`` and
     ``facts()``) into explicit requests, made on every rank and agreed before any is read.
 
@@ -73,7 +74,7 @@ def load_pieces(path: str | os.PathLike | Storage, build: Callable[[CheckpointRe
 
 
 def load_full(path: str | os.PathLike | Storage, keys: Iterable[str] | None = None, *, verify_checksums: bool = True,
-              io_threads: int = DEFAULT_IO_THREADS, storage_options: dict | None = None,
+              io_threads: int = DEFAULT_IO_THREADS, storage_options: Options | None = None,
               progress: ProgressCallback | None = None) -> dict:
     """Read a checkpoint as a plain nested state dict of full CPU tensors, in this process alone.
 

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 from shardckpt.checkpoint.gc import EXPORT_STAGING, GENERATION_DIR, STEP_NAME, child_path, collect, debris, is_checkpoint_dir
 from shardckpt.checkpoint.latest import step_of
-from shardckpt.errors import CheckpointError, CheckpointNotFoundError
+from shardckpt.errors import BadArgumentError, CheckpointError, CheckpointNotFoundError
 from shardckpt.format.manifest import FORMAT_NAME, MANIFEST_NAME
-from shardckpt.io import Storage, open_storage
+from shardckpt.io import Storage, is_named, open_storage, where
+from shardckpt.storage_options import Options
 
 COMMITTED, INCOMPLETE, WRITING, EMPTY, UNREADABLE = "committed", "incomplete", "being written", "empty", "unreadable"
 RUN_DIR = "run directory"  # no checkpoint itself, but committed shardckpt checkpoints below (runs/demo/checkpoints)
@@ -63,7 +64,7 @@ class RunListing:
         return f"{len(self.checkpoints)} checkpoint{'s' if len(self.checkpoints) != 1 else ''} below ({states}); {latest}"
 
 
-def list_checkpoints(run_dir: str | os.PathLike, *, storage_options: dict | None = None) -> RunListing:
+def list_checkpoints(run_dir: str | os.PathLike, *, storage_options: Options | None = None) -> RunListing:
     """The checkpoints directly below ``run_dir`` (a path or fsspec URL; see the module's docstring).
     Directories holding neither a checkpoint nor debris (``logs/``) are left out, and empty ones unless
     named for a step. Raises ``CheckpointNotFoundError`` when ``run_dir`` is not a directory."""
@@ -84,14 +85,14 @@ def list_checkpoints(run_dir: str | os.PathLike, *, storage_options: dict | None
     return RunListing(root, entries, max(native, key=lambda e: (e.step, e.name), default=None))
 
 
-def _entry(storage: Storage, name: str, path: str, options: dict | None) -> CheckpointEntry | None:
+def _entry(storage: Storage, name: str, path: str, options: Options | None) -> CheckpointEntry | None:
     try:
         return _read_entry(storage, name, path, options)
     except CheckpointError as e:  # a manifest that does not parse, a file gone while it was listed
         return CheckpointEntry(name, path, step_of(name), UNREADABLE, detail=str(e))
 
 
-def _read_entry(storage: Storage, name: str, path: str, options: dict | None) -> CheckpointEntry | None:
+def _read_entry(storage: Storage, name: str, path: str, options: Options | None) -> CheckpointEntry | None:
     step = step_of(name)
     removable, live = _uncommitted(storage) if is_checkpoint_dir(storage, name) else ([], [])
     extra = {"debris": removable, "debris_bytes": sum(_bytes(storage, d) for d in removable), "live": live}
@@ -108,7 +109,8 @@ def _read_entry(storage: Storage, name: str, path: str, options: dict | None) ->
     return _foreign(storage, name, path, step, options)
 
 
-def _foreign(storage: Storage, name: str, path: str, step: int | None, options: dict | None) -> CheckpointEntry | None:
+def _foreign(storage: Storage, name: str, path: str, step: int | None,
+             options: Options | None) -> CheckpointEntry | None:
     """A checkpoint of another format (an export, a torch DCP directory), or None when nothing reads it."""
     from shardckpt.checkpoint.describe import format_description
     from shardckpt.formats.detect import open_reader
@@ -140,9 +142,12 @@ def _bytes(storage: Storage, path: str) -> int:
     return files + sum(_bytes(storage, prefix + d) for d in storage.list_dirs(path))
 
 
-def run_dir_error(path: str | os.PathLike, *, storage_options: dict | None = None) -> CheckpointNotFoundError | None:
+def run_dir_error(path: str | os.PathLike, *, storage_options: Options | None = None) -> CheckpointNotFoundError | None:
     """For a ``path`` that holds no checkpoint itself: if checkpoints lie below it (a run directory), the
-    error that says which and how to pick one (else None: the caller's own error stands)."""
+    error that says which and how to pick one (else None: the caller's own error stands; a ``Storage`` is one
+    checkpoint's place, never a run directory)."""
+    if not is_named(path):
+        return None
     try:
         listing = list_checkpoints(path, storage_options=storage_options)
     except CheckpointError:
@@ -157,10 +162,16 @@ def run_dir_error(path: str | os.PathLike, *, storage_options: dict | None = Non
                                    f"[{shown}]; {pick}")
 
 
-def checkpoint_or_latest(path: str | os.PathLike, *, latest: bool = False, storage_options: dict | None = None,
+def checkpoint_or_latest(path: str | os.PathLike, *, latest: bool = False, storage_options: Options | None = None,
                          required: bool = True) -> str:
     """``path``; with ``latest``, the latest committed checkpoint below it (``RunListing.latest``). Where
-    there is none: ``CheckpointNotFoundError`` naming what lies below, or, not ``required``, ``path``."""
+    there is none: ``CheckpointNotFoundError`` naming what lies below, or, not ``required``, ``path``. A run
+    directory is a path or URL: ``latest`` with a ``Storage`` is refused."""
+    if not is_named(path):
+        if latest:
+            raise BadArgumentError(f"{where(path)}: latest=True looks below a run directory, named by a path or URL; "
+                                   "a Storage is one checkpoint's place")
+        return path
     if not latest:
         return os.fspath(path)
     listing = list_checkpoints(path, storage_options=storage_options)

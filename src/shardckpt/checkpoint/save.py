@@ -43,8 +43,9 @@ from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptChec
 from shardckpt.format.codecs import Compression
 from shardckpt.format.manifest import MANIFEST_NAME, check_tree, version_for
 from shardckpt.format.tree import decode
-from shardckpt.io import Storage, open_storage
+from shardckpt.io import Storage, lifecycle, open_storage
 from shardckpt.options import takes
+from shardckpt.storage_options import Options
 
 __all__ = ["save", "stage", "plan", "persist", "Staged", "Planned", "DEFAULT_FILES_PER_RANK"]
 
@@ -60,14 +61,14 @@ class SaveOptions:
     overwrite: bool = False
     metadata: dict | None = None
     files_per_rank: int = DEFAULT_FILES_PER_RANK
-    storage_options: dict | None = None
+    storage_options: Options | None = None
     compress: str | None = None
 
 
 @takes(SaveOptions, process_group=None, progress=None)
-def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None,
+def save(state_dict: dict, path: str | os.PathLike | Storage, *, process_group: Any = None,
          progress: ProgressCallback | None = None, **options: Any) -> None:
-    """Save a (nested) state dict as a checkpoint at ``path`` (a local path or an fsspec URL).
+    """Save a (nested) state dict as a checkpoint at ``path`` (a local path, an fsspec URL, or a ``Storage``).
 
     Called collectively on every rank of ``process_group`` (default: the default group, or a world of one
     when torch.distributed is not initialised). Values may be plain tensors (full or replicated: stored
@@ -116,7 +117,7 @@ class Planned:
 
 
 def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
-         files_per_rank: int = DEFAULT_FILES_PER_RANK, storage_options: dict | None = None,
+         files_per_rank: int = DEFAULT_FILES_PER_RANK, storage_options: Options | None = None,
          compress: str | None = None, reuse: Planned | None = None) -> Planned:
     """Save step 2 of 3 (collective): rank 0 gathers every rank's piece infos and a digest of its tree, checks
     that the trees agree (``checkpoint.agree``; if not, every rank raises ``UnsupportedValueError`` naming the
@@ -289,7 +290,7 @@ def _write(planned: Planned, staged: Staged, holds: list,
         if progress is not None:
             progress(0, 0)  # nothing for this rank to write: done
         return None
-    holds.append(planned.storage.hold_dir(planned.data_dir))
+    holds.append(lifecycle(planned.storage).hold_dir(planned.data_dir))
     base = f"{planned.data_dir}/rank-{planned.group.rank:05d}"
     return write_rank_files(planned.storage, base, planned.tasks, staged.pieces, planned.files_per_rank,
                             planned.compression, planned.version, progress=progress)

@@ -25,8 +25,9 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.index import ChunkRecord
 from shardckpt.format.manifest import Manifest, TensorEntry, chunks_of
 from shardckpt.formats.native import read_manifest
-from shardckpt.formats.native.frames import block_problem, read_span
+from shardckpt.formats.native.frames import StoredChunk, block_problem, read_span
 from shardckpt.formats.native.reader import Index, check_data_file, read_index, record_problem
+from shardckpt.storage_options import Options
 
 READ_SIZE = 16 << 20  # bytes read at a time when checksumming a chunk
 
@@ -73,9 +74,10 @@ def _scan_chunk(storage: Storage, path: str, rec: ChunkRecord, entry: TensorEntr
     # Compressed chunks are read in whole frames; raw ones READ_SIZE at a time, whatever their block size.
     step = max(READ_SIZE // rec.block_size, 1) * rec.block_size if rec.frames else READ_SIZE
     buf = np.empty(min(step, rec.length), np.uint8)
+    chunk = StoredChunk(storage, path, rec, size, False, where)
     for lo in range(0, rec.length, step):
         view = buf[:min(step, rec.length - lo)]
-        read_span(storage, path, rec, lo, lo + len(view), [view], size, False, where)
+        read_span(chunk, lo, lo + len(view), [view])
         blocks.feed(view)
         if run_crcs is not None:
             run_crcs.feed(view)
@@ -114,7 +116,8 @@ def _sized_files(storage: Storage, manifest: Manifest, report: VerifyReport) -> 
     return good
 
 
-def verify(path: str | os.PathLike, *, storage_options: dict | None = None, io_threads: int = DEFAULT_IO_THREADS,
+def verify(path: str | os.PathLike | Storage, *, storage_options: Options | None = None,
+           io_threads: int = DEFAULT_IO_THREADS,
            progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check everything about the checkpoint at ``path``; problems are collected, not raised.
 

@@ -26,6 +26,7 @@ from shardckpt.format.tree import TensorRef
 from shardckpt.formats.api import CheckpointReader, ReadRequest
 from shardckpt.formats.detect import open_reader
 from shardckpt.regions import Box
+from shardckpt.storage_options import Options
 
 __all__ = ["StorageReader"]
 
@@ -42,7 +43,7 @@ class StorageReader(_DcpStorageReader):
     A ``checkpoint_id`` given to ``dcp.load`` replaces ``path``.
     """
 
-    def __init__(self, path: str | os.PathLike, *, storage_options: dict | None = None, verify: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, storage_options: Options | None = None, verify: bool = True) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.storage_options, self.verify = storage_options, verify

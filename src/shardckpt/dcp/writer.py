@@ -38,8 +38,9 @@ from shardckpt.format.codecs import Compression
 from shardckpt.format.dtypes import dtype_name
 from shardckpt.format.manifest import MANIFEST_NAME, version_for
 from shardckpt.format.tree import encode
-from shardckpt.io import Storage, open_storage
+from shardckpt.io import Storage, lifecycle, open_storage
 from shardckpt.regions import Box, FlatRange, Region
+from shardckpt.storage_options import Options
 
 __all__ = ["StorageWriter"]
 
@@ -77,7 +78,7 @@ class StorageWriter(_DcpStorageWriter):
     """
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = False, compress: str | None = None,
-                 files_per_rank: int = DEFAULT_FILES_PER_RANK, storage_options: dict | None = None,
+                 files_per_rank: int = DEFAULT_FILES_PER_RANK, storage_options: Options | None = None,
                  metadata: dict | None = None) -> None:
         super().__init__()
         if not isinstance(files_per_rank, int) or not 1 <= files_per_rank <= 64:
@@ -137,7 +138,7 @@ class StorageWriter(_DcpStorageWriter):
         rank_result = None
         if mine.tasks:
             storage = self._opened()
-            self._holds.append(storage.hold_dir(data_dir(mine.generation)))  # until the commit is decided
+            self._holds.append(lifecycle(storage).hold_dir(data_dir(mine.generation)))  # until the commit is decided
             try:
                 rank_result = write_rank_files(storage, f"{data_dir(mine.generation)}/rank-{self.rank:05d}",
                                                mine.tasks, pieces, mine.files_per_rank, mine.compression,

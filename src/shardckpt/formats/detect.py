@@ -37,6 +37,7 @@ from shardckpt.formats.safetensors import SafetensorsReader
 from shardckpt.formats.safetensors_header import INDEX_NAME, MAX_HEADER_SIZE, SUFFIX
 from shardckpt.formats.torch_save import TorchSaveReader, is_torch_save, local_path
 from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage, split_url
+from shardckpt.storage_options import Options
 
 HEAD_BYTES = 16  # what the file detectors see of a file's beginning
 
@@ -49,7 +50,7 @@ class Place:
     """
 
     path: str
-    storage_options: dict | None = None
+    storage_options: Options | None = None
     io_threads: int = DEFAULT_IO_THREADS
     verify: bool = True
     _cache: dict = field(default_factory=dict, repr=False)
@@ -173,7 +174,7 @@ FILE_DETECTORS: list[tuple[str, Detector]] = [
 ]
 
 
-def open_reader(path: str | os.PathLike | Storage, *, storage_options: dict | None = None,
+def open_reader(path: str | os.PathLike | Storage, *, storage_options: Options | None = None,
                 io_threads: int = DEFAULT_IO_THREADS, verify: bool = True) -> CheckpointReader:
     """The reader for whatever checkpoint ``path`` (a local path, an fsspec URL, or a ``Storage`` of a directory)
     holds.

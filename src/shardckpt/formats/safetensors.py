@@ -45,9 +45,10 @@ from shardckpt.formats.requests import CheckedRequest, check_requests
 from shardckpt.formats.safetensors_header import (
     EXPORT_ID_KEY, INDEX_NAME, MAX_INDEX_SIZE, METADATA_KEY, SHARD_NAME, SUFFIX, FileHeader, parse_index, read_header,
 )
-from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage, split_url
+from shardckpt.io import DEFAULT_IO_THREADS, Storage, lifecycle, open_storage, split_url
 from shardckpt.regions import contiguous_runs
 from shardckpt.tensor_views import as_bytes, from_bytes
+from shardckpt.storage_options import Options
 
 READ_PIECE = 64 << 20  # bytes per ranged read at most (a longer run is split, so that threads share it)
 
@@ -165,7 +166,7 @@ class SafetensorsReader:
         if not jobs:
             return
         jobs.sort(key=lambda j: -j.dest.numel() * j.entry.dtype.itemsize)  # biggest first: a short tail
-        self.storage.pin(sorted({j.entry.file for j in jobs}))  # pins nest: concurrent reads are fine
+        lifecycle(self.storage).pin(sorted({j.entry.file for j in jobs}))  # pins nest: concurrent reads are fine
         try:
             if len(jobs) == 1 or self.io_threads <= 1:
                 for job in jobs:
@@ -174,7 +175,7 @@ class SafetensorsReader:
                 with ThreadPoolExecutor(self.io_threads, thread_name_prefix="shardckpt-st-read") as pool:
                     list(pool.map(self._run, jobs))
         finally:
-            self.storage.release()
+            lifecycle(self.storage).release()
 
     def _jobs(self, c: CheckedRequest) -> list[_Job]:
         name = c.info.name
@@ -252,7 +253,7 @@ def _refuse_other_exports(reader: SafetensorsReader) -> None:
                                          "while replacing the other. Export again")
 
 
-def open_safetensors(path: str | os.PathLike, storage_options: dict | None = None, *,
+def open_safetensors(path: str | os.PathLike, storage_options: Options | None = None, *,
                      io_threads: int = DEFAULT_IO_THREADS) -> SafetensorsReader:
     """A ``.safetensors`` file, or a directory (index or one file), by local path or fsspec URL."""
     path = os.fspath(path)

@@ -6,24 +6,33 @@ import os
 
 from shardckpt.errors import CheckpointError, StorageConfigError
 from shardckpt.io.local import LocalStorage
-from shardckpt.io.protocol import DirHold, FileWriter, Storage
+from shardckpt.io.protocol import DirHold, FileWriter, Lifecycle, NoLifecycle, Storage, lifecycle
 from shardckpt.io.remote import FsspecStorage
 from shardckpt.io.s3 import S3Storage, S3Tuning
+from shardckpt.storage_options import Options, StorageOptions, StorageTuning, as_storage_options
 
-__all__ = ["DEFAULT_IO_THREADS", "DirHold", "FileWriter", "FsspecStorage", "LocalStorage", "S3Storage", "Storage", "open_storage", "split_url"]
+__all__ = ["DEFAULT_IO_THREADS", "DirHold", "FileWriter", "FsspecStorage", "Lifecycle", "LocalStorage", "NoLifecycle",
+           "S3Storage", "Storage", "StorageOptions", "StorageTuning", "is_named", "lifecycle", "open_storage",
+           "split_url", "where"]
 
 DEFAULT_IO_THREADS = 4  # concurrent reads per rank (load, verify)
 
 
-def open_storage(path: str | os.PathLike, storage_options: dict | None = None) -> Storage:
-    """Local paths (and ``file://``) get the fast local backend; other URLs go through fsspec.
+def open_storage(path: str | os.PathLike | Storage,
+                 storage_options: Options | None = None) -> Storage:
+    """The one place where a checkpoint's place is opened: local paths (and ``file://``) get the fast local
+    backend, other URLs go through fsspec, and a ``Storage`` (any object with the byte protocol) is the place
+    itself, as given (its options were the opener's).
 
-    ``storage_options`` go to the fsspec filesystem (e.g. ``{"endpoint_url": ...}`` for s3fs). A URL or
-    options the backend does not accept (an unknown protocol, no bucket, an option of the wrong type)
-    raise ``StorageConfigError`` here, before any read or write.
+    ``storage_options``: a ``StorageOptions`` (the fsspec backend's keyword arguments, e.g.
+    ``{"endpoint_url": ...}`` for s3fs, and shardckpt's typed ``StorageTuning``), or a plain dict of fsspec's
+    options (``storage_options.as_storage_options``). A URL or options the backend does not accept (an unknown
+    protocol, no bucket, an option of the wrong type) raise ``StorageConfigError`` here, before any read or write.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        return path
     path = os.fspath(path)
-    options = dict(storage_options or {})
+    options = as_storage_options(storage_options)
     if "://" not in path:
         return LocalStorage(path)
     if path.startswith("file://"):
@@ -34,8 +43,8 @@ def open_storage(path: str | os.PathLike, storage_options: dict | None = None) -
     except ImportError as e:  # pragma: no cover - fsspec is a dependency
         raise CheckpointError(f"cannot open {path}: {e}. Install the backend: pip install fsspec") from e
     try:
-        tuning = S3Tuning.take_from(options) if s3 else None
-        fs, root = fsspec.core.url_to_fs(path, **options)
+        tuning, kwargs = S3Tuning.resolve(options) if s3 else (None, dict(options.fsspec))
+        fs, root = fsspec.core.url_to_fs(path, **kwargs)
         storage = _storage(fs, root, tuning)
         _check_options(storage, path)
     except ImportError as e:
@@ -45,8 +54,18 @@ def open_storage(path: str | os.PathLike, storage_options: dict | None = None) -
         raise
     except Exception as e:  # noqa: BLE001 - whatever the backend says of the URL or the options
         raise StorageConfigError(f"cannot open {path}: {type(e).__name__}: {e}. Check the URL and the storage "
-                                 f"options ({_option_names(storage_options)}; --storage-option KEY=VALUE)") from e
+                                 f"options ({_option_names(options.fsspec)}; --storage-option KEY=VALUE)") from e
     return storage
+
+
+def is_named(place: str | os.PathLike | Storage) -> bool:
+    """Whether ``place`` is a path or URL (else a ``Storage``, the place itself)."""
+    return isinstance(place, (str, os.PathLike))
+
+
+def where(place: str | os.PathLike | Storage) -> str:
+    """A path, URL or ``Storage`` as text, for messages and results."""
+    return os.fspath(place) if isinstance(place, (str, os.PathLike)) else place.url("").rstrip("/") or place.root
 
 
 def _storage(fs, root: str, tuning: S3Tuning | None) -> Storage:
@@ -71,7 +90,7 @@ def _check_options(storage: Storage, path: str) -> None:
         pass
 
 
-def _option_names(options: dict | None) -> str:
+def _option_names(options) -> str:
     return "given: " + ", ".join(sorted(map(str, options))) if options else "none given"
 
 

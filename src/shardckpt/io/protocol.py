@@ -1,10 +1,12 @@
 """The byte-I/O protocol: everything the format and checkpoint layers need from where bytes live.
 
-It is narrow on purpose, so that a new place (another object store, a conditional put for commits,
-multipart uploads) is one class: ranged reads into caller buffers, a streaming file writer, one atomic
-whole-object put (the commit), existence and size checks, listing (for format detection), pinning for
-readers, deletion. Nothing relies
-on rename except the local commit, where rename is atomic. Errors: a missing or short file raises
+It is narrow on purpose, so that a new place (another object store, a peer over a socket, memory) is one
+small class: ``Storage`` is bytes only (ranged reads into caller buffers, a streaming file writer, one atomic
+whole-object put (the commit), existence and size checks, listing, deletion). What a store may do beyond bytes
+(pins for readers, holds on directories being written, collection of debris, durable directories) is
+``Lifecycle``, a protocol of its own: ``lifecycle(storage)`` is the storage where it implements it, else
+no-ops. ``StreamingStorage`` is an optional fast path for object stores. Nothing relies on rename except the
+local commit, where rename is atomic. Errors: a missing or short file raises
 ``CorruptCheckpointError`` naming its URL (``missing``).
 """
 from __future__ import annotations
@@ -31,6 +33,11 @@ class FileWriter(Protocol):
 
 
 class Storage(Protocol):
+    """Bytes only: what every place where checkpoints live must do, and all that a new one must do (an in-memory
+    store is ~60 lines, ``tests/storage/test_minimal_storage.py``). Where a store can do more for the lifecycle of
+    what is written (pins, holds on directories being written, collection of debris, durable directories), it
+    also implements ``Lifecycle``; ``lifecycle(storage)`` gives every caller one, no-ops for a store without."""
+
     root: str
     """The checkpoint directory or URL prefix; every ``path`` below is relative to it (``/``-separated)."""
 
@@ -46,22 +53,18 @@ class Storage(Protocol):
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` exactly with the file's bytes from ``offset``; a short file is corrupt."""
 
-    def pin(self, paths: list[str]) -> None:
-        """Keep these files readable until ``release`` even if a concurrent overwrite deletes them (local disk:
-        open descriptors outlive an unlink; elsewhere a no-op, and readers retry). Pins nest: concurrent
-        readers each pin and release, and the files stay pinned until the last release."""
-
-    def release(self) -> None:
-        """End one ``pin`` (the files are let go when no pin is left)."""
+    def file_size(self, path: str) -> int:
+        """The file's size in bytes, never from a cache."""
 
     def is_dir(self, path: str = "") -> bool:
         """Whether ``path`` (default: the root) is a directory, or on an object store a prefix with objects."""
 
     def list_files(self, path: str = "") -> list[str]:
-        """Names of the files directly under ``path`` (default: the root), sorted; [] where there are none."""
+        """Names of the files directly under ``path`` (default: the root), sorted; [] where there are none.
+        Never from a cache that misses what was written or removed since."""
 
-    def file_size(self, path: str) -> int:
-        """The file's size in bytes, never from a cache."""
+    def list_dirs(self, path: str = "") -> list[str]:
+        """Names of the directories (object-store prefixes) directly under ``path``, sorted."""
 
     def open_writer(self, path: str) -> FileWriter:
         """A new file at ``path`` (parents created where the store has directories), replacing any old one."""
@@ -75,14 +78,26 @@ class Storage(Protocol):
     def remove_dir(self, path: str) -> None:
         """Delete ``path`` and everything under it; a missing one is not an error."""
 
-    def list_dirs(self, path: str = "") -> list[str]:
-        """Names of the directories (object-store prefixes) directly under ``path``, sorted."""
 
-    def hold_dir(self, path: str, exclusive: bool = False) -> DirHold:
+class Lifecycle(Protocol):
+    """What a store may do beyond bytes, for readers and writers that share it and for ``gc``. Local disk does
+    it all; object stores pin and hold nothing (readers retry, ``gc`` goes by age); a bytes-only ``Storage``
+    gets ``NoLifecycle`` from ``lifecycle``: nothing pinned or held, nothing collected, nothing to sync."""
+
+    def pin(self, paths: list[str]) -> None:
+        """Keep these files readable until ``release`` even if a concurrent overwrite deletes them (local disk:
+        open descriptors outlive an unlink; elsewhere a no-op, and readers retry). Pins nest: concurrent
+        readers each pin and release, and the files stay pinned until the last release."""
+
+    def release(self) -> None:
+        """End one ``pin`` (the files are let go when no pin is left)."""
+
+    def hold_dir(self, path: str, exclusive: bool = False, wait: bool = False) -> DirHold:
         """Mark directory ``path`` (created if missing) as being written by this live process until
         ``release()``, so that ``remove_abandoned`` leaves it alone (local: a shared ``flock`` on it, which
         dies with the process; object stores: nothing, they go by age). ``exclusive``: and refuse to hold it
-        while another process does, raising ``CheckpointError`` (local, where locks work; elsewhere as shared)."""
+        while another process does, raising ``CheckpointError`` (local, where locks work; elsewhere as shared);
+        ``wait``: wait for the other process instead of refusing."""
 
     def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False,
                          unused: Callable[[], bool] = lambda: True) -> bool:
@@ -95,6 +110,42 @@ class Storage(Protocol):
 
     def sync_dir(self, path: str) -> None:
         """Make the directory's entries durable (local fsync) and drop listing caches (fsspec)."""
+
+
+class _NoHold:
+    def release(self) -> None:
+        pass
+
+
+class NoLifecycle:
+    """``Lifecycle`` for a bytes-only ``Storage``: nothing pinned (readers retry on a concurrent overwrite, as on
+    object stores), nothing held, nothing ever collected (``gc`` cannot tell debris from a live writer's files
+    there), nothing to sync."""
+
+    def pin(self, paths: list[str]) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def hold_dir(self, path: str, exclusive: bool = False, wait: bool = False) -> DirHold:
+        return _NoHold()
+
+    def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False,
+                         unused: Callable[[], bool] = lambda: True) -> bool:
+        return False
+
+    def sync_dir(self, path: str) -> None:
+        pass
+
+
+NO_LIFECYCLE = NoLifecycle()
+_LIFECYCLE = ("pin", "release", "hold_dir", "remove_abandoned", "sync_dir")
+
+
+def lifecycle(storage: Storage) -> Lifecycle:
+    """The storage's own ``Lifecycle`` where it implements one (every method of it), else ``NoLifecycle``."""
+    return storage if all(callable(getattr(storage, m, None)) for m in _LIFECYCLE) else NO_LIFECYCLE
 
 
 class StreamingStorage(Storage, Protocol):

@@ -7,7 +7,7 @@ import time
 from typing import Callable
 
 from shardckpt.errors import CorruptCheckpointError
-from shardckpt.io.protocol import missing
+from shardckpt.io.protocol import NO_LIFECYCLE, DirHold, missing
 
 
 class _FsspecWriter:
@@ -25,10 +25,6 @@ class _FsspecWriter:
     def close(self) -> None:
         self._file.close()  # an object store's upload completes (and is durable) on close
 
-
-class _NoHold:
-    def release(self) -> None:
-        pass
 
 
 def _modified(info: dict) -> float | None:
@@ -134,8 +130,8 @@ class FsspecStorage:
     def list_dirs(self, path: str = "") -> list[str]:
         return self._names(path, "directory")
 
-    def hold_dir(self, path: str, exclusive: bool = False) -> _NoHold:
-        return _NoHold()  # object stores have no locks: remove_abandoned goes by age
+    def hold_dir(self, path: str, exclusive: bool = False, wait: bool = False) -> DirHold:
+        return NO_LIFECYCLE.hold_dir(path)  # object stores have no locks: remove_abandoned goes by age
 
     def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False,
                          unused: Callable[[], bool] = lambda: True) -> bool:

@@ -26,8 +26,6 @@ from shardckpt.errors import CheckpointError, StorageError
 
 log = logging.getLogger("shardckpt.io")
 
-RETRY_DEADLINE_S = 120.0
-CONNECT_DEADLINE_S = 3.0
 _BACKOFF_BASE_S, _BACKOFF_CAP_S = 0.1, 5.0
 _WARN_EVERY_S = 10.0
 _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",

@@ -18,10 +18,11 @@
   object present, the object is read back: if it is the bytes this writer sent, an earlier attempt
   succeeded and the commit stands.
 
-Knobs, from ``storage_options`` (all optional): s3fs's own ``default_block_size`` (the part size, default
-8 MiB here, as boto3's) and ``max_concurrency`` (parts in flight per file, and streams per load; default 8), and
-``retry_deadline_s`` (default 120) and ``connect_deadline_s`` (default 3), which shardckpt takes out before
-the rest goes to s3fs. botocore's own retries are off unless ``config_kwargs`` sets them, so that a
+Knobs, typed, from ``StorageOptions.tuning`` (``shardckpt.StorageTuning``, all optional): ``part_size`` (default
+s3fs's own ``default_block_size`` where given, else 8 MiB, as boto3's), ``concurrency`` (parts in flight per file,
+and streams per load; default s3fs's ``max_concurrency`` where given, else 8), ``retry_deadline_s`` (default
+120) and ``connect_deadline_s`` (default 3). ``StorageOptions.fsspec`` goes to s3fs as given. botocore's own
+retries are off unless ``config_kwargs`` sets them, so that a
 deadline bounds a request's whole retrying.
 """
 from __future__ import annotations
@@ -33,9 +34,10 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
 
 from shardckpt.errors import CorruptCheckpointError, StorageConfigError, StorageError
+from shardckpt.storage_options import CONNECT_DEADLINE_S, RETRY_DEADLINE_S, StorageOptions, positive
 from shardckpt.io.protocol import missing
 from shardckpt.io.remote import FsspecStorage
-from shardckpt.io.retry import CONNECT_DEADLINE_S, RETRY_DEADLINE_S, Attempts, client_error
+from shardckpt.io.retry import Attempts, client_error
 from shardckpt.io.s3_transfer import MIN_PART, MultipartWriter, ObjectStream
 
 T = TypeVar("T")
@@ -46,27 +48,30 @@ CONCURRENCY = 8
 
 @dataclass(frozen=True)
 class S3Tuning:
+    """A ``StorageTuning`` resolved for one S3 place: every field a number."""
+
     part_size: int = PART_SIZE
     concurrency: int = CONCURRENCY
     retry_deadline_s: float = RETRY_DEADLINE_S
     connect_deadline_s: float = CONNECT_DEADLINE_S
 
     @classmethod
-    def take_from(cls, options: dict) -> S3Tuning:
-        """The tuning in ``options`` (s3fs storage options), which are changed for s3fs: the keys it does
-        not know are taken out, and botocore's own retries are turned off unless the caller configured
-        them (``config_kwargs={"retries": ...}``), so that every retry is ours: jittered, within the deadline.
-        A value of the wrong type raises ``StorageConfigError`` naming the option."""
-        part = _option(options, "default_block_size", PART_SIZE, int, options.get)
-        concurrency = _option(options, "max_concurrency", CONCURRENCY, int, options.get)
-        deadline = _option(options, "retry_deadline_s", RETRY_DEADLINE_S, float, options.pop)
-        connect_deadline = _option(options, "connect_deadline_s", CONNECT_DEADLINE_S, float, options.pop)
-        config = dict(_json_object(options, "config_kwargs", "botocore Config arguments"))
-        _json_object(options, "client_kwargs", "botocore client arguments, e.g. {\"region_name\": \"eu-west-1\"}")
+    def resolve(cls, options: StorageOptions) -> tuple[S3Tuning, dict]:
+        """The tuning of ``options`` for S3, and the keyword arguments for s3fs: a copy of ``options.fsspec``
+        in which botocore's own retries are off unless the caller configured them (``config_kwargs={"retries":
+        ...}``), so that every retry is ours (jittered, within the deadline), and botocore hashes no bodies. The
+        part size and concurrency left unset take s3fs's own ``default_block_size`` and ``max_concurrency``
+        where given (s3fs gets them too). A value of the wrong type raises ``StorageConfigError`` naming it."""
+        kwargs, tuning = dict(options.fsspec), options.tuning
+        part = tuning.part_size or positive("default_block_size", kwargs.get("default_block_size", PART_SIZE), int)
+        concurrency = tuning.concurrency or positive("max_concurrency", kwargs.get("max_concurrency", CONCURRENCY), int)
+        config = dict(_json_object(kwargs, "config_kwargs", "botocore Config arguments"))
+        _json_object(kwargs, "client_kwargs", "botocore client arguments, e.g. {\"region_name\": \"eu-west-1\"}")
         config.setdefault("retries", {"total_max_attempts": 1})  # botocore's max_attempts counts retries only
         _no_botocore_hashing(config)
-        options["config_kwargs"] = config
-        return cls(max(part, MIN_PART), max(1, concurrency), deadline, connect_deadline)
+        kwargs["config_kwargs"] = config
+        resolved = cls(max(part, MIN_PART), max(1, concurrency), tuning.retry_deadline_s, tuning.connect_deadline_s)
+        return resolved, kwargs
 
 
 def _no_botocore_hashing(config: dict) -> None:
@@ -82,16 +87,6 @@ def _no_botocore_hashing(config: dict) -> None:
     s3 = config.get("s3")
     if s3 is None or isinstance(s3, dict):
         config["s3"] = {"payload_signing_enabled": False, **(s3 or {})}
-
-
-def _option(options: dict, name: str, default: float, kind: type, take: Callable) -> Any:
-    """A positive, finite number option (ints for sizes and counts; bools and strings are not numbers)."""
-    value = take(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0 \
-            or (kind is int and value != int(value)):
-        what = "a positive integer" if kind is int else "a positive number of seconds"
-        raise StorageConfigError(f"storage option {name}: expected {what}, got {value!r}")
-    return kind(value)
 
 
 def _json_object(options: dict, name: str, what: str) -> dict:

@@ -27,7 +27,7 @@ from shardckpt.checkpoint.writer import RankResult, rank_result
 from shardckpt.dist.group import Failure, Group, raise_failures
 from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from shardckpt.format.manifest import FileEntry, MANIFEST_NAME
-from shardckpt.io import DirHold, Storage
+from shardckpt.io import DirHold, Storage, lifecycle
 from shardckpt.offline.convert_plan import ConversionPlan
 from shardckpt.offline.memory import SliceBuffers, buffer_budget, read_reserve
 from shardckpt.offline.rank_files import RankFiles
@@ -54,7 +54,7 @@ class ConvertedChunks(OutputWriter):
         self.kept_bytes = 0
 
     def begin(self) -> None:
-        self.hold = self.storage.hold_dir(data_dir(self.plan.generation), exclusive=True)
+        self.hold = lifecycle(self.storage).hold_dir(data_dir(self.plan.generation), exclusive=True)
         if committed_dir(self.storage) == data_dir(self.plan.generation):
             raise CheckpointExistsError(f"{self.storage.url(MANIFEST_NAME)}: the same conversion was committed here "
                                         "meanwhile")

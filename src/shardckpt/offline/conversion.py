@@ -23,6 +23,7 @@ from shardckpt.format.manifest import FORMAT_NAME
 from shardckpt.formats.local_view import logical_view, recorded_param_names
 from shardckpt.state_dict.rekey import key_type_of, keyed_by_name, rekey_optim_state_dict
 from shardckpt.state_dict.types import OptimStateKeyType, StateDictType
+from shardckpt.io import where
 
 # save_state's metadata names the type by StateDictType value ("SHARDED_STATE_DICT"); convert's by TYPES
 _TYPE_NAMES = {t.value: t.name.removesuffix("_STATE_DICT").lower() for t in StateDictType}  # as stored -> TYPES
@@ -68,15 +69,16 @@ def conversion(base: CheckpointReader, spec: ConvertSpec) -> Conversion:
     asked = spec.type or ("sharded" if spec.format == "dcp" else None)  # DCP stores dim-0 chunks
     out_type = asked or ("sharded" if source_type == "full" and world > 1 else source_type)
     if out_type not in _STORED_TYPES:
-        raise ConversionRequestError(f"{spec.src}: its state_dict_type {stored_type!r} is none convert knows; pass "
+        raise ConversionRequestError(f"{where(spec.src)}: its state_dict_type {stored_type!r} is none convert knows; "
+                                     "pass "
                                      "type='full' or 'sharded'")
     if out_type == "local":
         if source_type != "local":
-            raise no_layouts_error(str(spec.src), source_type)
+            raise no_layouts_error(where(spec.src), source_type)
         if spec.dtype is not None:
             raise ConversionRequestError("dtype: LOCAL output keeps the flat layouts' dtypes; cast with "
                                          "type='sharded' or 'full'")
-        reader: CheckpointReader = LocalAtWorldSize(base, world, str(spec.src))
+        reader: CheckpointReader = LocalAtWorldSize(base, world, where(spec.src))
     else:
         reader = logical_view(base, param_names=spec.param_names)
         metadata.pop("param_names", None)  # a FULL or SHARDED output has no flat layouts to go with them

@@ -45,7 +45,7 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.format.tree import TensorRef, decode
 from shardckpt.formats.dcp.metadata import METADATA_NAME, parse_metadata
-from shardckpt.io import DirHold, Storage
+from shardckpt.io import DirHold, Storage, lifecycle
 from shardckpt.offline.convert_plan import ConversionPlan
 from shardckpt.offline.dcp_layout import DcpBytesItem, DcpTensorItem, flat_keys, rank_tensor_items
 from shardckpt.offline.memory import ALIGN, SliceBuffers, buffer_budget, read_reserve
@@ -106,7 +106,7 @@ class DcpOutput(OutputWriter):
 
     def begin(self) -> None:
         self.replacing, self.old_files = _committed_files(self.storage, self.plan.spec.overwrite)
-        self.hold = self.storage.hold_dir(self.journals, exclusive=True)
+        self.hold = lifecycle(self.storage).hold_dir(self.journals, exclusive=True)
 
     def write(self) -> list[Stored]:
         what, tensors = self.plan.what, self.tensors

@@ -46,6 +46,7 @@ from shardckpt.formats.safetensors import SafetensorsReader
 from shardckpt.formats.safetensors_header import METADATA_KEY
 from shardckpt.regions import FlatRange
 from shardckpt.tensor_views import as_bytes
+from shardckpt.storage_options import Options
 
 SLICE_BYTES = 64 << 20  # per side and per read: the memory a comparison holds
 # hi - lo of two integers of n bytes wraps in their own type, but is exact read as unsigned: it is < 2**(8n)
@@ -104,7 +105,7 @@ class Comparison:
 
 
 def diff(a: str | os.PathLike | CheckpointReader, b: str | os.PathLike | CheckpointReader, *,
-         storage_options: dict | None = None, slice_bytes: int = SLICE_BYTES,
+         storage_options: Options | None = None, slice_bytes: int = SLICE_BYTES,
          progress: Callable[[int, int], None] | None = None, **comparison: Any) -> DiffReport:
     """Compare checkpoints ``a`` and ``b`` (paths, URLs or readers); differences are collected, not raised.
     ``comparison``: ``Comparison``'s fields (see the module's docstring for ``only``, ``strip_prefix``, tolerances

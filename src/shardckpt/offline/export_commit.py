@@ -49,7 +49,7 @@ from shardckpt.offline import safetensors_files
 from shardckpt.offline.safetensors_files import SINGLE_FILE, is_written
 from shardckpt.errors import BadArgumentError, CheckpointError, CheckpointExistsError
 from shardckpt.formats.safetensors_header import EXPORT_ID_KEY, INDEX_NAME
-from shardckpt.io import LocalStorage, Storage
+from shardckpt.io import LocalStorage, Storage, lifecycle
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ class LocalExport(OutputWriter):
         if self.committed:  # what killed exports left, nobody's any more
             for name in self.storage.list_dirs() + self.storage.list_files():
                 if EXPORT_STAGING.match(name) or EXPORT_TEMP.match(name):
-                    self.storage.remove_abandoned(name, 0.0)
+                    lifecycle(self.storage).remove_abandoned(name, 0.0)
 
 
 class _Stage:
@@ -174,7 +174,7 @@ class _Stage:
     def __init__(self, storage: LocalStorage, token: str):
         self.storage, self.dir = storage, f".export-tmp-{token}"
         # Waiting: another export may hold it for a moment, taking it for a killed one's (and remove it).
-        self.hold = storage.hold_dir(self.dir, exclusive=True, wait=True)
+        self.hold = lifecycle(storage).hold_dir(self.dir, exclusive=True, wait=True)
         self.ready: dict[str, str] = {}
         self.kept: list[str] = []
 
@@ -197,7 +197,7 @@ class _Stage:
         taken = []
         for d in [n for n in self.storage.list_dirs() if EXPORT_STAGING.match(n) and n != self.dir]:
             try:
-                hold = self.storage.hold_dir(d, exclusive=True)
+                hold = lifecycle(self.storage).hold_dir(d, exclusive=True)
             except CheckpointError:
                 continue  # a live export's
             try:
@@ -226,7 +226,7 @@ class _Stage:
         """Under the directory's lock: the old export (and ``stale``, files beside it) moved aside into this
         export's directory, the new files in place (the index, or the one file, last); everything moved back if
         a step fails."""
-        lock = self.storage.hold_dir("", exclusive=True, wait=True)
+        lock = lifecycle(self.storage).hold_dir("", exclusive=True, wait=True)
         try:
             old = safetensors_files.existing_export(self.storage)
             if not overwrite and (INDEX_NAME in old or SINGLE_FILE in old):
@@ -250,7 +250,7 @@ class _Stage:
                         pass
                 raise
             finally:
-                self.storage.sync_dir("")
+                lifecycle(self.storage).sync_dir("")
         finally:
             lock.release()
 

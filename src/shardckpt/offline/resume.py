@@ -32,7 +32,7 @@ from shardckpt.checkpoint import writer as _writer  # its BLOCK_SIZE, read when 
 from shardckpt.format.index import ChunkRecord, index_to_bytes, parse_index
 from shardckpt.format.manifest import FileEntry
 from shardckpt.formats.api import CheckpointReader
-from shardckpt.io import FileWriter, LocalStorage, Storage
+from shardckpt.io import FileWriter, LocalStorage, Storage, lifecycle
 
 JOURNAL_FORMAT = "shardckpt-convert-journal"
 JOURNAL_BYTES = 16 << 20  # a journal is replaced after this many bytes written, or 1/32 of the file so far if more
@@ -99,7 +99,7 @@ class FileJournal:
 
     def begin(self, progress: FileProgress) -> None:
         """Record, before anything is written, that this plan owns the file (and what of it is kept)."""
-        self.storage.hold_dir(self.path.rsplit("/", 1)[0]).release()  # made where the store has directories
+        lifecycle(self.storage).hold_dir(self.path.rsplit("/", 1)[0]).release()  # made where the store has directories
         self._put(progress, finished=False)
 
     def finish(self, progress: FileProgress) -> None:

@@ -10,16 +10,20 @@ normalised (sequences as tuples, sizes as bytes, names in lower case, a destinat
 to the source's). Light: torch is imported only to check a dtype or a codec, never to build the parser."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Sequence
 
 from shardckpt.errors import BadArgumentError
 from shardckpt.offline.rename import Renames, read_rename_map
-from shardckpt.options import STORAGE, Opt, integer, prefixes
+from shardckpt.options import STORAGE, Opt, integer, non_negative, prefixes
+from shardckpt.io.protocol import Storage
+from shardckpt.storage_options import Options, StorageOptions, as_storage_options
 from shardckpt.sizes import parse_size
 
 PathLike = str | os.PathLike
+Place = str | os.PathLike | Storage  # a path or URL, or the place itself (``io.Storage``)
 TYPES = ("full", "sharded", "local")  # convert's output types
 FORMATS = ("shardckpt", "dcp")  # convert's output formats
 OPTIM_KEYS = ("name", "id")
@@ -136,10 +140,11 @@ def rename_rules(name: str, value: Any) -> dict | None:
     return dict(value)
 
 
-def options(name: str, value: Any) -> dict | None:
-    if value is not None and not isinstance(value, dict):
-        raise _bad(name, value, "expected a dict of fsspec options")
-    return value
+def options(name: str, value: Any) -> StorageOptions | None:
+    """A ``StorageOptions``, or a dict of fsspec's options made one (``as_storage_options``)."""
+    if value is not None and not isinstance(value, (dict, StorageOptions)):
+        raise _bad(name, value, "expected a dict of fsspec options or a StorageOptions")
+    return None if value is None else as_storage_options(value)
 
 
 def flag(name: str, value: Any) -> bool:
@@ -188,8 +193,8 @@ class ConvertSpec:
     """A conversion: ``src`` (any readable checkpoint) written as a shardckpt (or torch DCP) checkpoint at ``dst``.
     The fields are ``shardckpt.convert``'s keywords; ``offline.convert`` documents what each does."""
 
-    src: Annotated[PathLike, SOURCE]
-    dst: Annotated[PathLike, DESTINATION]
+    src: Annotated[Place, SOURCE]
+    dst: Annotated[Place, DESTINATION]
     world_size: Annotated[int | None, Opt("output world size (default: the source's, 1 for other formats)",
                                           parse=from_text(positive, "world_size", integer))] = None
     type: Annotated[str | None, Opt("output state-dict type (default: the source's)", choices=TYPES)] = None
@@ -212,8 +217,8 @@ class ConvertSpec:
     adapter: Annotated[str | None, ADAPTER] = None
     reverse: Annotated[bool, REVERSE] = False
     overwrite: Annotated[bool, Opt("replace a committed checkpoint at DST")] = False
-    storage_options: Annotated[dict | None, STORAGE] = None
-    dst_storage_options: dict | None = None  # default: storage_options
+    storage_options: Annotated[Options | None, STORAGE] = None
+    dst_storage_options: Options | None = None  # default: storage_options
     files_per_rank: int | None = None  # data files each output rank has, written in parallel (default 2)
     param_names: Sequence[str] | None = None  # a LOCAL source's parameter names in order (formats.local_view)
 
@@ -234,8 +239,8 @@ class ExportSpec:
     """An export: the model weights of ``src`` written as Hugging Face style safetensors files in ``dst``. The fields
     are ``shardckpt.export``'s keywords; ``offline.export`` documents what each does."""
 
-    src: Annotated[PathLike, SOURCE]
-    dst: Annotated[PathLike, DESTINATION]
+    src: Annotated[Place, SOURCE]
+    dst: Annotated[Place, DESTINATION]
     dtype: Annotated[Any, Opt("bfloat16, float16, float32 or keep (default): cast floating-point tensors",
                               parse=from_text(cast_name, "dtype"))] = "keep"
     max_shard_size: Annotated[int | str | None, Opt("tensor bytes per file at most, e.g. 500MiB (default: 5GB; "
@@ -260,8 +265,8 @@ class ExportSpec:
     latest: Annotated[bool, Opt("SRC is a run directory: use the latest committed checkpoint below it "
                                 "(`shardckpt ls` lists them)")] = False
     overwrite: Annotated[bool, Opt("replace an export at DST")] = False
-    storage_options: Annotated[dict | None, STORAGE] = None
-    dst_storage_options: dict | None = None  # default: storage_options
+    storage_options: Annotated[Options | None, STORAGE] = None
+    dst_storage_options: Options | None = None  # default: storage_options
     verify: bool = True  # check the checksums the source stores as it is read
 
     def __post_init__(self) -> None:
@@ -269,3 +274,35 @@ class ExportSpec:
                         "rename_map": rename_rules, "adapter": text, "reverse": flag, "memory_limit": size,
                         "latest": flag, "overwrite": flag, "storage_options": options, "dst_storage_options": options,
                         "verify": flag})
+
+
+def tolerance(name: str, value: Any) -> float:
+    """A finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise _bad(name, value, "expected a finite number >= 0")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class DiffSpec:
+    """``shardckpt.diff``'s arguments (``shardckpt diff A B``): what is compared and how strictly."""
+
+    a: Annotated[Place, Opt("a checkpoint, file or fsspec URL (shardckpt, torch DCP, safetensors, torch.save)")]
+    b: Annotated[Place, Opt("the other one")]
+    atol: Annotated[float, Opt("absolute tolerance for values (default 0: exact)", parse=non_negative)] = 0.0
+    rtol: Annotated[float, Opt("relative tolerance for values (default 0: exact)", parse=non_negative)] = 0.0
+    only: Annotated[Sequence[str] | None, prefixes("compare only the tensors and values under this dotted-name "
+                                                    "prefix, on each side that has any (a side with none is "
+                                                    "compared whole)")] = None
+    strip_prefix: Annotated[str | None, Opt("remove this prefix from the names that start with it (after "
+                                            "--only), e.g. model. against an export", metavar="P")] = None
+    latest: Annotated[bool, Opt("A or B is a run directory: use the latest committed checkpoint below it "
+                                "(`shardckpt ls` lists them)")] = False
+    read_all: Annotated[bool, Opt("compare every tensor by value, also where both sides store equal checksums "
+                                  "(CRC32C: a collision is 1 in 2**32 by chance, and can be made)")] = False
+    storage_options: Annotated[Options | None, STORAGE] = None
+
+    def __post_init__(self) -> None:
+        for name, check in {"atol": tolerance, "rtol": tolerance, "only": prefixes_or_none, "strip_prefix": text,
+                            "latest": flag, "read_all": flag, "storage_options": options}.items():
+            object.__setattr__(self, name, check(name, getattr(self, name)))

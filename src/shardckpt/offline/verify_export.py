@@ -32,6 +32,7 @@ from shardckpt.formats.detect import open_reader
 from shardckpt.formats.safetensors import SafetensorsReader
 from shardckpt.formats.safetensors_header import INDEX_NAME, SUFFIX
 from shardckpt.formats.local_view import logical_view
+from shardckpt.storage_options import Options
 
 
 @dataclass
@@ -49,8 +50,8 @@ class ExportCheck:
 
 def verify_export(dst: str | os.PathLike, *, against: str | os.PathLike | None = None,
                   only: Sequence[str] | None = None, strip_prefix: str | None = None,
-                  rename: Mapping[str, str | None] | None = None, storage_options: dict | None = None,
-                  dst_storage_options: dict | None = None) -> ExportCheck:
+                  rename: Mapping[str, str | None] | None = None, storage_options: Options | None = None,
+                  dst_storage_options: Options | None = None) -> ExportCheck:
     """Check the export at ``dst`` (see the module's docstring). Problems are collected, not raised; an
     unreadable export or source raises a ``CheckpointError`` naming the file."""
     reader = open_reader(dst, storage_options=dst_storage_options)

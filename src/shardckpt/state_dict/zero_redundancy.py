@@ -32,6 +32,7 @@ from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.format.dtypes import DTYPES, dtype_name
 from shardckpt.regions import Box, FlatRange
 from shardckpt.sharded_tensor import ShardedTensor
+from shardckpt.storage_options import Options
 
 PARTITION_KEY = "zero_partition"
 
@@ -70,7 +71,7 @@ def zero_partition_state(optimizer: Any, param_names: Sequence[str] | None = Non
 
 
 def load_zero_partition_state(optimizer: Any, path: str | os.PathLike, *, key: str = "optim",
-                              storage_options: dict | None = None) -> None:
+                              storage_options: Options | None = None) -> None:
     """Load the ID-keyed optimizer state at ``key`` of the checkpoint at ``path`` into ``optimizer`` (a
     ``ZeroRedundancyOptimizer`` of the same parameters, at any world size): each rank reads the param groups and
     the state of the parameters it owns, nothing else. Not collective."""

@@ -8,6 +8,7 @@ the bytes read, for frames over the decoded bytes, as each is decoded. No frame 
 from __future__ import annotations
 
 from concurrent.futures import wait
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -61,13 +62,26 @@ class _Parts:
                 memoryview(p)[x - a:y - a] = data[x - lo:y - lo]
 
 
-def read_span(storage: Storage, path: str, rec: ChunkRecord, start: int, stop: int, parts: list[np.ndarray],
-              itemsize: int, verify: bool, where: str) -> None:
-    """Fill ``parts`` (uint8 buffers, in order, ``stop - start`` bytes in all) with logical bytes
-    ``[start, stop)`` of the chunk ``rec`` of data file ``path``. For a compressed chunk the span must be
-    whole blocks (``rec.block_bounds``). ``where`` begins error messages ("<file>: tensor 'w' chunk 3")."""
+@dataclass(frozen=True)
+class StoredChunk:
+    """One chunk as stored, and how its bytes are read: chunk ``rec`` of data file ``path`` in ``storage``, of
+    items of ``itemsize`` bytes (for byte-plane codecs), its blocks checked with ``verify``; ``where`` begins
+    error messages ("<file>: tensor 'w' chunk 3")."""
+
+    storage: Storage
+    path: str
+    rec: ChunkRecord
+    itemsize: int
+    verify: bool
+    where: str
+
+
+def read_span(chunk: StoredChunk, start: int, stop: int, parts: list[np.ndarray]) -> None:
+    """Fill ``parts`` (uint8 buffers, in order, ``stop - start`` bytes in all) with logical bytes ``[start, stop)``
+    of ``chunk``. For a compressed chunk the span must be whole blocks (``rec.block_bounds``)."""
+    storage, path, rec, verify, where = chunk.storage, chunk.path, chunk.rec, chunk.verify, chunk.where
     if rec.frames:
-        _read_frames(storage, path, rec, start, stop, _Parts(parts, start), itemsize, verify, where)
+        _read_frames(chunk, start, stop, _Parts(parts, start))
         return
     pos = rec.offset + start
     for part in parts:
@@ -84,8 +98,9 @@ def read_span(storage: Storage, path: str, rec: ChunkRecord, start: int, stop: i
                 raise CorruptCheckpointError(f"{where} {block_problem(rec, k, got)}; run `shardckpt verify`")
 
 
-def _read_frames(storage: Storage, path: str, rec: ChunkRecord, start: int, stop: int, out: _Parts, itemsize: int,
-                 verify: bool, where: str) -> None:
+def _read_frames(chunk: StoredChunk, start: int, stop: int, out: _Parts) -> None:
+    storage, path, rec, itemsize, verify, where = (chunk.storage, chunk.path, chunk.rec, chunk.itemsize, chunk.verify,
+                                                   chunk.where)
     b = rec.block_size
     if start % b or (stop % b and stop != rec.length):
         raise ValueError(f"a compressed span must be whole frames, got [{start}, {stop}) of {b}-byte frames")

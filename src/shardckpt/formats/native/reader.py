@@ -20,7 +20,7 @@ import torch
 
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.regions import StridedView, strided_view
-from shardckpt.io import Storage
+from shardckpt.io import Storage, lifecycle
 from shardckpt.format.checksum import crc32c
 from shardckpt.format.codecs import ZSTD_PLANES
 from shardckpt.format.dtypes import itemsize
@@ -28,7 +28,7 @@ from shardckpt.format.index import ChunkRecord, parse_index
 from shardckpt.format.manifest import (
     COMPRESSED_VERSION, MANIFEST_NAME, FileEntry, Manifest, TensorEntry, chunks_of, min_stored_bytes,
 )
-from shardckpt.formats.native.frames import read_span
+from shardckpt.formats.native.frames import StoredChunk, read_span
 from shardckpt.formats.native.lanes import Piece, cut_read, lanes, share, stored_span
 from shardckpt.formats.native.plan import ChunkRead
 from shardckpt.formats.native.whole_tensor import check_whole_tensors
@@ -174,8 +174,8 @@ def execute_read(storage: Storage, manifest: Manifest, read: ChunkRead, rec: Chu
         (buf,) = take(stop - start)
         parts, wanted = [buf], buf[lo - start:hi - start]
     where = chunk_where(storage, manifest, read.file, read.entry.name, read.chunk)
-    read_span(storage, manifest.files[read.file].path, rec, start, stop, [p.numpy() for p in parts],
-              size, verify, where)
+    read_span(StoredChunk(storage, manifest.files[read.file].path, rec, size, verify, where), start, stop,
+              [p.numpy() for p in parts])
     if read.entry.dtype == torch.bool and wanted.numel() and int(wanted.max()) > 1:
         raise CorruptCheckpointError(f"{where} holds a bool byte other than 0 or 1; run `shardckpt verify`")
     if direct is not None:
@@ -193,11 +193,11 @@ def execute_reads(storage: Storage, manifest: Manifest, reads: list[ChunkRead], 
                   verify: bool) -> None:
     files = {r.file for r in reads}
     # Open every data file first: a concurrent overwrite may delete them once a new manifest is committed.
-    storage.pin([manifest.files[f].path for f in sorted(files)])
+    lifecycle(storage).pin([manifest.files[f].path for f in sorted(files)])
     try:
         _execute(storage, manifest, reads, files, io_threads, verify)
     finally:
-        storage.release()
+        lifecycle(storage).release()
 
 
 def _execute(storage: Storage, manifest: Manifest, reads: list[ChunkRead], files: set[int], io_threads: int,
