@@ -142,8 +142,11 @@ def _bytes(storage: Storage, path: str) -> int:
 
 def run_dir_error(path: str | os.PathLike, *, storage_options: dict | None = None) -> CheckpointNotFoundError | None:
     """For a ``path`` that holds no checkpoint itself: if checkpoints lie below it (a run directory), the
-    error that says which and how to pick one (else None: the caller's own error stands)."""
+    error that says which and how to pick one (else None: the caller's own error stands, as for a path that is a
+    committed checkpoint itself, with others below it: the error was another path's)."""
     try:
+        if open_storage(path, storage_options).exists(MANIFEST_NAME):
+            return None
         listing = list_checkpoints(path, storage_options=storage_options)
     except CheckpointError:
         return None
