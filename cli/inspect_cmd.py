@@ -36,7 +36,8 @@ def show(result: InspectResult, args: argparse.Namespace) -> None:
           f"{info['world_size']}, state dict type {info['state_dict_type'] or '-'}, {len(info['tensors'])} tensors, "
           f"{_size(info['total_bytes'])} of tensor data in {info['files']} files ({_size(info['stored_bytes'])} "
           "on disk)")
-    codecs = sorted({c for t in info["tensors"] for c in t["codecs"] or ["?"]})
+    # codecs None: the index could not be read ("?"); []: an empty tensor, which has no chunks
+    codecs = sorted({c for t in info["tensors"] for c in (["?"] if t["codecs"] is None else t["codecs"])})
     if codecs not in ([], ["raw"]) and info["stored_bytes"]:
         print(f"  compressed: {info['total_bytes'] / info['stored_bytes']:.2f}x smaller (codecs {', '.join(codecs)})")
     if info["manifest_checksum"]:
@@ -61,7 +62,7 @@ def _print_tensors(tensors: list[dict]) -> None:
     # Columns for compressed checkpoints only ("?": a damaged index; `verify` says what is wrong).
     stored = any(t.get("codecs", ["raw"]) not in ([], ["raw"]) for t in tensors)
     rows = [(t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", _size(t["bytes"]), t["crc32c"] or "-")
-            + ((_size(t["stored_bytes"]) if t["stored_bytes"] is not None else "?", "+".join(t["codecs"] or "?"))
+            + ((_size(t["stored_bytes"]) if t["stored_bytes"] is not None else "?", "?" if t["codecs"] is None else "+".join(t["codecs"]) or "-")
                if stored else ()) for t in tensors]
     header = ("name", "dtype", "shape", "tensor bytes", "crc32c") + (("stored bytes", "codec") if stored else ())
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]

@@ -26,6 +26,17 @@ def test_inspect_prints_one_row_per_tensor(ckpt, capsys):
     assert any(line.startswith("model.w") and "float32" in line and "64x8" in line for line in out.splitlines())
 
 
+@pytest.mark.parametrize("compress", [None, "zstd"])
+def test_inspect_of_a_checkpoint_with_an_empty_tensor_says_compressed_only_when_it_is(tmp_path, capsys, compress):
+    """An empty tensor has no chunks, hence no codecs: not a damaged index ("?"), and no sign of compression
+    (adversarial review: an uncompressed checkpoint was shown "compressed: 0.64x smaller (codecs ?, raw)")."""
+    state = {"w": torch.zeros(4096), "empty": torch.empty(0, 3)}
+    shardckpt.save(state, tmp_path / "ck", compress=compress)
+    assert main(["inspect", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert ("compressed:" in out) == (compress is not None) and "?" not in out, out
+
+
 def test_inspect_json_lists_tensors(ckpt, capsys):
     assert main(["inspect", ckpt, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

@@ -74,6 +74,17 @@ def test_a_run_directory_where_a_checkpoint_is_expected_names_those_below(run_di
     assert "--latest" in err and not os.path.exists(tmp_path / "out")
 
 
+def test_a_missing_checkpoint_is_named_not_a_committed_one_with_others_below(tmp_path, capsys):
+    """diff A MISSING, where A is a checkpoint with another checkpoint below it (convert A A/ws2 is allowed): the
+    error names MISSING (adversarial review: it called A "a run directory, not a checkpoint")."""
+    a = tmp_path / "a"
+    shardckpt.save({"w": torch.randn(4, 4)}, a)
+    shardckpt.convert(a, a / "ws2", world_size=2)
+    assert main(["diff", str(a), str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "missing") in err and "run directory" not in err, err
+
+
 def test_inspect_and_export_take_the_latest_checkpoint(run_dir, tmp_path, capsys):
     assert main(["inspect", run_dir, "--latest", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["path"] == f"{run_dir}/step-000020"

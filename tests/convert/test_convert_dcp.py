@@ -122,6 +122,21 @@ def test_a_sharded_source_converts_to_what_torch_reads_bit_for_bit(tmp_path, wor
     assert diff(src, tmp_path / "dcp").equal
 
 
+def test_a_limit_below_what_the_process_holds_writes_whole_megabyte_records(tmp_path, monkeypatch):
+    """A limit the process is already past (a warning) leaves 1 MiB buffers, not a few bytes: a 1.2 MB tensor is a
+    record or two per rank (adversarial review: 256-byte buffers cut it into 32-element records, ~94,000 per rank
+    for 12 MB, and the convert ran for minutes)."""
+    shardckpt.save({"a": torch.randn(300_000, generator=torch.Generator().manual_seed(0))}, tmp_path / "src")
+    monkeypatch.setattr(memory, "resident_bytes", lambda: 1 << 40)
+    with pytest.warns(RuntimeWarning, match="using the smallest buffers"):
+        convert(tmp_path / "src", tmp_path / "dcp", world_size=3, format="dcp", memory_limit="256MiB")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    chunks = FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata["a"].chunks
+    assert len(chunks) <= 2 * 3, len(chunks)
+    _same(_torch_reads(tmp_path / "dcp", tmp_path), shardckpt.load_full(tmp_path / "src"))
+
+
 def test_each_source_format_converts_to_what_torch_reads(tmp_path):
     g = torch.Generator().manual_seed(0)
     groups = [{"w0": torch.randn(6, 5, generator=g), "w1": torch.randn(7, generator=g)}]

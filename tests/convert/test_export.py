@@ -2,6 +2,7 @@
 against the source with ``safetensors`` itself (``load_file``, ``safe_open``)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ from shardckpt import CheckpointExistsError, CorruptCheckpointError, StateDictTy
 from shardckpt.cli.main import main
 from shardckpt.offline import memory
 from shardckpt.offline.convert import convert
+from shardckpt.offline.diff import diff
 from shardckpt.offline.export import INDEX_NAME, SINGLE_FILE, export
 from shardckpt.offline.adapters.reader import strip_wrappers
 from shardckpt.offline.export_plan import NoModelWeightsError, plan_shards
@@ -436,6 +438,47 @@ def _killed_after(files: int, src, dst, **options) -> None:
     import shardckpt.offline.safetensors_files as module
 
     killed_after(files, module, "write_file", lambda: export(src, dst, **options))
+
+
+def _heads_config(path, heads: int) -> str:
+    with open(path, "w") as f:
+        json.dump({"num_attention_heads": heads, "num_key_value_heads": heads}, f)
+    return str(path)
+
+
+@pytest.mark.parametrize("verb", ["export", "convert"])
+def test_a_rerun_after_the_adapters_config_changed_keeps_nothing_of_the_killed_run(tmp_path, verb):
+    """The adapter reads its head counts from a config file, corrected between a killed run and the same command
+    run again: the killed run's files hold q/k rows permuted for the old counts, under the same names and sizes.
+    None of them is kept (the resume key holds the options as resolved, not the file's name): the output equals a
+    fresh run's (adversarial review: the rerun kept them, wrong bytes with no error)."""
+    from shardckpt.offline import chunk_output
+
+    g = torch.Generator().manual_seed(0)
+    model = {f"layers.{i}.attention.{n}.weight": torch.randn(8, 8, generator=g) for i in range(3)
+             for n in ("wq", "wk", "wv")}
+    shardckpt.save({"model": model}, tmp_path / "src")
+    config = tmp_path / "config.json"
+    adapter = f"torchtitan-llama:config={config}"
+    if verb == "export":
+        run = functools.partial(export, tmp_path / "src", adapter=adapter, max_shard_size="300B")
+        killed = lambda: _killed_after(3, tmp_path / "src", tmp_path / "out", adapter=adapter,  # noqa: E731
+                                       max_shard_size="300B")
+    else:
+        run = functools.partial(convert, tmp_path / "src", world_size=2, adapter=adapter)
+        killed = lambda: killed_after(1, chunk_output, "write_file",  # noqa: E731
+                                      lambda: run(tmp_path / "out"))
+    _heads_config(config, 2)  # wrong: the run is killed part way
+    killed()
+    _heads_config(config, 4)  # corrected, and the same command again
+    report = run(tmp_path / "out")
+    run(tmp_path / "fresh")
+    if verb == "export":
+        assert report.kept == ()
+        out, fresh = _exported(tmp_path / "out"), _exported(tmp_path / "fresh")
+        assert out.keys() == fresh.keys() and all(torch.equal(out[k], fresh[k]) for k in fresh)
+    else:
+        assert report.kept_bytes == 0 and diff(tmp_path / "out", tmp_path / "fresh").equal
 
 
 def _big_state(seed: int = 3) -> dict:

@@ -145,6 +145,48 @@ def test_object_store_debris_goes_by_age(backend):
     assert shardckpt.load_full(backend.url, storage_options=backend.options)["v"] == 2.0
 
 
+def test_object_store_debris_with_an_upload_in_flight_is_a_live_save(backend):
+    """A save's data directory whose listed files are old but where an upload is still in flight (one big file:
+    listed only once complete) is in use: gc leaves it, however small ``min_age`` (adversarial review: a gc during a
+    long save removed its data, and the save committed a manifest of missing files)."""
+    if backend.kind != "s3":
+        pytest.skip("multipart uploads: object stores")
+    shardckpt.save(_state(1.0), backend.url, storage_options=backend.options)
+    backend.write("data-abc123/rank-00000-0.bin", b"a finished file")
+    bucket, key = backend.root.split("/", 1)
+    upload = backend.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=f"{key}/data-abc123/rank-00001-0.bin")
+    assert gc(backend.url, storage_options=backend.options, min_age_s=0) == []
+    assert backend.exists("data-abc123/rank-00000-0.bin")
+    backend.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=f"{key}/data-abc123/rank-00001-0.bin",
+                       UploadId=upload["UploadId"])
+    assert gc(backend.url, storage_options=backend.options, min_age_s=0) == ["data-abc123"]
+
+
+def test_a_save_whose_data_was_collected_before_its_commit_fails_and_keeps_the_previous(backend, monkeypatch):
+    """Files of a save removed before its commit (a collector on an object store with a min-age shorter than the
+    save): the save raises, commits nothing, and the checkpoint it would have replaced still loads."""
+    from shardckpt.checkpoint import commit as commit_module
+
+    shardckpt.save(_state(1.0), backend.url, storage_options=backend.options)
+    real = commit_module.parse_manifest
+
+    def collected_first(data, where):  # the commit's last check of its manifest: a collector runs first
+        storage = open_storage(backend.url, backend.options)
+        for gen in [d for d in storage.list_dirs() if d.startswith("data-") and d not in committed]:
+            storage.remove_dir(gen)
+            removed.append(gen)
+        return real(data, where)
+
+    committed, removed = set(open_storage(backend.url, backend.options).list_dirs()), []
+    monkeypatch.setattr(commit_module, "parse_manifest", collected_first)
+    with pytest.raises(CheckpointError, match="gone before the commit"):
+        shardckpt.save(_state(2.0), backend.url, storage_options=backend.options, overwrite=True)
+    monkeypatch.undo()
+    assert removed
+    assert shardckpt.load_full(backend.url, storage_options=backend.options)["v"] == 1.0
+    assert verify(backend.url, storage_options=backend.options).ok
+
+
 def test_a_temp_manifest_collected_before_its_writer_held_it_is_made_again(tmp_path, monkeypatch):
     """The window between a writer creating its temporary manifest and holding it: a collector running there
     removes the file (it looks abandoned); the writer sees its name gone and makes it again, and commits

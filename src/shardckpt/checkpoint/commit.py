@@ -4,6 +4,7 @@ storage backend): from every (possibly virtual) rank's write results, the manife
 before it leaves the previous checkpoint untouched; a failed rank's result removes this generation's files."""
 from __future__ import annotations
 
+import posixpath
 from typing import Any
 
 from shardckpt._version import __version__
@@ -13,7 +14,7 @@ from shardckpt.checkpoint.save_plan import SavePlan
 from shardckpt.dist.group import Failure, raise_failures
 from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from shardckpt.format.dtypes import DTYPES
-from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorEntry, parse_manifest, version_for
+from shardckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, TensorEntry, parse_manifest, version_for
 from shardckpt.io import Storage, lifecycle
 
 
@@ -60,6 +61,7 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
     except CorruptCheckpointError as e:
         _remove_quietly(storage, data_dir(generation))
         raise CheckpointError(f"cannot save: the checkpoint would not load ({e}); nothing was committed") from None
+    _check_files_there(storage, files, generation)
     try:
         storage.put_atomic(MANIFEST_NAME, data, exclusive=not overwrite)
     except FileExistsError:
@@ -74,6 +76,22 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
         collect(storage, committed={data_dir(generation)})
     except (OSError, CheckpointError):
         pass
+
+
+def _check_files_there(storage: Storage, files: list[FileEntry], generation: str) -> None:
+    """Every file the manifest names is listed where it was written, else raise and commit nothing: a collector
+    that took a long save's data for debris (object stores collect by age: ``gc --min-age`` shorter than the save)
+    must fail the save, not let it commit a manifest of missing files and remove the checkpoint it replaces."""
+    listed: dict[str, set[str]] = {}
+    for path in (p for f in files for p in (f.path, f.index_path)):
+        folder, name = posixpath.split(path)
+        if folder not in listed:
+            listed[folder] = set(storage.list_files(folder))
+        if name not in listed[folder]:
+            _remove_quietly(storage, data_dir(generation))
+            raise CheckpointError(f"{storage.url(path)}: gone before the commit (removed while the save ran, e.g. "
+                                  "by `shardckpt gc --min-age` shorter than the save on an object store); nothing "
+                                  "was committed, the previous checkpoint is kept")
 
 
 def _check_versions(results: list, version: int, encoded_tree: Any) -> None:

@@ -144,11 +144,14 @@ def _bytes(storage: Storage, path: str) -> int:
 
 def run_dir_error(path: str | os.PathLike, *, storage_options: Options | None = None) -> CheckpointNotFoundError | None:
     """For a ``path`` that holds no checkpoint itself: if checkpoints lie below it (a run directory), the
-    error that says which and how to pick one (else None: the caller's own error stands; a ``Storage`` is one
+    error that says which and how to pick one (else None: the caller's own error stands, as for a path that is a
+    committed checkpoint itself, with others below it: the error was another path's; a ``Storage`` is one
     checkpoint's place, never a run directory)."""
     if not is_named(path):
         return None
     try:
+        if open_storage(path, storage_options).exists(MANIFEST_NAME):
+            return None
         listing = list_checkpoints(path, storage_options=storage_options)
     except CheckpointError:
         return None

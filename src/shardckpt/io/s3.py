@@ -166,8 +166,22 @@ class S3Storage(FsspecStorage):
 
     def remove_abandoned(self, path: str, min_age_s: float, dry_run: bool = False,
                          unused: Callable[[], bool] = lambda: True) -> bool:
+        # Uploads in flight below ``path`` are a live save's (a file being uploaded is listed only once complete:
+        # its directory can look idle for as long as one big file takes): in use, whatever the listed files' age.
+        in_use = lambda: not unused() or self._uploading(path)  # noqa: E731
         return self._retrying_sync(path, "collecting debris", lambda: super(S3Storage, self).remove_abandoned(
-            path, min_age_s, dry_run, unused))
+            path, min_age_s, dry_run, lambda: not in_use()))
+
+    def _uploading(self, path: str) -> bool:
+        """Whether a multipart upload is in progress below ``path``."""
+        bucket, key = self._where(path)
+
+        async def attempt() -> bool:
+            resp = await self.fs._call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key.rstrip("/") + "/",
+                                          MaxUploads=1)
+            return bool(resp.get("Uploads"))
+
+        return self._run(self._retrying(path, "listing uploads", attempt))
 
     def _where(self, path: str) -> tuple[str, str]:
         bucket, key, _ = self.fs.split_path(self.url(path))

@@ -86,12 +86,14 @@ def plan_conversion(reader: CheckpointReader, spec: ConvertSpec) -> ConversionPl
 
 
 def _shaping(what: Conversion, spec: ConvertSpec) -> dict[str, Any]:
-    """The options that shape the output, as every earlier version named them (a rerun after an upgrade resumes)."""
+    """The options that shape the output, as every earlier version named them (a rerun after an upgrade resumes),
+    but an adapter's: named by the options it resolved to (``adapters.reader.adapter_key``), since 2026-11-27."""
     names = None if spec.param_names is None else list(spec.param_names)
     common = {"world": what.world, "type": what.out_type, "dtype": spec.dtype, "only": list(spec.only),
               "exclude": list(spec.exclude), "param_names": names,
               "optim_key": None if what.key_type is None else what.key_type.value,
-              **({"adapter": spec.adapter, "reverse": spec.reverse} if spec.adapter is not None else {}),
+              **({"adapter": getattr(what.reader, "adapter_key", spec.adapter), "reverse": spec.reverse}
+                 if spec.adapter is not None else {}),  # the options as resolved: a config file's contents
               **({"strip_prefix": spec.strip_prefix} if spec.strip_prefix else {})}
     if spec.format == "dcp":
         return {"format": "dcp", **common}

@@ -104,7 +104,7 @@ from shardckpt.offline.export_commit import (
     Beside, ExportFiles, LocalExport, PlannedFile, RemoteExport, export_id, index_bytes, refuse_own_source,
 )
 from shardckpt.offline.export_plan import ExportPlan, plan_export
-from shardckpt.offline.memory import ALIGN, SliceBuffers, buffer_budget
+from shardckpt.offline.memory import ALIGN, OVER_LIMIT_BUFFER_BYTES, SliceBuffers, buffer_budget
 from shardckpt.offline.resume import content_identity
 from shardckpt.offline.safetensors_files import SINGLE_FILE, existing_export
 from shardckpt.offline.spec import ExportSpec
@@ -115,7 +115,6 @@ __all__ = ["export", "run", "ExportReport", "INDEX_NAME", "SINGLE_FILE"]
 
 SLICE_BYTES = 64 << 20  # what a tie check or a comparison reads at once, per side
 BUFFER_BYTES = 2 * SLICE_BYTES  # the slice buffer without a memory limit (a slice as read and as cast)
-MIN_BUFFER_BYTES = 1 << 20  # the buffer of a memory limit below what the process holds already
 
 
 @dataclass(frozen=True)
@@ -197,4 +196,4 @@ def _planned_files(plan: ExportPlan, storage: Storage, spec: ExportSpec, identit
 def buffer_bytes(memory_limit: int | None) -> int:
     """The slice buffer that keeps this process's resident memory within ``memory_limit`` (``offline.memory``):
     a slice as read and as cast share what the process does not hold yet; 1 MiB when it already holds the limit."""
-    return buffer_budget(memory_limit, "export", default=BUFFER_BYTES) or MIN_BUFFER_BYTES
+    return buffer_budget(memory_limit, "export", default=BUFFER_BYTES) or OVER_LIMIT_BUFFER_BYTES

@@ -70,7 +70,8 @@ def plan_export(reader: CheckpointReader, spec: ExportSpec, reference: hf_dir.Re
         [SHARD_FILE.format(index=i + 1, count=len(shards)) for i in range(len(shards))]
     metadata = {"format": "pt"}  # nothing of the source's path or save: equal weights, equal files
     if spec.adapter is not None:  # the same names and shapes, other bytes: a resume must not keep the other's files
-        metadata["adapter"] = f"{spec.adapter} (reverse)" if spec.reverse else spec.adapter
+        key = getattr(reader, "adapter_key", spec.adapter)  # the options as resolved: a config file's contents, not its name
+        metadata["adapter"] = f"{key} (reverse)" if spec.reverse else key
     files = [(name, [tensors[i] for i in shard]) for name, shard in zip(names, shards)]
     return ExportPlan(files, metadata, tied, beside, total_parameters)
 

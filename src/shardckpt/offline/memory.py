@@ -21,6 +21,10 @@ import torch
 
 DEFAULT_BUFFER_BYTES = 256 << 20  # in a fresh CLI process (~265 MiB), about what the old 512 MiB limit left
 ALIGN = 64  # the smallest buffer, and where a cast slice starts in one (any element size divides it)
+# The buffers of a limit below what the process holds already (the limit cannot be met then): slices of a few
+# bytes would cut every tensor into countless reads, and a DCP output into as many records (a 12 MB convert ran
+# for minutes).
+OVER_LIMIT_BUFFER_BYTES = 1 << 20
 
 
 def resident_bytes() -> int | None:

@@ -40,8 +40,10 @@ WRAPPERS = ("module.", "_orig_mod.")
 class AdaptedReader:
     """``base``'s model weights as ``planned`` presents them (see the module)."""
 
-    def __init__(self, base: CheckpointReader, planned: Sequence[Planned], infos: Mapping[str, TensorInfo]):
-        self.base, prefix = base, "model."
+    def __init__(self, base: CheckpointReader, planned: Sequence[Planned], infos: Mapping[str, TensorInfo],
+                 key: str = ""):
+        """``key``: the adapter and the options it ran with, resolved (``adapter_key``)."""
+        self.base, self.adapter_key, prefix = base, key, "model."
         self._planned = {prefix + p.name: p for p in planned}
         self._starts = {name: _starts(p) for name, p in self._planned.items()}
         self._infos: dict[str, TensorInfo] = {}
@@ -167,7 +169,14 @@ def adapted(base: CheckpointReader, adapter: Adapter, opts: Opts) -> AdaptedRead
         chosen = [(path_name(p), leaf.name) for p, leaf in refs if not (p and p[0] in OPTIMIZER_ENTRIES)]
     infos = base.tensors()
     sources = [(strip_wrappers(name), stored, tuple(infos[stored].shape)) for name, stored in chosen]
-    return AdaptedReader(base, plan(adapter, sources, opts, infos), infos)
+    return AdaptedReader(base, plan(adapter, sources, opts, infos), infos, adapter_key(adapter, opts))
+
+
+def adapter_key(adapter: Adapter, opts: Opts) -> str:
+    """The adapter with the option values it runs with (those read from a ``config=`` file included): what shapes the
+    bytes it presents, so what a resumed export or convert must match (the spec's text may name a file whose
+    contents changed)."""
+    return ",".join([adapter.name, *(f"{k}={opts[k]!r}" for k in sorted(opts))])
 
 
 def plan(adapter: Adapter, sources: Sequence[tuple[str, str, tuple[int, ...]]], opts: Opts,
