@@ -35,9 +35,11 @@ def _state() -> dict:
 
 @pytest.fixture
 def reads(monkeypatch):
-    """The byte sizes of the source reads, with the whole limit counted as buffers (no resident baseline)."""
+    """The byte sizes of the source reads, with the whole limit counted as buffers (no resident baseline, and
+    buffered file writers, which hold no buffer of their own)."""
     seen = read_sizes(monkeypatch)
     monkeypatch.setattr(memory, "resident_bytes", lambda: 0)
+    monkeypatch.setenv("SHARDCKPT_DIRECT_IO", "0")
     return seen
 
 

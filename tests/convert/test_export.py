@@ -427,6 +427,7 @@ def test_the_memory_limit_bounds_the_slices(tmp_path, monkeypatch):
     shardckpt.save({"model": {"big": big}}, tmp_path / "src")
     seen = read_sizes(monkeypatch)
     monkeypatch.setattr(memory, "resident_bytes", lambda: 0)  # the whole limit is buffers
+    monkeypatch.setenv("SHARDCKPT_DIRECT_IO", "0")  # (a direct file writer's own 8 MiB would be counted first)
     assert main(["export", str(tmp_path / "src"), str(tmp_path / "dst"), "--memory-limit", "8KiB", "--dtype", "bf16",
                  "--quiet"]) == 0
     assert seen and max(seen) <= 4096 and len(seen) == 10  # two 4 KiB buffers: as read, and as cast
@@ -517,13 +518,15 @@ def test_a_killed_export_resumes_rewriting_only_its_unfinished_files(tmp_path, m
     assert check.ok and check.values.tensors == 6
 
 
-def test_a_file_killed_before_its_fsync_is_never_adopted(tmp_path):
+def test_a_file_killed_before_its_fsync_is_never_adopted(tmp_path, monkeypatch):
     """A machine's crash can leave a file its full size with blocks never written, and safetensors has no
-    checksum to tell. Killed as its second file's close (the fsync) begins, the export leaves that file
-    whole in the page cache only: zeroing its data stands for the crash. The rerun must write it again, since
-    only files named after their fsync are adopted (it took it on its size and header, exporting zeros)."""
+    checksum to tell. Killed as its second file's close (the fsync) begins, the export (writing through the page
+    cache) leaves that file whole in the page cache only: zeroing its data stands for the crash. The rerun must
+    write it again, since only files named after their fsync are adopted (it took it on its size and header,
+    exporting zeros)."""
     from shardckpt.io import local
 
+    monkeypatch.setenv("SHARDCKPT_DIRECT_IO", "0")
     shardckpt.save(_big_state(), tmp_path / "src")
     dst = tmp_path / "dst"
     options = {"max_shard_size": 17_000, "dtype": "bfloat16"}  # 6 tensors of 8 KiB in bf16: 2 per file
@@ -534,6 +537,25 @@ def test_a_file_killed_before_its_fsync_is_never_adopted(tmp_path):
     with open(unsynced, "r+b") as f:  # the crash: the size and the header made it to disk, the data did not
         f.seek(header)
         f.write(bytes(size - header))
+    report = export(tmp_path / "src", dst, **options)
+    assert report.kept == ("model-00001-of-00003.safetensors",)
+    assert verify_export(dst, against=tmp_path / "src").ok
+
+
+def test_a_direct_file_killed_before_its_close_is_never_adopted(tmp_path):
+    """Written past the page cache (the default on local disk), a file killed as its close begins has its last
+    buffer still in the process: it is short or empty. The rerun writes it again and the export is whole."""
+    from shardckpt.io import direct
+
+    shardckpt.save(_big_state(), tmp_path / "src")
+    dst = tmp_path / "dst"
+    options = {"max_shard_size": 17_000, "dtype": "bfloat16"}
+    whole = tmp_path / "whole"
+    export(tmp_path / "src", whole, **options)
+    killed_after(1, direct.DirectWriter, "close", lambda: export(tmp_path / "src", dst, **options))
+    [staging] = os.listdir(dst)
+    [short] = [p for p in (dst / staging).iterdir() if p.name.startswith("model-00002-of-00003.safetensors")]
+    assert short.stat().st_size < (whole / "model-00002-of-00003.safetensors").stat().st_size
     report = export(tmp_path / "src", dst, **options)
     assert report.kept == ("model-00001-of-00003.safetensors",)
     assert verify_export(dst, against=tmp_path / "src").ok

@@ -136,9 +136,10 @@ def _rename_commits(storage, old, new) -> str | None:
 
 
 def _close_commits(self) -> str | None:
+    from shardckpt.io.direct import DirectWriter
     from shardckpt.io.local import _LocalWriter
 
-    return _spec.role if not isinstance(self, _LocalWriter) and getattr(self, "_bnd_path", "") == SINGLE else None
+    return _spec.role if not isinstance(self, (_LocalWriter, DirectWriter)) and getattr(self, "_bnd_path", "") == SINGLE else None
 
 
 def install(spec: Spec) -> None:
@@ -148,7 +149,7 @@ def install(spec: Spec) -> None:
     if _originals:
         return
     from shardckpt.offline import safetensors_files
-    from shardckpt.io import local, remote, s3, s3_transfer
+    from shardckpt.io import direct, local, remote, s3, s3_transfer
 
     for cls in (local.LocalStorage, remote.FsspecStorage, s3.S3Storage):
         for name in ("put_atomic", "remove_dir", "remove_abandoned"):
@@ -160,7 +161,7 @@ def install(spec: Spec) -> None:
     if hasattr(local.LocalStorage, "hold_file"):
         _wrap(local.LocalStorage, "hold_file", lambda self, path, *a, **k: f"hold_file {path}")
     _wrap_hold_dir(local.LocalStorage)
-    for cls in (local._LocalWriter, remote._FsspecWriter, s3_transfer.MultipartWriter):
+    for cls in (local._LocalWriter, direct.DirectWriter, remote._FsspecWriter, s3_transfer.MultipartWriter):
         for name in ("write", "pwrite"):
             if name in vars(cls):
                 _wrap_first_write(cls, name)

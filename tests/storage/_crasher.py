@@ -31,7 +31,7 @@ from shardckpt import ShardedTensor
 from shardckpt.checkpoint.verify import verify
 from shardckpt.offline.convert import convert
 from shardckpt.offline.export import export
-from shardckpt.io import local, remote, s3_transfer
+from shardckpt.io import direct, local, remote, s3_transfer
 
 OPERATIONS = ("save ws1", "save ws2", "async_save", "convert", "export")
 S3_OPERATIONS = ("save ws1 (s3)", "async_save (s3)")
@@ -49,7 +49,7 @@ def _kill_after_bytes(threshold: int) -> None:
     object uploads: bytes handed to the S3 writer, whose parts are then in flight)."""
     written = [0]
     real_local, real_remote = local._LocalWriter.pwrite, remote._FsspecWriter.write
-    real_s3 = s3_transfer.MultipartWriter.write
+    real_s3, real_direct = s3_transfer.MultipartWriter.write, direct.DirectWriter.write
 
     def counted(data, write) -> None:
         data = memoryview(data).cast("B")
@@ -61,6 +61,7 @@ def _kill_after_bytes(threshold: int) -> None:
         write(data)
 
     local._LocalWriter.pwrite = lambda self, data, offset: counted(data, lambda d: real_local(self, d, offset))
+    direct.DirectWriter.write = lambda self, data: counted(data, lambda d: real_direct(self, d))
     remote._FsspecWriter.write = lambda self, data: counted(data, lambda d: real_remote(self, d))
     s3_transfer.MultipartWriter.write = lambda self, data: counted(data, lambda d: real_s3(self, d))
 

@@ -11,6 +11,7 @@ import uuid
 from typing import Callable
 
 from shardckpt.errors import CheckpointError, CorruptCheckpointError
+from shardckpt.io.direct import DIRECT_BUFFER, DirectWriter, open_direct
 from shardckpt.io.protocol import MAX_IO, missing
 
 
@@ -33,24 +34,32 @@ _START_WRITEBACK = _writeback_starter()
 _SYNC_FILE_RANGE_WRITE = 2
 
 
+def _open_held(path: str, keep: int | None, direct: bool) -> tuple[int, bool]:
+    """A descriptor of a new (emptied) file at ``path``; or, ``keep`` given, of the existing file, cut to its first
+    ``keep`` bytes (``FileNotFoundError`` if it is gone); held (``_hold``). ``direct``: opened with ``O_DIRECT``
+    where the file system allows it. Returns the descriptor and whether it is direct."""
+    while True:
+        flags = os.O_WRONLY if keep is not None else os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        fd = open_direct(path, flags, 0o644) if direct else None
+        is_direct = fd is not None
+        fd = fd if is_direct else os.open(path, flags, 0o644)
+        _hold(fd)  # a file being written is not debris (remove_abandoned), until closed
+        if _still_named(path, fd):
+            break
+        os.close(fd)  # removed as abandoned between our open and our hold (as hold_dir): make it again
+        if keep is not None:  # (what was kept is gone with it)
+            raise FileNotFoundError(path)
+    if keep is not None:
+        os.ftruncate(fd, keep)
+    return fd, is_direct
+
+
 class _LocalWriter:
     positional = True
 
-    def __init__(self, path: str, keep: int | None = None):
-        """A new (emptied) file at ``path``; or, ``keep`` given, the existing file, cut to its first ``keep``
-        bytes, written on after them (``FileNotFoundError`` if it is gone)."""
-        self._path = path
-        while True:
-            flags = os.O_WRONLY if keep is not None else os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-            self._fd = os.open(path, flags, 0o644)
-            _hold(self._fd)  # a file being written is not debris (remove_abandoned), until closed
-            if _still_named(path, self._fd):
-                break
-            os.close(self._fd)  # removed as abandoned between our open and our hold (as hold_dir): make it again
-            if keep is not None:  # (what was kept is gone with it)
-                raise FileNotFoundError(path)
-        if keep is not None:
-            os.ftruncate(self._fd, keep)
+    def __init__(self, fd: int, keep: int | None = None):
+        """Writes through the page cache to ``fd`` (from ``_open_held``), after its first ``keep`` bytes."""
+        self._fd = fd
         self._pos = keep or 0
         self._started = self._pos  # bytes [0, _started) are written back already or being written back
 
@@ -74,13 +83,16 @@ class _LocalWriter:
             os.close(self._fd)
 
 
-def _new_writer(path: str, keep: int | None = None) -> _LocalWriter:
+def _new_writer(path: str, keep: int | None = None, direct: bool = False) -> _LocalWriter | DirectWriter:
     """A writer of ``path``, its directory made first, and made again should it vanish before the file is
-    created in it (an empty directory a collector removed: ``LocalStorage.remove_empty_dir``)."""
+    created in it (an empty directory a collector removed: ``LocalStorage.remove_empty_dir``). ``direct``: past
+    the page cache (``io.direct``) where the file system allows it; a file written on after ``keep`` bytes never
+    is (its tail need not be aligned)."""
     for _ in range(100):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
-            return _LocalWriter(path, keep)
+            fd, is_direct = _open_held(path, keep, direct and keep is None)
+            return DirectWriter(fd) if is_direct else _LocalWriter(fd, keep)
         except FileNotFoundError:
             if keep is not None or os.path.isdir(os.path.dirname(path)):
                 raise
@@ -116,14 +128,22 @@ class _DirHold:
 class LocalStorage:
     """A directory on local disk."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, direct_io: bool | None = None):
+        """``direct_io``: write data files past the page cache (``io.direct``); default on, unless the environment
+        sets ``SHARDCKPT_DIRECT_IO=0``."""
         self.root = os.path.abspath(root)
+        self.direct_io = os.environ.get("SHARDCKPT_DIRECT_IO", "1") != "0" if direct_io is None else direct_io
         self._pinned: dict[str, int] = {}
         self._pins = 0  # pin() calls not yet released: the descriptors close when the last one is
         self._pin_lock = threading.Lock()
 
     def url(self, path: str) -> str:
         return os.path.join(self.root, path)
+
+    @property
+    def writer_bytes(self) -> int:
+        """Memory each open writer of a new file holds (``offline.memory.writer_reserve``): a direct writer's buffer."""
+        return DIRECT_BUFFER if self.direct_io else 0
 
     def exists(self, path: str) -> bool:
         return os.path.exists(self.url(path))
@@ -197,10 +217,11 @@ class LocalStorage:
         except OSError as e:
             raise missing(self.url(path), e) from e
 
-    def open_writer(self, path: str, keep: int | None = None) -> _LocalWriter:
-        """The protocol's writer; local disk also goes on writing an existing file after its first ``keep``
-        bytes (what follows is cut off), which a resumed ``convert`` uses."""
-        return _new_writer(self.url(path), keep)
+    def open_writer(self, path: str, keep: int | None = None, direct: bool | None = None) -> _LocalWriter | DirectWriter:
+        """The protocol's writer (past the page cache where ``direct``, default ``direct_io``); local disk also goes
+        on writing an existing file after its first ``keep`` bytes (what follows is cut off), which a resumed
+        ``convert`` uses."""
+        return _new_writer(self.url(path), keep, self.direct_io if direct is None else direct)
 
     def put_atomic(self, path: str, data: bytes, exclusive: bool = False) -> None:
         """Write to a temporary name, fsync, then rename it over ``path`` (or, ``exclusive``, hard-link it to

@@ -48,7 +48,7 @@ from shardckpt.formats.dcp.metadata import METADATA_NAME, parse_metadata
 from shardckpt.io import DirHold, Storage, lifecycle
 from shardckpt.offline.convert_plan import ConversionPlan
 from shardckpt.offline.dcp_layout import DcpBytesItem, DcpTensorItem, flat_keys, rank_tensor_items
-from shardckpt.offline.memory import ALIGN, OVER_LIMIT_BUFFER_BYTES, SliceBuffers, buffer_budget, read_reserve
+from shardckpt.offline.memory import ALIGN, OVER_LIMIT_BUFFER_BYTES, SliceBuffers, buffer_budget, read_reserve, writer_reserve
 from shardckpt.offline.safetensors_files import remove
 from shardckpt.offline.streams import Output, ReadOnDemand, largest_slice
 
@@ -114,8 +114,8 @@ class DcpOutput(OutputWriter):
         tick.begin()
         by_name = {o.name: o for o in what.outputs}
         values = [DcpBytesItem(key, leaf) for key, _, leaf in self.keyed if not isinstance(leaf, TensorRef)]
-        budget = buffer_budget(self.plan.spec.memory_limit, "convert", read_reserve(what.base, 1)) \
-            or OVER_LIMIT_BUFFER_BYTES
+        budget = buffer_budget(self.plan.spec.memory_limit, "convert",
+                               read_reserve(what.base, 1) + writer_reserve(self.storage, 1)) or OVER_LIMIT_BUFFER_BYTES
         buffers = SliceBuffers.within(budget, 1, largest_slice(what.outputs), smallest=4 * ALIGN)
         per_element = max((itemsize(o.source.dtype) + itemsize(o.dtype) for _, o in tensors), default=1)
         max_elements = (buffers.nbytes - 2 * ALIGN) // per_element

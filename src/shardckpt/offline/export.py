@@ -104,7 +104,7 @@ from shardckpt.offline.export_commit import (
     Beside, ExportFiles, LocalExport, PlannedFile, RemoteExport, export_id, index_bytes, refuse_own_source,
 )
 from shardckpt.offline.export_plan import ExportPlan, plan_export
-from shardckpt.offline.memory import ALIGN, OVER_LIMIT_BUFFER_BYTES, SliceBuffers, buffer_budget
+from shardckpt.offline.memory import ALIGN, OVER_LIMIT_BUFFER_BYTES, SliceBuffers, buffer_budget, writer_reserve
 from shardckpt.offline.resume import content_identity
 from shardckpt.offline.safetensors_files import SINGLE_FILE, existing_export
 from shardckpt.offline.spec import ExportSpec
@@ -149,10 +149,11 @@ def run(spec: ExportSpec, progress: Callable[[int, int], None] | None = None,
     reference = None if spec.config is None else hf_dir.read_reference(spec.config)
     reader = adapters.apply(logical_view(base), spec.adapter, spec.reverse,
                             None if reference is None else reference.config)
-    budget = buffer_bytes(spec.memory_limit) if slice_bytes is None else 2 * slice_bytes + ALIGN
+    storage = open_storage(spec.dst, spec.dst_storage_options)
+    budget = (buffer_bytes(spec.memory_limit, writer_reserve(storage, 1)) if slice_bytes is None
+              else 2 * slice_bytes + ALIGN)
     slice_bytes = slice_bytes or budget // 2  # half the buffer as read, half as cast
     plan = plan_export(reader, spec, reference, slice_bytes)
-    storage = open_storage(spec.dst, spec.dst_storage_options)
     planned = _planned_files(plan, storage, spec, content_identity(base))
     tick = Progress(sum(t.nbytes for t in plan.tensors), progress)
     buffers = SliceBuffers.within(budget, 1, largest_slice(plan.tensors))
@@ -193,7 +194,8 @@ def _planned_files(plan: ExportPlan, storage: Storage, spec: ExportSpec, identit
     return ExportFiles(files, index, Beside(plan.beside, beside), old, spec.overwrite, identity is not None)
 
 
-def buffer_bytes(memory_limit: int | None) -> int:
+def buffer_bytes(memory_limit: int | None, reserve: int = 0) -> int:
     """The slice buffer that keeps this process's resident memory within ``memory_limit`` (``offline.memory``):
-    a slice as read and as cast share what the process does not hold yet; 1 MiB when it already holds the limit."""
-    return buffer_budget(memory_limit, "export", default=BUFFER_BYTES) or OVER_LIMIT_BUFFER_BYTES
+    a slice as read and as cast share what the process does not hold yet, less ``reserve`` (the file writer's own
+    buffer); 1 MiB when it already holds the limit."""
+    return buffer_budget(memory_limit, "export", reserve, default=BUFFER_BYTES) or OVER_LIMIT_BUFFER_BYTES

@@ -60,6 +60,12 @@ def read_reserve(reader: object, reads_at_once: int) -> int:
     return int(getattr(reader, "transient_read_bytes", 0)) * reads_at_once
 
 
+def writer_reserve(storage: object, writers: int) -> int:
+    """What ``writers`` open file writers of ``storage`` hold besides the slice buffers (its ``writer_bytes``: on
+    local disk, the aligned buffer each writer fills for ``O_DIRECT``, ``io.direct``)."""
+    return int(getattr(storage, "writer_bytes", 0)) * writers
+
+
 class SliceBuffers:
     """The writers' slice buffers, one per writer thread, allocated once and reused chunk after chunk: buffers freed
     and allocated again would leave their pages with the C allocator, which keeps the freed heap of each

@@ -54,6 +54,8 @@ class RankFiles:
         writer = go_on_writing(self.storage, data_path, progress.size) if progress.size else None
         if writer is None:
             progress = FileProgress()
+            if isinstance(self.storage, LocalStorage):  # through the page cache: a journal's claims are in the file
+                writer = self.storage.open_writer(data_path, direct=False)  # as soon as written, for a resume
         self._kept(progress, whole=False)
         journal = FileJournal(self.storage, journal_path, digest, self.version, isinstance(self.storage, LocalStorage))
         journal.begin(progress)
