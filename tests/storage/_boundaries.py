@@ -177,14 +177,14 @@ def install(spec: Spec) -> None:
 def _wrap_open_writer(cls) -> None:
     real = cls.open_writer
 
-    def open_writer(self, path: str):
-        writer = real(self, path)
+    def open_writer(self, path: str, *args, **kwargs):
+        writer = real(self, path, *args, **kwargs)
         writer._bnd_path = _base(path)
         return writer
 
     _originals.append((cls, "open_writer", real))
     cls.open_writer = open_writer
-    _wrap(cls, "open_writer", lambda self, path: f"open_writer {path}")
+    _wrap(cls, "open_writer", lambda self, path, *a, **k: f"open_writer {path}")
 
 
 def _wrap_first_write(cls, name: str) -> None:

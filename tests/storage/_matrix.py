@@ -235,7 +235,8 @@ class Cases:
         list of the operation that committed."""
         self.where.copy_tree(self.pristine, self.dst)
         self._fresh_events()
-        assert self._run_writer(bnd.Spec(self.events)) == "ok"
+        outcome = self._run_writer(bnd.Spec(self.events))
+        assert outcome == "ok", outcome
         ops, commit = [], None
         for e in bnd.events(self.events):
             if e[0] == "op":
