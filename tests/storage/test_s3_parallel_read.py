@@ -147,5 +147,7 @@ def test_memory_beside_the_targets_is_bounded_by_the_lanes_not_the_file(s3_bucke
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["sum"] == pytest.approx(float(big.to(getattr(torch, dtype)).double().sum()), rel=1e-6)
-    bound = 2 * lanes.PIECE_BYTES + 32 * MIB  # 2 lanes' buffers, and the client's own
+    # 2 lanes' buffers, and the client's own (on radosgw, faster than moto, botocore holds more in flight: a CI
+    # rehearsal there failed the 32 MiB allowance); still well below one buffer of the whole 192 MiB chunk
+    bound = 2 * lanes.PIECE_BYTES + 96 * MIB
     assert got["peak"] < bound, f"peak RSS +{got['peak'] / MIB:.0f} MiB for a 192 MiB chunk"
