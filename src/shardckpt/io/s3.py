@@ -168,9 +168,8 @@ class S3Storage(FsspecStorage):
                          unused: Callable[[], bool] = lambda: True) -> bool:
         # Uploads in flight below ``path`` are a live save's (a file being uploaded is listed only once complete:
         # its directory can look idle for as long as one big file takes): in use, whatever the listed files' age.
-        in_use = lambda: not unused() or self._uploading(path)  # noqa: E731
         return self._retrying_sync(path, "collecting debris", lambda: super(S3Storage, self).remove_abandoned(
-            path, min_age_s, dry_run, lambda: not in_use()))
+            path, min_age_s, dry_run, lambda: unused() and not self._uploading(path)))
 
     def _uploading(self, path: str) -> bool:
         """Whether a multipart upload is in progress below ``path``."""
