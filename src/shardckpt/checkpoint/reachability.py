@@ -6,7 +6,8 @@ A pool file is live while a committed manifest names it, or an in-flight save ho
 holds every generation directory it writes or references with a shared ``flock`` (``io``'s ``hold_dir``), on object
 stores it writes a **lease** naming them before it relies on any. A collector deletes in two steps: the
 **candidates** (named by no manifest and no lease, and not fresh), published as a **sweep marker** on object
-stores, then, after listing the leases again, the candidates no lease names (``sweep_deletions``). A save drops
+stores, then, after listing the leases and then the manifests again, the candidates neither names
+(``sweep_deletions``). A save drops
 every reference a sweep marker names or that no longer exists (``usable_references``). The orderings that make
 this safe are proved in the design notes and checked over every interleaving in tests/checkpoint/test_reachability.py.
 """
@@ -88,11 +89,14 @@ def sweep_candidates(pool: Iterable[PoolEntry], manifests: Iterable[ManifestRefs
                      and generation_of(e.path) not in writing and e.age_s >= fresh_s)
 
 
-def sweep_deletions(candidates: Iterable[str], leases_after_marker: Iterable[Lease]) -> frozenset[str]:
-    """What a collector deletes: its candidates less what the leases listed *after* its marker became visible name.
-    A save whose lease came later sees the marker and does not reference them (``usable_references``)."""
+def sweep_deletions(candidates: Iterable[str], leases_after_marker: Iterable[Lease],
+                    manifests_after_leases: Iterable[ManifestRefs]) -> frozenset[str]:
+    """What a collector deletes: its candidates less what the leases listed *after* its marker became visible name,
+    less what the manifests listed *after those leases* name. A save whose lease came later sees the marker and does
+    not reference them (``usable_references``); one whose lease was gone by then had committed its manifest first."""
     leased, writing = _leased(leases_after_marker)
-    return frozenset(p for p in candidates if p not in leased and generation_of(p) not in writing)
+    live = referenced(manifests_after_leases)
+    return frozenset(p for p in candidates if p not in leased and p not in live and generation_of(p) not in writing)
 
 
 def usable_references(wanted: Iterable[str], markers: Iterable[SweepMarker], existing: Iterable[str]) -> frozenset[str]:
