@@ -62,6 +62,8 @@ class SaveOptions:
     files_per_rank: int = DEFAULT_FILES_PER_RANK
     storage_options: dict | None = None
     compress: str | None = None
+    incremental: bool | str = False
+    incremental_unit: int = 4 << 20
 
 
 @takes(SaveOptions, process_group=None, progress=None)
@@ -80,6 +82,10 @@ def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
     split into byte planes first; a chunk that does not shrink is stored raw. Loads need no option.
     ``progress(done_bytes, total_bytes)`` is called, from the writer threads, as this rank writes its tensor
     bytes: ``(0, total)`` first, ``(total, total)`` last; if it raises, the save fails and commits nothing.
+    ``incremental=True`` (or the checkpoint's parent directory) keeps the data in a chunk pool of the run directory,
+    ``<parent>/shardckpt-pool/``, and writes only the units (``incremental_unit`` bytes, default 4 MiB) whose bytes
+    differ from those of the run's latest pooled checkpoint, referencing the others (format v5; needs
+    ``pip install 'shardckpt[incremental]'``). Every pooled checkpoint still loads, verifies and converts on its own.
 
     The same as ``persist(staged, plan(staged, path, ...))`` with ``staged = stage(state_dict, ...)``.
     """
@@ -87,6 +93,15 @@ def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
     staged = stage(state_dict, process_group=process_group, metadata=given.metadata)
     planned = plan(staged, path, process_group=process_group, overwrite=given.overwrite,
                    files_per_rank=given.files_per_rank, storage_options=given.storage_options, compress=given.compress)
+    persist_any(staged, planned, given, progress)
+
+
+def persist_any(staged: Staged, planned: Planned, given: SaveOptions, progress: ProgressCallback | None) -> None:
+    """``persist``, or with ``incremental`` its pooled form (``checkpoint.incremental``)."""
+    if given.incremental:
+        from shardckpt.checkpoint.incremental import IncrementalOptions, persist_incremental  # (it imports this)
+        persist_incremental(staged, planned, IncrementalOptions(given.incremental_unit), given.incremental, progress)
+        return
     persist(staged, planned, progress=progress)
 
 

@@ -25,6 +25,7 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.index import ChunkRecord
 from shardckpt.format.manifest import Manifest, TensorEntry, chunks_of
 from shardckpt.formats.native import read_manifest
+from shardckpt.formats.native.pool import files_view
 from shardckpt.formats.native.frames import block_problem, read_span
 from shardckpt.formats.native.reader import Index, check_data_file, read_index, record_problem
 
@@ -97,7 +98,7 @@ def _check_index(storage: Storage, manifest: Manifest, f: int, expected: set,
     except CorruptCheckpointError as e:
         report.problems.append(Problem(None, storage.url(file.path), str(e)))
         return None
-    for name, chunk in sorted(set(index) - expected):
+    for name, chunk in sorted(set(index) - expected if manifest.pool is None else ()):  # pool files: shared
         report.problems.append(Problem(name, storage.url(file.index_path), f"index lists unknown chunk {chunk}"))
     return index
 
@@ -123,6 +124,7 @@ def verify(path: str | os.PathLike, *, storage_options: dict | None = None, io_t
     """
     storage = open_storage(path, storage_options)
     manifest = read_manifest(storage)
+    storage = files_view(storage, manifest)  # a pooled (v5) checkpoint's files are its pool's
     report = VerifyReport(tensors=len(manifest.tensors), version=manifest.version,
                           manifest_checksum=manifest.checksummed)
     sized = _sized_files(storage, manifest, report)
