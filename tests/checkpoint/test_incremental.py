@@ -221,3 +221,17 @@ def test_reshard_between_saves_ws2_3_2(tmp_path):
     full = 40_000 * 4 + 3000 * 4
     assert new_bytes(tmp_path / "step-2") < 0.75 * full  # rep and w's units before rank 1's new start: referenced
     assert new_bytes(tmp_path / "step-3") < 0.75 * full
+
+
+def test_verify_reports_shared_bytes_and_with_which_steps(tmp_path):
+    sd = state()
+    for step in (1, 2, 3):
+        sd["model"]["lora"].add_(1)
+        save(sd, tmp_path / f"step-{step}")
+    sharing = verify(tmp_path / "step-3").sharing
+    by = {s["written_by"]: s for s in sharing["shared"]}
+    assert by["step-1"]["also_used_by"] == ["step-2"] and by["step-1"]["bytes"] >= sd["model"]["base"].nbytes
+    assert sharing["own_bytes"] == sd["model"]["lora"].nbytes
+    assert sharing["shared_bytes"] + sharing["own_bytes"] == sharing["total_bytes"]
+    result = shardckpt.verify(tmp_path / "step-3")
+    assert result.ok and result.sharing == sharing

@@ -66,7 +66,8 @@ def _verify_checkpoint(path: PathLike, threads: int | None, storage_options: dic
     return dict(path=os.fspath(path), ok=report.ok, kind="checkpoint", tensors=report.tensors,
                 tensor_bytes=report.bytes_checked, problems=tuple(Problem(p.message, p.tensor, p.file)
                                                                   for p in report.problems),
-                version=report.version, manifest_checksum=report.manifest_checksum, chunks=report.chunks)
+                version=report.version, manifest_checksum=report.manifest_checksum, chunks=report.chunks,
+                sharing=report.sharing)
 
 
 def _verify_export(path, against, only, strip_prefix, rename_map, storage_options) -> dict:

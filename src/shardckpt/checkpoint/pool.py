@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from shardckpt.checkpoint.latest import step_of
 from shardckpt.errors import BadArgumentError, CheckpointError, CorruptCheckpointError
@@ -151,3 +152,29 @@ def release_all(holds: list) -> None:
 
 
 __all__ = ["POOL_PATH", "open_pool", "pool_checkpoints", "parent_table", "hold_generations", "run_storage"]
+
+
+def sharing_of(step: Storage, manifest: Manifest) -> Any:
+    """``verify``'s sharing report of pooled checkpoint ``manifest`` at ``step``: its tensor bytes, those its own save
+    wrote, and per generation it reads from, the checkpoint that wrote them and the others that read them
+    (``reachability.sharing``, over the run directory's committed checkpoints of the same pool)."""
+    from shardckpt.checkpoint.reachability import ManifestRefs, sharing
+
+    def refs(name: str, m: Manifest) -> ManifestRefs:
+        return ManifestRefs(name, m.generation, frozenset(p for f in m.files for p in (f.path, f.index_path)))
+
+    name = step.root.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
+    others = pool_checkpoints(run_storage(step), manifest.pool["id"], skip=name, strict=False)
+    by_file: dict[str, int] = {}
+    for entry in manifest.tensors.values():
+        size = itemsize(entry.dtype)
+        for _, region, f in chunks_of(entry):
+            path = manifest.files[f].path
+            by_file[path] = by_file.get(path, 0) + region.numel * size
+    return sharing(refs(name, manifest), [refs(c.name, c.manifest) for c in others], by_file)
+
+
+def sharing_json(report: Any) -> dict:
+    return {"total_bytes": report.total_bytes, "own_bytes": report.own_bytes, "shared_bytes": report.shared_bytes,
+            "shared": [{"generation": s.generation, "written_by": s.written_by, "bytes": s.bytes,
+                        "also_used_by": list(s.also_used_by)} for s in report.shared]}

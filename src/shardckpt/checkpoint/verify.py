@@ -51,6 +51,7 @@ class VerifyReport:
     version: int = 0
     manifest_checksum: bool = False  # False: format v1, whose manifest has no checksum to check
     problems: list[Problem] = field(default_factory=list)
+    sharing: dict | None = None  # a pooled (v5) checkpoint's: checkpoint.pool.sharing_json
 
     @property
     def ok(self) -> bool:
@@ -115,6 +116,14 @@ def _sized_files(storage: Storage, manifest: Manifest, report: VerifyReport) -> 
     return good
 
 
+def _sharing(storage: Storage, manifest: Manifest) -> dict | None:
+    if manifest.pool is None:
+        return None
+    from shardckpt.checkpoint.pool import sharing_json, sharing_of
+
+    return sharing_json(sharing_of(storage, manifest))
+
+
 def verify(path: str | os.PathLike, *, storage_options: dict | None = None, io_threads: int = DEFAULT_IO_THREADS,
            progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check everything about the checkpoint at ``path``; problems are collected, not raised.
@@ -124,9 +133,9 @@ def verify(path: str | os.PathLike, *, storage_options: dict | None = None, io_t
     """
     storage = open_storage(path, storage_options)
     manifest = read_manifest(storage)
-    storage = files_view(storage, manifest)  # a pooled (v5) checkpoint's files are its pool's
     report = VerifyReport(tensors=len(manifest.tensors), version=manifest.version,
-                          manifest_checksum=manifest.checksummed)
+                          manifest_checksum=manifest.checksummed, sharing=_sharing(storage, manifest))
+    storage = files_view(storage, manifest)  # a pooled (v5) checkpoint's files are its pool's
     sized = _sized_files(storage, manifest, report)
     expected: dict[int, set] = {f: set() for f in range(len(manifest.files))}
     jobs = []
