@@ -218,6 +218,18 @@ class GcResult(Result):
 
 
 @dataclass(frozen=True)
+class RmResult(Result):
+    """The checkpoint ``rm`` removed.
+
+    :ivar path: the path given.
+    :ivar removed: the removed checkpoint's URL.
+    """
+
+    path: str
+    removed: str
+
+
+@dataclass(frozen=True)
 class LatestResult(Result):
     """The latest committed checkpoint below a run directory; ``ok`` is False (the command exits 1) when there
     is none.

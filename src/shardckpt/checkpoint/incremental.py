@@ -32,7 +32,9 @@ from shardckpt.checkpoint.pool import (
     POOL_PATH, Candidate, check_pool_argument, hold_generations, open_pool, parent_table, pool_checkpoints,
     release_all, run_storage,
 )
+from shardckpt.checkpoint.pool_gc import tidy_after_save
 from shardckpt.checkpoint.progress import Progress, ProgressCallback
+from shardckpt.checkpoint.retention import Retention
 from shardckpt.checkpoint.save_plan import SavePlan, WriteTask
 from shardckpt.checkpoint.units import DEFAULT_UNIT_BYTES, UnitPiece, unit_bytes_of, unit_piece, unit_plan
 from shardckpt.checkpoint.writer import Followed, chunk_crc_term, write_data_file
@@ -57,8 +59,17 @@ class IncrementalOptions:
 
     unit_bytes: int = DEFAULT_UNIT_BYTES
     max_generations: int = MAX_GENERATIONS
+    keep_last: int | None = None
+    keep_every: int | None = None
+
+    @property
+    def retention(self) -> Retention | None:
+        if self.keep_last is None and self.keep_every is None:
+            return None
+        return Retention(self.keep_last, self.keep_every)
 
     def __post_init__(self) -> None:
+        self.retention  # noqa: B018 - checks keep_last / keep_every before anything is written
         if not isinstance(self.unit_bytes, int) or self.unit_bytes < 4096:
             raise BadArgumentError(f"incremental_unit must be an int of at least 4096 bytes, got {self.unit_bytes!r}")
 
@@ -117,6 +128,8 @@ def persist_incremental(staged: Any, planned: Any, options: IncrementalOptions, 
     finally:
         if group.is_coordinator and isinstance(whole, _Whole):
             release_all(whole.holds)
+    if group.is_coordinator:  # committed: retention and the pool's sweep, never failing the save
+        tidy_after_save(planned.storage, whole.info.id, options.retention)
 
 
 def _setup(planned: Any, options: IncrementalOptions, incremental: Any) -> _Whole:

@@ -118,8 +118,14 @@ class Candidate:
 
 def parent_table(pool: Storage, parent: Manifest) -> dict[tuple[str, int], Candidate]:
     """``(name, chunk) -> Candidate`` for every chunk of ``parent`` whose row has a digest, from its files' indexes
-    (each read whole and checked against the parent's recorded size and CRC)."""
-    indexes = {f: read_index(pool, entry, parent.version) for f, entry in enumerate(parent.files)}
+    (each read whole and checked against the parent's recorded size and CRC; ``read_index`` also checks that the
+    data file has its recorded size). Called with the files' generations held: a file found here stays."""
+    indexes = {}
+    for f, entry in enumerate(parent.files):
+        try:
+            indexes[f] = read_index(pool, entry, parent.version)
+        except CorruptCheckpointError:  # gone (a collector removed it before the hold) or damaged: not referenced
+            indexes[f] = {}
     table = {}
     for entry in parent.tensors.values():
         for i, _, f in chunks_of(entry):

@@ -39,7 +39,7 @@ from shardckpt.checkpoint.progress import ProgressCallback
 from shardckpt.checkpoint.stage import Staged, stage
 from shardckpt.checkpoint.writer import RankResult, write_rank_files
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures, resolve_group
-from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from shardckpt.errors import BadArgumentError, CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from shardckpt.format.codecs import Compression
 from shardckpt.format.manifest import MANIFEST_NAME, check_tree, version_for
 from shardckpt.format.tree import decode
@@ -64,6 +64,8 @@ class SaveOptions:
     compress: str | None = None
     incremental: bool | str = False
     incremental_unit: int = 4 << 20
+    keep_last: int | None = None
+    keep_every: int | None = None
 
 
 @takes(SaveOptions, process_group=None, progress=None)
@@ -86,6 +88,8 @@ def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
     ``<parent>/shardckpt-pool/``, and writes only the units (``incremental_unit`` bytes, default 4 MiB) whose bytes
     differ from those of the run's latest pooled checkpoint, referencing the others (format v5; needs
     ``pip install 'shardckpt[incremental]'``). Every pooled checkpoint still loads, verifies and converts on its own.
+    With ``incremental``, ``keep_last=N`` / ``keep_every=M`` remove, after the commit, the run's pooled steps that
+    are neither among the N highest nor multiples of M, then the pool's data no step names any more.
 
     The same as ``persist(staged, plan(staged, path, ...))`` with ``staged = stage(state_dict, ...)``.
     """
@@ -100,8 +104,12 @@ def persist_any(staged: Staged, planned: Planned, given: SaveOptions, progress: 
     """``persist``, or with ``incremental`` its pooled form (``checkpoint.incremental``)."""
     if given.incremental:
         from shardckpt.checkpoint.incremental import IncrementalOptions, persist_incremental  # (it imports this)
-        persist_incremental(staged, planned, IncrementalOptions(given.incremental_unit), given.incremental, progress)
+        options = IncrementalOptions(given.incremental_unit, keep_last=given.keep_last, keep_every=given.keep_every)
+        persist_incremental(staged, planned, options, given.incremental, progress)
         return
+    if given.keep_last is not None or given.keep_every is not None:
+        raise BadArgumentError("keep_last and keep_every apply to incremental saves (incremental=True); remove "
+                               "other checkpoints with shardckpt.rm")
     persist(staged, planned, progress=progress)
 
 
