@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardckpt._version import __version__
-from shardckpt.checkpoint.commit import data_dir
+from shardckpt.checkpoint.commit import _remove_quietly, data_dir
 from shardckpt.checkpoint.gc import collect
 from shardckpt.checkpoint.persist import OutputWriter, persist, write_files
 from shardckpt.checkpoint.pool import (
@@ -337,13 +337,6 @@ def _own_generation(storage: Storage) -> str | None:
     except CheckpointError:
         return None
     return None if manifest.pool is not None else manifest.generation
-
-
-def _remove_quietly(storage: Storage, path: str) -> None:
-    try:
-        storage.remove_dir(path)
-    except Exception:  # noqa: BLE001 - the failure is what counts; debris is gc's
-        pass
 
 
 __all__ = ["IncrementalOptions", "persist_incremental", "PooledShare"]
