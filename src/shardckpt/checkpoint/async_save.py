@@ -47,7 +47,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from shardckpt.checkpoint.progress import ProgressCallback
-from shardckpt.checkpoint.save import Planned, SaveOptions, persist_any, plan
+from shardckpt.checkpoint.save import Planned, SaveOptions, persist, persist_any, plan
 from shardckpt.checkpoint.stage import StagingBuffers, stage
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, before_destroy, destroys, resolve_group, side_group
 from shardckpt.errors import CheckpointError
@@ -121,7 +121,10 @@ class AsyncSaver:
                                files_per_rank=given.files_per_rank, storage_options=given.storage_options,
                                compress=given.compress, reuse=self._planned)
                 self._planned = planned
-                persist_any(ready, planned, given, progress)
+                if given.incremental:
+                    persist_any(ready, planned, given, progress)
+                else:
+                    persist(ready, planned, progress=progress)
 
             self._last = SaveHandle(self._executor.submit(background), path)
             return self._last
