@@ -11,14 +11,14 @@ import warnings
 
 from shardckpt.api.spec import VERBS
 from shardckpt.cli import (
-    convert_cmd, demo_cmd, diff_cmd, export_cmd, gc_cmd, inspect_cmd, latest_cmd, ls_cmd, verify_cmd)
+    convert_cmd, demo_cmd, diff_cmd, export_cmd, gc_cmd, inspect_cmd, latest_cmd, ls_cmd, rm_cmd, verify_cmd)
 from shardckpt.cli.verbs import add_verb, in_cli_words
 
 from shardckpt._version import __version__
 from shardckpt.errors import CheckpointError
 
 PRINTERS = {"inspect": inspect_cmd, "verify": verify_cmd, "convert": convert_cmd, "export": export_cmd,
-            "diff": diff_cmd, "gc": gc_cmd, "ls": ls_cmd, "latest": latest_cmd}  # verb -> the module that prints its result
+            "diff": diff_cmd, "gc": gc_cmd, "rm": rm_cmd, "ls": ls_cmd, "latest": latest_cmd}  # verb -> the module that prints its result
 
 EXIT_OK, EXIT_FAILED_CHECK, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 TRACEBACK_ENV = "SHARDCKPT_TRACEBACK"  # set to 1 to see an internal error's traceback

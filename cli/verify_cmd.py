@@ -45,3 +45,14 @@ def show(result: VerifyResult, args: argparse.Namespace) -> None:
                 f"format v{result.version}: its manifest has no checksum, not checked")
     print(f"OK {result.path}: {result.tensors} tensors, {result.chunks} chunks, "
           f"{format_bytes(result.tensor_bytes)} of tensor data checked, {manifest}")
+    if result.sharing is not None:
+        print(sharing_line(result.sharing))
+
+
+def sharing_line(sharing: dict) -> str:
+    """"1.00 GiB of 1.06 GiB shared: 1.00 GiB written by step-100 (also read by step-200), 61 MiB by this save"."""
+    parts = [f"{format_bytes(s['bytes'])} written by {s['written_by'] or 'a removed step'}" +
+             (f" (also read by {', '.join(s['also_used_by'])})" if s["also_used_by"] else "") for s in sharing["shared"]]
+    parts.append(f"{format_bytes(sharing['own_bytes'])} by this save")
+    return (f"pooled: {format_bytes(sharing['shared_bytes'])} of {format_bytes(sharing['total_bytes'])} shared: "
+            + ", ".join(parts))

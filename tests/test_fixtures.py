@@ -23,7 +23,8 @@ VERSIONS = list(range(1, FORMAT_VERSION + 1))
 
 
 def _fixture(version: int) -> str:
-    return os.path.join(ROOT, f"v{version}")
+    """The checkpoint of version ``version``: from v5 the second step of a run directory of pooled saves."""
+    return os.path.join(ROOT, f"v{version}", "step-2") if version >= 5 else os.path.join(ROOT, f"v{version}")
 
 
 def _make_fixture():
@@ -70,6 +71,21 @@ def test_fixture_loads_bit_exact_and_verifies(version):
         assert [v["pos"] for v in got["mixed"]] == [0, 1, 2]
     report = verify(_fixture(version))
     assert report.ok and report.version == version and report.manifest_checksum == (version >= 2)
+
+
+def test_v5_fixture_references_its_parent_and_both_steps_load():
+    from shardckpt.format.manifest import parse_manifest
+
+    parent, step = (os.path.join(ROOT, "v5", s) for s in ("step-1", "step-2"))
+    m1, m2 = (parse_manifest(open(os.path.join(p, "manifest.json"), "rb").read(), p) for p in (parent, step))
+    assert m1.pool == m2.pool and m2.pool["path"] == "../shardckpt-pool"
+    assert any(f.path.startswith(f"data-{m1.generation}/") for f in m2.files)  # step 2 references step 1's data
+    assert any(f.path.startswith(f"data-{m2.generation}/") for f in m2.files)  # and wrote model.cols
+    want = _expected(5)
+    want["model"]["cols"] = want["model"]["cols"] + 100
+    got = shardckpt.load_full(parent)
+    _assert_bit_equal(got["model"], want["model"])
+    assert verify(parent).ok and verify(step).ok
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -33,14 +33,14 @@ _LAZY = {
         "async_save_state", "get_state_dict", "load_state", "rekey_optim_state_dict", "save_state",
         "set_state_dict", "state_dict_type"),
     "shardckpt.state_dict.zero_redundancy": ("load_zero_partition_state", "zero_partition_state"),
-    "shardckpt.api": ("convert", "export", "verify", "diff", "inspect", "gc", "latest", "ls"),
+    "shardckpt.api": ("convert", "export", "verify", "diff", "inspect", "gc", "rm", "latest", "ls"),
     "shardckpt.io": ("Storage", "open_storage"),
     "shardckpt.storage_options": ("StorageOptions", "StorageTuning"),
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; tests/test_package.py checks it matches _LAZY
-    from shardckpt.api import convert, diff, export, gc, inspect, latest, ls, verify
+    from shardckpt.api import convert, diff, export, gc, inspect, latest, ls, rm, verify
     from shardckpt.checkpoint.async_save import AsyncSaver, SaveHandle, async_save
     from shardckpt.checkpoint.latest import latest_checkpoint
     from shardckpt.checkpoint.load import load, load_full
@@ -88,7 +88,7 @@ __all__ = [
     "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig", "OptimStateKeyType",
     "get_state_dict", "set_state_dict", "state_dict_type", "save_state", "load_state", "rekey_optim_state_dict",
     "zero_partition_state", "load_zero_partition_state",
-    "convert", "export", "verify", "diff", "inspect", "gc", "latest", "ls",
+    "convert", "export", "verify", "diff", "inspect", "gc", "rm", "latest", "ls",
     "Storage", "open_storage", "StorageOptions", "StorageTuning",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompatibleCheckpointError", "ShardingError", "StorageConfigError", "StorageError", "UnsupportedValueError",

@@ -59,6 +59,7 @@ VERBS: dict[str, list[tuple[str, ...]]] = {
 for _options in VERBS.values():  # every verb takes these
     _options += [o for o in [("-q",), ("--quiet",), ("-v",), ("--json",)] if o not in _options]
 POSITIONALS = {"inspect": 1, "verify": 1, "convert": 2, "export": 2, "diff": 2, "gc": 1, "latest": 1}
+# (rm is not fuzzed: it would remove the sources the other cases read)
 
 
 def _local_checkpoint(path: str) -> None:

@@ -52,6 +52,8 @@ def test_every_verb_prints_its_documented_keys(run_dir, tmp_path, capsys):
         "latest": _json(["latest", str(run_dir)], capsys),
         "ls": _json(["ls", str(run_dir)], capsys),
     }
+    shardckpt.save({"x": torch.zeros(2)}, run_dir / "step-000001")
+    outputs["rm"] = _json(["rm", str(run_dir / "step-000001")], capsys)
     assert set(doc) == set(outputs), "docs/json.md has one table per verb"
     for verb, out in outputs.items():
         if verb == "inspect":  # the common keys, then what the format tells

@@ -13,12 +13,14 @@ from shardckpt.api.results import (
     LatestResult,
     LsResult,
     Problem,
+    RmResult,
     VerifyResult,
 )
 from shardckpt.api.runs import ls
-from shardckpt.api.tidy import gc, latest
+from shardckpt.api.tidy import gc, latest, rm
 from shardckpt.api.transform import convert, export
 
-__all__ = ["convert", "export", "verify", "diff", "inspect", "gc", "latest", "ls", "ConvertResult", "ExportResult",
-           "VerifyResult", "DiffResult", "InspectResult", "GcResult", "LatestResult", "LsResult", "Problem",
+__all__ = ["convert", "export", "verify", "diff", "inspect", "gc", "rm", "latest", "ls", "ConvertResult",
+           "ExportResult", "VerifyResult", "DiffResult", "InspectResult", "GcResult", "RmResult", "LatestResult",
+           "LsResult", "Problem",
            "Difference"]

@@ -3,7 +3,6 @@ verify`` / ``diff`` / ``inspect`` tell it. The work is ``checkpoint``'s and ``of
 called); this module is their signature and their result."""
 from __future__ import annotations
 
-import os
 import time
 from typing import Annotated, Sequence
 
@@ -71,7 +70,8 @@ def _verify_checkpoint(path: PathLike | Storage, storage: Storage, threads: int 
     return dict(path=where(path), ok=report.ok, kind="checkpoint", tensors=report.tensors,
                 tensor_bytes=report.bytes_checked, problems=tuple(Problem(p.message, p.tensor, p.file)
                                                                   for p in report.problems),
-                version=report.version, manifest_checksum=report.manifest_checksum, chunks=report.chunks)
+                version=report.version, manifest_checksum=report.manifest_checksum, chunks=report.chunks,
+                sharing=report.sharing)
 
 
 def _verify_export(path, against, only, strip_prefix, rename_map, storage_options) -> dict:

@@ -123,6 +123,9 @@ class VerifyResult(Result):
     :ivar files: an export's safetensors files.
     :ivar against: an export's: the source its values were compared with.
     :ivar differences: an export's with ``against``: the values that differ from the source's.
+    :ivar sharing: a pooled (format v5) checkpoint's: ``total_bytes``, ``own_bytes`` (written by its own save),
+        ``shared_bytes``, and ``shared``: per generation it reads, ``written_by`` (the step, or None if removed),
+        ``bytes`` and ``also_used_by`` (the other steps that read them).
     :ivar seconds: how long it took.
     """
 
@@ -138,6 +141,7 @@ class VerifyResult(Result):
     files: int | None = None
     against: str | None = None
     differences: tuple[Difference, ...] = ()
+    sharing: dict | None = None
     seconds: float = 0.0
 
 
@@ -211,6 +215,18 @@ class GcResult(Result):
     path: str
     removed: tuple[str, ...]
     dry_run: bool
+
+
+@dataclass(frozen=True)
+class RmResult(Result):
+    """The checkpoint ``rm`` removed.
+
+    :ivar path: the path given.
+    :ivar removed: the removed checkpoint's URL.
+    """
+
+    path: str
+    removed: str
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,9 @@ VERBS = (
     Verb("gc", "shardckpt.api.tidy:gc", "remove what interrupted saves left behind",
          "Remove the debris of interrupted saves at PATH; the committed checkpoint and saves still running are "
          "never touched."),
+    Verb("rm", "shardckpt.api.tidy:rm", "remove one checkpoint (never breaking another)",
+         "Remove the checkpoint at PATH: its manifest first (atomically), then its directory. An incremental "
+         "checkpoint's pooled data goes when no other checkpoint names it (gc of the run directory)."),
     Verb("ls", "shardckpt.api.runs:ls", "list the checkpoints below a run directory",
          "List the checkpoints directly below RUN_DIR (e.g. the step-* directories a training loop writes): step, "
          "state, format, state-dict type, world size, size."),

@@ -1,10 +1,10 @@
-"""``gc`` and ``latest``: a run's checkpoints kept tidy and found, as ``shardckpt gc`` / ``latest`` do."""
+"""``gc``, ``rm`` and ``latest``: a run's checkpoints kept tidy and found, as ``shardckpt gc`` / ``rm`` / ``latest`` do."""
 from __future__ import annotations
 
 import os
 from typing import Annotated
 
-from shardckpt.api.results import GcResult, LatestResult
+from shardckpt.api.results import GcResult, LatestResult, RmResult
 from shardckpt.io import where
 from shardckpt.options import STORAGE, Opt, non_negative
 from shardckpt.api.transform import PathLike
@@ -31,6 +31,26 @@ def gc(
 
     removed = run_gc(path, dry_run=dry_run, min_age_s=min_age, storage_options=storage_options)
     return GcResult(where(path), tuple(removed), dry_run)
+
+
+def rm(
+    path: Annotated[PathLike, Opt("the checkpoint directory to remove")],
+    *,
+    force: Annotated[bool, Opt("remove it even if it is the run's latest committed checkpoint")] = False,
+    storage_options: Annotated[Options | None, STORAGE] = None,
+) -> RmResult:
+    """Remove one checkpoint; the same as ``shardckpt rm PATH``. Its manifest is deleted first, in one atomic step
+    (from then on the checkpoint does not exist), then the rest of its directory. An incremental (pooled)
+    checkpoint's data stays in the run's pool while another committed checkpoint names it; ``gc`` of the run
+    directory removes what no checkpoint names any more, so removing one checkpoint never breaks another. The
+    run's latest committed checkpoint is refused unless ``force``.
+
+    >>> shardckpt.rm("runs/a/step-000100").removed  # doctest: +SKIP
+    'runs/a/step-000100'
+    """
+    from shardckpt.checkpoint.pool_gc import rm as run_rm
+
+    return RmResult(where(path), run_rm(path, force=force, storage_options=storage_options))
 
 
 def latest(

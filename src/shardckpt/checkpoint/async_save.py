@@ -47,12 +47,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from shardckpt.checkpoint.progress import ProgressCallback
-from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK, Planned, persist, plan
+from shardckpt.checkpoint.save import Planned, SaveOptions, persist, persist_any, plan
 from shardckpt.checkpoint.stage import StagingBuffers, stage
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, before_destroy, destroys, resolve_group, side_group
 from shardckpt.errors import CheckpointError
 from shardckpt.io import Storage, is_named, where
-from shardckpt.storage_options import Options
 
 __all__ = ["async_save", "AsyncSaver", "SaveHandle", "saver_for", "release"]
 
@@ -100,30 +99,33 @@ class AsyncSaver:
         self._lock = threading.Lock()
         _live.add(self)
 
-    def save(self, state_dict: dict, path: str | os.PathLike | Storage, *, overwrite: bool = False,
-             metadata: dict | None = None, files_per_rank: int = DEFAULT_FILES_PER_RANK,
-             storage_options: Options | None = None, compress: str | None = None,
-             progress: ProgressCallback | None = None) -> SaveHandle:
+    def save(self, state_dict: dict, path: str | os.PathLike | Storage, *, progress: ProgressCallback | None = None,
+             **options: Any) -> SaveHandle:
         """``shardckpt.save``'s options; returns once the state is staged (collective, like ``save``).
         ``progress`` is called from the background threads as the staged bytes are written."""
         path = os.fspath(path) if is_named(path) else path  # a Storage is the place itself
+        given = SaveOptions(**options)
         with self._lock:
             if self.side is None:
                 raise CheckpointError("this AsyncSaver's process group was destroyed; use shardckpt.async_save "
                                       "(or a new AsyncSaver) on the new one")
             self._finish_previous()
             pg = self.side.pg if self.side.pg is not None else LOCAL
-            staged = stage(state_dict, process_group=pg, metadata=metadata, buffers=self.buffers)
+            staged = stage(state_dict, process_group=pg, metadata=given.metadata, buffers=self.buffers)
 
             def background() -> None:
                 # A failure to land the copies (CUDA) travels like a staging error: plan raises it on every rank.
                 synced = attempt(self.side.rank, self.buffers.synchronize)
                 ready = staged if staged.failure or not isinstance(synced, Failure) else \
                     dataclasses.replace(staged, failure=synced)
-                planned = plan(ready, path, process_group=pg, overwrite=overwrite, files_per_rank=files_per_rank,
-                               storage_options=storage_options, compress=compress, reuse=self._planned)
+                planned = plan(ready, path, process_group=pg, overwrite=given.overwrite,
+                               files_per_rank=given.files_per_rank, storage_options=given.storage_options,
+                               compress=given.compress, reuse=self._planned)
                 self._planned = planned
-                persist(ready, planned, progress=progress)
+                if given.incremental:
+                    persist_any(ready, planned, given, progress)
+                else:
+                    persist(ready, planned, progress=progress)
 
             self._last = SaveHandle(self._executor.submit(background), where(path))
             return self._last

@@ -122,7 +122,8 @@ def collect_run(run_dir: str | os.PathLike, *, dry_run: bool = False, min_age_s:
     """The debris of every checkpoint directly below ``run_dir`` (``gc.collect`` on each, with its safety
     rules; a checkpoint: ``is_checkpoint_dir``), then each directory this leaves empty that a save made (named
     for a step, or holding the debris just removed): on local disk, removed only while empty and held by no
-    one (``remove_empty_dir``; object stores have no empty directories)."""
+    one (``remove_empty_dir``; object stores have no empty directories); then the run's chunk pool, if it has one:
+    the files no committed checkpoint names (``pool_gc.sweep_pool``, by reachability)."""
     root = os.fspath(run_dir)
     storage = open_storage(root, storage_options)
     removed = []
@@ -146,7 +147,9 @@ def collect_run(run_dir: str | os.PathLike, *, dry_run: bool = False, min_age_s:
                 removed.append(f"{name}/")
         elif storage.remove_empty_dir(name):
             removed.append(f"{name}/")
-    return RunCollected(removed)
+    from shardckpt.checkpoint.pool_gc import sweep_pool  # (it imports this module)
+
+    return RunCollected(removed + sweep_pool(storage, dry_run))
 
 
 def is_checkpoint_dir(storage: Storage, name: str) -> bool:

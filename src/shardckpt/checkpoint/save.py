@@ -39,7 +39,7 @@ from shardckpt.checkpoint.progress import ProgressCallback
 from shardckpt.checkpoint.stage import Staged, stage
 from shardckpt.checkpoint.writer import RankResult, write_rank_files
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures, resolve_group
-from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from shardckpt.errors import BadArgumentError, CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from shardckpt.format.codecs import Compression
 from shardckpt.format.manifest import MANIFEST_NAME, check_tree, version_for
 from shardckpt.format.tree import decode
@@ -63,6 +63,10 @@ class SaveOptions:
     files_per_rank: int = DEFAULT_FILES_PER_RANK
     storage_options: Options | None = None
     compress: str | None = None
+    incremental: bool | str = False
+    incremental_unit: int = 4 << 20
+    keep_last: int | None = None
+    keep_every: int | None = None
 
 
 @takes(SaveOptions, process_group=None, progress=None)
@@ -81,6 +85,12 @@ def save(state_dict: dict, path: str | os.PathLike | Storage, *, process_group: 
     split into byte planes first; a chunk that does not shrink is stored raw. Loads need no option.
     ``progress(done_bytes, total_bytes)`` is called, from the writer threads, as this rank writes its tensor
     bytes: ``(0, total)`` first, ``(total, total)`` last; if it raises, the save fails and commits nothing.
+    ``incremental=True`` (or the checkpoint's parent directory) keeps the data in a chunk pool of the run directory,
+    ``<parent>/shardckpt-pool/``, and writes only the units (``incremental_unit`` bytes, default 4 MiB) whose bytes
+    differ from those of the run's latest pooled checkpoint, referencing the others (format v5; needs
+    ``pip install 'shardckpt[incremental]'``). Every pooled checkpoint still loads, verifies and converts on its own.
+    With ``incremental``, ``keep_last=N`` / ``keep_every=M`` remove, after the commit, the run's pooled steps that
+    are neither among the N highest nor multiples of M, then the pool's data no step names any more.
 
     The same as ``persist(staged, plan(staged, path, ...))`` with ``staged = stage(state_dict, ...)``.
     """
@@ -88,6 +98,19 @@ def save(state_dict: dict, path: str | os.PathLike | Storage, *, process_group: 
     staged = stage(state_dict, process_group=process_group, metadata=given.metadata)
     planned = plan(staged, path, process_group=process_group, overwrite=given.overwrite,
                    files_per_rank=given.files_per_rank, storage_options=given.storage_options, compress=given.compress)
+    persist_any(staged, planned, given, progress)
+
+
+def persist_any(staged: Staged, planned: Planned, given: SaveOptions, progress: ProgressCallback | None) -> None:
+    """``persist``, or with ``incremental`` its pooled form (``checkpoint.incremental``)."""
+    if given.incremental:
+        from shardckpt.checkpoint.incremental import IncrementalOptions, persist_incremental  # (it imports this)
+        options = IncrementalOptions(given.incremental_unit, keep_last=given.keep_last, keep_every=given.keep_every)
+        persist_incremental(staged, planned, options, given.incremental, progress)
+        return
+    if given.keep_last is not None or given.keep_every is not None:
+        raise BadArgumentError("keep_last and keep_every apply to incremental saves (incremental=True); remove "
+                               "other checkpoints with shardckpt.rm")
     persist(staged, planned, progress=progress)
 
 

@@ -25,6 +25,7 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.index import ChunkRecord
 from shardckpt.format.manifest import Manifest, TensorEntry, chunks_of
 from shardckpt.formats.native import read_manifest
+from shardckpt.formats.native.pool import files_view
 from shardckpt.formats.native.frames import StoredChunk, block_problem, read_span
 from shardckpt.formats.native.reader import Index, check_data_file, read_index, record_problem
 from shardckpt.storage_options import Options
@@ -51,6 +52,7 @@ class VerifyReport:
     version: int = 0
     manifest_checksum: bool = False  # False: format v1, whose manifest has no checksum to check
     problems: list[Problem] = field(default_factory=list)
+    sharing: dict | None = None  # a pooled (v5) checkpoint's: checkpoint.pool.sharing_json
 
     @property
     def ok(self) -> bool:
@@ -99,7 +101,7 @@ def _check_index(storage: Storage, manifest: Manifest, f: int, expected: set,
     except CorruptCheckpointError as e:
         report.problems.append(Problem(None, storage.url(file.path), str(e)))
         return None
-    for name, chunk in sorted(set(index) - expected):
+    for name, chunk in sorted(set(index) - expected if manifest.pool is None else ()):  # pool files: shared
         report.problems.append(Problem(name, storage.url(file.index_path), f"index lists unknown chunk {chunk}"))
     return index
 
@@ -116,6 +118,14 @@ def _sized_files(storage: Storage, manifest: Manifest, report: VerifyReport) -> 
     return good
 
 
+def _sharing(storage: Storage, manifest: Manifest) -> dict | None:
+    if manifest.pool is None:
+        return None
+    from shardckpt.checkpoint.pool import sharing_json, sharing_of
+
+    return sharing_json(sharing_of(storage, manifest))
+
+
 def verify(path: str | os.PathLike | Storage, *, storage_options: Options | None = None,
            io_threads: int = DEFAULT_IO_THREADS,
            progress: Callable[[int, int], None] | None = None) -> VerifyReport:
@@ -127,7 +137,8 @@ def verify(path: str | os.PathLike | Storage, *, storage_options: Options | None
     storage = open_storage(path, storage_options)
     manifest = read_manifest(storage)
     report = VerifyReport(tensors=len(manifest.tensors), version=manifest.version,
-                          manifest_checksum=manifest.checksummed)
+                          manifest_checksum=manifest.checksummed, sharing=_sharing(storage, manifest))
+    storage = files_view(storage, manifest)  # a pooled (v5) checkpoint's files are its pool's
     sized = _sized_files(storage, manifest, report)
     expected: dict[int, set] = {f: set() for f in range(len(manifest.files))}
     jobs = []

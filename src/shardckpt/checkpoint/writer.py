@@ -108,6 +108,9 @@ def _crc_term(piece: Piece, size: int, crc: int, raw: torch.Tensor | None) -> in
     return runs_crc_term(runs, crcs, size, math.prod(piece.shape))
 
 
+chunk_crc_term = _crc_term  # an incremental save's term of a chunk it references instead of writing
+
+
 @dataclass
 class _Sink:
     """Where a data file's chunks go: its writer, the progress of its writing, and who is told of each write."""
@@ -232,7 +235,8 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
     terms: dict[str, int] = {}
     try:
         for task in tasks:
-            key, piece = (task.name, task.chunk), pieces[task.name]
+            key = (task.name, task.chunk)
+            piece = pieces[key] if key in pieces else pieces[task.name]  # by key: an incremental save's units
             if key in progress.done:  # kept: a streamed chunk is one run, its term follows from its CRC
                 terms[task.name] = terms.get(task.name, 0) ^ _crc_term(piece, piece.dtype.itemsize,
                                                                        progress.done[key].crc32c, None)
@@ -244,6 +248,8 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
                 progress.current, progress.offset, progress.blocks, progress.frames = key, progress.size + pad, [], []
                 progress.size += pad
             record, term = _write_chunk(sink, piece, compression)
+            if getattr(piece, "digest", None) is not None:  # format v5: the unit's content hash (incremental saves)
+                record = dataclasses.replace(record, digest=piece.digest)
             progress.done[key], progress.current = record, None
             terms[task.name] = terms.get(task.name, 0) ^ term
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -31,7 +32,8 @@ INDEX_FORMAT_NAME = "shardckpt-index"
 BLOCK_SIZE = 1 << 20
 MAX_BLOCK_SIZE = 1 << 31
 MIN_ROW_BYTES = 16  # no row is shorter: ["",0,0,1,0,"raw"] is 18 bytes, and v2 adds its block CRCs
-ROW_WIDTH = {1: 6, 2: 7, 3: 8}  # v2 adds block CRCs, v3 the frame table
+ROW_WIDTH = {1: 6, 2: 7, 3: 8, 4: 8, 5: 9}  # v2 adds block CRCs, v3 the frame table, v5 the chunk digest
+_DIGEST = re.compile(r"^[0-9a-f]{32}$")
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class ChunkRecord:
     block_size: int
     blocks: tuple[int, ...]  # CRC32C of logical bytes [k*block_size, (k+1)*block_size), clipped to length
     frames: tuple[int, ...] = ()  # stored bytes of block k's frame; empty for raw
+    digest: bytes | None = None  # v5: the keyed BLAKE3-128 of the logical bytes (format.content_hash), if hashed
 
     def block_bounds(self, lo: int, hi: int) -> tuple[int, int]:
         """The smallest run of whole blocks holding logical bytes ``[lo, hi)``, as byte bounds in the chunk."""
@@ -70,6 +73,7 @@ def index_to_bytes(records: dict[tuple[str, int], ChunkRecord], version: int, bl
     if version < 3 and any(r.frames for r in records.values()):
         raise ValueError("compressed chunks need format version 3")
     rows = [[name, i, r.offset, r.length, r.crc32c, r.codec, list(r.blocks)] + ([list(r.frames)] if version >= 3 else [])
+            + ([r.digest.hex() if r.digest is not None else None] if version >= 5 else [])
             for (name, i), r in records.items()]
     return json.dumps({"format": INDEX_FORMAT_NAME, "version": version, "block_size": block_size, "chunks": rows},
                       separators=(",", ":")).encode()
@@ -96,11 +100,20 @@ def _record(row, version: int, block_size: int, file_size: int, where: str) -> t
                                          f"{block_size} bytes of its {length}")
         crcs = tuple(get_int(c, f"{at} block CRC", 0, 0xFFFFFFFF) for c in blocks)
         frames = _frames(row[7], codec, length, block_size, f"{where}: tensor {name!r} chunk {i}") if version >= 3 else ()
-        rec = ChunkRecord(offset, length, crc, codec, block_size, crcs, frames)
+        rec = ChunkRecord(offset, length, crc, codec, block_size, crcs, frames, _digest(row, version, at))
     if offset + rec.stored_length > file_size:
         raise CorruptCheckpointError(f"{where}: tensor {name!r} chunk {i} runs past the end of the data file "
                                      f"({offset}+{rec.stored_length} > {file_size} bytes)")
     return name, i, rec
+
+
+def _digest(row: list, version: int, where: str) -> bytes | None:
+    """A v5 row's 9th value: the chunk's digest, 32 lowercase hex digits, or null (not hashed)."""
+    if version < 5 or row[8] is None:
+        return None
+    if not isinstance(row[8], str) or not _DIGEST.match(row[8]):
+        raise CorruptCheckpointError(f"{where} digest: 32 lowercase hex digits or null, got {str(row[8])[:80]!r}")
+    return bytes.fromhex(row[8])
 
 
 def _frames(table, codec: str, length: int, block_size: int, where: str) -> tuple[int, ...]:

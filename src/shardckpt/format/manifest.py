@@ -34,12 +34,13 @@ from shardckpt.format.validate import (
 )
 
 FORMAT_NAME = "shardckpt"
-FORMAT_VERSION = 4  # the newest version this shardckpt reads and writes
+FORMAT_VERSION = 5  # the newest version this shardckpt reads and writes
 # A save writes the oldest version that holds it, so that older readers read what they can (FORMAT.md,
 # "Compatibility"): v2 without compression, v3 with it, v4 when its tree holds per-rank values.
 UNCOMPRESSED_VERSION = 2
 COMPRESSED_VERSION = 3
 PER_RANK_VERSION = 4
+POOLED_VERSION = 5  # written only by incremental saves: data files in the run directory's pool (format/pool.py)
 
 
 def version_for(compressed: bool, per_rank: bool = False) -> int:
@@ -49,13 +50,16 @@ def version_for(compressed: bool, per_rank: bool = False) -> int:
 
 
 MANIFEST_NAME = "manifest.json"
+POOL_DIR = "shardckpt-pool"  # a pooled checkpoint's pool: its parent directory's child of this name
+POOL_PATH = f"../{POOL_DIR}"
 MAX_WORLD_SIZE = 1 << 24  # the most ranks a manifest may record
 # The checksum prefix: exactly these bytes with 8 lowercase hex digits; the CRC32C covers every byte after it.
 _SEAL = re.compile(rb'\{"crc32c":"([0-9a-f]{8})",')
 _SEAL_LEN = len(b'{"crc32c":"00000000",')
 _GENERATION = re.compile(r"^[0-9a-f]{1,64}$")
 _TOP_REQUIRED = ("format", "version", "world_size", "generation", "tree", "files", "tensors")
-_TOP_OPTIONAL = ("crc32c", "created_by", "metadata")
+_TOP_OPTIONAL = ("crc32c", "created_by", "metadata", "pool")
+_POOL_DATA = re.compile(r"^data-[0-9a-f]{1,64}/")
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,7 @@ class Manifest:
     created_by: str = ""
     version: int = FORMAT_VERSION
     checksummed: bool = True  # False only for format v1, whose manifest has no checksum
+    pool: dict | None = None  # v5: {"path": "../shardckpt-pool", "id": ...}; file paths are then the pool's
 
     def to_bytes(self, encoded_tree: Any) -> bytes:
         if self.version < UNCOMPRESSED_VERSION:
@@ -111,6 +116,8 @@ class Manifest:
                "world_size": self.world_size, "generation": self.generation, "metadata": self.metadata,
                "tree": encoded_tree, "files": [f.to_json() for f in self.files],
                "tensors": {name: t.to_json() for name, t in self.tensors.items()}}
+        if self.pool is not None:
+            doc["pool"] = self.pool
         return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
 
     @property
@@ -164,7 +171,8 @@ def _manifest_from_doc(doc: dict, version: int, where: str) -> Manifest:
     if not isinstance(generation, str) or not _GENERATION.match(generation):
         raise CorruptCheckpointError(f"{where}: 'generation' must be 1-64 lowercase hex digits, got "
                                      f"{str(generation)[:80]!r}")
-    data_dir = f"data-{generation}/" if strict else ""
+    pool = check_pool_field(doc, version, where)
+    data_dir = None if pool is not None else f"data-{generation}/" if strict else ""
     files = [_file_from_json(f, data_dir, strict, f"{where} files[{i}]")
              for i, f in enumerate(get_list(doc, "files", where))]
     seen: set[str] = set()
@@ -193,10 +201,28 @@ def _manifest_from_doc(doc: dict, version: int, where: str) -> Manifest:
         raise CorruptCheckpointError(f"{where}: 'created_by' must be a string")
     return Manifest(world_size=int_field(doc, "world_size", where, 1, MAX_WORLD_SIZE),
                     generation=generation, tree=tree, tensors=tensors, files=files, metadata=metadata,
-                    created_by=created_by, version=version, checksummed=strict)
+                    created_by=created_by, version=version, checksummed=strict, pool=pool)
 
 
-def _file_from_json(obj: Any, data_dir: str, strict: bool, where: str) -> FileEntry:
+def check_pool_field(doc: dict, version: int, where: str) -> dict | None:
+    """A v5 manifest's ``pool`` (FORMAT.md, "Pooled checkpoints"): present exactly from version 5, exactly
+    ``{"path": "../shardckpt-pool", "id": <32 lowercase hex>}``."""
+    pool = doc.get("pool")
+    if version < POOLED_VERSION:
+        if pool is not None:
+            raise CorruptCheckpointError(f"{where}: 'pool' needs format v{POOLED_VERSION}, the manifest is v{version}")
+        return None
+    if not isinstance(pool, dict):
+        raise CorruptCheckpointError(f"{where}: a format v{version} manifest must have a 'pool' object")
+    check_fields(pool, ("path", "id"), (), f"{where} pool")
+    if pool["path"] != POOL_PATH:
+        raise CorruptCheckpointError(f"{where}: pool path must be exactly {POOL_PATH!r}, got {str(pool['path'])[:80]!r}")
+    if not isinstance(pool["id"], str) or not re.match(r"^[0-9a-f]{32}$", pool["id"]):
+        raise CorruptCheckpointError(f"{where}: pool id must be 32 lowercase hex digits, got {str(pool['id'])[:80]!r}")
+    return {"path": pool["path"], "id": pool["id"]}
+
+
+def _file_from_json(obj: Any, data_dir: str | None, strict: bool, where: str) -> FileEntry:
     if strict:
         check_fields(obj, ("path", "size", "index"), (), where)
     index = get_field(obj, "index", where)
@@ -208,7 +234,10 @@ def _file_from_json(obj: Any, data_dir: str, strict: bool, where: str) -> FileEn
                       index_size=int_field(index, "size", where, 0, 1 << 34),
                       index_crc32c=int_field(index, "crc32c", where, 0, 0xFFFFFFFF))
     for path in (entry.path, entry.index_path):
-        if not path.startswith(data_dir):
+        if data_dir is None:  # pooled (v5): any generation's directory of the pool
+            if not _POOL_DATA.match(path):
+                raise CorruptCheckpointError(f"{where}: pool file path {path!r} is outside every data-<generation>/")
+        elif not path.startswith(data_dir):
             raise CorruptCheckpointError(f"{where}: file path {path!r} is outside this generation's {data_dir}")
     return entry
 

@@ -28,10 +28,9 @@ deadline bounds a request's whole retrying.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 from shardckpt.errors import CorruptCheckpointError, StorageConfigError, StorageError
 from shardckpt.storage_options import CONNECT_DEADLINE_S, RETRY_DEADLINE_S, StorageOptions, positive

@@ -12,6 +12,7 @@ from shardckpt.errors import CheckpointNotFoundError
 from shardckpt.format.manifest import FORMAT_NAME, MANIFEST_NAME, Manifest, parse_manifest
 from shardckpt.formats.api import Facts, ReadRequest, TensorInfo
 from shardckpt.formats.native.plan import plan_reads
+from shardckpt.formats.native.pool import files_view
 from shardckpt.formats.native.reader import check_stored, execute_reads
 from shardckpt.formats.requests import check_requests
 from shardckpt.io import DEFAULT_IO_THREADS, Storage
@@ -30,6 +31,7 @@ class NativeReader:
     def __init__(self, storage: Storage, manifest: Manifest, *, io_threads: int = DEFAULT_IO_THREADS,
                  verify: bool = True):
         self.storage, self.manifest, self.io_threads, self.verify = storage, manifest, io_threads, verify
+        self.storage = files_view(storage, manifest)  # a pooled (v5) checkpoint reads its files from its pool
 
     def tensors(self) -> Mapping[str, TensorInfo]:
         return {name: TensorInfo(name, e.dtype, e.shape, e.crc32c) for name, e in self.manifest.tensors.items()}

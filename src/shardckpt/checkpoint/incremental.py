@@ -1,0 +1,342 @@
+"""``save(..., incremental=True)``: write only the chunks that changed since the run's last pooled checkpoint, and
+reference the others in the pool (docs/design/incremental.md, 5.1; FORMAT.md, "Pooled checkpoints").
+
+After ``stage`` and ``plan`` (unchanged), ``persist_incremental`` runs on every rank of the plan's group:
+
+1. setup (rank 0, scattered): open or create the pool beside the checkpoint; pick the parent (the pooled
+   checkpoint of the run directory with the highest step); hold, shared, every generation it names and this save's
+   own (local ``flock``: a collector's exclusive lock excludes it), *then* check which of its files still exist and
+   read their indexes; cut the plan into units (``checkpoint.units``) and give each unit the parent's row under the
+   same (name, chunk) key, if any, as its candidate;
+2. write (every rank, ``checkpoint.persist``'s seam): hash every unit with the pool's keyed BLAKE3-128; a unit whose
+   candidate passes ``format.chunk_identity.reuse_decision`` is referenced, every other one is written (with its
+   digest, the index's 9th value) into ``shardckpt-pool/data-<generation>/``;
+3. commit (rank 0): a v5 manifest naming this save's new files and every referenced file, written last and
+   atomically as for any save; then the holds are let go.
+
+Correctness never depends on the parent chosen, nor on anything but the bytes: a reference is made only when the
+digests of the stored row and of the bytes this save would write are equal (``format.content_hash``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardckpt._version import __version__
+from shardckpt.checkpoint.commit import _remove_quietly, data_dir
+from shardckpt.checkpoint.gc import collect
+from shardckpt.checkpoint.persist import OutputWriter, persist, write_files
+from shardckpt.checkpoint.pool import (
+    POOL_PATH, Candidate, check_pool_argument, hold_generations, open_pool, parent_table, pool_checkpoints,
+    release_all, run_storage,
+)
+from shardckpt.checkpoint.pool_gc import tidy_after_save
+from shardckpt.checkpoint.progress import Progress, ProgressCallback
+from shardckpt.checkpoint.retention import Retention
+from shardckpt.checkpoint.save_plan import SavePlan, WriteTask
+from shardckpt.checkpoint.units import DEFAULT_UNIT_BYTES, UnitPiece, unit_bytes_of, unit_piece, unit_plan
+from shardckpt.checkpoint.writer import Followed, chunk_crc_term, write_data_file
+from shardckpt.dist.group import Failure, attempt, raise_failures
+from shardckpt.errors import BadArgumentError, CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from shardckpt.format.chunk_identity import REUSE, ChunkKey, NewChunk, reuse_decision
+from shardckpt.format.chunks import compact_chunks
+from shardckpt.format.content_hash import chunk_hash, chunk_key
+from shardckpt.format.dtypes import DTYPES
+from shardckpt.format.manifest import MANIFEST_NAME, POOLED_VERSION, FileEntry, Manifest, TensorEntry, parse_manifest
+from shardckpt.format.pool import PoolInfo
+from shardckpt.formats.native.pool import pool_storage
+from shardckpt.io import Storage, lifecycle
+
+MAX_GENERATIONS = 64  # the most generations one pooled manifest references (consolidation beyond)
+HASH_THREADS = 2  # units hashed at once per rank (BLAKE3 releases the GIL)
+
+
+@dataclass(frozen=True)
+class IncrementalOptions:
+    """How an incremental save cuts and references: ``unit_bytes`` per unit, ``max_generations`` referenced."""
+
+    unit_bytes: int = DEFAULT_UNIT_BYTES
+    max_generations: int = MAX_GENERATIONS
+    keep_last: int | None = None
+    keep_every: int | None = None
+
+    @property
+    def retention(self) -> Retention | None:
+        if self.keep_last is None and self.keep_every is None:
+            return None
+        return Retention(self.keep_last, self.keep_every)
+
+    def __post_init__(self) -> None:
+        self.retention  # noqa: B018 - checks keep_last / keep_every before anything is written
+        if not isinstance(self.unit_bytes, int) or self.unit_bytes < 4096:
+            raise BadArgumentError(f"incremental_unit must be an int of at least 4096 bytes, got {self.unit_bytes!r}")
+
+
+@dataclass(frozen=True)
+class UnitTask:
+    task: WriteTask
+    region: Any
+    candidate: Candidate | None
+
+
+@dataclass(frozen=True)
+class _RankSetup:
+    pool_id: str
+    key: bytes
+    generation: str
+    tasks: list[UnitTask]
+
+
+@dataclass
+class _Whole:
+    """Rank 0's side of the setup: the unit plan, the pool, the files references may name, the holds."""
+
+    save_plan: SavePlan
+    pool: Storage
+    info: PoolInfo
+    ref_files: dict[str, FileEntry]
+    holds: list = field(default_factory=list)
+    candidates: dict = field(default_factory=dict)  # (name, chunk) -> Candidate
+
+
+@dataclass(frozen=True)
+class PooledShare:
+    """One rank's write result: its new files (in slot order), where each chunk it wrote went (an index into
+    ``files``), the chunks it referenced (-> the pool file), and each tensor's checksum terms."""
+
+    files: list[FileEntry]
+    placed: dict[tuple[str, int], int]
+    refs: dict[tuple[str, int], str]
+    crc_terms: dict[str, int]
+    written_bytes: int = 0
+
+
+def persist_incremental(staged: Any, planned: Any, options: IncrementalOptions, incremental: Any,
+                        progress: ProgressCallback | None = None) -> None:
+    """Save step 3 of 3 for ``incremental=``: see the module docstring. Collective over ``planned.group``."""
+    group = planned.group
+    whole = attempt(0, lambda: _setup(planned, options, incremental)) if group.is_coordinator else None
+    per_rank = None
+    if group.is_coordinator:
+        per_rank = [whole] * group.world_size if isinstance(whole, Failure) else _per_rank(whole, planned)
+    mine = group.scatter(per_rank)
+    try:
+        raise_failures([mine])
+        persist(_Incremental(planned, staged, mine, whole, progress), group)
+    finally:
+        if group.is_coordinator and isinstance(whole, _Whole):
+            release_all(whole.holds)
+    if group.is_coordinator:  # committed: retention and the pool's sweep, never failing the save
+        tidy_after_save(planned.storage, whole.info.id, options.retention)
+
+
+def _setup(planned: Any, options: IncrementalOptions, incremental: Any) -> _Whole:
+    storage = planned.storage
+    check_pool_argument(incremental, storage)
+    pool, info = open_pool(storage)
+    chunk_key(info.secret)  # the hash is there (HashUnavailableError otherwise), before any rank writes
+    whole = _Whole(unit_plan(planned.save_plan, options.unit_bytes), pool, info, {})
+    whole.holds.extend(hold_generations(pool, {planned.generation}))
+    target = storage.root.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
+    parents = pool_checkpoints(run_storage(storage), info.id, skip=target, strict=False)
+    if parents:
+        parent = parents[-1].manifest
+        whole.holds.extend(hold_generations(pool, {_generation(f.path) for f in parent.files}))
+        table = parent_table(pool, parent)  # after the holds: files seen now stay until the holds end
+        table = _consolidated(table, options.max_generations - 1)
+        whole.ref_files = {c.file.path: c.file for c in table.values()}
+        whole.candidates = table
+    return whole
+
+
+def _generation(path: str) -> str:
+    return path.split("/", 1)[0].removeprefix("data-")
+
+
+def _consolidated(table: dict, max_generations: int) -> dict:
+    """The candidates less those of the generations a save takes the fewest bytes from, beyond ``max_generations``
+    (``reachability.consolidate``: a load opens a bounded number of files)."""
+    from shardckpt.checkpoint.reachability import consolidate
+
+    by_generation: dict[str, int] = {}
+    for c in table.values():
+        g = _generation(c.file.path)
+        by_generation[g] = by_generation.get(g, 0) + c.stored.length
+    dropped = consolidate(by_generation, max(max_generations, 0))
+    return {k: c for k, c in table.items() if _generation(c.file.path) not in dropped}
+
+
+def _per_rank(whole: _Whole, planned: Any) -> list[_RankSetup]:
+    key = chunk_key(whole.info.secret)
+    table = whole.candidates
+    out = []
+    for tasks in whole.save_plan.tasks:
+        units = [UnitTask(t, whole.save_plan.tensors[t.name].regions[t.chunk], table.get((t.name, t.chunk)))
+                 for t in tasks]
+        out.append(_RankSetup(whole.info.id, key, planned.generation, units))
+    return out
+
+
+class _Incremental(OutputWriter):
+    def __init__(self, planned: Any, staged: Any, setup: _RankSetup, whole: _Whole | None,
+                 progress: ProgressCallback | None):
+        self.planned, self.staged, self.setup, self.whole, self.progress = planned, staged, setup, whole, progress
+        self.holds: list = []
+
+    def write(self) -> PooledShare | None:
+        return _write_units(self.planned, self.staged, self.setup, self.holds, self.progress)
+
+    def commit(self, shares: list) -> None:
+        _commit_pooled(self.planned, self.whole, shares, self.staged)
+
+    def end(self) -> None:
+        release_all(self.holds)
+
+
+def _hashed(setup: _RankSetup, pieces: list[UnitPiece]) -> list[bytes]:
+    def one(piece: UnitPiece) -> bytes:
+        return chunk_hash(setup.key, unit_bytes_of(piece).numpy())
+
+    if len(pieces) <= 1:
+        return [one(p) for p in pieces]
+    with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="shardckpt-hash") as threads:
+        return list(threads.map(one, pieces))
+
+
+def _reusable(unit: UnitTask, setup: _RankSetup, piece: UnitPiece, digest: bytes) -> bool:
+    if unit.candidate is None:
+        return False
+    new = NewChunk(ChunkKey(unit.task.name, unit.task.chunk), setup.pool_id, piece.data.nbytes,
+                   piece.data.dtype.itemsize, digest)
+    return reuse_decision(unit.candidate.stored, new) == REUSE
+
+
+def _write_units(planned: Any, staged: Any, setup: _RankSetup, holds: list,
+                 progress: ProgressCallback | None) -> PooledShare | None:
+    """This rank's units: each referenced if its candidate's digest is its own, else written into the pool."""
+    if not setup.tasks:
+        if progress is not None:
+            progress(0, 0)
+        return None
+    pool = pool_storage(planned.storage)
+    holds.extend(hold_generations(pool, {setup.generation}))
+    pieces = [unit_piece(staged.pieces[u.task.name], u.region) for u in setup.tasks]
+    refs, terms, to_write = {}, {}, []
+    for unit, piece, digest in zip(setup.tasks, pieces, _hashed(setup, pieces)):
+        if _reusable(unit, setup, piece, digest):
+            name = unit.task.name
+            refs[(name, unit.task.chunk)] = unit.candidate.file.path
+            term = chunk_crc_term(piece, piece.data.dtype.itemsize, unit.candidate.crc32c, unit_bytes_of(piece))
+            terms[name] = terms.get(name, 0) ^ term
+        else:
+            to_write.append((unit.task, dataclasses.replace(piece, digest=digest)))
+    files, placed, written_terms, written = _write_slots(pool, planned, setup, to_write, progress)
+    for name, term in written_terms.items():
+        terms[name] = terms.get(name, 0) ^ term
+    return PooledShare(files, placed, refs, terms, written)
+
+
+def _write_slots(pool: Storage, planned: Any, setup: _RankSetup, to_write: list,
+                 progress: ProgressCallback | None) -> tuple[list[FileEntry], dict, dict, int]:
+    """The units to write, into one pool file per slot that has any (``rank-<r>-<slot>.bin``), in parallel."""
+    by_slot: dict[int, list] = {}
+    for task, piece in to_write:
+        by_slot.setdefault(task.slot, []).append((task, piece))
+    slots = sorted(by_slot)
+    total = sum(p.data.nbytes for _, p in to_write)
+    tick = Progress(total, progress)
+    tick.begin()
+    base = f"{data_dir(setup.generation)}/rank-{planned.group.rank:05d}"
+
+    def write(slot: int) -> tuple[FileEntry, dict[str, int]]:
+        tasks = [t for t, _ in by_slot[slot]]
+        pieces = {(t.name, t.chunk): p for t, p in by_slot[slot]}
+        return write_data_file(pool, f"{base}-{slot}.bin", f"{base}-{slot}.index.json", tasks, pieces,
+                               planned.compression, version=POOLED_VERSION, followed=Followed(tick=tick))
+
+    written = write_files(slots, write, planned.files_per_rank)
+    placed = {(t.name, t.chunk): k for k, slot in enumerate(slots) for t, _ in by_slot[slot]}
+    terms: dict[str, int] = {}
+    for _, file_terms in written:
+        for name, term in file_terms.items():
+            terms[name] = terms.get(name, 0) ^ term
+    return [entry for entry, _ in written], placed, terms, total
+
+
+def _commit_pooled(planned: Any, whole: _Whole, shares: list, staged: Any) -> None:
+    """The v5 manifest: this save's files, then every referenced file once; each unit placed in its file."""
+    pool, storage = whole.pool, planned.storage
+    failures = [s for s in shares if isinstance(s, Failure)]
+    if failures:
+        _remove_quietly(pool, data_dir(planned.generation))
+        raise_failures(failures)
+    files, first = [], {}
+    for rank, share in enumerate(shares):
+        if share is not None:
+            first[rank] = len(files)
+            files.extend(share.files)
+    at = {}
+    for share in shares:
+        for path in (share.refs.values() if share is not None else ()):
+            if path not in at:
+                at[path] = len(files)
+                files.append(whole.ref_files[path])
+    tensors = {name: _tensor_entry(name, tp, shares, first, at) for name, tp in whole.save_plan.tensors.items()}
+    if any(s is not None and s.files for s in shares):
+        lifecycle(pool).sync_dir(data_dir(planned.generation))
+    manifest = Manifest(world_size=planned.group.world_size, generation=planned.generation, tree=None,
+                        tensors=tensors, files=files, metadata=staged.metadata or {},
+                        created_by=f"shardckpt {__version__}", version=POOLED_VERSION,
+                        pool={"path": POOL_PATH, "id": whole.info.id})
+    _put_manifest(storage, pool, manifest.to_bytes(planned.tree), planned)
+
+
+def _tensor_entry(name: str, tp: Any, shares: list, first: dict, at: dict) -> TensorEntry:
+    file_of = []
+    for chunk, rank in enumerate(tp.writers):
+        share = shares[rank]
+        path = share.refs.get((name, chunk))
+        file_of.append(at[path] if path is not None else first[rank] + share.placed[(name, chunk)])
+    crc = 0
+    for share in shares:
+        crc ^= share.crc_terms.get(name, 0) if share is not None else 0
+    return TensorEntry(name, DTYPES[tp.dtype], tp.shape, crc, compact_chunks(tp.regions, file_of, tp.shape))
+
+
+def _put_manifest(storage: Storage, pool: Storage, data: bytes, planned: Any) -> None:
+    """Commit: checked as a load would read it, then written atomically (exclusively unless ``overwrite``); then a
+    replaced non-pooled checkpoint's own data, and the step directory's debris, removed."""
+    try:
+        parse_manifest(data, storage.url(MANIFEST_NAME))
+    except CorruptCheckpointError as e:
+        _remove_quietly(pool, data_dir(planned.generation))
+        raise CheckpointError(f"cannot save: the checkpoint would not load ({e}); nothing was committed") from None
+    previous = _own_generation(storage)
+    try:
+        storage.put_atomic(MANIFEST_NAME, data, exclusive=not planned.overwrite)
+    except FileExistsError:
+        _remove_quietly(pool, data_dir(planned.generation))
+        raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: another save committed a checkpoint here "
+                                    "first; pass overwrite=True to replace it") from None
+    try:  # committed: only tidying up from here
+        if previous is not None:
+            storage.remove_dir(data_dir(previous))
+        collect(storage, committed=set())
+    except (OSError, CheckpointError):
+        pass
+
+
+def _own_generation(storage: Storage) -> str | None:
+    """The generation of a committed non-pooled checkpoint about to be replaced (its data is in its directory)."""
+    if not storage.exists(MANIFEST_NAME):
+        return None
+    try:
+        manifest = parse_manifest(storage.read_bytes(MANIFEST_NAME), storage.url(MANIFEST_NAME))
+    except CheckpointError:
+        return None
+    return None if manifest.pool is not None else manifest.generation
+
+
+__all__ = ["IncrementalOptions", "persist_incremental", "PooledShare"]

@@ -1,0 +1,186 @@
+"""A run directory's chunk pool, as savers and collectors use it (docs/design/incremental.md, 2 and 6).
+
+``<run dir>/shardckpt-pool/`` holds ``pool.json`` (``format.pool``) and one ``data-<generation>/`` per incremental
+save: its new chunks only, immutable. The checkpoints of the pool are the run directory's direct children whose
+manifest is pooled with this pool's id. Here: creating or opening the pool, listing its checkpoints, holding
+generations (local ``flock``s: shared by a saver for what it references, exclusive by a collector) and the
+parent table a save compares its chunks against.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from shardckpt.checkpoint.latest import step_of
+from shardckpt.errors import BadArgumentError, CheckpointError, CorruptCheckpointError
+from shardckpt.format.chunk_identity import ChunkKey, StoredChunk
+from shardckpt.format.dtypes import itemsize
+from shardckpt.format.manifest import MANIFEST_NAME, POOL_DIR, POOL_PATH, FileEntry, Manifest, chunks_of, parse_manifest
+from shardckpt.format.pool import POOL_JSON, PoolInfo, new_pool_info
+from shardckpt.formats.native.pool import pool_storage, read_pool_info, sibling_storage
+from shardckpt.formats.native.reader import read_index
+from shardckpt.io import LocalStorage, Storage, lifecycle
+
+
+def run_storage(step: Storage) -> Storage:
+    """The run directory: the parent of the checkpoint directory ``step``."""
+    parent = sibling_storage(step, "x")
+    if isinstance(parent, LocalStorage):
+        return LocalStorage(os.path.dirname(parent.root))
+    parent.root = parent.root.rsplit("/", 1)[0]
+    return parent
+
+
+def check_pool_argument(incremental: object, step: Storage) -> None:
+    """``incremental=True``, or a path that is the checkpoint's parent (the one place a pool may be)."""
+    if incremental is True or incremental is False or incremental is None:
+        return
+    if not isinstance(incremental, (str, os.PathLike)):
+        raise BadArgumentError(f"incremental must be True or the run directory's path, got {incremental!r}")
+    given, parent = os.fspath(incremental).rstrip("/"), run_storage(step).url("").rstrip("/")
+    if given.startswith("file://"):
+        given = given[len("file://"):]
+    if "://" not in given:
+        given = os.path.abspath(given)
+    if given.split("://")[-1] != parent.split("://")[-1]:
+        raise BadArgumentError(f"incremental={os.fspath(incremental)!r}: a pool lives in the checkpoint's parent "
+                               f"directory ({parent}), not elsewhere; pass incremental=True")
+
+
+def open_pool(step: Storage) -> tuple[Storage, PoolInfo]:
+    """The pool beside checkpoint directory ``step``, created if missing (of two first saves racing, one creates
+    ``pool.json`` and both use it)."""
+    pool = pool_storage(step)
+    info = read_pool_info(pool)
+    if info is not None:
+        return pool, info
+    try:
+        pool.put_atomic(POOL_JSON, new_pool_info().to_bytes(), exclusive=True)
+    except FileExistsError:
+        pass
+    info = read_pool_info(pool)
+    if info is None:
+        raise CheckpointError(f"{pool.url(POOL_JSON)}: could not create the pool")
+    return pool, info
+
+
+@dataclass(frozen=True)
+class PooledCheckpoint:
+    name: str  # the run directory's child
+    manifest: Manifest
+
+
+def pool_checkpoints(run: Storage, pool_id: str, skip: str = "", strict: bool = True) -> list[PooledCheckpoint]:
+    """The committed checkpoints of the run directory pooled in pool ``pool_id``, by step (then name). With
+    ``strict`` (collectors), a manifest that cannot be read is an error: what it names is unknown, so nothing may be
+    collected; without (a save choosing its parent), it is skipped."""
+    found = []
+    for name in run.list_dirs(""):
+        if name == POOL_DIR or name == skip:
+            continue
+        path = f"{name}/{MANIFEST_NAME}"
+        try:
+            data = run.read_bytes(path)
+        except CorruptCheckpointError:
+            if run.exists(path):
+                raise
+            continue  # no manifest: not a checkpoint (or removed meanwhile)
+        try:
+            manifest = _parse_child(data, run.url(path))
+        except CheckpointError:
+            if strict:
+                raise
+            continue
+        if manifest is not None and manifest.pool is not None and manifest.pool["id"] == pool_id:
+            found.append(PooledCheckpoint(name, manifest))
+    return sorted(found, key=lambda c: (step_of(c.name) is None, step_of(c.name) or 0, c.name))
+
+
+def _parse_child(data: bytes, where: str) -> Manifest | None:
+    if not data.startswith(b"{"):
+        return None
+    return parse_manifest(data, where)
+
+
+def referenced_files(manifests: list[Manifest]) -> set[str]:
+    return {p for m in manifests for f in m.files for p in (f.path, f.index_path)}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What a save compares one of its units against: the parent's row under the same key, and its file."""
+
+    stored: StoredChunk
+    crc32c: int
+    file: FileEntry
+
+
+def parent_table(pool: Storage, parent: Manifest) -> dict[tuple[str, int], Candidate]:
+    """``(name, chunk) -> Candidate`` for every chunk of ``parent`` whose row has a digest, from its files' indexes
+    (each read whole and checked against the parent's recorded size and CRC; ``read_index`` also checks that the
+    data file has its recorded size). Called with the files' generations held: a file found here stays."""
+    indexes = {}
+    for f, entry in enumerate(parent.files):
+        try:
+            indexes[f] = read_index(pool, entry, parent.version)
+        except CorruptCheckpointError:  # gone (a collector removed it before the hold) or damaged: not referenced
+            indexes[f] = {}
+    table = {}
+    for entry in parent.tensors.values():
+        for i, _, f in chunks_of(entry):
+            rec = indexes[f].get((entry.name, i))
+            if rec is None or rec.digest is None:
+                continue
+            stored = StoredChunk(ChunkKey(entry.name, i), parent.pool["id"], parent.files[f].path, rec.length,
+                                 rec.codec, itemsize(entry.dtype), rec.digest)
+            table[(entry.name, i)] = Candidate(stored, rec.crc32c, parent.files[f])
+    return table
+
+
+def hold_generations(pool: Storage, generations: set[str]) -> list:
+    """Shared holds on ``data-<g>/`` for every generation ``g`` (local: a ``flock`` each, which a collector's
+    exclusive lock excludes; elsewhere no-ops), taken before the referenced files are checked to exist."""
+    holds = []
+    try:
+        for g in sorted(generations):
+            holds.append(lifecycle(pool).hold_dir(f"data-{g}"))
+    except BaseException:
+        release_all(holds)
+        raise
+    return holds
+
+
+def release_all(holds: list) -> None:
+    for hold in holds:
+        hold.release()
+    holds.clear()
+
+
+__all__ = ["POOL_PATH", "open_pool", "pool_checkpoints", "parent_table", "hold_generations", "run_storage"]
+
+
+def sharing_of(step: Storage, manifest: Manifest) -> Any:
+    """``verify``'s sharing report of pooled checkpoint ``manifest`` at ``step``: its tensor bytes, those its own save
+    wrote, and per generation it reads from, the checkpoint that wrote them and the others that read them
+    (``reachability.sharing``, over the run directory's committed checkpoints of the same pool)."""
+    from shardckpt.checkpoint.reachability import ManifestRefs, sharing
+
+    def refs(name: str, m: Manifest) -> ManifestRefs:
+        return ManifestRefs(name, m.generation, frozenset(p for f in m.files for p in (f.path, f.index_path)))
+
+    name = step.root.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
+    others = pool_checkpoints(run_storage(step), manifest.pool["id"], skip=name, strict=False)
+    by_file: dict[str, int] = {}
+    for entry in manifest.tensors.values():
+        size = itemsize(entry.dtype)
+        for _, region, f in chunks_of(entry):
+            path = manifest.files[f].path
+            by_file[path] = by_file.get(path, 0) + region.numel * size
+    return sharing(refs(name, manifest), [refs(c.name, c.manifest) for c in others], by_file)
+
+
+def sharing_json(report: Any) -> dict:
+    return {"total_bytes": report.total_bytes, "own_bytes": report.own_bytes, "shared_bytes": report.shared_bytes,
+            "shared": [{"generation": s.generation, "written_by": s.written_by, "bytes": s.bytes,
+                        "also_used_by": list(s.also_used_by)} for s in report.shared]}

@@ -1,0 +1,170 @@
+"""Collection by reachability (docs/design/incremental.md, 6): a pool file is deleted only when no committed
+manifest of the run directory names it; ``rm`` removes a checkpoint by deleting its manifest (its pooled data
+goes by reachability), and retention (``keep_last`` / ``keep_every``) is ``rm`` of the steps a policy drops.
+
+Local disk (``flock``s, model-checked in tests/checkpoint/test_reachability.py): a saver holds, shared, every
+generation it references or writes before it checks that the files exist and until its commit is decided
+(``checkpoint.incremental``). The collector here:
+
+1. takes an exclusive, non-blocking lock on each generation directory of the pool (skips the held ones: a save
+   uses them);
+2. then lists and parses every committed manifest of the run directory with the pool's id;
+3. deletes the locked generations' files that no manifest names (and a directory left empty);
+4. lets go.
+
+Object stores have no locks, and their protocol (leases and sweep markers) is not built yet: there the sweep
+deletes nothing (a pool on an object store only grows; ``rm`` and retention still remove checkpoints).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from shardckpt.checkpoint.gc import GENERATION_DIR
+from shardckpt.checkpoint.latest import step_of
+from shardckpt.checkpoint.pool import pool_checkpoints, referenced_files, run_storage
+from shardckpt.checkpoint.retention import Retention, steps_to_remove
+from shardckpt.errors import CheckpointError, CheckpointNotFoundError
+from shardckpt.format.manifest import MANIFEST_NAME, POOL_DIR, parse_manifest
+from shardckpt.formats.native.pool import read_pool_info, sibling_storage
+from shardckpt.io import LocalStorage, Storage, lifecycle, open_storage
+from shardckpt.storage_options import Options
+
+log = logging.getLogger("shardckpt")
+
+
+def pool_of_run(run: Storage) -> Storage:
+    """The pool directory of run directory ``run``."""
+    return sibling_storage(child_storage(run, "x"), POOL_DIR)
+
+
+def child_storage(run: Storage, name: str) -> Storage:
+    if isinstance(run, LocalStorage):
+        return LocalStorage(os.path.join(run.root, name))
+    child = sibling_storage(run, "x")
+    child.root = f"{run.root.rstrip('/')}/{name}"
+    return child
+
+
+def remove_file(storage: Storage, path: str) -> None:
+    """Delete one file (a missing one is not an error): ``unlink`` on local disk, one DELETE on object stores."""
+    if isinstance(storage, LocalStorage):
+        try:
+            os.unlink(storage.url(path))
+        except FileNotFoundError:
+            pass
+        return
+    try:
+        storage.fs.rm_file(storage.url(path))
+    except FileNotFoundError:
+        pass
+
+
+def sweep_pool(run: Storage, dry_run: bool = False) -> list[str]:
+    """Delete (or, ``dry_run``, list) the pool files of run directory ``run`` that no committed checkpoint names and
+    no live save holds; returns their paths relative to the run directory (``shardckpt-pool/data-<g>/<file>``)."""
+    pool = pool_of_run(run)
+    info = read_pool_info(pool)
+    local = isinstance(pool, LocalStorage)
+    if info is None or not local:
+        if info is not None:
+            log.info("%s: pools on object stores are not swept yet (their leases are to come)", pool.url(""))
+        return []
+    locked = []
+    try:
+        for name in pool.list_dirs(""):
+            if GENERATION_DIR.match(name):
+                try:
+                    locked.append((name, lifecycle(pool).hold_dir(name, exclusive=True)))
+                except CheckpointError:
+                    continue  # a live save holds it
+        named = referenced_files([c.manifest for c in pool_checkpoints(run, info.id)])  # after the locks
+        return _delete_unnamed(pool, [name for name, _ in locked], named, dry_run)
+    finally:
+        for _, hold in locked:
+            hold.release()
+
+
+def _delete_unnamed(pool: Storage, generations: list[str], named: set[str], dry_run: bool) -> list[str]:
+    removed = []
+    for gen in generations:
+        files = pool.list_files(gen)
+        doomed = [f"{gen}/{f}" for f in files if f"{gen}/{f}" not in named]
+        for path in doomed:
+            if not dry_run:
+                remove_file(pool, path)
+                log.info("removed %s (no committed checkpoint names it)", pool.url(path))
+            removed.append(f"{POOL_DIR}/{path}")
+        if not dry_run and len(doomed) == len(files):
+            try:
+                os.rmdir(pool.url(gen))
+            except OSError:
+                pass
+    if not dry_run and removed:
+        lifecycle(pool).sync_dir("")
+    return removed
+
+
+def rm(path: str | os.PathLike, *, force: bool = False, storage_options: Options | None = None) -> str:
+    """Remove the checkpoint at ``path``: its manifest is deleted first, in one atomic step (the commit point of the
+    removal), then what is left of its directory. A pooled checkpoint's data stays in the pool until ``gc`` finds
+    no committed checkpoint naming it, so removing one never breaks another. Without ``force``, the run's latest
+    committed checkpoint is refused. Returns the removed checkpoint's URL."""
+    step = open_storage(path, storage_options)
+    if not step.exists(MANIFEST_NAME):
+        raise CheckpointNotFoundError(f"{step.url(MANIFEST_NAME)}: no committed checkpoint here to remove")
+    manifest = parse_manifest(step.read_bytes(MANIFEST_NAME), step.url(MANIFEST_NAME))
+    run = run_storage(step)
+    name = step.root.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
+    if not force and _is_latest(run, name):
+        raise CheckpointError(f"{step.url('')}: the run's latest committed checkpoint; pass force=True (--force) to "
+                              "remove it")
+    remove_checkpoint(run, name)
+    log.info("removed %s (format v%d%s)", step.url(""), manifest.version, ", pooled" if manifest.pool else "")
+    return step.url("")
+
+
+def remove_checkpoint(run: Storage, name: str) -> None:
+    """Delete ``name``'s manifest (local: ``unlink``, then the directory made durable), then its directory."""
+    step = child_storage(run, name)
+    remove_file(step, MANIFEST_NAME)
+    if isinstance(step, LocalStorage):
+        step.sync_dir("")
+    run.remove_dir(name)
+
+
+def _is_latest(run: Storage, name: str) -> bool:
+    steps = [(step_of(n), n) for n in run.list_dirs("") if step_of(n) is not None and run.exists(f"{n}/{MANIFEST_NAME}")]
+    return bool(steps) and max(steps)[1] == name
+
+
+def apply_retention(run: Storage, pool_id: str, policy: Retention, protect: str) -> list[str]:
+    """Remove the pooled checkpoints of ``run`` that ``policy`` drops, oldest first (``protect``: the checkpoint a
+    save just committed), then sweep the pool; returns the names removed."""
+    by_step: dict[int, list[str]] = {}
+    for c in pool_checkpoints(run, pool_id, strict=False):
+        if step_of(c.name) is not None:
+            by_step.setdefault(step_of(c.name), []).append(c.name)
+    protected = [step_of(protect)] if step_of(protect) is not None else []
+    removed = []
+    for step in steps_to_remove(by_step, policy, protected):
+        for name in by_step[step]:
+            if name != protect:
+                remove_checkpoint(run, name)
+                removed.append(name)
+    return removed
+
+
+def tidy_after_save(step: Storage, pool_id: str, policy: Retention | None) -> Any:
+    """A pooled save's tidy-up on rank 0 after its commit: retention, then a sweep (local disk: always; it lists the
+    manifests and the pool). Failures are logged, never raised: the save is committed."""
+    try:
+        run = run_storage(step)
+        name = step.root.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
+        if policy is not None:
+            apply_retention(run, pool_id, policy, name)
+        if isinstance(step, LocalStorage) or policy is not None:
+            sweep_pool(run)
+    except (OSError, CheckpointError) as e:
+        log.warning("tidying the pool after a save failed (the save is committed): %s", e)

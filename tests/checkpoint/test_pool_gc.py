@@ -1,0 +1,93 @@
+"""Collection by reachability (issue 39): ``gc`` of a run directory removes exactly the pool files no committed
+step names; ``rm`` and retention never break another step."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import shardckpt
+from shardckpt.checkpoint.verify import verify
+from shardckpt.errors import BadArgumentError, CheckpointError
+from tests.checkpoint.test_incremental import UNIT, assert_bits, manifest, state
+
+
+def pool_files(run) -> set[str]:
+    pool = os.path.join(run, "shardckpt-pool")
+    return {os.path.relpath(os.path.join(d, f), pool) for d, _, fs in os.walk(pool) for f in fs} - {"pool.json"}
+
+
+def saves(run, steps, **kw) -> dict:
+    states = {}
+    sd = state()
+    for step in steps:
+        sd["model"]["lora"].fill_(step)
+        sd["step"] = step
+        shardckpt.save(sd, os.path.join(run, f"step-{step}"), incremental=True, incremental_unit=UNIT, **kw)
+        states[step] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+        states[step]["model"] = {k: v.clone() for k, v in sd["model"].items()}
+    return states
+
+
+def test_gc_removes_only_what_no_step_names(tmp_path):
+    states = saves(tmp_path, (1, 2, 3))
+    before = pool_files(tmp_path)
+    shardckpt.rm(tmp_path / "step-2")
+    removed = shardckpt.gc(tmp_path).removed
+    assert removed and all(r.startswith("shardckpt-pool/data-") for r in removed)
+    assert pool_files(tmp_path) == before - {r.removeprefix("shardckpt-pool/") for r in removed}
+    for step in (1, 3):
+        assert_bits(shardckpt.load_full(tmp_path / f"step-{step}"), states[step])
+        assert verify(tmp_path / f"step-{step}").ok
+    named = {p for s in (1, 3) for f in manifest(tmp_path / f"step-{s}").files for p in (f.path, f.index_path)}
+    assert pool_files(tmp_path) == named
+    assert shardckpt.gc(tmp_path).removed == ()
+
+
+def test_removing_the_step_that_wrote_the_base_keeps_the_base(tmp_path):
+    states = saves(tmp_path, (1, 2))
+    shardckpt.rm(tmp_path / "step-1")
+    shardckpt.gc(tmp_path)
+    assert_bits(shardckpt.load_full(tmp_path / "step-2"), states[2])
+    sharing = verify(tmp_path / "step-2").sharing
+    assert sharing["shared"][0]["written_by"] is None  # "a removed step's data"
+
+
+def test_rm_refuses_the_latest_without_force_and_a_missing_checkpoint(tmp_path):
+    saves(tmp_path, (1, 2))
+    with pytest.raises(CheckpointError, match="latest"):
+        shardckpt.rm(tmp_path / "step-2")
+    shardckpt.rm(tmp_path / "step-2", force=True)
+    assert not (tmp_path / "step-2").exists()
+    with pytest.raises(shardckpt.CheckpointNotFoundError):
+        shardckpt.rm(tmp_path / "step-2")
+
+
+def test_retention_keep_last_and_keep_every(tmp_path):
+    states = saves(tmp_path, range(1, 8), keep_last=2, keep_every=3)
+    left = sorted(int(n.split("-")[1]) for n in os.listdir(tmp_path) if n.startswith("step-"))
+    assert left == [3, 6, 7]
+    for step in left:
+        assert_bits(shardckpt.load_full(tmp_path / f"step-{step}"), states[step])
+    named = {p for s in left for f in manifest(tmp_path / f"step-{s}").files for p in (f.path, f.index_path)}
+    assert pool_files(tmp_path) == named  # the save's tidy-up swept what the removed steps alone named
+
+
+def test_retention_needs_incremental(tmp_path):
+    with pytest.raises(BadArgumentError, match="incremental"):
+        shardckpt.save(state(), tmp_path / "step-1", keep_last=2)
+
+
+def test_gc_leaves_a_generation_a_live_save_holds(tmp_path):
+    saves(tmp_path, (1,))
+    from shardckpt.io import LocalStorage
+
+    pool = LocalStorage(str(tmp_path / "shardckpt-pool"))
+    hold = pool.hold_dir("data-00000000cafe")  # an in-flight save's generation
+    with open(tmp_path / "shardckpt-pool" / "data-00000000cafe" / "rank-00000-0.bin", "wb") as f:
+        f.write(b"partial")
+    assert shardckpt.gc(tmp_path).removed == ()
+    hold.release()
+    assert shardckpt.gc(tmp_path).removed == ("shardckpt-pool/data-00000000cafe/rank-00000-0.bin",)
+    assert not (tmp_path / "shardckpt-pool" / "data-00000000cafe").exists()
