@@ -179,6 +179,14 @@ def test_a_corrupt_only_copy_falls_back_to_tier_2_then_to_an_older_step():
     assert r.bytes_by() == {(OWN, True): 5, (PERSISTED, False): 7}
 
 
+def test_of_two_saves_of_one_step_the_one_in_the_fast_tiers_wins():
+    fast, slow = Candidate(0, 50, "ff", 9), Candidate(0, 50, "00", 1)  # tier 2 written apart (another generation)
+    files = StepFiles((10, 10), ("a", "b"))
+    layouts = {fast: files, slow: files}
+    assert choose(layouts, {"a": {fast: {0, 1}}}, {slow}) == fast
+    assert choose(layouts, {"a": {fast: {0}}}, {slow}) == slow  # the fast copy is not whole
+
+
 def test_peers_share_the_sending():
     c = Candidate(0, 1, "01", 0)
     files = StepFiles((100, 100, 100, 100), ("x", "x", "x", "x"))  # x lost; its replicas on a and b

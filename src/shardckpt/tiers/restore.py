@@ -81,15 +81,21 @@ def sources(candidate: Candidate, files: StepFiles, holdings: Holdings, persiste
 def choose(layouts: Mapping[Candidate, StepFiles], holdings: Holdings, persistent: AbstractSet[Candidate],
            excluded: Excluded = frozenset()) -> Candidate | None:
     """The newest complete candidate, or None (no copy of any step is whole: a fresh start). ``layouts`` must
-    describe every candidate a node holds or tier 2 has committed (the executor reads one manifest of each)."""
+    describe every candidate a node holds or tier 2 has committed (the executor reads one manifest of each).
+    Among complete candidates of the same ``(epoch, step)`` the one with the larger share of files on live nodes."""
     named = {c for held in holdings.values() for c in held} | set(persistent)
     missing = named - set(layouts)
     if missing:
         raise ValueError(f"no file list for {sorted(missing)[:3]}: give choose() the manifest of every candidate")
-    for candidate in sorted(named, reverse=True):
-        if all(sources(candidate, layouts[candidate], holdings, persistent, excluded)):
-            return candidate
-    return None
+    complete = {}
+    for candidate in named:
+        found = sources(candidate, layouts[candidate], holdings, persistent, excluded)
+        if all(found):
+            fast = sum(1 for holders in found if holders != [PERSISTENT])
+            complete[candidate] = (candidate.epoch, candidate.step, fast / max(len(found), 1), candidate)
+    # Two saves of one (epoch, step), e.g. tier 2 written apart from tier 0, hold the same state: the one with
+    # more files in the fast tiers wins.
+    return max(complete, key=complete.__getitem__, default=None)
 
 
 @dataclass(frozen=True)
