@@ -10,7 +10,8 @@ Storage (this process, ``--mib`` MiB, written and read 16 MiB per call as ``chec
   out of a memory map of the file;
 - ``disk write`` / ``disk write+fsync``: a new file on ``--disk-dir``'s file system, without and with fsync;
   ``disk read warm`` (page cache) and ``disk read cold`` (that file's pages dropped first with
-  ``posix_fadvise(DONTNEED)``, which leaves the rest of the page cache alone on a shared machine).
+  ``posix_fadvise(DONTNEED)``, which leaves the rest of the page cache alone on a shared machine);
+- ``tmpfs-dir write new`` / ``read``, with ``--tmpfs-dir``: the same on another tmpfs (one with huge pages).
 
 Whole loads (``--mib`` MiB of fp32 tensors saved once with ``shardckpt.save``, then ``shardckpt.load`` into
 preallocated tensors, checksums verified): ``load from shm``, ``load from disk warm``, ``load from disk cold``
@@ -24,7 +25,10 @@ Channels (two spawned processes on 127.0.0.1, timed on the receiver from a barri
   of another (a replica written with no copy beside the socket's);
 - ``gloo exchange``: both processes send and receive at once (``isend``/``irecv``: a ring of two nodes, k=1);
   throughput per direction;
-- ``tcp socket``: ``sendall`` / ``recv_into`` on a plain socket (a side channel of our own, for comparison).
+- ``tcp socket``: ``sendall`` / ``recv_into`` on a plain socket (a side channel of our own, for comparison);
+- ``tcp sendfile``: the sender's ``/dev/shm`` file sent with ``os.sendfile`` (no copy in user space), received
+  with ``recv_into``; ``tcp ranged reads``: the receiver asks for 16 MiB ranges one after the other, each answered
+  with ``sendfile`` (a peer node's tier 0 read as a ``Storage``).
 
 Medians of ``--repeats`` runs (min in brackets). Loopback TCP is bounded by this machine's CPUs and memory, not a
 network: on a cluster the NIC bounds the channels; what the numbers decide is the relative cost (gloo against a
@@ -96,7 +100,7 @@ def _mmap_read(path: str, out: np.ndarray) -> float:
     return time.perf_counter() - t
 
 
-def storage(nbytes: int, repeats: int, disk_dir: str) -> dict[str, list[float]]:
+def storage(nbytes: int, repeats: int, disk_dir: str, tmpfs_dir: str | None = None) -> dict[str, list[float]]:
     from shardckpt.format.checksum import crc32c
 
     src, dst = _pattern(nbytes), np.empty(nbytes, np.uint8)
@@ -127,6 +131,11 @@ def storage(nbytes: int, repeats: int, disk_dir: str) -> dict[str, list[float]]:
             timed("shm write reuse", lambda: _write(shm, src, fsync=False, truncate=False))
             timed("shm read", lambda: _read(shm, dst))
             timed("shm read by mmap", lambda: _mmap_read(shm, dst))
+            if tmpfs_dir:
+                other = os.path.join(tmpfs_dir, os.path.basename(shm))
+                timed("tmpfs-dir write new", lambda: _write(other, src, fsync=False))
+                timed("tmpfs-dir read", lambda: _read(other, dst))
+                _remove(other)
             _remove(shm)
             _remove(disk)
             timed("disk write", lambda: _write(disk, src, fsync=False))
@@ -252,7 +261,30 @@ def _channel_rank(rank: int, world: int, nbytes: int, repeats: int, out: str, tc
                 got += sock.recv_into(view[got:], min(nbytes - got, PIECE))
         sock.sendall(b"k") if rank == 1 else sock.recv(1)  # both sides done before the clock stops
 
+    served = os.open(shm, os.O_RDONLY)  # rank 0 serves its file, rank 1 reads it into memory
+
+    def sendfile_whole() -> None:
+        if rank == 0:
+            _sendfile(sock, served, 0, nbytes)
+        else:
+            _recv_exactly(sock, memoryview(theirs.numpy()), nbytes)
+        sock.sendall(b"k") if rank == 1 else sock.recv(1)
+
+    def ranged() -> None:  # what a peer's Storage.read_into would do: ask for a range, receive it into place
+        view = memoryview(theirs.numpy())
+        for lo in range(0, nbytes, PIECE):
+            n = min(PIECE, nbytes - lo)
+            if rank == 1:
+                sock.sendall(lo.to_bytes(8, "little") + n.to_bytes(8, "little"))
+                _recv_exactly(sock, view[lo:lo + n], n)
+            else:
+                head = bytearray(16)
+                _recv_exactly(sock, memoryview(head), 16)
+                _sendfile(sock, served, int.from_bytes(head[:8], "little"), int.from_bytes(head[8:], "little"))
+
     for _ in range(repeats):
+        timed("tcp sendfile (shm file -> memory)", sendfile_whole)
+        timed("tcp ranged reads (16 MiB requests)", ranged)
         timed("gloo one send", one)
         timed("gloo 16 MiB pieces", lambda: pieces(data))
         timed("gloo file->file", lambda: pieces(file_tensor))
@@ -265,6 +297,7 @@ def _channel_rank(rank: int, world: int, nbytes: int, repeats: int, out: str, tc
     if digests[0] != digests[1]:
         raise RuntimeError("the file received differs from the one sent")
     del file_tensor
+    os.close(served)
     mapped.close()
     os.close(fd)
     sock.close()
@@ -272,6 +305,18 @@ def _channel_rank(rank: int, world: int, nbytes: int, repeats: int, out: str, tc
     if rank == 0:
         with open(out, "w") as f:
             json.dump(times, f)
+
+
+def _sendfile(sock: socket.socket, fd: int, offset: int, count: int) -> None:
+    while count:
+        sent = os.sendfile(sock.fileno(), fd, offset, count)
+        offset, count = offset + sent, count - sent
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview, n: int) -> None:
+    got = 0
+    while got < n:
+        got += sock.recv_into(view[got:n], n - got)
 
 
 def _tcp_pair(rank: int, port: int) -> socket.socket:
@@ -316,6 +361,10 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--disk-dir", default=os.environ.get("BENCH_DIR", tempfile.gettempdir()))
+    ap.add_argument("--tmpfs-dir", help="another tmpfs to compare with /dev/shm, e.g. one mounted with "
+                    "huge=within_size (mount -t tmpfs -o size=2g,huge=within_size tmpfs DIR)")
+    ap.add_argument("--no-load", action="store_true", help="leave out the whole shardckpt loads")
+    ap.add_argument("--no-channels", action="store_true", help="leave out the two-process channels")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -324,9 +373,11 @@ def main() -> int:
     nbytes = args.mib << 20
     print(f"# {args.mib} MiB, {args.repeats} repeats, disk dir {args.disk_dir}; load average {loadavg()}",
           file=sys.stderr)
-    rows = [_row(k, v, nbytes) for k, v in storage(nbytes, args.repeats, args.disk_dir).items()]
-    rows += [_row(k, v, nbytes) for k, v in loads(nbytes, args.repeats, args.disk_dir).items()]
-    rows += [_row(k, v, nbytes, k == "gloo exchange") for k, v in channels(nbytes, args.repeats).items()]
+    rows = [_row(k, v, nbytes) for k, v in storage(nbytes, args.repeats, args.disk_dir, args.tmpfs_dir).items()]
+    if not args.no_load:
+        rows += [_row(k, v, nbytes) for k, v in loads(nbytes, args.repeats, args.disk_dir).items()]
+    if not args.no_channels:
+        rows += [_row(k, v, nbytes, k == "gloo exchange") for k, v in channels(nbytes, args.repeats).items()]
     if args.json:
         print(json.dumps({"mib": args.mib, "repeats": args.repeats, "rows": rows, "loadavg": loadavg()}, indent=1))
         return 0
