@@ -1,5 +1,5 @@
 """Replica placement (tiers/peers.py): every node's files on k distinct other nodes, balanced, any k losses
-survived, failure domains apart where they can be, ranks paired so that every rank sends its own files."""
+survived, failure domains apart where they can be, ranks paired so that every rank's files are copied by one rank of each peer."""
 from __future__ import annotations
 
 import itertools
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardckpt.tiers.config import TierConfigError
-from shardckpt.tiers.peers import PERSISTENT, node_of_ranks, place_replicas, ring_order, sends, survives
+from shardckpt.tiers.peers import PERSISTENT, node_of_ranks, place_replicas, ring_order, copies, survives
 
 
 @st.composite
@@ -68,14 +68,14 @@ def test_the_ring_depends_on_the_nodes_not_their_order(nodes):
 
 @settings(max_examples=200, deadline=None)
 @given(rings(), st.data())
-def test_every_rank_sends_its_files_to_one_rank_on_each_peer(case, data):
+def test_every_ranks_files_go_to_one_rank_on_each_peer(case, data):
     nodes, k, _ = case
     counts = data.draw(st.lists(st.integers(1, 3), min_size=len(nodes), max_size=len(nodes)))
     ranks = iter(range(sum(counts)))
     node_ranks = {node: [next(ranks) for _ in range(c)] for node, c in zip(nodes, counts)}
     peers = place_replicas(ring_order(nodes), k)
     node_of = node_of_ranks(node_ranks)
-    plan = sends(node_ranks, peers)
+    plan = copies(node_ranks, peers)
     assert plan == sorted(plan)
     by_src: dict[int, list[str]] = {}
     for s in plan:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from shardckpt.tiers.peers import PERSISTENT, place_replicas, ring_order
 from shardckpt.tiers.restore import (
-    OWN, PERSISTED, REPLICA, Candidate, StepFiles, choose, next_epoch, route, superseded, transfers,
+    OWN, PERSISTED, REPLICA, Candidate, StepFiles, choose, next_epoch, route, superseded,
 )
 
 
@@ -140,7 +140,7 @@ def test_k_lost_nodes_cost_nothing_the_newest_step_comes_back_from_the_fast_tier
 
 @settings(max_examples=100, deadline=None)
 @given(clusters(), st.data())
-def test_every_rank_computes_the_same_plan_and_transfers_stay_on_their_nodes(cl, data):
+def test_every_rank_computes_the_same_plan(cl, data):
     cand = choose(cl.layouts, cl.holdings, cl.persistent)
     if cand is None:
         return
@@ -149,11 +149,7 @@ def test_every_rank_computes_the_same_plan_and_transfers_stay_on_their_nodes(cl,
     a = route(cand, cl.layouts[cand], cl.holdings, cl.persistent, needs)
     b = route(cand, cl.layouts[cand], shuffled, set(cl.persistent), dict(reversed(list(needs.items()))))
     assert a == b
-    ranks = iter(range(100))
-    node_ranks = {node: [next(ranks) for _ in range(data.draw(st.integers(1, 3)))] for node in sorted(cl.holdings)}
-    node_of = {r: node for node, rs in node_ranks.items() for r in rs}
-    moves = transfers(a, node_ranks)
-    assert sorted((node_of[t.src], node_of[t.dst], t.file) for t in moves) == sorted(a.fetches)
+    assert choose(cl.layouts, shuffled, set(cl.persistent)) == cand
 
 
 def test_a_later_epoch_wins_over_a_higher_step_of_an_abandoned_timeline():

@@ -1,4 +1,4 @@
-"""Which peer nodes hold each node's tier-0 files (tier 1), and which rank sends what to which rank. Pure.
+"""Which peer nodes hold each node's tier-0 files (tier 1), and which rank copies whose files. Pure.
 
 Nodes are placed on a ring, and node ``i`` of the ring copies its files to the ``k`` nodes after it: every node
 sends ``k`` copies and receives ``k`` (balanced), the ``k`` holders of a node's replicas are distinct, so any
@@ -6,9 +6,10 @@ sends ``k`` copies and receives ``k`` (balanced), the ``k`` holders of a node's 
 ``k`` (NVRx's cliques need the world to divide into groups of ``k + 1``). The ring interleaves failure
 domains (racks, switches): with at least ``k + 1`` domains of equal size, no node's replica shares its domain.
 
-Within a pair of nodes the ranks pair up by their index on their node (the ``l``-th rank of a node sends to the
-``l``-th rank of each peer, modulo the peer's count), so that every rank moves its own files and no node leader
-carries the node's bytes alone.
+Replicas are pulled, not pushed: each holder reads its peers' files from their nodes (a peer's tier 0 is a
+read-only ``Storage`` to it, docs/design/tiers.md). Within a pair of nodes the ranks pair up by their index on
+their node (the ``l``-th rank of each peer copies the files of the ``l``-th rank of the owner, modulo the
+peer's count), so that the copying is spread over the ranks and no node leader carries the node's bytes alone.
 """
 from __future__ import annotations
 
@@ -60,23 +61,23 @@ def survives(lost: Iterable[str], peers: Mapping[str, Sequence[str]]) -> bool:
 
 
 @dataclass(frozen=True, order=True)
-class Send:
-    """Rank ``src`` sends its files of a step to rank ``dst`` (on another node), which writes them to its tier 0."""
+class Copy:
+    """Rank ``dst`` copies rank ``src``'s files of a step from ``src``'s node into its own node's tier 0."""
 
     src: int
     dst: int
 
 
-def sends(node_ranks: Mapping[str, Sequence[int]], peers: Mapping[str, Sequence[str]]) -> list[Send]:
-    """The rank-to-rank copies of one replication round, sorted: the ``l``-th rank of each node sends its own
-    files to the ``l % size``-th rank of each of the node's peers."""
+def copies(node_ranks: Mapping[str, Sequence[int]], peers: Mapping[str, Sequence[str]]) -> list[Copy]:
+    """The rank-to-rank copies of one replication round, sorted: the files of the ``l``-th rank of each node go to
+    the ``l % size``-th rank of each of the node's peers."""
     _check_ranks(node_ranks, peers)
     out = []
     for node, ranks in node_ranks.items():
         for local, rank in enumerate(sorted(ranks)):
             for peer in peers[node]:
                 theirs = sorted(node_ranks[peer])
-                out.append(Send(rank, theirs[local % len(theirs)]))
+                out.append(Copy(rank, theirs[local % len(theirs)]))
     return sorted(out)
 
 

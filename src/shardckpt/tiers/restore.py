@@ -17,15 +17,15 @@ Vocabulary:
   them and decides again; a copy excluded is never read again.
 
 A candidate is **complete** when every file has a copy that is not excluded: on a live node, or in tier 2 if
-the candidate is committed there. ``choose`` takes the newest complete candidate; ``route`` sends each node to
+the candidate is committed there. ``choose`` takes the newest complete candidate; ``route`` points each node at
 its own copy, else to a live peer's (the least loaded so far, so that the peers share the sending), else to tier 2.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AbstractSet, Iterable, Mapping, Sequence
+from typing import AbstractSet, Iterable, Mapping
 
-from shardckpt.tiers.peers import PERSISTENT, node_of_ranks
+from shardckpt.tiers.peers import PERSISTENT
 
 OWN, REPLICA, PERSISTED = 0, 1, 2  # the tier a copy belongs to: the owner's tier 0, a peer's replica, tier 2
 
@@ -110,8 +110,8 @@ class Read:
 
 @dataclass(frozen=True)
 class Routing:
-    """Each node's reads of the chosen candidate; ``fetches``: the (source node, reading node, file) copies that
-    cross nodes before the load, the source's tier-0 file written into the reader's tier 0."""
+    """Each node's reads of the chosen candidate; ``fetches``: the (source node, reading node, file) reads that
+    cross nodes (from the source's tier 0, served to its peers as a read-only ``Storage``)."""
 
     candidate: Candidate
     reads: Mapping[str, Mapping[int, Read]]
@@ -158,30 +158,6 @@ def route(candidate: Candidate, files: StepFiles, holdings: Holdings, persistent
         tier = PERSISTED if source == PERSISTENT else OWN if source == files.owners[i] else REPLICA
         reads[node][i] = Read(i, source, tier)
     return Routing(candidate, reads, tuple(sorted(fetches)), files.sizes)
-
-
-@dataclass(frozen=True, order=True)
-class Transfer:
-    """Rank ``src`` sends file ``file`` of the chosen step to rank ``dst``, which writes it to its node's tier 0."""
-
-    src: int
-    dst: int
-    file: int
-
-
-def transfers(routing: Routing, node_ranks: Mapping[str, Sequence[int]]) -> list[Transfer]:
-    """The fetches as rank-to-rank sends: each node's ranks take its fetches in turn, as senders and as receivers,
-    so that no one rank moves a node's bytes alone. Sorted; every rank computes the same list."""
-    node_of_ranks(node_ranks)  # a rank on two nodes is refused
-    sent: dict[str, int] = {}
-    received: dict[str, int] = {}
-    out = []
-    for src, dst, i in routing.fetches:
-        senders, receivers = sorted(node_ranks[src]), sorted(node_ranks[dst])
-        out.append(Transfer(senders[sent.get(src, 0) % len(senders)], receivers[received.get(dst, 0) % len(receivers)], i))
-        sent[src] = sent.get(src, 0) + 1
-        received[dst] = received.get(dst, 0) + 1
-    return sorted(out)
 
 
 def superseded(chosen: Candidate | None, holdings: Holdings) -> dict[str, list[Candidate]]:
