@@ -33,6 +33,9 @@ def test_defaults_and_schedules():
     ({"on_full": "ignore"}, "on_full"),
     ({"verify": "never"}, "verify"),
     ({"node_id": ""}, "node_id"),
+    ({"peer_port": 70000}, "peer_port"),
+    ({"peer_timeout_s": 0}, "peer_timeout_s"),
+    ({"peer_host": ""}, "peer_host"),
 ])
 def test_a_bad_field_is_named(changes, field):
     with pytest.raises(TierConfigError, match=field):

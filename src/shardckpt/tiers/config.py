@@ -41,6 +41,9 @@ class TierConfig:
     ``failure_domain``: this node's rack or switch (None: the node is its own); replicas go to other domains first.
     ``verify``: a restore checks every byte it reads against its checksums in any case; ``"before-choosing"``
     also reads every local copy whole before the step is chosen (slower; for media that corrupt silently).
+    ``peer_host`` / ``peer_port``: where this node serves its tier 0, read-only, to its peers (replication and
+    restores read it as a ``Storage``); None: the address of the interface gloo uses; port 0: one the OS picks.
+    ``peer_timeout_s``: how long a read from a peer may stall before that copy counts as unreachable.
     """
 
     local_dir: str
@@ -57,6 +60,9 @@ class TierConfig:
     node_id: str | None = None
     failure_domain: str | None = None
     verify: str = "as-read"
+    peer_host: str | None = None
+    peer_port: int = 0
+    peer_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _text("local_dir", self.local_dir)
@@ -82,7 +88,12 @@ class TierConfig:
         object.__setattr__(self, "min_free", _size("min_free", self.min_free))
         _choice("on_full", self.on_full, ON_FULL)
         _choice("verify", self.verify, VERIFY)
-        for name in ("node_id", "failure_domain"):
+        if not isinstance(self.peer_port, int) or isinstance(self.peer_port, bool) or not 0 <= self.peer_port <= 65535:
+            raise TierConfigError(f"peer_port {self.peer_port!r}: expected an int in 0..65535")
+        if not isinstance(self.peer_timeout_s, (int, float)) or isinstance(self.peer_timeout_s, bool) or \
+                not self.peer_timeout_s > 0:
+            raise TierConfigError(f"peer_timeout_s {self.peer_timeout_s!r}: expected a number of seconds > 0")
+        for name in ("node_id", "failure_domain", "peer_host"):
             value = getattr(self, name)
             if value is not None:
                 _text(name, value)
