@@ -36,6 +36,7 @@ def test_defaults_and_schedules():
     ({"peer_port": 70000}, "peer_port"),
     ({"peer_timeout_s": 0}, "peer_timeout_s"),
     ({"peer_host": ""}, "peer_host"),
+    ({"keep_local_on_close": "no"}, "keep_local_on_close"),
 ])
 def test_a_bad_field_is_named(changes, field):
     with pytest.raises(TierConfigError, match=field):

@@ -44,6 +44,8 @@ class TierConfig:
     ``peer_host`` / ``peer_port``: where this node serves its tier 0, read-only, to its peers (replication and
     restores read it as a ``Storage``); None: the address of the interface gloo uses; port 0: one the OS picks.
     ``peer_timeout_s``: how long a read from a peer may stall before that copy counts as unreachable.
+    ``keep_local_on_close``: leave tier 0 in place when the manager closes normally (by default it is removed once
+    the last due step is in tier 2: a tmpfs holds the node's memory until someone does).
     """
 
     local_dir: str
@@ -63,6 +65,7 @@ class TierConfig:
     peer_host: str | None = None
     peer_port: int = 0
     peer_timeout_s: float = 60.0
+    keep_local_on_close: bool = False
 
     def __post_init__(self) -> None:
         _text("local_dir", self.local_dir)
@@ -93,6 +96,8 @@ class TierConfig:
         if not isinstance(self.peer_timeout_s, (int, float)) or isinstance(self.peer_timeout_s, bool) or \
                 not self.peer_timeout_s > 0:
             raise TierConfigError(f"peer_timeout_s {self.peer_timeout_s!r}: expected a number of seconds > 0")
+        if not isinstance(self.keep_local_on_close, bool):
+            raise TierConfigError(f"keep_local_on_close {self.keep_local_on_close!r}: expected True or False")
         for name in ("node_id", "failure_domain", "peer_host"):
             value = getattr(self, name)
             if value is not None:
