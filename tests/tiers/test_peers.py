@@ -1,5 +1,5 @@
 """Replica placement (tiers/peers.py): every node's files on k distinct other nodes, balanced, any k losses
-survived, failure domains apart where they can be, ranks paired so that every rank's files are copied by one rank of each peer."""
+survived, failure domains apart where they can be, and every rank's files copied by one rank of each peer."""
 from __future__ import annotations
 
 import itertools
