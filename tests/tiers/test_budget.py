@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardckpt.tiers.budget import HeldStep, Space, plan_room, room, trim
+from shardckpt.tiers.budget import HeldStep, Space, incoming, plan_room, room, trim
+from shardckpt.tiers.peers import place_replicas, ring_order
 
 GiB = 1 << 30
 
@@ -62,3 +63,18 @@ def test_the_refusal_names_the_need_the_room_and_the_fixes():
     for words in ("needs 4.0 GiB", "2.0 GiB free at /dev/shm", "MemAvailable, 3.0 GiB", "local_budget=6.0 GiB",
                   "3.0 GiB held by steps that must stay", "keep_last"):
         assert words in plan.message, plan.message
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 10 * GiB), min_size=1, max_size=3), min_size=1, max_size=6), st.data())
+def test_a_step_takes_k_plus_1_copies_of_every_byte_spread_as_the_ring_places_them(nodes, data):
+    k = data.draw(st.integers(0, len(nodes) - 1))
+    ranks = iter(range(100))
+    node_ranks = {f"n{i}": [next(ranks) for _ in sizes] for i, sizes in enumerate(nodes)}
+    rank_bytes = {r: b for (node, rs), sizes in zip(node_ranks.items(), nodes) for r, b in zip(rs, sizes)}
+    peers = place_replicas(ring_order(node_ranks), k)
+    taken = incoming(rank_bytes, node_ranks, peers)
+    assert sum(taken.values()) == (k + 1) * sum(rank_bytes.values())
+    for node, ranks_ in node_ranks.items():
+        held_for = [o for o, hs in peers.items() if node in hs]
+        assert taken[node] == sum(rank_bytes[r] for o in [node, *held_for] for r in node_ranks[o])

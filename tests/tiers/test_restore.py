@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from shardckpt.tiers.peers import PERSISTENT, place_replicas, ring_order
 from shardckpt.tiers.restore import (
-    OWN, PERSISTED, REPLICA, Candidate, StepFiles, choose, next_epoch, route, superseded,
+    OWN, PERSISTED, REPLICA, Candidate, NodeReport, StepFiles, choose, merge, next_epoch, route, superseded,
 )
 
 
@@ -199,3 +199,23 @@ def test_bad_reports_are_refused():
         choose({}, {"a": {c: {0}}}, set())
     with pytest.raises(ValueError, match="no usable copy"):
         route(c, StepFiles((1,), ("a",)), {"b": {}}, set(), {"b": {0}})
+
+
+def test_reports_merge_and_files_without_their_manifest_count_for_the_one_candidate_that_names_them():
+    c = Candidate(0, 30, "abcd", 7)
+    files = StepFiles((4, 4), ("a", "b"), ("data-abcd/rank-00000-0.bin", "data-abcd/rank-00001-0.bin"))
+    a = NodeReport("a", {c: files}, {c: {0}})
+    b = NodeReport("b", {}, {}, {"abcd": {"data-abcd/rank-00001-0.bin", "data-abcd/stray.bin"}, "ffff": {"x"}})
+    layouts, holdings = merge([a, b])
+    assert layouts == {c: files} and holdings == {"a": {c: {0}}, "b": {c: {1}}}
+    assert choose(layouts, holdings, set()) == c  # killed between node a's publishing and node b's
+    other = Candidate(1, 30, "abcd", 8)  # the same generation under two manifests: attribute to neither
+    _, holdings = merge([a, b, NodeReport("c", {other: files}, {})])
+    assert c not in holdings["b"]
+    with pytest.raises(ValueError, match="otherwise"):
+        merge([a, NodeReport("c", {c: StepFiles((5, 4), ("a", "b"))}, {})])
+    with pytest.raises(ValueError, match="two reports"):
+        merge([a, a])
+    tier2 = Candidate(0, 20, "0101", 1)
+    layouts, _ = merge([a], {tier2: StepFiles((1,), ("a",))})
+    assert set(layouts) == {c, tier2}

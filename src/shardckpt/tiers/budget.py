@@ -10,7 +10,7 @@ one outcome worse than a step without a fast copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from shardckpt.errors import CheckpointError
 from shardckpt.sizes import format_bytes
@@ -28,6 +28,18 @@ class Space:
     path: str
     fs_free: int
     mem_available: int | None = None
+
+
+def incoming(rank_bytes: Mapping[int, int], node_ranks: Mapping[str, Sequence[int]],
+             peers: Mapping[str, Sequence[str]]) -> dict[str, int]:
+    """Bytes each node's tier 0 takes for one step: its own ranks' files and the replicas it holds for the nodes
+    whose peers include it (``rank_bytes``: each rank's data and index bytes, from the save plan)."""
+    own = {node: sum(rank_bytes[r] for r in ranks) for node, ranks in node_ranks.items()}
+    out = dict(own)
+    for owner, holders in peers.items():
+        for holder in holders:
+            out[holder] += own[owner]
+    return out
 
 
 def room(space: Space, min_free: int) -> int:

@@ -1,5 +1,6 @@
 """The restore decision, pure: from what every live node holds, the step every rank restores, and where each node
-reads each file of it from. No I/O: ``tiers.restore_io`` (to come) gathers the reports and executes the plan.
+reads each file of it from. No I/O: ``tiers.restore_io`` (to come) gathers the reports (``NodeReport``, joined by
+``merge``) and executes the plan.
 
 Vocabulary:
 
@@ -42,14 +43,15 @@ class Candidate:
 
 @dataclass(frozen=True)
 class StepFiles:
-    """A candidate's data files, by their index in the manifest: size in bytes and owner node."""
+    """A candidate's data files, by their index in the manifest: size in bytes, owner node, and (optional) path."""
 
     sizes: tuple[int, ...]
     owners: tuple[str, ...]
+    paths: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if len(self.sizes) != len(self.owners):
-            raise ValueError(f"{len(self.sizes)} file sizes but {len(self.owners)} owners")
+        if len(self.sizes) != len(self.owners) or (self.paths and len(self.paths) != len(self.sizes)):
+            raise ValueError(f"{len(self.sizes)} file sizes, {len(self.owners)} owners, {len(self.paths)} paths")
         if any(s < 0 for s in self.sizes):
             raise ValueError("a file size is negative")
 
@@ -59,6 +61,47 @@ class StepFiles:
 
 Holdings = Mapping[str, Mapping[Candidate, AbstractSet[int]]]  # live node -> candidate -> file indexes held
 Excluded = AbstractSet[tuple[str, Candidate, int]]  # (holder: a node or PERSISTENT, candidate, file index)
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """What one node leader found in its tier 0: ``layouts``, the candidates whose manifest is there; ``held``, their
+    files present and matching the manifest (size, index size and CRC); ``orphans``, by generation, the paths of
+    data files present whose manifest is not there (a kill between two nodes' publishing of one manifest)."""
+
+    node: str
+    layouts: Mapping[Candidate, StepFiles]
+    held: Mapping[Candidate, AbstractSet[int]]
+    orphans: Mapping[str, AbstractSet[str]] = field(default_factory=dict)
+
+
+def merge(reports: Iterable[NodeReport], persistent: Mapping[Candidate, StepFiles] | None = None,
+          ) -> tuple[dict[Candidate, StepFiles], dict[str, dict[Candidate, set[int]]]]:
+    """Rank 0's view of the reports: every candidate's files, and what each node holds. An orphan file counts as
+    held when exactly one candidate has its generation and names its path: the files of a save are closed before
+    its manifest exists, and the read checks them against that manifest in any case."""
+    layouts: dict[Candidate, StepFiles] = {}
+    holdings: dict[str, dict[Candidate, set[int]]] = {}
+    reports = list(reports)
+    for source, found in [(r.node, r.layouts) for r in reports] + [(PERSISTENT, persistent or {})]:
+        for candidate, files in found.items():
+            if layouts.setdefault(candidate, files) != files:
+                raise ValueError(f"{source!r} describes step {candidate.step} (generation {candidate.generation}) "
+                                 "otherwise than another holder of the same manifest")
+    by_generation: dict[str, list[Candidate]] = {}
+    for candidate in layouts:
+        by_generation.setdefault(candidate.generation, []).append(candidate)
+    for report in reports:
+        if report.node in holdings:
+            raise ValueError(f"two reports from node {report.node!r}")
+        held = holdings[report.node] = {c: set(files) for c, files in report.held.items()}
+        for generation, paths in report.orphans.items():
+            named = by_generation.get(generation, [])
+            if len(named) != 1 or not layouts[named[0]].paths:
+                continue  # unknown, or ambiguous: not counted
+            index = {p: i for i, p in enumerate(layouts[named[0]].paths)}
+            held.setdefault(named[0], set()).update(index[p] for p in paths if p in index)
+    return layouts, holdings
 
 
 def sources(candidate: Candidate, files: StepFiles, holdings: Holdings, persistent: AbstractSet[Candidate],
