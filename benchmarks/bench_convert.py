@@ -30,7 +30,7 @@ Targets (issue 9): convert <= 1.5x the limit; torch's path >= 2.5x convert's tim
 ``--plan-70b``: only the planning ``convert`` does before writing, for a Llama-2-70B + AdamW SHARDED
 checkpoint saved by 1024 ranks converted to 768 (the model and manifest of ``bench_manifest_scale.py``):
 the manifest is built in memory and written alone to a scratch directory (no data files), then timed:
-``open_reader`` + ``logical_view`` + ``conversion.select``, then ``convert_plan.plan_conversion`` (one entry per
+``open_reader``, then ``convert_plan.plan_conversion`` (the logical view, the selection, and one entry per
 tensor: dim-0 chunks by arithmetic, replicas placed); peak RSS sampled. Target: <= 10 s and <= 2 GiB.
 ``--plan-405b``: the same for a Llama-3.1-405B-shaped model + AdamW (126 layers, hidden 16384, MLP 53248, vocab
 128256: 3411 tensors), 1024 -> 8192 ranks (``--src-ranks`` / ``--dst-ranks`` change either).
@@ -43,7 +43,6 @@ tensor: dim-0 chunks by arithmetic, replicas placed); peak RSS sampled. Target: 
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import math
@@ -341,13 +340,11 @@ def plan_70b(args) -> dict:
 
     import bench_manifest_scale as ms
 
-    from shardckpt.checkpoint.save import DEFAULT_FILES_PER_RANK
-    from shardckpt.offline.conversion import select
-    from shardckpt.offline.convert_plan import dim0_tiled, placement, plan_conversion
+    from shardckpt.offline.convert_plan import plan_conversion
+    from shardckpt.offline.spec import ConvertSpec
     from shardckpt.format.manifest import MANIFEST_NAME
     from shardckpt.format.tree import encode
     from shardckpt.formats.detect import open_reader
-    from shardckpt.state_dict.logical import logical_view
 
     params = ms.llama70b_params(**(LLAMA_405B if args.plan_405b else {}))
     tree = ms.state_tree(params, args.step_tensors)
@@ -369,17 +366,15 @@ def plan_70b(args) -> dict:
     def planning(world: int) -> tuple[dict, object]:
         t = {}
         t0, c0 = time.perf_counter(), time.process_time()
-        reader = logical_view(open_reader(scratch))
-        _, outputs = select(reader, (), (), None)
+        reader = open_reader(scratch)
         t1 = time.perf_counter()
-        place = functools.partial(placement, out_type="sharded", world=world, reader=reader)
-        tiled = functools.partial(dim0_tiled, out_type="sharded", reader=reader)
-        plan = plan_conversion(outputs, place, tiled, world, DEFAULT_FILES_PER_RANK, None, "plan-70b")
-        sum(plan.tasks.bytes(r) for r in plan.tasks.writing_ranks())  # convert's share and progress total
+        plan = plan_conversion(reader, ConvertSpec(scratch, os.path.join(scratch, "out"), world_size=world))
+        chunks, outputs = plan.chunks, plan.what.outputs
+        sum(chunks.tasks.bytes(r) for r in chunks.tasks.writing_ranks())  # convert's share and progress total
         t4 = time.perf_counter()
         t.update(open_select_s=t1 - t0, plan_s=t4 - t1,
                  total_s=t4 - t0, cpu_s=time.process_time() - c0, outputs=len(outputs),
-                 tasks=sum(len(p.writers) for p in plan.tensors.values()))
+                 tasks=sum(len(p.writers) for p in chunks.tensors.values()))
         return t, plan
 
     try:
@@ -391,7 +386,7 @@ def plan_70b(args) -> dict:
         t.update(rss_before=rss.base, rss_peak=rss.peak, rss_delta=rss.delta)
         print(f"planning {t['outputs']} tensors x {world} ranks ({t['tasks']:,} write tasks): {t['total_s']:.2f} s "
               f"wall, {t['cpu_s']:.2f} s CPU [{verdict(t['total_s'] <= PLAN_LIMIT_S)} <= {PLAN_LIMIT_S:.0f} s]\n"
-              f"  open_reader + logical_view + select {t['open_select_s']:.2f} s, plan (placements of "
+              f"  open_reader {t['open_select_s']:.2f} s, plan_conversion (logical view, selection, placements of "
               f"{t['outputs'] * world:,} chunks) {t['plan_s']:.2f} s\n"
               f"  peak RSS {t['rss_peak'] / MIB:.0f} MiB (before {t['rss_before'] / MIB:.0f} MiB, "
               f"+{t['rss_delta'] / MIB:.0f}"

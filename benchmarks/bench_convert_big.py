@@ -3,7 +3,7 @@
 Workload: the transformer-shaped fp32 model of ``bench_convert.py`` with Adam state (parameters + ``exp_avg`` +
 ``exp_avg_sq``, ``--gib`` GiB in all, default 20; ``step`` a plain int), a SHARDED shardckpt checkpoint at ws 4,
 each tensor in dim-0 chunks. It is generated in bounded memory, not saved from memory (20 GiB would not fit next to
-the other tenants of a 24 GiB machine): ``convert_plan.plan_conversion`` plans the ws-4 checkpoint and
+the other tenants of a 24 GiB machine): ``convert_plan.plan_chunks`` plans the ws-4 checkpoint and
 ``writer.write_rank_files`` writes each chunk from ``StreamedPiece``s whose slices are views of one 64 MiB pool of
 N(0, 1) values (offset per tensor and chunk), then ``save.commit`` commits it: the files, indexes, checksums and
 manifest are exactly what ``shardckpt.save`` writes.
@@ -59,13 +59,13 @@ def _tree(shapes: dict, leaf) -> dict:
 def generate(path: str, gib: float) -> tuple[float, int]:
     """A SHARDED ws-4 checkpoint of ``gib`` GiB at ``path``, written a slice at a time; (seconds, tensors)."""
     from shardckpt.checkpoint.agree import encoded_holds_per_rank
-    from shardckpt.checkpoint.save import commit, data_dir
+    from shardckpt.checkpoint.commit import commit, data_dir
     from shardckpt.checkpoint.writer import StreamedPiece, write_rank_files
     from shardckpt.format.manifest import version_for
     from shardckpt.format.tree import encode, leaves, path_name
     from shardckpt.formats.api import TensorInfo
     from shardckpt.io import open_storage
-    from shardckpt.offline.convert_plan import dim0_tiled, placement, plan_conversion
+    from shardckpt.offline.convert_plan import dim0_tiled, placement, plan_chunks
     from shardckpt.offline.streams import Output
 
     class Marker:
@@ -82,7 +82,7 @@ def generate(path: str, gib: float) -> tuple[float, int]:
     encoded = encode(tree, marker)
     place = functools.partial(placement, out_type="sharded", world=SAVE_WORLD, reader=None)
     tiled = functools.partial(dim0_tiled, out_type="sharded", reader=None)
-    plan = plan_conversion(outputs, place, tiled, SAVE_WORLD, 2, None, uuid.uuid4().hex[:16])
+    plan = plan_chunks(outputs, place, tiled, SAVE_WORLD, 2, None, uuid.uuid4().hex[:16])
     pool = torch.randn(POOL + SLICE, generator=torch.Generator().manual_seed(0))
     storage = open_storage(path)
     version = version_for(False, encoded_holds_per_rank(encoded))

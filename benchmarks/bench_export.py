@@ -124,7 +124,7 @@ def build(shapes: dict, shard_dir: str, dcp_dir: str) -> None:
 
 def shard_limit(sizes: list[int]) -> int:
     """The smallest --max-shard-size (bytes) that export plans into ``SHARDS`` files for these bf16 sizes."""
-    from shardckpt.offline.export import plan_shards
+    from shardckpt.offline.export_plan import plan_shards
 
     limit = -(-sum(sizes) // SHARDS)
     while len(plan_shards(sizes, limit)) > SHARDS:

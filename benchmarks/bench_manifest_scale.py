@@ -14,9 +14,10 @@ file r. The manifest is built as ``save`` builds it (``compact_chunks`` over the
 
 Planning at 768 ranks, timed two ways for every rank in turn (one process, sequentially):
 
-- ``plan_reads``: planned ``Target`` objects (``formats.native.plan``) for the rank's dim-0 chunk (a ``Box``,
-  as ``ShardedTensor.dim0_chunk`` gives) of every tensor, with a shared empty placeholder tensor as ``flat``
-  (``plan_reads`` reads only ``entry`` and ``region``), then ``plan_reads``. Target construction is timed
+- ``plan_reads``: planned ``CheckedRequest`` targets (``formats.requests``, planned by ``formats.native.plan``)
+  for the rank's dim-0 chunk (a ``Box``, as ``ShardedTensor.dim0_chunk`` gives, made canonical as
+  ``check_request`` makes it) of every tensor, with a shared empty placeholder tensor as ``flat``
+  (``plan_reads`` reads only ``info`` and ``region``), then ``plan_reads``. Target construction is timed
   separately.
 - ``match + plan_reads``: the real load path minus I/O: a state dict of ``ShardedTensor``s over ``meta``
   tensors (building it is timed separately, it is the caller's), ``checkpoint.match`` (manifest tree vs
@@ -44,8 +45,9 @@ import torch
 from _common import median, verdict
 
 from shardckpt.checkpoint.match import match
-from shardckpt.formats.native.plan import Target, plan_reads, target_of
-from shardckpt.regions import Box, dim0_chunk
+from shardckpt.formats.native.plan import plan_reads
+from shardckpt.formats.requests import CheckedRequest, check_request
+from shardckpt.regions import Box, canonical, dim0_chunk
 from shardckpt.sharded_tensor import ShardedTensor
 from shardckpt.format.chunks import compact_chunks
 from shardckpt.format.manifest import FileEntry, Manifest, TensorEntry, parse_manifest
@@ -165,7 +167,7 @@ def plan_direct(manifest: Manifest, rank: int, world: int, placeholder: torch.Te
     for name, entry in manifest.tensors.items():
         region = _box_chunk(entry.shape, rank, world)
         if region.numel:
-            targets.append(Target(entry, region, placeholder))
+            targets.append(CheckedRequest(entry, canonical(region, entry.shape), placeholder))
     t1 = time.perf_counter()
     reads = plan_reads(targets)
     t2 = time.perf_counter()
@@ -183,7 +185,7 @@ def meta_state_dict(params: dict, step_tensors: bool, rank: int, world: int) -> 
 
 def plan_via_match(manifest: Manifest, sd: dict) -> tuple[float, float, int]:
     t0 = time.perf_counter()
-    targets = [target_of(manifest, r, "bench") for r in match(manifest.tree, manifest.tensors, sd, strict=True).requests]
+    targets = [check_request(manifest.tensors, r, "bench") for r in match(manifest.tree, manifest.tensors, sd, strict=True).requests]
     t1 = time.perf_counter()
     reads = plan_reads(targets)
     t2 = time.perf_counter()
@@ -267,14 +269,14 @@ def main() -> None:
     out["direct"] = {"cpu_s": cpu_direct, "targets_s": sum(build), "plan_reads_s": sum(plan), "total_s": total_direct,
                      "per_rank_median_s": median([b + p for b, p in zip(build, plan)]),
                      "per_rank_max_s": max(b + p for b, p in zip(build, plan)), "reads": nreads}
-    print(f"plan at {world} ranks (Target + plan_reads): all ranks {total_direct:.2f} s "
+    print(f"plan at {world} ranks (targets + plan_reads): all ranks {total_direct:.2f} s "
           f"(targets {sum(build):.2f} s + plan_reads {sum(plan):.2f} s) [{verdict(total_direct <= PLAN_LIMIT_S)} "
           f"<= 10 s] (process CPU time {cpu_direct:.2f} s [{verdict(cpu_direct <= PLAN_LIMIT_S)}]); per rank median "
           f"{out['direct']['per_rank_median_s'] * 1e3:.1f} ms, "
           f"max {out['direct']['per_rank_max_s'] * 1e3:.1f} ms; {nreads:,} chunk reads", flush=True)
     sample = range(0, world, max(1, world // args.profile_ranks))
     if args.profile or total_direct > PLAN_LIMIT_S:
-        print(f"cProfile of Target + plan_reads over {len(sample)} sampled ranks:")
+        print(f"cProfile of targets + plan_reads over {len(sample)} sampled ranks:")
         print(profile_sample(lambda r: plan_direct(parsed, r, world, placeholder), sample))
 
     if not args.skip_match:

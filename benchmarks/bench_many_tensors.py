@@ -152,7 +152,8 @@ def manifest_scale(n: int, base: str) -> dict:
     tensor whole (what ``load_full`` plans), in this process."""
     from shardckpt.format.manifest import parse_manifest
     from shardckpt.formats.api import ReadRequest
-    from shardckpt.formats.native.plan import plan_reads, target_of
+    from shardckpt.formats.native.plan import plan_reads
+    from shardckpt.formats.requests import check_requests
     from shardckpt.regions import FlatRange
 
     sd = {f"layers.{i // 128}.experts.{i % 128}.w": torch.full((4,), float(i)) for i in range(n)}
@@ -169,7 +170,7 @@ def manifest_scale(n: int, base: str) -> dict:
         requests = [ReadRequest(name, FlatRange(0, e.numel), torch.empty(e.shape, dtype=e.dtype).reshape(-1))
                     for name, e in manifest.tensors.items()]
         t2 = time.perf_counter()
-        plan_reads([target_of(manifest, r, path) for r in requests])
+        plan_reads(check_requests(manifest.tensors, requests, path))
         parse.append(t1 - t0)
         plan.append(time.perf_counter() - t2)
     return {"parse": median(parse), "plan": median(plan), "manifest_bytes": len(data)}

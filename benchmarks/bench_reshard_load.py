@@ -33,6 +33,7 @@ copy per byte wanted. Target: ``v2`` / ``base`` <= 1.05.
     python benchmarks/bench_reshard_load.py                      # ~1 GiB, 11 repeats (~2.5 min)
     python benchmarks/bench_reshard_load.py --quick              # ~0.25 GiB, 3 repeats
     python benchmarks/bench_reshard_load.py --base-src /tmp/shardckpt-base/src   # a checked-out baseline
+    python benchmarks/bench_reshard_load.py --base-src /tmp/before/src --base-version 2   # before/after a change
 """
 from __future__ import annotations
 
@@ -331,8 +332,9 @@ def run(args, shapes: dict, total: int, scratch: str) -> dict:
         if res["ckpt"][f"v2-{fmt_size(bs)}"]["block_sizes"] != [bs]:
             raise RuntimeError(f"the v2 checkpoint meant to have {bs}-byte blocks records "
                                f"{res['ckpt'][f'v2-{fmt_size(bs)}']['block_sizes']}")
-    if res["ckpt"]["base"]["versions"] != [1]:
-        raise RuntimeError(f"the baseline wrote index version {res['ckpt']['base']['versions']}, not 1")
+    if res["ckpt"]["base"]["versions"] != [args.base_version]:
+        raise RuntimeError(f"the baseline wrote index version {res['ckpt']['base']['versions']}, not "
+                           f"{args.base_version} (--base-version)")
     del g
     gc.collect()
 
@@ -460,6 +462,9 @@ def main() -> None:
                     default=[256 * KIB, MIB, 4 * MIB], help="comma-separated, e.g. 256K,1M,4M (1M is always run)")
     ap.add_argument("--base-rev", default="1c852b6", help="the baseline commit (format v1), via git archive")
     ap.add_argument("--base-src", default=None, help="use this checked-out baseline src/ instead of --base-rev")
+    ap.add_argument("--base-version", type=int, default=1,
+                    help="the index version the baseline writes: 1 for 1c852b6; 2 to compare the current format's "
+                         "code before and after a change (--base-src of the earlier commit)")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir under /tmp)")
     ap.add_argument("--json", default=None, help="write all results here")
     ap.add_argument("--no-check", action="store_true", help="skip checking the loaded values in the first repeat")

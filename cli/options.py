@@ -1,4 +1,4 @@
-"""What the verbs' command lines share beyond their spec (``shardckpt.api.options`` holds the shared
+"""What the verbs' command lines share beyond their spec (``shardckpt.options`` holds the shared
 options themselves): the storage options' help, and ``usage_error`` (a parser's ``ValueError`` as a usage
 error, exit 2)."""
 from __future__ import annotations

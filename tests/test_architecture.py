@@ -8,13 +8,14 @@ import os
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "shardckpt")
 CLI = os.path.join(os.path.dirname(SRC), "..", "cli")
 
-BASE = {"_version", "errors", "regions", "tensor_views", "sharded_tensor", "sizes"}
+BASE = {"_version", "errors", "regions", "tensor_views", "sharded_tensor", "sizes", "options"}
 # package -> what it may import besides itself (BASE modules import only each other).
 ALLOWED = {
     "_version": set(),
     "errors": set(),
     "regions": set(),
     "sizes": set(),
+    "options": {"sizes"},
     "tensor_views": {"regions"},
     "sharded_tensor": {"regions"},
     "dist": BASE,
@@ -22,7 +23,7 @@ ALLOWED = {
     "format": BASE,
     "formats": BASE | {"io", "format"},
     "checkpoint": BASE | {"dist", "io", "format", "formats"},
-    "runtime": BASE | {"dist"},
+    "runtime": BASE | {"dist", "format"},  # format.flat_layout: the LOCAL layout it keeps its flat parameters by
     # The DCP storage backend: DCP's planners call it, it writes and reads through checkpoint/formats.
     "dcp": BASE | {"io", "format", "formats", "checkpoint"},
     "state_dict": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime"},

@@ -8,7 +8,7 @@ import types
 import torch
 
 import shardckpt
-from shardckpt.checkpoint import save as save_module
+from shardckpt.checkpoint import commit as commit_module, save as save_module
 from shardckpt.format.checksum import crc32c, crc32c_shift
 
 FORMAT_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "FORMAT.md")
@@ -19,7 +19,7 @@ SEAL_LEN = len('{"crc32c":"00000000",')
 def example(tmp: str, monkeypatch) -> dict[str, str]:
     """The example checkpoint's files and checksum steps, as FORMAT.md shows them."""
     monkeypatch.setattr(save_module.uuid, "uuid4", lambda: types.SimpleNamespace(hex=GENERATION + "0" * 16))
-    monkeypatch.setattr(save_module, "__version__", "0.1.0")  # the example names a fixed writer version
+    monkeypatch.setattr(commit_module, "__version__", "0.1.0")  # the example names a fixed writer version
     path = os.path.join(tmp, "example")
     shardckpt.save({"w": torch.tensor([[1.0, 2.0], [3.0, -0.5]]), "lr": 0.5, "step": 7}, path, files_per_rank=1)
     data_dir = os.path.join(path, f"data-{GENERATION}")

@@ -1,6 +1,7 @@
 """FORMAT.md is enough to read a LOCAL checkpoint: a reader written from its rules alone (no shardckpt code below the
-line that says so) reads the golden ``fixtures/local/`` as ``load_full`` does, and by parameter as shardckpt's own
-load does (names, shapes, aliases, optimizer state by ID, param-group order), padding never showing."""
+line that says so) reads the golden ``fixtures/local*/`` as ``load_full`` does, and by parameter as shardckpt's own
+load does (names, shapes, aliases, optimizer state by ID or by name, per flat group or saved with
+``use_orig_params``, param-group order), padding never showing."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,11 +15,14 @@ import pytest
 import torch
 
 import shardckpt
-import shardckpt.state_dict  # noqa: F401 - registers the by-parameter view (see the xfail at the end)
 from tests.test_fixtures import _assert_bit_equal
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 FIXTURE = os.path.join(ROOT, "local")
+# fixtures/make_local_fixture.py's VARIANTS, and the keys of their optimizer state by parameter
+FIXTURES = {"local": [1, 2, 3, 4, 5, 6, 7], "local-orig": [1, 2, 3, 4, 5, 6, 7],
+            "local-names": ["emb.weight", "blocks.0.gate", "blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.1.gate",
+                            "blocks.1.fc.weight", "blocks.1.fc.bias"]}
 
 # ------------------------------------------------------------------ the reader: FORMAT.md's rules, nothing else
 
@@ -158,6 +162,11 @@ def by_parameter(full: dict, metadata: dict) -> tuple[dict, dict, list[str]]:
     buffers = {k: v for k, v in model.items() if k != "_flat_layouts" and k not in layouts}
 
     optim, state = full["optim"], {}
+    member_names = {n for lay in layouts.values() for n in lay["names"]}
+    keys = list(optim["state"]) + [p for pg in optim["param_groups"] for p in pg["params"]]
+    id_names = {p: n for pg in optim["param_groups"] for p, n in zip(pg["params"], pg.get("param_names", []))}
+    if all(id_names.get(k, k) in member_names for k in keys):  # saved with use_orig_params: by parameter already
+        return {"model": {**params, **buffers}, "optim": optim}, padding
     for key, entry in optim["state"].items():
         flat_key = flat_keys[key] if by_id else key
         for name, _, _ in members(flat_key, model[flat_key]):
@@ -190,18 +199,21 @@ def _make_fixture():
     return module
 
 
-def test_the_reader_reads_the_fixture_as_load_full_does():
-    reader = Reader(FIXTURE)
-    mine, theirs = reader.full(), shardckpt.load_full(FIXTURE)
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_the_reader_reads_the_fixture_as_load_full_does(fixture):
+    reader = Reader(os.path.join(ROOT, fixture))
+    mine, theirs = reader.full(), shardckpt.load_full(os.path.join(ROOT, fixture))
     _assert_bit_equal(mine, theirs)
     assert mine["model"]["_flat_layouts"] == theirs["model"]["_flat_layouts"]
     assert mine["optim"]["param_groups"] == theirs["optim"]["param_groups"] and mine["step"] == theirs["step"] == 1
 
 
-def test_by_parameter_the_reader_gets_what_shardckpt_loads():
-    reader = Reader(FIXTURE)
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_by_parameter_the_reader_gets_what_shardckpt_loads(fixture):
+    reader = Reader(os.path.join(ROOT, fixture))
     metadata = reader.doc["metadata"]
-    assert metadata["state_dict_type"] == "LOCAL_STATE_DICT" and metadata["optim_key"] == "PARAM_ID"
+    assert metadata["state_dict_type"] == "LOCAL_STATE_DICT"
+    assert metadata["optim_key"] == ("PARAM_NAME" if fixture == "local-names" else "PARAM_ID")
     mine, padding = by_parameter(reader.full(), metadata)
     # shardckpt loads a LOCAL checkpoint into an unsharded (FULL-shaped) target by parameter: strict, so its names
     # and shapes must be the reader's exactly; then the values and the param groups must be too.
@@ -209,10 +221,10 @@ def test_by_parameter_the_reader_gets_what_shardckpt_loads():
               "optim": {"state": {k: {n: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
                                       for n, v in s.items()} for k, s in mine["optim"]["state"].items()},
                         "param_groups": []}, "step": 0}
-    shardckpt.load(target, FIXTURE)
+    shardckpt.load(target, os.path.join(ROOT, fixture))
     _assert_bit_equal(target, mine)
     assert target["optim"]["param_groups"] == mine["optim"]["param_groups"]
-    assert list(target["optim"]["state"]) == list(mine["optim"]["state"]) == [1, 2, 3, 4, 5, 6, 7]  # pos: frozen
+    assert list(target["optim"]["state"]) == list(mine["optim"]["state"]) == FIXTURES[fixture]  # no ID 0: frozen
     assert all(not p.any() for p in padding)
 
 
@@ -239,12 +251,16 @@ def test_the_fixture_covers_what_a_reader_must_get_right():
 
 
 def test_loading_by_parameter_does_not_depend_on_what_was_imported():
+    """``load`` reads LOCAL by parameter whatever else was imported, and reading LOCAL (load, inspect by parameter)
+    imports neither the training runtime nor the state-dict layer: LOCAL's layout is the format's."""
     reader = Reader(FIXTURE)
     mine, _ = by_parameter(reader.full(), reader.doc["metadata"])
     shapes = {k: list(v.shape) for k, v in mine["model"].items()}
     code = ("import json, sys, torch, shardckpt\n"
             "target = {'model': {k: torch.zeros(s) for k, s in json.loads(sys.argv[2]).items()}}\n"
             "shardckpt.load(target, sys.argv[1], strict=False)\n"
+            "assert shardckpt.inspect(sys.argv[1]).details['parameters']\n"
+            "assert not {'shardckpt.runtime', 'shardckpt.state_dict'} & set(sys.modules), 'imported to read'\n"
             "print(json.dumps({k: v.tolist() for k, v in target['model'].items()}))\n")
     done = subprocess.run([sys.executable, "-c", code, FIXTURE, json.dumps(shapes)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-500:]

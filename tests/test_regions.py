@@ -13,13 +13,16 @@ from shardckpt.tensor_views import view_of
 from shardckpt.regions import (
     Box,
     FlatRange,
+    Run,
     canonical,
     check_tiling,
+    cut,
     dim0_chunk,
     even_flat_shard,
     flat_bounds,
     intersect,
     local_span,
+    runs_within,
     strided_view,
 )
 
@@ -164,3 +167,62 @@ def test_check_tiling_accepts_real_tilings_and_refuses_a_moved_piece(shape, data
             else [Box(boxes[-1].offsets, boxes[0].sizes)] + boxes[1:]
         with pytest.raises(ValueError):
             check_tiling(moved, shape)
+
+
+# ------------------------------------------------------------------------ Run: where a run of elements lives
+
+
+def mapping(runs):
+    """Every element here -> (source, element there), as the runs say."""
+    return {run.at + i: (run.source, run.start + i) for run in runs for i in range(run.count)}
+
+
+runs_ = st.builds(Run, st.sampled_from(["a", ("f", 1), None]), st.integers(0, 50), st.integers(0, 50),
+                  st.integers(0, 30))
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs_, st.integers(0, 90), st.integers(0, 90))
+def test_a_clipped_run_keeps_the_mapping_of_the_elements_it_covers(run, lo, hi):
+    whole = mapping([run])
+    for part, side in ((run.clip(lo, hi), "here"), (run.clip_source(lo, hi), "there")):
+        want = {x: y for x, y in whole.items() if lo <= (x if side == "here" else y[1]) < hi}
+        assert (mapping([part]) if part is not None else {}) == want
+        assert part is None or part.count > 0
+    assert run.here == FlatRange(run.at, run.at + run.count) and run.there == FlatRange(run.start, run.start + run.count)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 40)), max_size=8), st.data())
+def test_runs_within_a_tiling_cover_the_range_asked_in_order(pieces, data):
+    runs, at = [], 0
+    for i, (count, start) in enumerate(pieces):
+        runs.append(Run(i, start, at, count))
+        at += count
+    lo = data.draw(st.integers(0, at))
+    hi = data.draw(st.integers(lo, at))
+    got = list(runs_within(runs, lo, hi))
+    assert [x for r in got for x in range(r.at, r.at + r.count)] == list(range(lo, hi))
+    assert mapping(got) == {x: y for x, y in mapping(runs).items() if lo <= x < hi}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=6), st.integers(0, 20), st.data())
+def test_cut_places_a_range_of_a_concatenation_in_its_parts(sizes, at, data):
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    lo = data.draw(st.integers(0, bounds[-1]))
+    hi = data.draw(st.integers(lo, bounds[-1]))
+    runs = cut(lo, hi, bounds, at)
+    assert [x for r in runs for x in range(r.at, r.at + r.count)] == list(range(at, at + hi - lo))
+    for r in runs:  # each inside its part, at the right place of the concatenation
+        assert r.count > 0 and r.start + r.count <= bounds[r.source + 1] - bounds[r.source]
+        assert bounds[r.source] + r.start == lo + r.at - at
+
+
+def test_runs_refuse_what_cannot_be():
+    with pytest.raises(ValueError):
+        Run("t", -1, 0, 3)
+    with pytest.raises(ValueError):
+        cut(2, 9, [0, 4, 8])

@@ -69,10 +69,6 @@ def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'shardckpt' has no attribute {name!r}")
-    if module.startswith("shardckpt.checkpoint"):
-        # state_dict registers load's by-parameter view of LOCAL checkpoints as it is imported: without it,
-        # load(strict=False) of a LOCAL checkpoint into a by-name state dict would fill nothing, silently.
-        importlib.import_module("shardckpt.state_dict")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # once imported, an ordinary attribute
     return value

@@ -6,17 +6,22 @@ Every shard of a tensor is a region of that tensor's row-major element space:
 - ``FlatRange``: a half-open range ``[start, stop)`` of row-major element indices, e.g. a slice of a
   flattened parameter that starts and ends mid-row.
 
+Where a run of a tensor's elements lives in another flat tensor is a ``Run``: elements ``[at, at + count)``
+here are elements ``[start, start + count)`` there (a member inside a flat parameter, a rank's part of a
+member, a parameter's piece of a ZeRO partition).
+
 A region's *local storage* is its elements in global row-major order, packed densely. Resharding is
 intersecting the regions a reader wants with those a writer stored and copying the overlaps; this
 module plans that and never touches data (no I/O, no torch.distributed).
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Iterator, Sequence, Union
+from typing import Hashable, Iterator, Sequence, Union
 
 Shape = tuple[int, ...]
 
@@ -56,6 +61,69 @@ class FlatRange:
 
 
 Region = Union[Box, FlatRange]
+
+
+@dataclass(frozen=True)
+class Run:
+    """Elements ``[at, at + count)`` of one tensor (row-major) are elements ``[start, start + count)`` of
+    ``source`` (flattened). ``source`` names the other tensor as its user does: a stored tensor's name, a
+    (file, tensor) or (rank, flat group) pair; a run of the tensor in its own flat storage has ``None``."""
+
+    source: Hashable
+    start: int
+    at: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.at < 0 or self.count < 0:
+            raise ValueError(f"Run at={self.at} start={self.start} count={self.count} must be >= 0")
+
+    @property
+    def here(self) -> FlatRange:
+        return FlatRange(self.at, self.at + self.count)
+
+    @property
+    def there(self) -> FlatRange:
+        return FlatRange(self.start, self.start + self.count)
+
+    def clip(self, lo: int, hi: int) -> Run | None:
+        """The part of the run whose elements here lie in ``[lo, hi)``; None where none does."""
+        a, b = max(lo, self.at), min(hi, self.at + self.count)
+        return Run(self.source, self.start + a - self.at, a, b - a) if a < b else None
+
+    def clip_source(self, lo: int, hi: int) -> Run | None:
+        """The part of the run whose elements there lie in ``[lo, hi)``; None where none does."""
+        a, b = max(lo, self.start), min(hi, self.start + self.count)
+        return Run(self.source, a, self.at + a - self.start, b - a) if a < b else None
+
+
+def runs_within(runs: Sequence[Run], lo: int, hi: int) -> Iterator[Run]:
+    """The parts of ``runs`` (consecutive runs tiling a range here, in order) covering ``[lo, hi)`` here, in
+    order; only the runs that overlap it are looked at (a region of a tensor in many pieces has many runs)."""
+    first = max(0, bisect.bisect_right([r.at for r in runs], lo) - 1)
+    for run in itertools.islice(runs, first, None):
+        if run.at >= hi:
+            return
+        part = run.clip(lo, hi)
+        if part is not None:
+            yield part
+
+
+def cut(lo: int, hi: int, bounds: Sequence[int], at: int = 0) -> list[Run]:
+    """Elements ``[lo, hi)`` of a concatenation of parts (part ``k`` is its elements ``[bounds[k], bounds[k + 1])``)
+    as runs of the parts, in order: source ``k``, ``start`` within part ``k``, ``at`` counted from ``at`` at
+    ``lo``. Raises ValueError where ``[lo, hi)`` runs outside ``[bounds[0], bounds[-1])``."""
+    if lo < bounds[0] or hi > bounds[-1]:
+        raise ValueError(f"elements [{lo}, {hi}) run outside the parts' [{bounds[0]}, {bounds[-1]})")
+    out = []
+    k = bisect.bisect_right(bounds, lo) - 1
+    while lo < hi:
+        stop = min(hi, bounds[k + 1])
+        if lo < stop:
+            out.append(Run(k, lo - bounds[k], at, stop - lo))
+            at, lo = at + stop - lo, stop
+        k += 1
+    return out
 
 
 def strides(shape: Sequence[int]) -> Shape:

@@ -2,21 +2,32 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import Any, Callable
 
 
 def killed_after(calls: int, module: Any, name: str, run: Callable[[], Any]) -> None:
     """``run()`` in a forked child that dies without any cleanup (``os._exit``) as it makes call number
-    ``calls + 1`` to ``module.name``: the first ``calls`` calls complete."""
+    ``calls + 1`` to ``module.name``: the first ``calls`` calls complete (those in other threads too: a call past
+    them waits for them before it kills the process)."""
     pid = os.fork()
     if pid == 0:
-        real, made = getattr(module, name), []
+        real, made, done, lock = getattr(module, name), [], [0], threading.Lock()
 
         def dying(*args, **kwargs):
-            made.append(1)
-            if len(made) > calls:
+            with lock:
+                made.append(1)
+                n = len(made)
+            if n > calls:
+                while done[0] < calls:
+                    time.sleep(0.001)
                 os._exit(9)
-            return real(*args, **kwargs)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                with lock:
+                    done[0] += 1
 
         setattr(module, name, dying)
         try:
@@ -40,7 +51,7 @@ def parent_of_workers(src: str, dst: str, stage: str, marks: str) -> None:
     import torch.multiprocessing as mp
 
     from shardckpt.offline import workers
-    from shardckpt.offline.convert import convert
+    from shardckpt.offline.spec import ConvertSpec
 
     real_start = mp.start_processes
 
@@ -53,17 +64,15 @@ def parent_of_workers(src: str, dst: str, stage: str, marks: str) -> None:
         return context
 
     workers.mp.start_processes = start
-    convert(src, dst, world_size=3, workers=2)
+    workers.convert_in_workers(ConvertSpec(src, dst, world_size=3, workers=2))
     sys.exit(0)
 
 
-def _stalling_worker(rank: int, world: int, port: int, queue, src, dst, options: dict, parent: int, stage: str,
-                     marks: str) -> None:
+def _stalling_worker(rank: int, world: int, port: int, queue, spec, parent: int, stage: str, marks: str) -> None:
     """The real worker, stopped for good at ``stage`` (see ``parent_of_workers``) after writing its mark."""
     import time
 
-    import shardckpt.offline.convert as convert_module
-    from shardckpt.offline import workers
+    from shardckpt.offline import chunk_output, workers
 
     def stop() -> None:
         open(os.path.join(marks, str(rank)), "w").close()
@@ -73,7 +82,7 @@ def _stalling_worker(rank: int, world: int, port: int, queue, src, dst, options:
         workers.die_with_parent(parent)
         stop()
     if stage == "writing":
-        convert_module.write_rank_files = lambda *args, **kwargs: stop()
+        chunk_output.write_file = lambda *args, **kwargs: stop()
     elif rank == 0:
         open(os.path.join(marks, str(rank)), "w").close()
-    workers._worker(rank, world, port, queue, src, dst, options, parent)
+    workers._worker(rank, world, port, queue, spec, parent)

@@ -15,7 +15,7 @@ from shardckpt import CheckpointExistsError, IncompatibleCheckpointError, StateD
 from shardckpt.checkpoint.verify import verify
 from shardckpt.errors import BadArgumentError
 from shardckpt.cli.main import main
-from shardckpt.offline import memory
+from shardckpt.offline import chunk_output, memory
 from shardckpt.offline import convert as convert_module
 from shardckpt.offline.convert import convert
 from shardckpt.offline.diff import diff
@@ -24,8 +24,8 @@ from shardckpt.formats.native import read_manifest
 from shardckpt.io import open_storage
 from shardckpt.runtime import FlatLayout
 from shardckpt.state_dict import OptimStateKeyType, unsharded_param_names
-from shardckpt.state_dict.flat import LAYOUTS_KEY
-from shardckpt.state_dict.logical import logical_view
+from shardckpt.format.flat_layout import LAYOUTS_KEY
+from shardckpt.formats.local_view import logical_view
 from tests._helpers import manifest_of
 from tests._dist import run_ranks
 from tests.checkpoint.cases import block_size
@@ -94,7 +94,7 @@ def test_a_world_size_above_the_formats_cap_is_refused_before_the_source_is_read
 
     monkeypatch.setattr(convert_module, "open_reader", unread)
     with pytest.raises(BadArgumentError, match="above the format's cap of 16777216 ranks"):
-        convert(tmp_path / "src", tmp_path / "dst", world_size=(1 << 24) + 1, workers=workers)
+        shardckpt.convert(tmp_path / "src", tmp_path / "dst", world_size=(1 << 24) + 1, workers=workers)
     args = ["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--world-size", str((1 << 24) + 1)]
     assert main(args + ["--workers", str(workers)]) == 2
     assert "cap of 16777216 ranks" in capsys.readouterr().err
@@ -126,7 +126,7 @@ def test_a_failure_mid_way_commits_nothing_keeps_the_old_checkpoint_and_what_a_r
 
 def test_what_a_failed_conversion_left_is_debris_for_gc(tmp_path, monkeypatch):
     shardckpt.save(_state(), tmp_path / "src")
-    monkeypatch.setattr(convert_module, "write_rank_files", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(chunk_output, "write_file", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         convert(tmp_path / "src", tmp_path / "dst", world_size=2)
     assert [n for n in os.listdir(tmp_path / "dst") if n.startswith("data-")]
@@ -353,7 +353,7 @@ def test_optim_key_round_trip_and_errors(tmp_path, capsys):
     assert diff(tmp_path / "src", tmp_path / "names").equal
     assert manifest_of(tmp_path / "names").metadata["optim_key"] == "PARAM_NAME"
     with pytest.raises(ValueError, match="optim_key must be 'name' or 'id'"):
-        convert(tmp_path / "src", tmp_path / "x", optim_key="ID")
+        convert(tmp_path / "src", tmp_path / "x", optim_key="ids")  # (case-insensitive, as the CLI)
     # torch's own ID-keyed state records no names: to key it by name, say what the IDs are
     sd = {"optim": {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}}
     torch.save(sd, tmp_path / "plain.pt")

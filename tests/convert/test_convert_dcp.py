@@ -227,10 +227,11 @@ def test_what_dcp_output_cannot_be_is_refused_before_anything_is_written(tmp_pat
 
 
 def test_the_commands_formats_are_converts():
-    from shardckpt.api import transform
-    from shardckpt.offline import convert as convert_module
+    from shardckpt.api.spec import params
+    from shardckpt.offline.spec import FORMATS
 
-    assert transform.FORMATS == convert_module.FORMATS
+    [option] = [p for p in params(shardckpt.convert) if p.name == "format"]
+    assert option.opt.choices == FORMATS == ("shardckpt", "dcp")
 
 
 def test_the_command_says_it_wrote_a_dcp_directory(tmp_path, capsys):

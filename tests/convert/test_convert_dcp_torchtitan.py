@@ -138,7 +138,7 @@ def test_the_command_and_workers_strip_it_too(tmp_path):
     dcp_to_torch_save(tmp_path / "dcp", tmp_path / "out.pt")
     got = torch.load(tmp_path / "out.pt", weights_only=False)
     assert sorted(got) == sorted(state["model"])
-    convert(tmp_path / "src", tmp_path / "ws2", world_size=2, workers=2, strip_prefix="model.")
+    shardckpt.convert(tmp_path / "src", tmp_path / "ws2", world_size=2, workers=2, strip_prefix="model.")
     got = shardckpt.load_full(tmp_path / "ws2")
     for name, tensor in state["model"].items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name

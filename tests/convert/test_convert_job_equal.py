@@ -17,7 +17,7 @@ from shardckpt.offline.diff import diff
 from shardckpt.formats.native import read_manifest
 from shardckpt.io import open_storage
 from shardckpt.runtime import ShardingStrategy, shard
-from shardckpt.state_dict.flat import LAYOUTS_KEY, POSITIONS
+from shardckpt.format.flat_layout import LAYOUTS_KEY, POSITIONS
 from tests._dist import run_ranks
 from tests.runtime import _model
 from tests.runtime._model import Block

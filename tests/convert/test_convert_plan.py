@@ -12,7 +12,7 @@ from shardckpt.checkpoint.save_plan import TensorPlan, plan_placed
 from shardckpt.format.chunks import compact_chunks
 from shardckpt.format.dtypes import dtype_name, itemsize
 from shardckpt.formats.api import TensorInfo
-from shardckpt.offline.convert_plan import Dim0Chunks, plan_conversion
+from shardckpt.offline.convert_plan import Dim0Chunks, plan_chunks
 from shardckpt.offline.streams import Output
 from shardckpt.regions import FlatRange, dim0_chunk, even_flat_shard, full_region
 
@@ -68,7 +68,7 @@ def test_the_arithmetic_plan_is_the_chunk_by_chunk_plan(world, files_per_rank, d
     outputs = [_output(n, s, torch.float32 if dtypes == "fp32" else kinds[i % 4]) for i, (n, s) in enumerate(SHAPES.items())]
     place = functools.partial(_placement, world=world)
     want = _chunk_by_chunk(outputs, place, world, files_per_rank)
-    got = plan_conversion(outputs, place, _tiled, world, files_per_rank, None, "g")
+    got = plan_chunks(outputs, place, _tiled, world, files_per_rank, None, "g")
     assert list(got.tensors) == list(want.tensors)
     for name, w in want.tensors.items():
         g = got.tensors[name]
@@ -109,7 +109,7 @@ def test_even_flat_shards_are_planned_rank_by_rank_and_match():
         return even_flat_shard(o.source.shape[0], rank, world), False
 
     want = _chunk_by_chunk(outputs, place, world, 2)
-    got = plan_conversion(outputs, place, lambda o: False, world, 2, None, "g")
+    got = plan_chunks(outputs, place, lambda o: False, world, 2, None, "g")
     assert [got.tasks[r] for r in range(world)] == want.tasks
     assert {n: (t.regions, t.writers, t.slot) for n, t in got.tensors.items()} == \
         {n: (t.regions, t.writers, t.slot) for n, t in want.tensors.items()}

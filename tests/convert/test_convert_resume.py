@@ -5,18 +5,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import uuid
 
 import pytest
 import torch
 
 import shardckpt
-import shardckpt.offline.convert as convert_module
 from shardckpt import CheckpointNotFoundError
 from shardckpt.checkpoint import writer
 from shardckpt.checkpoint.verify import verify
-from shardckpt.offline import memory, resume, streams
+from shardckpt.offline import chunk_output, memory, resume, streams
 from shardckpt.offline.convert import convert
+from shardckpt.offline.spec import ConvertSpec
+from shardckpt.offline.workers import convert_in_workers
 from shardckpt.offline.diff import diff
 from shardckpt.format.manifest import chunks_of
 from shardckpt.io import LocalStorage
@@ -35,8 +37,10 @@ def _state(seed: int = 0) -> dict:
 
 
 def _killed_after(ranks: int, src, dst, **options) -> None:
-    """convert killed (kill -9 style) as it starts output rank ``ranks + 1``."""
-    killed_after(ranks, convert_module, "write_rank_files", lambda: convert(src, dst, **options))
+    """convert killed (kill -9 style) once output ranks 0..``ranks - 1`` are written: as it starts a data file
+    after their files (each rank has ``files_per_rank``)."""
+    killed_after(ranks * options.get("files_per_rank", 2), chunk_output, "write_file",
+                 lambda: convert(src, dst, **options))
 
 
 @pytest.mark.parametrize("compress", [None, "zstd"])
@@ -87,7 +91,7 @@ def test_other_options_or_a_source_saved_again_start_over(tmp_path):
 def test_a_second_run_of_the_same_conversion_while_one_is_writing_fails_at_once(tmp_path, monkeypatch):
     src, dst = tmp_path / "src", tmp_path / "dst"
     shardckpt.save(_state(), src)
-    real, second = convert_module.write_rank_files, []
+    real, second = chunk_output.write_file, []
 
     def with_a_second_run(*args, **kwargs):
         if not second:  # while the first run writes its first rank, the same command starts again
@@ -96,7 +100,7 @@ def test_a_second_run_of_the_same_conversion_while_one_is_writing_fails_at_once(
                 convert(src, dst, world_size=4)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(convert_module, "write_rank_files", with_a_second_run)
+    monkeypatch.setattr(chunk_output, "write_file", with_a_second_run)
     convert(src, dst, world_size=4)
     assert second and verify(dst).ok and diff(src, dst).equal
 
@@ -108,7 +112,7 @@ def test_the_loser_of_two_identical_conversions_keeps_the_winners_files(tmp_path
     shardckpt.save(_state(), src)
     real_hold = LocalStorage.hold_dir
     monkeypatch.setattr(LocalStorage, "hold_dir", lambda self, path, exclusive=False: real_hold(self, path))
-    real, second = convert_module.write_rank_files, []
+    real, second = chunk_output.write_file, []
 
     def with_a_second_run(*args, **kwargs):
         if not second:  # the same command, run to its commit while the first one writes
@@ -116,7 +120,7 @@ def test_the_loser_of_two_identical_conversions_keeps_the_winners_files(tmp_path
             convert(src, dst, world_size=4)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(convert_module, "write_rank_files", with_a_second_run)
+    monkeypatch.setattr(chunk_output, "write_file", with_a_second_run)
     with pytest.raises(shardckpt.CheckpointExistsError):
         convert(src, dst, world_size=4)
     assert second and verify(dst).ok and diff(src, dst).equal
@@ -294,7 +298,7 @@ def test_local_workers_keep_what_a_killed_run_wrote_and_report_it_all(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     shardckpt.save(_state(), src)
     _killed_after(2, src, dst, world_size=3)
-    report = convert(src, dst, world_size=3, workers=2)
+    report = convert_in_workers(ConvertSpec(src, dst, world_size=3, workers=2))
     manifest = manifest_of(dst)
     kept = sum(tensor.dtype.itemsize * region.numel for tensor in manifest.tensors.values()
                for _, region, file in chunks_of(tensor) if file // 2 < 2)  # two files a rank: ranks 0 and 1
@@ -307,18 +311,20 @@ def test_a_failing_second_run_never_removes_what_the_first_committed(tmp_path, m
     writes, then B fails (a store error) and must leave A's data alone (it removed the directory)."""
     src, dst = tmp_path / "src", f"memory://resume-{uuid.uuid4().hex[:8]}"
     shardckpt.save(_state(), src)
-    real, calls = convert_module.write_rank_files, []
+    real, b, lock = chunk_output.write_file, [], threading.Lock()
 
-    def second_run_then_fail(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            monkeypatch.setattr(convert_module, "write_rank_files", real)
-            convert(src, dst, world_size=4)  # A: the same command, to its commit
-            monkeypatch.setattr(convert_module, "write_rank_files", second_run_then_fail)
-            return real(*args, **kwargs)
-        raise OSError("connection reset (injected)")
+    def second_run_then_fail(files, *args, **kwargs):
+        with lock:
+            first = not b
+            if first:
+                b.append(files.plan)  # B's files are written with B's plan
+        if first:
+            convert(src, dst, world_size=4)  # A: the same command, to its commit (its files: other plans)
+        elif files.plan is b[0]:
+            raise OSError("connection reset (injected)")
+        return real(files, *args, **kwargs)
 
-    monkeypatch.setattr(convert_module, "write_rank_files", second_run_then_fail)
+    monkeypatch.setattr(chunk_output, "write_file", second_run_then_fail)
     with pytest.raises(OSError, match="injected"):
         convert(src, dst, world_size=4)
     assert verify(dst).ok and diff(src, dst).equal

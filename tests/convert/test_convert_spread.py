@@ -11,9 +11,11 @@ import pytest
 import torch.distributed as dist
 
 import shardckpt
-import shardckpt.offline.convert as convert_module
 from shardckpt.checkpoint.verify import verify
+from shardckpt.offline import chunk_output
 from shardckpt.offline.convert import convert
+from shardckpt.offline.spec import ConvertSpec
+from shardckpt.offline.workers import convert_in_workers
 from shardckpt.offline.diff import diff
 from shardckpt.formats.native import read_manifest
 from shardckpt.io import open_storage
@@ -24,20 +26,20 @@ from tests.convert.test_convert import _state
 def _spread(src: str, dst: str, world_size: int, fail_on: int | None = None) -> list[int]:
     """Convert on every rank of the pool; returns the output ranks this worker wrote."""
     wrote = []
-    real = convert_module.write_rank_files
+    real = chunk_output.write_file
 
-    def recording(storage, base, *args, **kwargs):
-        rank = int(base.rsplit("rank-", 1)[1])
+    def recording(files, slot, data_path, *args, **kwargs):
+        rank = int(data_path.rsplit("rank-", 1)[1].split("-")[0])
         if dist.get_rank() == fail_on:
-            raise OSError(28, "No space left on device (injected)", base)
-        wrote.append(rank)
-        return real(storage, base, *args, **kwargs)
+            raise OSError(28, "No space left on device (injected)", data_path)
+        wrote.extend([rank] if rank not in wrote else [])
+        return real(files, slot, data_path, *args, **kwargs)
 
-    convert_module.write_rank_files = recording
+    chunk_output.write_file = recording
     try:
         convert(src, dst, world_size=world_size, spread_over=dist.group.WORLD)
     finally:
-        convert_module.write_rank_files = real
+        chunk_output.write_file = real
     return wrote
 
 
@@ -95,7 +97,8 @@ def test_local_workers_give_the_one_process_result_and_sum_their_progress(tmp_pa
     src, dst, alone = str(tmp_path / "src"), str(tmp_path / "dst"), str(tmp_path / "alone")
     shardckpt.save(_state(), src)
     seen: list[tuple[int, int]] = []
-    report = convert(src, dst, world_size=3, workers=2, optim_key="id", progress=lambda d, t: seen.append((d, t)))
+    report = convert_in_workers(ConvertSpec(src, dst, world_size=3, workers=2, optim_key="id"),
+                                lambda d, t: seen.append((d, t)))
     assert report.world_size == 3 and report.type == "sharded" and report.kept_ranks == ()
     convert(src, alone, world_size=3, optim_key="id")
     a, b = read_manifest(open_storage(dst)), read_manifest(open_storage(alone))
@@ -111,7 +114,7 @@ def test_local_workers_raise_the_failure_itself(tmp_path, capsys):
     src = str(tmp_path / "src")
     shardckpt.save(_state(), src)
     with pytest.raises(shardckpt.CheckpointExistsError, match="overwrite"):
-        convert(src, src, workers=2)
+        convert_in_workers(ConvertSpec(src, src, workers=2))
     assert main(["convert", src, src, "--workers", "2", "--quiet"]) == 2
     assert "a checkpoint already exists" in capsys.readouterr().err
     with pytest.raises(ValueError, match="workers"):

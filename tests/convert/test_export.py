@@ -21,9 +21,11 @@ from shardckpt import CheckpointExistsError, CorruptCheckpointError, StateDictTy
 from shardckpt.cli.main import main
 from shardckpt.offline import memory
 from shardckpt.offline.convert import convert
-from shardckpt.offline.export import (
-    INDEX_NAME, SINGLE_FILE, NoModelWeightsError, export, header_bytes, parse_size, plan_shards, strip_wrappers,
-)
+from shardckpt.offline.export import INDEX_NAME, SINGLE_FILE, export
+from shardckpt.offline.adapters.reader import strip_wrappers
+from shardckpt.offline.export_plan import NoModelWeightsError, plan_shards
+from shardckpt.offline.safetensors_files import header_bytes
+from shardckpt.sizes import parse_size
 from shardckpt.offline.verify_export import verify_export
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.native import NativeReader
@@ -352,10 +354,12 @@ def test_export_to_an_fsspec_memory_filesystem_writes_the_index_last(tmp_path, m
 
 
 def test_header_is_padded_to_8_bytes():
-    from shardckpt.offline.export import _Tensor
+    from shardckpt.formats.api import TensorInfo
+    from shardckpt.offline.streams import Output
 
     for n in range(1, 12):
-        raw = header_bytes([_Tensor("x" * n, "x", torch.float32, torch.float32, (2,))], {"format": "pt"})
+        raw = header_bytes([Output("x" * n, (), TensorInfo("x", torch.float32, (2,), None), torch.float32)],
+                           {"format": "pt"})
         (size,) = struct.unpack("<Q", raw[:8])
         assert size % 8 == 0 and len(raw) == 8 + size and raw[8:9] == b"{"
 
@@ -376,7 +380,7 @@ def test_cli(tmp_path, capsys):
 def test_a_rename_map_renames_by_whole_name_match_and_null_leaves_out(tmp_path, capsys):
     shardckpt.save(_state(), tmp_path / "src")
     rules = {r"(w|b)": r"layer.\1_renamed", "flag": None, r"h": "half"}
-    report = export(tmp_path / "src", tmp_path / "dst", rename=rules)
+    report = export(tmp_path / "src", tmp_path / "dst", rename_map=rules)
     want = {("layer.w_renamed" if k == "w" else "layer.b_renamed" if k == "b" else "half" if k == "h" else k): v
             for k, v in _model_state().items() if k != "flag"}
     _same(_exported(tmp_path / "dst"), want)
@@ -403,7 +407,7 @@ def test_a_rename_map_renames_by_whole_name_match_and_null_leaves_out(tmp_path, 
 def test_bad_rename_maps_are_refused_before_writing(tmp_path, rules, error):
     shardckpt.save(_state(), tmp_path / "src")
     with pytest.raises((ValueError, shardckpt.IncompatibleCheckpointError), match=error):
-        export(tmp_path / "src", tmp_path / "dst", rename=rules)
+        export(tmp_path / "src", tmp_path / "dst", rename_map=rules)
     _nothing_at(tmp_path / "dst")
 
 

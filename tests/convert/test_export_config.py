@@ -106,7 +106,7 @@ def _refused(tmp_path, config, **kw) -> str:
 def test_a_missing_tensor_is_refused_before_writing_and_named(tmp_path):
     config = _llama_config()
     _save(_model(config), tmp_path / "ck")
-    message = _refused(tmp_path, config, rename={r"model\.norm\.weight": None})
+    message = _refused(tmp_path, config, rename_map={r"model\.norm\.weight": None})
     assert "'model.norm.weight' is missing" in message
 
 

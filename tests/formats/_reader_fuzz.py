@@ -8,8 +8,8 @@ file names. Then every public entry point runs on it: ``open_reader`` with ``ten
 of every tensor, ``load_full``, ``checkpoint.verify`` and ``checkpoint.describe``.
 
 Allowed: a ``CheckpointError``, or success. A failure is anything else escaping a public function (``MemoryError``
-under the cap, ``RecursionError``, ``TypeError``...), a case over ``CASE_CPU`` seconds of CPU, a reader presenting
-more tensor bytes than its files hold (times ``PRESENT_FACTOR``), or, where the format checksums what a case
+under the cap, ``RecursionError``, ``TypeError``...), a public call over ``CASE_CPU`` seconds of CPU, a reader
+presenting more tensor bytes than its files hold (times ``PRESENT_FACTOR``), or, where the format checksums what a case
 damaged (``exact``), a load that succeeds with other bytes than the original's under an original name. A case
 that kills the process (the memory or CPU cap) fails the run; ``progress`` names it. Before the cases, an
 allocation past the cap must fail (else the cap is not in effect and the run fails).
@@ -48,7 +48,7 @@ from tests.formats._fuzz_values import flat_tensors  # noqa: E402
 
 MEMORY_CAP = 384 << 20  # address space allowed above what the process maps once set up (torch imported)
 CPU_CAP = 600  # seconds of CPU for the whole run: the cap that kills
-CASE_CPU = 10  # seconds of CPU per case: over it is a failure (and the case is abandoned)
+CASE_CPU = 10  # seconds of CPU per public call in a case: over it is a failure (and the case is abandoned)
 PRESENT_FACTOR = 4  # a reader may present at most this many times its files' bytes (ties, state beside weights)
 
 
@@ -94,7 +94,9 @@ class Run:
 
     def _call(self, what: str, fn, case: str) -> tuple[bool, object]:
         """(ok, result): ok False where it refused with a CheckpointError; a failure is recorded and re-raised as
-        StopIteration so the case ends."""
+        StopIteration so the case ends. Each call gets ``CASE_CPU`` seconds: a case runs four public calls, and each
+        one reads the damaged checkpoint from scratch (a 2 MB pickle nesting a million deep costs ~2.6 s a call)."""
+        signal.setitimer(signal.ITIMER_PROF, CASE_CPU)
         try:
             return True, fn()
         except CheckpointError:
@@ -156,10 +158,9 @@ def _address_space() -> int:
 @contextlib.contextmanager
 def _capped():
     """The address space capped at ``MEMORY_CAP`` above what the process maps now, while a case's checkpoint is
-    read (not while it is made), and a CPU timer of ``CASE_CPU`` seconds."""
+    read (not while it is made); ``_call`` sets a CPU timer of ``CASE_CPU`` seconds per public call."""
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (_address_space() + MEMORY_CAP, hard))
-    signal.setitimer(signal.ITIMER_PROF, CASE_CPU)
     try:
         yield
     finally:

@@ -3,8 +3,8 @@ reads, and only a ``CheckpointError`` leaves a public function, whatever the dam
 
 ``_reader_fuzz.py`` runs seeded cases per format (DCP ``.metadata``, ``planner_data`` and data files; DeepSpeed file
 names and structures; safetensors headers; ``torch.save`` pickles and archives) in a child process whose address
-space is capped at 384 MiB above what it maps once torch is imported, and whose CPU time is capped (10 s a case):
-a ``MemoryError``, a ``RecursionError``, any other exception, a case over its CPU time, a reader presenting more
+space is capped at 384 MiB above what it maps once torch is imported, and whose CPU time is capped (10 s a public call):
+a ``MemoryError``, a ``RecursionError``, any other exception, a call over its CPU time, a reader presenting more
 tensor bytes than its files hold, a wrong value where the format checksums, or the child killed by a cap fails it.
 The four formats run side by side. Deterministic (fixed seeds); more cases on demand:
 

@@ -15,7 +15,7 @@ from torch import nn
 from shardckpt import runtime
 from shardckpt.errors import ShardingError
 from shardckpt.runtime import FlatLayout, ShardingStrategy
-from shardckpt.runtime.layout import ALIGN_BYTES, build_layout
+from shardckpt.format.flat_layout import ALIGN_BYTES, build_layout
 from tests._dist import run_ranks
 from tests.runtime import _model
 from tests.runtime._model import Block
@@ -79,9 +79,9 @@ def test_shards_tile_every_member(shapes: list[list[int]], world: int, dtype: to
     assert all(offset % align == 0 for offset in layout.offsets)
     assert layout.padded_numel % world == 0 and layout.shard_numel % align == 0
     for index, shape in enumerate(shapes):
-        pieces = sorted(p for r in range(world) if (p := layout.member_in_shard(index, r)) is not None)
-        starts = [0] + [src + length for src, _, length in pieces]
-        assert [src for src, _, _ in pieces] == starts[:-1] and starts[-1] == prod(shape)
+        held = sorted((h.at, h.count) for r in range(world) if (h := layout.held(index, r)) is not None)
+        starts = [0] + [at + count for at, count in held]
+        assert [at for at, _ in held] == starts[:-1] and starts[-1] == prod(shape)
 
 
 def _local_shards() -> dict[str, Any]:

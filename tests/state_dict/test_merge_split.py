@@ -6,7 +6,8 @@ import torch.distributed as dist
 
 import shardckpt
 from shardckpt import ShardedTensor, StateDictType
-from shardckpt.state_dict.merge_split import layouts_of, merge, param_order, split
+from shardckpt.format.flat_layout import param_order
+from shardckpt.state_dict.merge_split import layouts_of, merge, split
 from tests._dist import run_ranks
 from tests.runtime import _model
 from tests.state_dict._train import full_state, new_run, steps

@@ -11,7 +11,7 @@ from torch import nn
 import shardckpt
 from shardckpt import IncompatibleCheckpointError, ShardedTensor, StateDictType
 from shardckpt.runtime import shard
-from shardckpt.runtime.layout import build_layout
+from shardckpt.format.flat_layout import build_layout
 from shardckpt.state_dict.merge_split import split
 from tests._dist import run_ranks
 from tests.state_dict.test_merge_split import _equal, assert_merge_split_match_ranks

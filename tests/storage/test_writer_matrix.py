@@ -28,7 +28,6 @@ from safetensors.torch import save_file
 
 import shardckpt
 from shardckpt.offline import workers as workers_module
-from shardckpt.offline.convert import convert
 from shardckpt.offline.export import export
 from tests.storage import _boundaries as bnd
 from tests.storage._matrix import VERSIONS, Cases, where
@@ -55,8 +54,8 @@ def async_save_version(root: str, version: str, dst: str, options: dict | None) 
 
 
 def convert_version(root: str, version: str, dst: str, options: dict | None, workers: int = 1) -> None:
-    convert(os.path.join(root, f"src-{version}"), dst, world_size=2, overwrite=True, dst_storage_options=options,
-            workers=workers)
+    shardckpt.convert(os.path.join(root, f"src-{version}"), dst, world_size=2, overwrite=True,
+                      dst_storage_options=options, workers=workers)  # workers > 1: the local processes' front door
 
 
 def export_version(root: str, version: str, dst: str, options: dict | None, overwrite: bool = False) -> None:

@@ -7,10 +7,10 @@ import os
 import time
 from typing import Annotated, Sequence
 
-from shardckpt.api.options import STORAGE, bounded_int, non_negative, prefixes, read_rename_map
 from shardckpt.api.results import DiffResult, Difference, InspectResult, Problem, VerifyResult
 from shardckpt.api.runs import LATEST
-from shardckpt.api.spec import Opt
+from shardckpt.options import STORAGE, Opt, bounded_int, non_negative, prefixes
+from shardckpt.offline.rename import read_rename_map
 from shardckpt.api.transform import PathLike, Progress
 from shardckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                               IncompatibleCheckpointError)
@@ -171,8 +171,9 @@ def inspect(
 
 def _by_parameter(path: PathLike, options: dict | None) -> list[dict] | None:
     """A LOCAL checkpoint's tensors by parameter name, through its flat layouts (None: not LOCAL)."""
+    from shardckpt.format.flat_layout import is_local
     from shardckpt.formats.detect import open_reader
-    from shardckpt.state_dict.logical import is_local, logical_view
+    from shardckpt.formats.local_view import logical_view
 
     reader = open_reader(path, storage_options=options, verify=False)
     if not is_local(reader.tree()):

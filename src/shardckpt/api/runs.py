@@ -7,9 +7,8 @@ import contextlib
 import os
 from typing import Annotated, Iterator
 
-from shardckpt.api.options import STORAGE
 from shardckpt.api.results import LsResult
-from shardckpt.api.spec import Opt
+from shardckpt.options import STORAGE, Opt
 
 LATEST = Opt("PATH is a run directory: use the latest committed checkpoint below it (the highest step; "
              "`shardckpt ls` lists them)")

@@ -10,7 +10,12 @@ needs besides (help, flags, a parser of the text). A parameter without a default
 ``--name-with-dashes`` an option otherwise (``False`` defaults are flags); a parameter without ``Opt`` is
 Python only (``progress``). The CLI builds its parser from ``VERBS`` (``cli/verbs.py``), leaving out every
 option not given, so that the function's default applies: adding an option is one annotated parameter,
-adding a verb one function and one ``Verb`` entry. Light: nothing here imports torch."""
+adding a verb one function and one ``Verb`` entry.
+
+A verb with many options (``convert``, ``export``) keeps them in a frozen spec dataclass instead
+(``offline.spec``), each field annotated as a parameter would be; its function takes ``**options``, builds the
+spec from them, and is given the spec's fields as its signature (``options.takes``): users, ``help()`` and the parser
+see the same keywords as before. Light: nothing here imports torch."""
 from __future__ import annotations
 
 import importlib
@@ -19,18 +24,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
-
-@dataclass(frozen=True)
-class Opt:
-    """How a parameter appears on the command line."""
-
-    help: str
-    flags: tuple[str, ...] = ()  # default: ("--name-with-dashes",); a positional takes none
-    parse: Callable[[str], Any] | None = None  # the text -> the value; its ValueError is a usage error
-    metavar: str | None = None
-    choices: tuple[str, ...] | None = None  # matched case-insensitively, passed on in lower case
-    repeat: bool = False  # may be given several times (action="append"); the function gets a list
-    collect: Callable[[list], Any] | None = None  # with repeat: the list -> the function's value
+from shardckpt.options import Opt
 
 
 @dataclass(frozen=True)
@@ -65,7 +59,10 @@ def params(function: Callable[..., Any]) -> list[Param]:
     hints = typing.get_type_hints(function, include_extras=True)
     out = []
     for name, parameter in inspect.signature(function).parameters.items():
-        opts = [m for m in getattr(hints.get(name), "__metadata__", ()) if isinstance(m, Opt)]
+        hint = parameter.annotation  # a signature ``takes`` gave holds its annotations resolved
+        if isinstance(hint, str) or hint is inspect.Parameter.empty:
+            hint = hints.get(name)
+        opts = [m for m in getattr(hint, "__metadata__", ()) if isinstance(m, Opt)]
         if opts:
             out.append(Param(name, parameter.default, opts[0]))
     return out

@@ -4,9 +4,8 @@ from __future__ import annotations
 import os
 from typing import Annotated
 
-from shardckpt.api.options import STORAGE, non_negative
 from shardckpt.api.results import GcResult, LatestResult
-from shardckpt.api.spec import Opt
+from shardckpt.options import STORAGE, Opt, non_negative
 from shardckpt.api.transform import PathLike
 
 

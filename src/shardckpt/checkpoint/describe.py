@@ -1,37 +1,30 @@
-"""``describe``: what a checkpoint holds. shardckpt's own format from its manifest (and the first chunk index,
-for the block size); the other formats ``formats.detect.open_reader`` reads from their reader's listing."""
+"""``describe``: what a checkpoint holds, opened as a load opens it (``checkpoint.lane.open_checkpoint``).
+shardckpt's own format from its manifest (and its chunk indexes, for the block size and the stored form); the
+other formats ``formats.detect.open_reader`` reads from their reader's listing."""
 from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from shardckpt.checkpoint.lane import open_checkpoint
+from shardckpt.dist.group import LOCAL
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.format.codecs import RAW
-from shardckpt.format.manifest import COMPRESSED_VERSION, FORMAT_NAME, MANIFEST_NAME
-from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage
 from shardckpt.format.dtypes import dtype_name
+from shardckpt.format.manifest import COMPRESSED_VERSION, FORMAT_NAME, MANIFEST_NAME
 from shardckpt.format.tree import TensorRef, leaves, path_name
 from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.detect import open_reader
-from shardckpt.formats.native import NativeReader, read_manifest
+from shardckpt.formats.native import NativeReader
 from shardckpt.formats.native.reader import read_index
-
-# Each reader's format, by the reader's class name (the readers carry no name of their own).
-FORMAT_NAMES = {"NativeReader": FORMAT_NAME, "SafetensorsReader": "safetensors", "DcpReader": "torch DCP",
-                "TorchSaveReader": "torch.save"}
-
-
-def format_name(reader: CheckpointReader) -> str:
-    """The short name of the format ``reader`` reads (``"safetensors"``, ``"torch DCP"``, ...)."""
-    name = type(reader).__name__
-    return FORMAT_NAMES.get(name, name.removesuffix("Reader") or name)
+from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage
 
 
 def format_description(reader: CheckpointReader, storage: Storage) -> tuple[str, int | None]:
     """The format as a person reads it, e.g. ``"safetensors (Hugging Face directory, 3 files)"``, and the
     number of files it spans where the reader says (``storage``: the checkpoint's path as a directory)."""
-    name = format_name(reader)
+    name = reader.facts().format
     if name == "safetensors":
         files = len(getattr(reader, "headers", None) or ()) or None
         if storage.is_dir():
@@ -52,7 +45,8 @@ def _count(n: int | None, what: str) -> str:
 
 def foreign_format(path: str | os.PathLike, *, storage_options: dict | None = None) -> str | None:
     """The description of the format at ``path`` when it holds a checkpoint of a format other than
-    shardckpt's own; ``None`` when it holds shardckpt's format or nothing recognised."""
+    shardckpt's own; ``None`` when it holds shardckpt's format or nothing recognised. A committed manifest says
+    shardckpt's format without being read: a damaged one is for ``verify`` to report."""
     storage = open_storage(path, storage_options)
     if storage.exists(MANIFEST_NAME):
         return None
@@ -60,7 +54,7 @@ def foreign_format(path: str | os.PathLike, *, storage_options: dict | None = No
         reader = open_reader(path, storage_options=storage_options, verify=False)
     except CheckpointNotFoundError:
         return None
-    return None if isinstance(reader, NativeReader) else format_description(reader, storage)[0]
+    return None if reader.facts().format == FORMAT_NAME else format_description(reader, storage)[0]
 
 
 def describe(path: str | os.PathLike, *, storage_options: dict | None = None) -> dict:
@@ -71,12 +65,10 @@ def describe(path: str | os.PathLike, *, storage_options: dict | None = None) ->
     ``block_size`` is the checksum block size of the first data file's chunks (format v2 on; ``None`` for
     v1, whose partial reads are checked by reading whole chunks). Another format (see ``describe_reader``)
     has ``format``, ``description``, ``files``, ``total_bytes``, ``tensors`` and ``values`` only."""
-    storage = open_storage(path, storage_options)
-    if not storage.exists(MANIFEST_NAME):
-        reader = open_reader(path, storage_options=storage_options, verify=False)
-        if not isinstance(reader, NativeReader):  # (a native one: a manifest committed since; the path below)
-            return describe_reader(reader, path, storage)
-    manifest = read_manifest(storage)
+    pinned = open_checkpoint(path, process_group=LOCAL, storage_options=storage_options, verify=False)
+    if not isinstance(pinned.reader, NativeReader):  # what a reader lists; shardckpt's own says more
+        return describe_reader(pinned.reader, path, pinned.storage)
+    storage, manifest = pinned.storage, pinned.reader.manifest
     block_size, stored = None, _StoredForm(manifest.version)
     if manifest.version >= 2 and manifest.files:
         # Format v3 may compress: every index says how each chunk is stored. Before v3 all are raw.
@@ -154,7 +146,7 @@ def describe_reader(reader: CheckpointReader, path: str | os.PathLike, storage: 
     values = [path_name(p) for p, leaf in leaves(reader.tree(), _is_ref) if not isinstance(leaf, TensorRef)]
     return {
         "path": os.fspath(path),
-        "format": format_name(reader),
+        "format": reader.facts().format,
         "description": description,
         "files": files,
         "total_bytes": sum(t["bytes"] for t in tensors),

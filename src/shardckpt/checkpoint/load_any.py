@@ -1,15 +1,15 @@
-"""``load_full`` for the formats other than shardckpt's own: any ``formats.api.CheckpointReader``, whole.
+"""``load_full``'s plan: any ``formats.api.CheckpointReader``'s checkpoint, whole.
 
-``load_reader`` turns a reader's ``tree()`` into a plain nested value: every ``TensorRef`` leaf becomes a full
-CPU tensor of the reader's dtype and shape, all of them filled by one ``reader.read`` call of whole-tensor
-``ReadRequest``s; plain values are kept as the reader gives them, and containers keep their types (dict,
-list, tuple). ``keys`` selects by dotted name exactly as shardckpt's own ``load_full`` does: a tensor, or a
-maximal tensor-free subtree (e.g. ``optim.param_groups``), is kept when its dotted name equals a key or
-starts with ``key + "."``; list positions before a kept one are ``None``.
+``whole_plan`` turns a reader's ``tree()`` into a plain nested value: every ``TensorRef`` leaf becomes a full
+CPU tensor of the reader's dtype and shape, all of them filled by one read of whole-tensor ``ReadRequest``s;
+plain values are kept as the reader gives them, and containers keep their types (dict, list, tuple). ``keys``
+selects by dotted name: a tensor, or a maximal tensor-free subtree (e.g. ``optim.param_groups``), is kept when
+its dotted name equals a key or starts with ``key + "."``; list positions before a kept one are ``None``.
 
-Nothing is allocated before the sizes are checked. The readers check what a header claims against the
-bytes present when they open (safetensors: the tensors tile the file's data exactly; torch DCP: every chunk
-inside its file; torch.save: the tensors are the loaded file's own storages), and ``check_fits_in_memory``
+Nothing is allocated before the sizes are checked. The readers of other formats check what a header claims
+against the bytes present when they open (safetensors: the tensors tile the file's data exactly; torch DCP:
+every chunk inside its file; torch.save: the tensors are the loaded file's own storages), shardckpt's own
+before allocating (``check_stored``, which ``whole_plan`` is given), and ``check_fits_in_memory``
 refuses, as a last guard, a total larger than this machine's memory and swap, which no load could hold
 (a hostile header claiming a size that its reader cannot check, or a checkpoint too big for ``load_full``).
 """
@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from shardckpt.checkpoint.progress import ProgressCallback, read_reporting
+from shardckpt.checkpoint.lane import Plan
 from shardckpt.errors import CheckpointError, CorruptCheckpointError
 from shardckpt.format.tree import PerRankValues, TensorRef, contains, path_name
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
@@ -126,29 +126,27 @@ def _nbytes(info: TensorInfo) -> int:
     return n
 
 
-def load_reader(reader: CheckpointReader, keys: Iterable[str] | None = None, *, where: str = "",
-                progress: ProgressCallback | None = None) -> Any:
-    """The checkpoint behind ``reader`` as a plain nested value of full CPU tensors (see the module's docstring).
+def whole_plan(reader: CheckpointReader, keys: Iterable[str] | None,
+               check_stored: Callable[[Iterable[str]], None]) -> Plan:
+    """The plan reading the checkpoint behind ``reader`` as a plain nested value of full CPU tensors (see the
+    module's docstring); ``check_stored(names)`` checks the stored bytes can hold the tensors before they are
+    allocated.
 
     The result has the tree's shape: a dict for every format but a ``torch.save`` file of a list, a tuple
     or a single tensor. With nothing selected it is an empty container of the tree's type (``{}`` when the
-    tree is a lone tensor). ``where`` names the checkpoint in errors. ``progress(done_bytes, total_bytes)`` is
-    told the bytes read (``checkpoint.progress.read_reporting``).
+    tree is a lone tensor).
     """
-    tree = reader.tree()
-    picked = pick(tree, (), wanted_keys(keys))
+    picked = pick(reader.tree(), (), wanted_keys(keys))
     if picked is _SKIP:  # a lone tensor (a torch.save file of one tensor) that ``keys`` leaves out
-        if progress is not None:
-            progress(0, 0)
-        return {}
-    infos = reader.tensors()
+        return Plan(reader, [], dict)
+    infos, where = reader.tensors(), reader.facts().location
     names = list(dict.fromkeys(tensor_refs(picked)))
     unknown = [n for n in names if n not in infos]
     if unknown:
         raise CorruptCheckpointError(f"{where}: the checkpoint's tree names tensor {unknown[0]!r}, which it does "
                                      "not list")
+    check_stored(names)
     check_fits_in_memory([infos[n] for n in names], where)
     tensors = {n: torch.empty(infos[n].shape, dtype=infos[n].dtype) for n in names}
-    read_reporting(reader, [ReadRequest(n, Box((0,) * t.dim(), tuple(t.shape)), t) for n, t in tensors.items()],
-                   progress)
-    return replace_refs(picked, tensors)
+    requests = [ReadRequest(n, Box((0,) * t.dim(), tuple(t.shape)), t) for n, t in tensors.items()]
+    return Plan(reader, requests, lambda: replace_refs(picked, tensors))

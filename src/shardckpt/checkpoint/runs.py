@@ -110,7 +110,7 @@ def _read_entry(storage: Storage, name: str, path: str, options: dict | None) ->
 
 def _foreign(storage: Storage, name: str, path: str, step: int | None, options: dict | None) -> CheckpointEntry | None:
     """A checkpoint of another format (an export, a torch DCP directory), or None when nothing reads it."""
-    from shardckpt.checkpoint.describe import format_description, format_name
+    from shardckpt.checkpoint.describe import format_description
     from shardckpt.formats.detect import open_reader
 
     try:
@@ -121,7 +121,7 @@ def _foreign(storage: Storage, name: str, path: str, step: int | None, options: 
     except CheckpointError as e:
         return CheckpointEntry(name, path, step, UNREADABLE, detail=str(e))
     description, _ = format_description(reader, storage)
-    return CheckpointEntry(name, path, step, COMMITTED, format_name(reader), _bytes(storage, ""), detail=description)
+    return CheckpointEntry(name, path, step, COMMITTED, reader.facts().format, _bytes(storage, ""), detail=description)
 
 
 def _uncommitted(storage: Storage) -> tuple[list[str], list[str]]:

@@ -16,11 +16,12 @@ step. ``plan`` does no I/O beyond looking for an existing manifest; a plan that 
 nothing behind. Collectives from a background ``persist`` must not interleave with others on the same
 group: give ``plan`` a group the training loop does not use (e.g. a gloo ``new_group``).
 
-Commit protocol (``persist``): each save writes a new generation directory ``data-<generation>/``. Only
-after every rank's data and index files are durable does rank 0 write ``manifest.json`` in one atomic step
-(rename on local disk, a single PUT on object stores). The manifest is the checkpoint: a crash before it
-leaves the previous checkpoint untouched; a failed persist removes its generation's directory; an
-overwrite removes the previous generation's data only after the new manifest is committed.
+Commit protocol (``persist``, through ``checkpoint.persist``; ``checkpoint.commit``): each save writes a new
+generation directory ``data-<generation>/``. Only after every rank's data and index files are durable does rank 0
+write ``manifest.json`` in one atomic step (rename on local disk, a single PUT on object stores). The manifest is
+the checkpoint: a crash before it leaves the previous checkpoint untouched; a failed persist removes its
+generation's directory; an overwrite removes the previous generation's data only after the new manifest is
+committed.
 """
 from __future__ import annotations
 
@@ -30,32 +31,42 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardckpt._version import __version__
-from shardckpt.checkpoint.agree import (
-    digest, encoded_holds_per_rank, fill_per_rank, per_rank_names, refuse_difference,
-)
+from shardckpt.checkpoint.agree import digest, encoded_holds_per_rank, fill_per_rank, refuse_difference
+from shardckpt.checkpoint.commit import commit, data_dir
+from shardckpt.checkpoint.persist import OutputWriter, persist as persist_output
 from shardckpt.checkpoint.save_plan import PieceInfo, SavePlan, WriteTask, make_save_plan
-from shardckpt.checkpoint.gc import collect
 from shardckpt.checkpoint.progress import ProgressCallback
 from shardckpt.checkpoint.stage import Staged, stage
 from shardckpt.checkpoint.writer import RankResult, write_rank_files
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures, resolve_group
 from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
-from shardckpt.format.dtypes import DTYPES
 from shardckpt.format.codecs import Compression
-from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorEntry, check_tree, parse_manifest, version_for
+from shardckpt.format.manifest import MANIFEST_NAME, check_tree, version_for
 from shardckpt.format.tree import decode
 from shardckpt.io import Storage, open_storage
+from shardckpt.options import takes
 
 __all__ = ["save", "stage", "plan", "persist", "Staged", "Planned", "DEFAULT_FILES_PER_RANK"]
 
 DEFAULT_FILES_PER_RANK = 2  # data files each rank writes in parallel on save
 
 
-def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
-         metadata: dict | None = None, files_per_rank: int = DEFAULT_FILES_PER_RANK,
-         storage_options: dict | None = None, compress: str | None = None,
-         progress: ProgressCallback | None = None) -> None:
+@dataclass(frozen=True)
+class SaveOptions:
+    """``save``'s options besides the state dict, the path, the process group and the progress callback: the
+    manifest's ``metadata`` (``stage``'s) and how ``plan`` writes (``overwrite``, ``files_per_rank``,
+    ``storage_options``, ``compress``). ``save`` takes them as keywords."""
+
+    overwrite: bool = False
+    metadata: dict | None = None
+    files_per_rank: int = DEFAULT_FILES_PER_RANK
+    storage_options: dict | None = None
+    compress: str | None = None
+
+
+@takes(SaveOptions, process_group=None, progress=None)
+def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None,
+         progress: ProgressCallback | None = None, **options: Any) -> None:
     """Save a (nested) state dict as a checkpoint at ``path`` (a local path or an fsspec URL).
 
     Called collectively on every rank of ``process_group`` (default: the default group, or a world of one
@@ -72,9 +83,10 @@ def save(state_dict: dict, path: str | os.PathLike, *, process_group: Any = None
 
     The same as ``persist(staged, plan(staged, path, ...))`` with ``staged = stage(state_dict, ...)``.
     """
-    staged = stage(state_dict, process_group=process_group, metadata=metadata)
-    planned = plan(staged, path, process_group=process_group, overwrite=overwrite, files_per_rank=files_per_rank,
-                   storage_options=storage_options, compress=compress)
+    given = SaveOptions(**options)
+    staged = stage(state_dict, process_group=process_group, metadata=given.metadata)
+    planned = plan(staged, path, process_group=process_group, overwrite=given.overwrite,
+                   files_per_rank=given.files_per_rank, storage_options=given.storage_options, compress=given.compress)
     persist(staged, planned, progress=progress)
 
 
@@ -195,24 +207,30 @@ def _with_reused(gathered: list, reuse: Planned | None, files_per_rank: int,
 def persist(staged: Staged, planned: Planned, *, progress: ProgressCallback | None = None) -> None:
     """Save step 3 of 3 (collective, on ``planned``'s group): every rank writes its data and index files
     from ``staged``'s host buffers (block checksums computed as they are written) and makes them durable;
-    rank 0 gathers the results and commits the manifest last. Raises on every rank if any rank failed; the
-    failed generation's files are then removed and a previous checkpoint stays as it was. Call it once
-    per ``Planned``; it may run in a background thread (see the module docstring). ``progress``: as ``save``'s."""
-    group = planned.group
-    # A writing rank holds its generation's directory until the commit is decided, so that another save's
-    # debris collection (checkpoint/gc.py) never takes it for an abandoned one.
-    holds = []
-    try:
-        result = attempt(group.rank, lambda: _write(planned, staged, holds, progress))
-        results = group.gather(result)
-        outcome = None
-        if group.is_coordinator:
-            outcome = attempt(0, lambda: _commit(planned, results, staged))
-        outcome = group.broadcast(outcome)
-    finally:
-        for hold in holds:
+    rank 0 gathers the results and commits the manifest last (``checkpoint.persist``, the pipeline ``convert`` and
+    ``export`` write through too). Raises on every rank if any rank failed; the failed generation's files are then
+    removed and a previous checkpoint stays as it was. Call it once per ``Planned``; it may run in a background
+    thread (see the module docstring). ``progress``: as ``save``'s."""
+    persist_output(_Saved(planned, staged, progress), planned.group)
+
+
+class _Saved(OutputWriter):
+    """A save's chunk files behind ``persist``'s seam. A writing rank holds its generation's directory until the
+    commit is decided, so that another save's debris collection (checkpoint/gc.py) never takes it for an
+    abandoned one."""
+
+    def __init__(self, planned: Planned, staged: Staged, progress: ProgressCallback | None):
+        self.planned, self.staged, self.progress, self.holds = planned, staged, progress, []
+
+    def write(self) -> RankResult | None:
+        return _write(self.planned, self.staged, self.holds, self.progress)
+
+    def commit(self, shares: list) -> None:
+        _commit(self.planned, shares, self.staged)
+
+    def end(self) -> None:
+        for hold in self.holds:
             hold.release()
-    raise_failures([outcome])
 
 
 def _plan_on_coordinator(report: _Report | Failure, gathered: list, tree: Any, reuse: Planned | None,
@@ -265,10 +283,6 @@ def _per_rank(whole: tuple | Failure | _Differs, gathered: list) -> list:
             for r in range(len(gathered))]
 
 
-def data_dir(generation: str) -> str:
-    return f"data-{generation}"
-
-
 def _write(planned: Planned, staged: Staged, holds: list,
            progress: ProgressCallback | None = None) -> RankResult | None:
     if not planned.tasks:
@@ -286,86 +300,3 @@ def _commit(planned: Planned, results: list, staged: Staged) -> None:
            staged.metadata, planned.overwrite)
 
 
-def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list, world_size: int,
-           encoded_tree: Any, metadata: dict | None, overwrite: bool) -> None:
-    """Commit ``generation`` from every (possibly virtual) rank's write results: the manifest, written last
-    and atomically, then the replaced generation's data removed. A failed rank's result removes this
-    generation's files and raises. Without ``overwrite`` the manifest is created exclusively: of writers
-    racing to one new path exactly one commits, the others get ``CheckpointExistsError`` (their data removed)."""
-    failures = [r for r in results if isinstance(r, Failure)]
-    if failures:
-        _remove_quietly(storage, data_dir(generation))
-        raise_failures(failures)
-    version = version_for(save_plan.compression is not None, encoded_holds_per_rank(encoded_tree))
-    try:
-        _check_versions(results, version, encoded_tree)
-    except CheckpointError:
-        _remove_quietly(storage, data_dir(generation))
-        raise
-    first_file, files = {}, []
-    for rank, result in enumerate(results):
-        if result is not None:
-            first_file[rank] = len(files)
-            files.extend(result.files)
-    tensors = {}
-    for name, tp in save_plan.tensors.items():
-        crc = 0
-        for result in results:
-            crc ^= result.crc_terms.get(name, 0) if result is not None else 0
-        tensors[name] = TensorEntry(name, DTYPES[tp.dtype], tp.shape, crc, tp.chunks(first_file))
-    if files:
-        storage.sync_dir(data_dir(generation))
-    previous = _previous_generation(storage)
-    manifest = Manifest(world_size=world_size, generation=generation, tree=None, tensors=tensors,
-                        files=files, metadata=metadata or {}, created_by=f"shardckpt {__version__}",
-                        version=version)
-    data = manifest.to_bytes(encoded_tree)
-    try:
-        parse_manifest(data, storage.url(MANIFEST_NAME))  # never commit what no load would read
-    except CorruptCheckpointError as e:
-        _remove_quietly(storage, data_dir(generation))
-        raise CheckpointError(f"cannot save: the checkpoint would not load ({e}); nothing was committed") from None
-    try:
-        storage.put_atomic(MANIFEST_NAME, data, exclusive=not overwrite)
-    except FileExistsError:
-        if _previous_generation(storage) != generation:  # the same: a run of the same conversion committed it
-            storage.remove_dir(data_dir(generation))
-        raise CheckpointExistsError(f"{storage.url(MANIFEST_NAME)}: another save committed a checkpoint here "
-                                    "first; pass overwrite=True to replace it") from None
-    try:  # committed: what follows only tidies up, and a failure here must not report the save as failed
-        if previous is not None and previous != generation:
-            storage.remove_dir(data_dir(previous))
-        # what interrupted saves left here (checkpoint/gc.py); the manifest just written is not parsed again
-        collect(storage, committed={data_dir(generation)})
-    except (OSError, CheckpointError):
-        pass
-
-
-def _check_versions(results: list, version: int, encoded_tree: Any) -> None:
-    """The indexes were written at the manifest's format version (a writer that was not told of per-rank
-    values writes an older one, which a load of the new manifest would refuse)."""
-    written = {r.version for r in results if r is not None and r.version is not None} - {version}
-    if not written:
-        return
-    names = per_rank_names(encoded_tree)
-    why = f"the tree holds per-rank values ({', '.join(map(repr, names[:3]))}), which need" if names else \
-        "the manifest is"
-    raise CheckpointError(f"cannot commit: {why} format v{version}, but the data files' indexes were written as "
-                          f"v{min(written)}; give the writer version={version} (checkpoint.writer.write_rank_files)")
-
-
-def _remove_quietly(storage: Storage, path: str) -> None:
-    try:
-        storage.remove_dir(path)
-    except Exception:  # noqa: BLE001 - the failure is what counts (the store may be gone); debris is gc's
-        pass
-
-
-def _previous_generation(storage: Storage) -> str | None:
-    """The generation of the committed checkpoint about to be replaced (None if none, or unreadable)."""
-    if not storage.exists(MANIFEST_NAME):
-        return None
-    try:
-        return parse_manifest(storage.read_bytes(MANIFEST_NAME), storage.url(MANIFEST_NAME)).generation
-    except CheckpointError:
-        return None

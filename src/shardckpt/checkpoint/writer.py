@@ -14,11 +14,11 @@ progress whose bytes a caller has checked, with a writer that keeps them.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, Union
 
@@ -26,6 +26,7 @@ import torch
 
 from shardckpt.checkpoint.collect import LocalPiece
 from shardckpt.checkpoint.device_slices import device_slices
+from shardckpt.checkpoint.persist import write_files
 from shardckpt.checkpoint.progress import Progress, ProgressCallback
 from shardckpt.checkpoint.save_plan import WriteTask
 from shardckpt.regions import FlatRange, contiguous_runs
@@ -107,22 +108,44 @@ def _crc_term(piece: Piece, size: int, crc: int, raw: torch.Tensor | None) -> in
     return runs_crc_term(runs, crcs, size, math.prod(piece.shape))
 
 
-def _write_raw(writer, data: memoryview, block: int, progress: FileProgress, journal: Journal, tick: Tick) -> None:
-    """Write a chunk's bytes as they are, ``WRITE_SIZE`` at a time, adding its block CRCs to ``progress``."""
+@dataclass
+class _Sink:
+    """Where a data file's chunks go: its writer, the progress of its writing, and who is told of each write."""
+
+    writer: FileWriter
+    progress: FileProgress
+    journal: Journal
+    tick: Tick
+
+    def write(self, data: memoryview) -> None:
+        self.writer.write(data)
+
+    def wrote(self, crc: int, stored: int, logical: int, frame: bool) -> None:
+        """One block (``frame``: one encoded frame) written: ``stored`` bytes of ``logical`` tensor bytes."""
+        self.progress.blocks.append(crc)
+        if frame:
+            self.progress.frames.append(stored)
+        self.progress.size += stored
+        self.journal(self.progress)
+        self.tick(logical)
+
+
+def _write_raw(sink: _Sink, data: memoryview, block: int) -> None:
+    """Write a chunk's bytes as they are, ``WRITE_SIZE`` at a time, adding its block CRCs to the progress."""
     step = max(WRITE_SIZE // block, 1) * block  # writes end on block boundaries
+    progress = sink.progress
     for lo in range(0, len(data), step):
         part = data[lo:lo + step]
         crcs = [crc32c(part[k:k + block]) for k in range(0, len(part), block)]
-        writer.write(part)
+        sink.write(part)
         progress.blocks.extend(crcs)
         progress.size += len(part)
-        journal(progress)
-        tick(len(part))
+        sink.journal(progress)
+        sink.tick(len(part))
 
 
-def _write_frames(writer, data: memoryview, block: int, codec: str, itemsize: int, level: int,
-                  progress: FileProgress, journal: Journal, tick: Tick) -> None:
-    """Encode and write a chunk frame by frame, adding its block CRCs and frames' stored lengths to ``progress``."""
+def _write_frames(sink: _Sink, data: memoryview, block: int, codec: str, itemsize: int, level: int) -> None:
+    """Encode and write a chunk frame by frame, adding its block CRCs and frames' stored lengths to the progress."""
     pool = codec_pool()
 
     def encode(lo: int) -> tuple[int, memoryview, int]:
@@ -137,43 +160,41 @@ def _write_frames(writer, data: memoryview, block: int, codec: str, itemsize: in
         crc, stored, length = pending.popleft().result()
         for lo in itertools.islice(starts, 1):
             pending.append(pool.submit(encode, lo))
-        writer.write(stored)
-        progress.blocks.append(crc)
-        progress.frames.append(len(stored))
-        progress.size += len(stored)
-        journal(progress)
-        tick(length)
+        sink.write(stored)
+        sink.wrote(crc, len(stored), length, frame=True)
 
 
-def _write_chunk(writer, piece: Piece, compression: Compression | None, progress: FileProgress,
-                 journal: Journal, tick: Tick) -> tuple[ChunkRecord, int]:
+def _write_chunk(sink: _Sink, piece: Piece, compression: Compression | None) -> tuple[ChunkRecord, int]:
     """Stream one chunk, each block checksummed just before it is written (while it is in cache), encoded
     as a frame if ``compression``; a chunk none of whose frames shrank is recorded as ``raw``. A streamed
-    chunk goes on after the blocks ``progress`` already has of it (``current``).
+    chunk goes on after the blocks the progress already has of it (``current``).
 
     Returns the record (at ``progress.offset``) and the chunk's term of the tensor checksum."""
     block = BLOCK_SIZE  # read at call time: tests shrink it to get many blocks from small tensors
+    progress = sink.progress
     kept = len(progress.blocks) * block
     if isinstance(piece, StreamedPiece):
-        raw, dtype, parts = None, piece.dtype, map(as_bytes, piece.slices(block, kept // piece.dtype.itemsize))
+        raw, dtype, slices = None, piece.dtype, piece.slices(block, kept // piece.dtype.itemsize)
     elif piece.data.device.type != "cpu":  # kept on its device by a synchronous save (``checkpoint.device_slices``)
         raw, dtype = None, piece.data.dtype
-        parts = map(as_bytes, device_slices(piece.data)(block, kept // dtype.itemsize))
+        slices = device_slices(piece.data)(block, kept // dtype.itemsize)
     else:
         raw = _staged_bytes(piece)
-        dtype, parts = piece.data.dtype, iter([raw])
+        dtype, slices = piece.data.dtype, iter([raw])
     codec = RAW if compression is None else compression.codec_for(dtype)
     length = kept
-    for part in parts:
-        if length % block:
-            raise ValueError(f"{piece.name!r}: a slice before the last ends mid-block ({length} bytes written, "
-                             f"blocks of {block})")
-        data = memoryview(part.numpy())
-        if codec == RAW:
-            _write_raw(writer, data, block, progress, journal, tick)
-        else:
-            _write_frames(writer, data, block, codec, dtype.itemsize, compression.level, progress, journal, tick)
-        length += len(data)
+    with contextlib.closing(slices) if hasattr(slices, "close") else contextlib.nullcontext():
+        # (closed at once on a failure: a slice generator holds its buffer until it ends)
+        for part in map(as_bytes, slices):
+            if length % block:
+                raise ValueError(f"{piece.name!r}: a slice before the last ends mid-block ({length} bytes written, "
+                                 f"blocks of {block})")
+            data = memoryview(part.numpy())
+            if codec == RAW:
+                _write_raw(sink, data, block)
+            else:
+                _write_frames(sink, data, block, codec, dtype.itemsize, compression.level)
+            length += len(data)
     frames = progress.frames
     if codec != RAW and sum(frames) >= length:
         codec = RAW  # every frame was stored as it is: the stored bytes are the raw chunk
@@ -183,22 +204,31 @@ def _write_chunk(writer, piece: Piece, compression: Compression | None, progress
     return record, _crc_term(piece, dtype.itemsize, crc, raw)
 
 
+@dataclass(frozen=True)
+class Followed:
+    """How the writing of one data file is followed and taken up again (``convert``'s resume, progress):
+    ``start``, the progress of an earlier writing of this same file whose bytes are checked and kept (streamed
+    pieces only), ``writer`` then writing after them; ``journal(progress)`` called after every write (convert's
+    resume trusts it: no buffering then); ``tick(n)`` too, with its tensor bytes."""
+
+    start: FileProgress | None = None
+    writer: FileWriter | None = None
+    journal: Journal | None = None
+    tick: Tick | None = None
+
+
 def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: list[WriteTask],
                     pieces: dict[str, Piece], compression: Compression | None = None, *,
-                    version: int | None = None, start: FileProgress | None = None, writer: FileWriter | None = None,
-                    journal: Journal | None = None, tick: Tick | None = None) -> tuple[FileEntry, dict[str, int]]:
+                    version: int | None = None, followed: Followed = Followed()) -> tuple[FileEntry, dict[str, int]]:
     """Write the tasks' chunks in order (offsets aligned) and the file's index; both durable on return.
 
     ``pieces``: by name, staged pieces (``Staged.pieces``) or streamed ones. ``version``: the manifest's format
-    version, which the index carries (default: ``version_for`` the compression). ``start``: the progress of an
-    earlier writing of this same file whose bytes are checked and kept (streamed pieces only; ``writer`` then
-    writes after them). ``journal(progress)``: called after every write; ``tick(n)`` too, with its tensor bytes."""
-    progress = start if start is not None else FileProgress()
-    writer = writer or storage.open_writer(data_path)
-    if journal is None:  # (a journal records each write as made: convert's resume trusts it, so no buffering)
+    version, which the index carries (default: ``version_for`` the compression). ``followed``: see ``Followed``."""
+    progress = followed.start if followed.start is not None else FileProgress()
+    writer = followed.writer or storage.open_writer(data_path)
+    if followed.journal is None:
         writer = _Coalesced(writer)
-    journal = journal or (lambda progress: None)
-    tick = tick or (lambda n: None)
+    sink = _Sink(writer, progress, followed.journal or (lambda progress: None), followed.tick or (lambda n: None))
     terms: dict[str, int] = {}
     try:
         for task in tasks:
@@ -213,7 +243,7 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
                     writer.write(memoryview(bytes(pad)))
                 progress.current, progress.offset, progress.blocks, progress.frames = key, progress.size + pad, [], []
                 progress.size += pad
-            record, term = _write_chunk(writer, piece, compression, progress, journal, tick)
+            record, term = _write_chunk(sink, piece, compression)
             progress.done[key], progress.current = record, None
             terms[task.name] = terms.get(task.name, 0) ^ term
     finally:
@@ -253,32 +283,27 @@ class _Coalesced:
             self._writer.close()
 
 
-WriteFile = Callable[[int, str, str, list[WriteTask]], tuple[FileEntry, dict[str, int]]]
-
-
 def write_rank_files(storage: Storage, base: str, tasks: list[WriteTask], pieces: dict[str, Piece],
                      files_per_rank: int, compression: Compression | None = None,
-                     version: int | None = None, write_file: WriteFile | None = None,
-                     progress: ProgressCallback | None = None) -> RankResult:
-    """One data file per slot (``<base>-<slot>.bin``), written in parallel: one writer per file, because
-    buffered writes to a single file serialise on its lock. ``write_file(slot, data path, index path, tasks)``
-    instead of ``write_data_file`` (``convert``: a file a killed run wrote, checked and kept or gone on with).
+                     version: int | None = None, progress: ProgressCallback | None = None) -> RankResult:
+    """One data file per slot (``<base>-<slot>.bin``), written in parallel (``checkpoint.persist.write_files``).
     ``progress(done_bytes, total_bytes)``: the tensor bytes of ``tasks`` written (staged pieces only)."""
     by_slot = [[t for t in tasks if t.slot == k] for k in range(files_per_rank)]
     tick = Progress(sum(pieces[t.name].data.nbytes for t in tasks) if progress else 0, progress)
     tick.begin()
 
     def write(k: int) -> tuple[FileEntry, dict[str, int]]:
-        data_path, index_path = f"{base}-{k}.bin", f"{base}-{k}.index.json"
-        if write_file is not None:
-            return write_file(k, data_path, index_path, by_slot[k])
-        return write_data_file(storage, data_path, index_path, by_slot[k], pieces, compression, version=version,
-                               tick=tick)
+        return write_data_file(storage, f"{base}-{k}.bin", f"{base}-{k}.index.json", by_slot[k], pieces, compression,
+                               version=version, followed=Followed(tick=tick))
 
-    with ThreadPoolExecutor(files_per_rank, thread_name_prefix="shardckpt-write") as pool:
-        written = list(pool.map(write, range(files_per_rank)))
+    written = write_files(range(files_per_rank), write, files_per_rank)
+    return rank_result(written, version or version_for(compression is not None))
+
+
+def rank_result(written: list[tuple[FileEntry, dict[str, int]]], version: int) -> RankResult:
+    """One rank's result from its files' (in slot order): their entries, and each tensor's checksum term."""
     terms: dict[str, int] = {}
     for _, file_terms in written:
         for name, term in file_terms.items():
             terms[name] = terms.get(name, 0) ^ term
-    return RankResult([entry for entry, _ in written], terms, version or version_for(compression is not None))
+    return RankResult([entry for entry, _ in written], terms, version)

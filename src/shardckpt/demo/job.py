@@ -26,7 +26,7 @@ import torch
 
 from shardckpt.checkpoint.latest import latest_checkpoint
 from shardckpt.demo.config import DemoConfig, DemoError, DemoUsageError
-from shardckpt.demo.processes import EventTail, TrainingRanks, checked_command, run_command
+from shardckpt.demo.processes import CommandResult, EventTail, TrainingRanks, checked_command, run_command
 from shardckpt.demo.report import plot_losses, summary_lines
 from shardckpt.demo.train import checkpoint_path
 from shardckpt.format.manifest import MANIFEST_NAME
@@ -44,68 +44,43 @@ class Check:
     detail: str
 
 
+@dataclasses.dataclass
+class _Demo:
+    """One demo's places, its checks so far, and where it reports."""
+
+    config: DemoConfig
+    out: str
+    say: Callable[[str], None]
+    checks: list[Check] = dataclasses.field(default_factory=list)
+
+    @property
+    def ckpts(self) -> str:
+        return os.path.join(self.out, "checkpoints")
+
+    def log(self, name: str) -> str:
+        return os.path.join(self.out, "logs", name)
+
+    def train_args(self, events: str) -> list[str]:
+        shape = self.config.shape
+        return ["--steps", str(self.config.steps), "--save-every", str(self.config.save_every), "--checkpoints",
+                self.ckpts, "--layers", str(shape.layers), "--dim", str(shape.dim), "--heads", str(shape.heads),
+                "--events", events]
+
+
 def run_demo(config: DemoConfig = DemoConfig(), say: Callable[[str], None] = print) -> dict:
     """Run the main job; returns the summary (also written to ``OUT/summary.json``). Raises ``DemoError``
     when a stage cannot go on; failed checks are reported in the summary (``checksums_equal`` false)."""
     config.check()
     t0 = time.perf_counter()
-    out = _prepare(config.out)
-    ckpts, logs = os.path.join(out, "checkpoints"), os.path.join(out, "logs")
-    checks: list[Check] = []
-    shape_args = ["--layers", str(config.shape.layers), "--dim", str(config.shape.dim), "--heads", str(config.shape.heads)]
-    common = ["--steps", str(config.steps), "--save-every", str(config.save_every), "--checkpoints", ckpts, *shape_args]
-
-    say(f"1. training a {config.shape.layers}-layer transformer on {config.first_world_size} ranks (FULL_SHARD, gloo), "
-        f"async save every {config.save_every} steps into {ckpts}")
-    first_events = os.path.join(out, "events-first.jsonl")
-    first, killed = _train_until_killed(config, common + ["--events", first_events], first_events, logs, ckpts)
-    when = (f"while its save was being written ({killed['bytes_on_disk_at_kill'] / 2**20:.1f} MiB on disk)"
-            if killed["in_flight"] else "just after its save committed")
-    say(f"2. kill -9 of both ranks at step {killed['step']}, {when}")
-
-    resume_from = latest_checkpoint(ckpts)  # what a job restarting after the crash would pick
-    if resume_from is None:
-        raise DemoError(f"no committed checkpoint in {ckpts}")
-    resume_step = int(os.path.basename(resume_from).split("-")[1])
-    verified = run_command("verify", resume_from, log=os.path.join(logs, "verify-last.log"))
-    checks.append(Check("verify last committed checkpoint", verified.returncode == 0, verified.output.strip()))
-    debris = _collect_debris(checkpoint_path(ckpts, killed["step"]), os.path.join(logs, "gc.log"))
-    say(f"3. last committed checkpoint: step {resume_step} (verify: {'OK' if verified.returncode == 0 else 'FAILED'}); "
-        f"gc removed {len(debris)} uncommitted entr{'y' if len(debris) == 1 else 'ies'} the killed save left")
-
-    converted = f"{resume_from}-ws{config.resumed_world_size}"
-    convert = checked_command("convert", resume_from, converted, "--world-size", str(config.resumed_world_size),
-                              "--type", "local", "--quiet", log=os.path.join(logs, "convert.log"))
-    diff = run_command("diff", resume_from, converted, log=os.path.join(logs, "diff.log"))
-    checks.append(Check("converted checkpoint equals its source", diff.returncode == 0, diff.output.strip()))
-    say(f"4. shardckpt convert to {config.resumed_world_size} ranks (LOCAL): {convert.seconds:.1f} s, "
-        f"peak memory {convert.peak_rss_bytes / 2**20:.0f} MiB; diff against the source: "
-        f"{'equal' if diff.returncode == 0 else 'DIFFERENT'}")
-
-    resumed_events = os.path.join(out, "events-resumed.jsonl")
-    final_weights = os.path.join(out, "final-weights.pt")
-    resumed = _train_to_end(config, common + ["--events", resumed_events, "--resume", converted,
-                                              "--final-weights", final_weights], resumed_events, logs)
-    continuity = _loss_continuity(first["losses"], resumed["losses"])
-    checks.append(Check("resumed losses continue the killed run's", continuity["ok"],
-                        f"largest difference {continuity['max_abs_difference']:.2e} over {continuity['steps']} steps "
-                        f"both runs trained (tolerance {continuity['tolerance']:.0e})"))
-    say(f"5. resumed on {config.resumed_world_size} ranks from step {resume_step}, trained to step {config.steps}: "
-        f"loss {resumed['losses'][resume_step]:.3f} -> {resumed['losses'][config.steps - 1]:.3f}; the "
-        f"{continuity['steps']} steps both runs trained differ by at most {continuity['max_abs_difference']:.1e}")
-
-    final = checkpoint_path(ckpts, config.steps)
-    exported = os.path.join(out, "export")
-    export = checked_command("export", final, exported, "--dtype", "bfloat16", "--quiet", log=os.path.join(logs, "export.log"))
-    against = run_command("verify", exported, "--against", final, log=os.path.join(logs, "verify-export.log"))
-    checks.append(Check("export verified against the final checkpoint", against.returncode == 0, against.output.strip()))
-    checks.append(_export_equals_weights(exported, final_weights))
+    demo = _Demo(config, _prepare(config.out), say)
+    first, killed = _first_run(demo)
+    resume_from, resume_step, debris = _last_committed(demo, killed)
+    converted, convert = _convert(demo, resume_from)
+    resumed, continuity, final_weights = _resumed_run(demo, converted, first, resume_step)
+    exported, export = _export(demo, final_weights)
     files = sorted(os.listdir(exported))
-    say(f"6. shardckpt export --dtype bfloat16: {', '.join(files)} in {export.seconds:.1f} s; verify --against: "
-        f"{'OK' if against.returncode == 0 else 'FAILED'}; {checks[-1].detail}")
-
     summary = {
-        "out": out,
+        "out": demo.out,
         "model": {"parameters": first["parameters"], **dataclasses.asdict(config.shape)},
         "steps": config.steps,
         "save_every": config.save_every,
@@ -114,7 +89,7 @@ def run_demo(config: DemoConfig = DemoConfig(), say: Callable[[str], None] = pri
                   "bytes_on_disk_at_kill": killed["bytes_on_disk_at_kill"],
                   "last_committed_step": resume_step, "steps_lost": max(first["losses"]) + 1 - resume_step,
                   "debris_removed_by_gc": debris},
-        "checkpoints": [_checkpoint_entry(path) for path in _committed(ckpts)],
+        "checkpoints": [_checkpoint_entry(path) for path in _committed(demo.ckpts)],
         "saves": _save_stats(first["saves"] + resumed["saves"]),
         "convert": {"src": resume_from, "dst": converted, "world_size": config.resumed_world_size, "type": "local",
                     "seconds": round(convert.seconds, 3), "peak_rss_mib": round(convert.peak_rss_bytes / 2**20, 1)},
@@ -123,16 +98,90 @@ def run_demo(config: DemoConfig = DemoConfig(), say: Callable[[str], None] = pri
                    "bytes": sum(os.path.getsize(os.path.join(exported, f)) for f in files),
                    "seconds": round(export.seconds, 3)},
         "losses": {"first": _by_step(first["losses"]), "resumed": _by_step(resumed["losses"])},
-        "checks": [dataclasses.asdict(c) for c in checks],
-        "checksums_equal": all(c.ok for c in checks),
+        "checks": [dataclasses.asdict(c) for c in demo.checks],
+        "checksums_equal": all(c.ok for c in demo.checks),
     }
-    summary["loss_png"] = plot_losses(summary, os.path.join(out, "loss.png"))
+    summary["loss_png"] = plot_losses(summary, os.path.join(demo.out, "loss.png"))
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
-    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(demo.out, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)
     for line in summary_lines(summary):
         say(line)
     return summary
+
+
+def _first_run(demo: _Demo) -> tuple[dict, dict]:
+    """Step 1 and 2: train on the first world size until the kill lands mid-save."""
+    config = demo.config
+    demo.say(f"1. training a {config.shape.layers}-layer transformer on {config.first_world_size} ranks (FULL_SHARD, "
+            f"gloo), async save every {config.save_every} steps into {demo.ckpts}")
+    events = os.path.join(demo.out, "events-first.jsonl")
+    first, killed = _train_until_killed(config, demo.train_args(events), events, os.path.join(demo.out, "logs"),
+                                        demo.ckpts)
+    when = (f"while its save was being written ({killed['bytes_on_disk_at_kill'] / 2**20:.1f} MiB on disk)"
+            if killed["in_flight"] else "just after its save committed")
+    demo.say(f"2. kill -9 of both ranks at step {killed['step']}, {when}")
+    return first, killed
+
+
+def _last_committed(demo: _Demo, killed: dict) -> tuple[str, int, list[str]]:
+    """Step 3: the checkpoint a restarted job would pick, verified; what the killed save left, collected."""
+    resume_from = latest_checkpoint(demo.ckpts)
+    if resume_from is None:
+        raise DemoError(f"no committed checkpoint in {demo.ckpts}")
+    resume_step = int(os.path.basename(resume_from).split("-")[1])
+    verified = run_command("verify", resume_from, log=demo.log("verify-last.log"))
+    demo.checks.append(Check("verify last committed checkpoint", verified.returncode == 0, verified.output.strip()))
+    debris = _collect_debris(checkpoint_path(demo.ckpts, killed["step"]), demo.log("gc.log"))
+    demo.say(f"3. last committed checkpoint: step {resume_step} (verify: "
+            f"{'OK' if verified.returncode == 0 else 'FAILED'}); gc removed {len(debris)} uncommitted "
+            f"entr{'y' if len(debris) == 1 else 'ies'} the killed save left")
+    return resume_from, resume_step, debris
+
+
+def _convert(demo: _Demo, resume_from: str) -> tuple[str, CommandResult]:
+    """Step 4: the checkpoint converted offline to the resumed world size, diffed against its source."""
+    size = demo.config.resumed_world_size
+    converted = f"{resume_from}-ws{size}"
+    convert = checked_command("convert", resume_from, converted, "--world-size", str(size), "--type", "local",
+                              "--quiet", log=demo.log("convert.log"))
+    diff = run_command("diff", resume_from, converted, log=demo.log("diff.log"))
+    demo.checks.append(Check("converted checkpoint equals its source", diff.returncode == 0, diff.output.strip()))
+    demo.say(f"4. shardckpt convert to {size} ranks (LOCAL): {convert.seconds:.1f} s, peak memory "
+            f"{convert.peak_rss_bytes / 2**20:.0f} MiB; diff against the source: "
+            f"{'equal' if diff.returncode == 0 else 'DIFFERENT'}")
+    return converted, convert
+
+
+def _resumed_run(demo: _Demo, converted: str, first: dict, resume_step: int) -> tuple[dict, dict, str]:
+    """Step 5: resume from the converted checkpoint and train to the end; the steps both runs trained agree."""
+    config = demo.config
+    events, final_weights = os.path.join(demo.out, "events-resumed.jsonl"), os.path.join(demo.out, "final-weights.pt")
+    resumed = _train_to_end(config, demo.train_args(events) + ["--resume", converted, "--final-weights",
+                                                              final_weights], events, os.path.join(demo.out, "logs"))
+    continuity = _loss_continuity(first["losses"], resumed["losses"])
+    demo.checks.append(Check("resumed losses continue the killed run's", continuity["ok"],
+                            f"largest difference {continuity['max_abs_difference']:.2e} over {continuity['steps']} "
+                            f"steps both runs trained (tolerance {continuity['tolerance']:.0e})"))
+    demo.say(f"5. resumed on {config.resumed_world_size} ranks from step {resume_step}, trained to step "
+            f"{config.steps}: loss {resumed['losses'][resume_step]:.3f} -> {resumed['losses'][config.steps - 1]:.3f};"
+            f" the {continuity['steps']} steps both runs trained differ by at most "
+            f"{continuity['max_abs_difference']:.1e}")
+    return resumed, continuity, final_weights
+
+
+def _export(demo: _Demo, final_weights: str) -> tuple[str, CommandResult]:
+    """Step 6: bf16 safetensors of the final checkpoint, verified against it and against the final weights."""
+    final, exported = checkpoint_path(demo.ckpts, demo.config.steps), os.path.join(demo.out, "export")
+    export = checked_command("export", final, exported, "--dtype", "bfloat16", "--quiet", log=demo.log("export.log"))
+    against = run_command("verify", exported, "--against", final, log=demo.log("verify-export.log"))
+    demo.checks.append(Check("export verified against the final checkpoint", against.returncode == 0,
+                            against.output.strip()))
+    demo.checks.append(_export_equals_weights(exported, final_weights))
+    demo.say(f"6. shardckpt export --dtype bfloat16: {', '.join(sorted(os.listdir(exported)))} in "
+            f"{export.seconds:.1f} s; verify --against: {'OK' if against.returncode == 0 else 'FAILED'}; "
+            f"{demo.checks[-1].detail}")
+    return exported, export
 
 
 def _prepare(out: str) -> str:

@@ -105,6 +105,14 @@ def raise_failures(results: list[Any]) -> None:
     raise error
 
 
+def agreed(group: Group, fn: Callable[[], T]) -> T:
+    """``fn()`` on every rank of ``group``, then its outcome agreed: if it raised on any rank, every rank raises that
+    (before any rank goes on, e.g. to read into its targets: a refusal leaves every rank's targets as they were)."""
+    outcome = attempt(group.rank, fn)
+    raise_failures(group.all_gather(outcome if isinstance(outcome, Failure) else None))
+    return outcome
+
+
 def side_group(group: Group, given: Any = None) -> Group:
     """A gloo group of ``group``'s ranks (same rank numbers), for collectives that run in a background
     thread while the caller's own collectives go on in ``group``: separate groups never interleave or

@@ -1,4 +1,5 @@
-"""Which format a path holds, and its reader: ``open_reader(path)`` for a local path or any fsspec URL.
+"""Which format a path holds, and its reader: ``open_reader(path)`` for a local path, any fsspec URL, or a
+``Storage`` of a checkpoint directory (then only the directory formats are looked for).
 
 The formats are tried in the order of two tables, each row a description (for the error that lists what was
 looked for) and a function that returns a reader, or ``None`` when the place does not hold its format:
@@ -172,21 +173,24 @@ FILE_DETECTORS: list[tuple[str, Detector]] = [
 ]
 
 
-def open_reader(path: str | os.PathLike, *, storage_options: dict | None = None,
+def open_reader(path: str | os.PathLike | Storage, *, storage_options: dict | None = None,
                 io_threads: int = DEFAULT_IO_THREADS, verify: bool = True) -> CheckpointReader:
-    """The reader for whatever checkpoint ``path`` (a local path or fsspec URL) holds.
+    """The reader for whatever checkpoint ``path`` (a local path, an fsspec URL, or a ``Storage`` of a directory)
+    holds.
 
     ``storage_options`` go to fsspec; ``io_threads`` bounds concurrent reads; ``verify`` (check stored
     checksums) matters for formats that store them (shardckpt's own). Raises ``CheckpointNotFoundError``
     when no format is recognised, and the format's own errors when a recognised one is damaged.
     """
-    place = Place(os.fspath(path), storage_options, io_threads, verify)
-    for _, detect in DIRECTORY_DETECTORS + FILE_DETECTORS:
+    files = isinstance(path, (str, os.PathLike))  # a Storage is a directory: the file detectors look at a parent
+    place = Place(os.fspath(path), storage_options, io_threads, verify) if files else \
+        Place(path.url(""), None, io_threads, verify, {"storage": path})
+    for _, detect in DIRECTORY_DETECTORS + (FILE_DETECTORS if files else []):
         reader = detect(place)
         if reader is not None:
             return reader
-    if not place.is_dir and place.file_size is None:
+    if not place.is_dir and (not files or place.file_size is None):
         raise CheckpointNotFoundError(f"{place.path}: no such file or directory")
-    looked = (", ".join(what for what, _ in DIRECTORY_DETECTORS) + " directories; "
-              + " and ".join(what for what, _ in FILE_DETECTORS) + " files")
+    looked = ", ".join(what for what, _ in DIRECTORY_DETECTORS) + " directories" + \
+        (("; " + " and ".join(what for what, _ in FILE_DETECTORS) + " files") if files else "")
     raise CheckpointNotFoundError(f"{place.path}: no checkpoint format shardckpt reads. Looked for: {looked}")

@@ -3,7 +3,8 @@
 An unknown tensor or a region outside
 the tensor is an ``IncompatibleCheckpointError`` (the checkpoint does not hold what was asked for); a
 destination that is not contiguous or has the wrong number of elements is the caller's ``ValueError``.
-A reader checks every request of a ``read`` call (``check_requests``) before it reads a single byte.
+A reader checks every request of a ``read`` call (``check_requests``) before it reads a single byte. The one
+checked request, ``CheckedRequest``, is what every reader plans its reads from (shardckpt's own too).
 """
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ import torch
 
 from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.formats.api import ReadRequest, TensorInfo
-from shardckpt.regions import Region, check_region
+from shardckpt.regions import Region, canonical, check_region
 
 
 @dataclass(frozen=True)
 class CheckedRequest:
-    """A request found sound: ``flat`` is its ``dest`` as a 1-D view holding ``region`` of ``info``'s tensor."""
+    """A request found sound: ``flat`` is its ``dest`` as a 1-D view holding ``region`` of ``info``'s tensor.
+    ``region`` is canonical (``regions.canonical``: a box of consecutive elements, a dim-0 chunk say, is the
+    flat range it is), once here rather than per chunk read."""
 
     info: TensorInfo
     region: Region
@@ -42,7 +45,7 @@ def check_request(infos: Mapping[str, TensorInfo], request: ReadRequest, where: 
     if dest.numel() != request.region.numel or not dest.is_contiguous():
         raise ValueError(f"destination for {request.tensor!r} must be contiguous with {request.region.numel} "
                          "elements")
-    return CheckedRequest(info, request.region, dest.detach().reshape(-1))
+    return CheckedRequest(info, canonical(request.region, info.shape), dest.detach().reshape(-1))
 
 
 def check_requests(infos: Mapping[str, TensorInfo], requests: Sequence[ReadRequest],

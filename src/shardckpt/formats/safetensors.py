@@ -40,7 +40,7 @@ import torch
 
 from shardckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.format.tree import TensorRef
-from shardckpt.formats.api import ReadRequest, TensorInfo
+from shardckpt.formats.api import Facts, ReadRequest, TensorInfo
 from shardckpt.formats.requests import CheckedRequest, check_requests
 from shardckpt.formats.safetensors_header import (
     EXPORT_ID_KEY, INDEX_NAME, MAX_INDEX_SIZE, METADATA_KEY, SHARD_NAME, SUFFIX, FileHeader, parse_index, read_header,
@@ -146,6 +146,9 @@ class SafetensorsReader:
 
     def tensors(self) -> Mapping[str, TensorInfo]:
         return dict(self._infos)
+
+    def facts(self) -> Facts:
+        return Facts("safetensors", self.where)
 
     def tree(self) -> Any:
         out: dict[str, Any] = {name: TensorRef(name) for name in self._entries}

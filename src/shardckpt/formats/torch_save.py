@@ -48,7 +48,7 @@ import torch
 
 from shardckpt.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.format.tree import MAX_DEPTH, TensorRef, depth_exceeds, path_name
-from shardckpt.formats.api import ReadRequest, TensorInfo
+from shardckpt.formats.api import Facts, ReadRequest, TensorInfo
 from shardckpt.formats.requests import check_requests
 from shardckpt.formats.untrusted import check_expansion
 from shardckpt.regions import Box, FlatRange
@@ -242,6 +242,9 @@ class TorchSaveReader:
 
     def tensors(self) -> Mapping[str, TensorInfo]:
         return dict(self._infos)
+
+    def facts(self) -> Facts:
+        return Facts("torch.save", self.path)
 
     def tree(self) -> Any:
         return self._tree

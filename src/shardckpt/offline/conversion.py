@@ -13,20 +13,21 @@ import torch
 from shardckpt.checkpoint.load_any import pick, replace_refs, wanted_keys
 from shardckpt.checkpoint.stage import check_unique_names
 from shardckpt.offline.local_output import LocalAtWorldSize, no_layouts_error
+from shardckpt.offline.spec import ConvertSpec
 from shardckpt.offline.streams import Output
-from shardckpt.errors import BadArgumentError, IncompatibleCheckpointError, UnsupportedValueError
-from shardckpt.format.manifest import MAX_WORLD_SIZE
+from shardckpt.errors import IncompatibleCheckpointError, UnsupportedValueError
 from shardckpt.format.tree import TensorRef, check_savable_depth, encode, leaves, path_name
 from shardckpt.formats.api import CheckpointReader
-from shardckpt.state_dict.flat import LAYOUTS_KEY
-from shardckpt.state_dict.logical import is_local, logical_view, recorded_param_names
+from shardckpt.format.flat_layout import LAYOUTS_KEY, is_local
+from shardckpt.format.manifest import FORMAT_NAME
+from shardckpt.formats.local_view import logical_view, recorded_param_names
 from shardckpt.state_dict.rekey import key_type_of, keyed_by_name, rekey_optim_state_dict
 from shardckpt.state_dict.types import OptimStateKeyType, StateDictType
 
-TYPES = ("full", "sharded", "local")  # output types
 # save_state's metadata names the type by StateDictType value ("SHARDED_STATE_DICT"); convert's by TYPES
 _TYPE_NAMES = {t.value: t.name.removesuffix("_STATE_DICT").lower() for t in StateDictType}  # as stored -> TYPES
 _STORED_TYPES = {name: value for value, name in _TYPE_NAMES.items()}  # TYPES -> as save_state stores it
+_KEY_TYPES = {"name": OptimStateKeyType.PARAM_NAME, "id": OptimStateKeyType.PARAM_ID, None: None}
 
 
 class ConversionRequestError(IncompatibleCheckpointError, ValueError):
@@ -55,26 +56,34 @@ class Conversion:
     metadata: dict
 
 
-def conversion(base: CheckpointReader, src: str, world_size: int | None, type: str | None,
-                dtype: torch.dtype | None, selection: Selection, param_names: Sequence[str] | None,
-                key_type: OptimStateKeyType | None) -> Conversion:
-    metadata = dict(getattr(getattr(base, "manifest", None), "metadata", None) or {})
-    stored_type = metadata.get("state_dict_type", "full")
+def conversion(base: CheckpointReader, spec: ConvertSpec) -> Conversion:
+    """What ``spec`` makes of the source ``base`` (pure: its tree, tensor list and manifest; nothing is read)."""
+    facts = base.facts()
+    metadata = dict(facts.metadata)
+    stored_type = facts.state_dict_type or "full"
     source_type = "local" if is_local(base.tree()) else _TYPE_NAMES.get(stored_type, stored_type)
-    world = world_size_of(world_size, getattr(getattr(base, "manifest", None), "world_size", 1))
-    out_type = _output_type(type, source_type, world)
+    # shardckpt's own checkpoints convert at the world size they were saved at; other formats (a DeepSpeed
+    # checkpoint records its ranks too) to one rank, unless asked
+    world = spec.world_size or (facts.world_size if facts.format == FORMAT_NAME else 1)
+    asked = spec.type or ("sharded" if spec.format == "dcp" else None)  # DCP stores dim-0 chunks
+    out_type = asked or ("sharded" if source_type == "full" and world > 1 else source_type)
+    if out_type not in _STORED_TYPES:
+        raise ConversionRequestError(f"{spec.src}: its state_dict_type {stored_type!r} is none convert knows; pass "
+                                     "type='full' or 'sharded'")
     if out_type == "local":
         if source_type != "local":
-            raise no_layouts_error(src, source_type)
-        if dtype is not None:
+            raise no_layouts_error(str(spec.src), source_type)
+        if spec.dtype is not None:
             raise ConversionRequestError("dtype: LOCAL output keeps the flat layouts' dtypes; cast with "
                                          "type='sharded' or 'full'")
-        reader: CheckpointReader = LocalAtWorldSize(base, world, src)
+        reader: CheckpointReader = LocalAtWorldSize(base, world, str(spec.src))
     else:
-        reader = logical_view(base, param_names=param_names)
+        reader = logical_view(base, param_names=spec.param_names)
         metadata.pop("param_names", None)  # a FULL or SHARDED output has no flat layouts to go with them
-    key_type, rekey = _rekeying(base, reader, out_type, key_type, param_names)
-    encoded_tree, outputs = select(reader, selection, dtype, rekey)
+    key_type = _KEY_TYPES.get(spec.optim_key)
+    key_type, rekey = _rekeying(base, reader, out_type, key_type, spec.param_names)
+    selection = Selection(spec.only, spec.exclude, spec.strip_prefix)
+    encoded_tree, outputs = select(reader, selection, spec.dtype, rekey)
     if key_type is not None and isinstance(encoded_tree.get("optim"), dict):
         metadata["optim_key"] = key_type.value
     if out_type == "local" and not is_local(encoded_tree):
@@ -104,39 +113,6 @@ def _rekeying(base: CheckpointReader, reader: CheckpointReader, out_type: str, k
     return key_type, functools.partial(
         _rekeyed, key_type=key_type, id_order=None if by_flat_group else param_names or recorded_param_names(base),
         stored_order=(lambda: dict(enumerate(reader.layouts))) if local else None)
-
-
-def world_size_of(asked: int | None, source: int) -> int:
-    check_world_size(asked)
-    return source if asked is None else asked
-
-
-def check_world_size(asked: int | None) -> None:
-    """Refuses an output world size that is not a positive int or is above the format's cap (a plan for that many
-    ranks would run for minutes and fill the memory before any manifest could refuse it)."""
-    if asked is None:
-        return
-    if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
-        raise BadArgumentError(f"world_size must be a positive int, got {asked!r}")
-    if asked > MAX_WORLD_SIZE:
-        raise BadArgumentError(f"world_size {asked} is above the format's cap of {MAX_WORLD_SIZE} ranks")
-
-
-def key_type_of_option(asked: str | OptimStateKeyType | None) -> OptimStateKeyType | None:
-    if asked is None or isinstance(asked, OptimStateKeyType):
-        return asked
-    names = {"name": OptimStateKeyType.PARAM_NAME, "id": OptimStateKeyType.PARAM_ID}
-    if asked not in names:
-        raise ValueError(f"optim_key must be 'name' or 'id', got {asked!r}")
-    return names[asked]
-
-
-def _output_type(asked: str | None, source: str, world: int) -> str:
-    if asked is None:
-        asked = "sharded" if source == "full" and world > 1 else source
-    if asked not in TYPES:
-        raise ValueError(f"type must be one of {TYPES}, got {asked!r}")
-    return asked
 
 
 class OutputTensor:

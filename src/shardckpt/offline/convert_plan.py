@@ -1,4 +1,10 @@
-"""``convert``'s save plan: who writes which chunk of the output, decided from the tensors' shapes alone.
+"""``convert``'s plan, pure: ``plan_conversion(reader, spec)`` decides everything a conversion writes from the source
+reader's tree, tensor list and manifest (``offline.conversion``: what is made of it) and the spec, before anything
+is read or written: the output's placement, the save plan of a shardckpt output, its format version, and the
+generation that names its data directory (the same for every run of one conversion of a source with an identity,
+so that a rerun finds what a killed run wrote: ``offline.resume``).
+
+The save plan: who writes which chunk of the output, decided from the tensors' shapes alone.
 
 A SHARDED output's tensor is ``world`` dim-0 chunks (``torch.chunk`` semantics), which follow from its shape and
 ``world`` by arithmetic: such a tensor is planned as a whole (``Dim0Chunks``: chunk i is rank i's, computed when
@@ -9,21 +15,87 @@ placements (a LOCAL output's flat shard ranges, replicas) are placed rank by ran
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
 import heapq
+import json
 import math
+import uuid
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
+from shardckpt.checkpoint.agree import encoded_holds_per_rank
 from shardckpt.checkpoint.save_plan import SavePlan, TensorPlan, WriteTask, _assign_slots, itemsize_of
 from shardckpt.format.chunks import Chunks, regular_chunks
 from shardckpt.format.codecs import Compression
 from shardckpt.format.dtypes import dtype_name
+from shardckpt.format.manifest import version_for
 from shardckpt.formats.api import CheckpointReader
+from shardckpt.offline.conversion import Conversion, conversion
 from shardckpt.offline.local_output import LocalAtWorldSize
+from shardckpt.offline.resume import source_identity
+from shardckpt.offline.spec import ConvertSpec
 from shardckpt.offline.streams import Output
 from shardckpt.regions import FlatRange, Region, dim0_chunk, full_region
 
 Place = Callable[[Output, int], "tuple[Region, bool]"]
+
+
+@dataclass(frozen=True)
+class ConversionPlan:
+    """What a conversion writes and where (``plan_conversion``)."""
+
+    spec: ConvertSpec
+    what: Conversion  # the output's type, world size, tree and tensors, and the reader they are made of
+    shaping: dict  # the options that shape the output: with the source's identity, what names its generation
+    generation: str  # names the output's data directory
+    chunks: SavePlan | None  # a shardckpt output's chunks, per output rank (None: a DCP output)
+    version: int  # the output's format version (``format.manifest.version_for``)
+
+    def place(self, output: Output, rank: int) -> tuple[Region, bool]:
+        """The region of ``output`` that output rank ``rank`` holds, and whether it is a replica."""
+        return placement(output, rank, out_type=self.what.out_type, world=self.what.world, reader=self.what.reader)
+
+    @property
+    def tensor_bytes(self) -> int:
+        """The output's tensor bytes, as stored (each tensor once)."""
+        return sum(o.nbytes for o in self.what.outputs)
+
+    def with_generation(self, generation: str) -> ConversionPlan:
+        chunks = None if self.chunks is None else dataclasses.replace(self.chunks, generation=generation)
+        return dataclasses.replace(self, generation=generation, chunks=chunks)
+
+
+def plan_conversion(reader: CheckpointReader, spec: ConvertSpec) -> ConversionPlan:
+    """Everything ``spec`` writes of the source ``reader`` (as opened, adapter applied), decided from what the reader
+    holds already (its tree, tensor list and manifest) without reading a value or touching the destination."""
+    what = conversion(reader, spec)
+    shaping = _shaping(what, spec)
+    identity = source_identity(what.base)
+    generation = uuid.uuid4().hex[:16] if identity is None else \
+        hashlib.sha256(json.dumps([identity, shaping], sort_keys=True, default=str).encode()).hexdigest()[:16]
+    compression = Compression.parse(spec.compress)
+    chunks = None
+    if spec.format == "shardckpt":
+        place = functools.partial(placement, out_type=what.out_type, world=what.world, reader=what.reader)
+        tiled = functools.partial(dim0_tiled, out_type=what.out_type, reader=what.reader)
+        chunks = plan_chunks(what.outputs, place, tiled, what.world, spec.files_per_rank, compression, generation)
+    version = version_for(compression is not None, encoded_holds_per_rank(what.encoded_tree))  # v4: per-rank values
+    return ConversionPlan(spec, what, shaping, generation, chunks, version)
+
+
+def _shaping(what: Conversion, spec: ConvertSpec) -> dict[str, Any]:
+    """The options that shape the output, as every earlier version named them (a rerun after an upgrade resumes)."""
+    names = None if spec.param_names is None else list(spec.param_names)
+    common = {"world": what.world, "type": what.out_type, "dtype": spec.dtype, "only": list(spec.only),
+              "exclude": list(spec.exclude), "param_names": names,
+              "optim_key": None if what.key_type is None else what.key_type.value,
+              **({"adapter": spec.adapter, "reverse": spec.reverse} if spec.adapter is not None else {}),
+              **({"strip_prefix": spec.strip_prefix} if spec.strip_prefix else {})}
+    if spec.format == "dcp":
+        return {"format": "dcp", **common}
+    return {**common, "files_per_rank": spec.files_per_rank, "compress": spec.compress}
 
 
 def placement(output: Output, rank: int, *, out_type: str, world: int,
@@ -115,8 +187,8 @@ class RankTasks(Sequence[list]):
         return [r for r, n in enumerate(self._bytes) if n]
 
 
-def plan_conversion(outputs: list[Output], place: Place, tiled: Callable[[Output], bool], world: int,
-                    files_per_rank: int, compression: Compression | None, generation: str) -> SavePlan:
+def plan_chunks(outputs: list[Output], place: Place, tiled: Callable[[Output], bool], world: int,
+                files_per_rank: int, compression: Compression | None, generation: str) -> SavePlan:
     """The save plan, one entry per tensor: ``tiled`` ones as ``Dim0Chunks``, the others' chunks the placements of
     ranks 0..world-1 (tilings in order by construction: a flat layout's shard ranges), a replica written once."""
     tensors: dict[str, TensorPlan] = {}

@@ -3,7 +3,8 @@
 ``format_utils.dcp_to_torch_save`` and torchtitan read. DCP stores one value per key: per-rank values (format v4)
 are refused, naming their keys (``--exclude`` them).
 
-The same plan and streams as the shardckpt output (``offline.convert``'s placement, ``offline.streams``): each
+The same plan and streams as the shardckpt output (``offline.convert_plan``'s placement, ``offline.streams``), and
+the same pipeline (``checkpoint.persist``: ``DcpOutput`` is the format's writer behind its seam): each
 DCP chunk (``offline.dcp_layout``: a box of at most one slice buffer) is read from the source (cast if asked)
 into the buffer and ``torch.save``d from there into its rank's file, as DCP's ``FileSystemWriter`` stores it,
 so memory stays within ``memory_limit``. Before the commit, each tensor's checksum combined from its chunks
@@ -33,6 +34,9 @@ from typing import Any, Callable
 import torch
 
 from shardckpt.checkpoint.agree import per_rank_names
+from shardckpt.checkpoint.persist import OutputWriter, write_files
+from shardckpt.checkpoint.progress import Progress
+from shardckpt.dist.group import raise_failures
 from shardckpt.errors import (
     CheckpointError, CheckpointExistsError, CorruptCheckpointError, UnsupportedValueError,
 )
@@ -41,12 +45,12 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.format.tree import TensorRef, decode
 from shardckpt.formats.dcp.metadata import METADATA_NAME, parse_metadata
-from shardckpt.io import Storage
-from shardckpt.offline.conversion import Conversion
+from shardckpt.io import DirHold, Storage
+from shardckpt.offline.convert_plan import ConversionPlan
 from shardckpt.offline.dcp_layout import DcpBytesItem, DcpTensorItem, flat_keys, rank_tensor_items
+from shardckpt.offline.memory import ALIGN, SliceBuffers, buffer_budget, read_reserve
 from shardckpt.offline.safetensors_files import remove
-from shardckpt.offline.streams import ALIGN, Output, ReadOnDemand, SliceBuffers
-from shardckpt.regions import Region
+from shardckpt.offline.streams import Output, ReadOnDemand, largest_slice
 
 RESUME_DIR = ".shardckpt-dcp"
 DCP_VERSION = "1.0.0"  # torch 2.13's CURRENT_DCP_VERSION
@@ -83,54 +87,82 @@ class _Counting:
         pass
 
 
-def write_dcp(what: Conversion, place: Callable[[Output, int], tuple[Region, bool]], storage: Storage,
-              generation: str, buffer_bytes: int, tick: Callable[[int], None], overwrite: bool) -> tuple[list[int], int]:
-    """Write and commit ``what`` as a DCP checkpoint; returns the ranks kept from a killed run and their bytes."""
-    _refuse_per_rank(what.encoded_tree)
-    committed, old_files = _committed_files(storage, overwrite)
-    tree = decode(what.encoded_tree, "the conversion's tree")
-    by_name = {o.name: o for o in what.outputs}
-    keyed = flat_keys(tree)
-    tensors = [(key, by_name[leaf.name]) for key, _, leaf in keyed if isinstance(leaf, TensorRef)]
-    values = [DcpBytesItem(key, leaf) for key, _, leaf in keyed if not isinstance(leaf, TensorRef)]
-    per_element = max((itemsize(o.source.dtype) + itemsize(o.dtype) for _, o in tensors), default=1)
-    buffers = SliceBuffers(1, max(4 * ALIGN, buffer_bytes))
-    max_elements = (buffers.nbytes - 2 * ALIGN) // per_element
-    file_index = 1 + max((int(_DATA_FILE.fullmatch(f).group(2)) for f in old_files if _DATA_FILE.fullmatch(f)),
-                         default=-1)
-    journals = f"{RESUME_DIR}/{generation}"
-    hold = storage.hold_dir(journals, exclusive=True)
-    try:
-        stored, kept, kept_bytes = [], [], 0
-        for rank in range(what.world):
-            items = rank_tensor_items(tensors, rank, place, max_elements)
-            items = ([*values] if rank == 0 else []) + items
-            if not items:
-                continue
-            path = f"__{rank}_{file_index}.distcp"
-            writer = _RankFile(storage, path, f"{journals}/{path}.json", generation, items)
-            result = writer.kept(buffers)
-            if result is not None:
-                kept.append(rank)
-                kept_bytes += storage.file_size(path)
-                tick(sum(i.flat.numel * itemsize(i.output.dtype) for i in items if isinstance(i, DcpTensorItem)))
-            else:
-                result = writer.write(ReadOnDemand(what.reader, by_name, None, tick, buffers))
-            stored.extend(result)
+class DcpOutput(OutputWriter):
+    """A conversion written as a torch DCP checkpoint, behind ``checkpoint.persist``'s seam (one process): its rank
+    files kept or written in turn through one slice buffer, ``.metadata`` committed last. ``kept_ranks`` /
+    ``kept_bytes``: the rank files a killed run of the same conversion had finished, and their bytes."""
+
+    def __init__(self, plan: ConversionPlan, storage: Storage, progress: Callable[[int, int], None] | None):
+        self.plan, self.storage, self.progress = plan, storage, progress
+        _refuse_per_rank(plan.what.encoded_tree)  # before the tree is decoded, which would call them corrupt
+        self.keyed = flat_keys(decode(plan.what.encoded_tree, "the conversion's tree"))
+        by_name = {o.name: o for o in plan.what.outputs}
+        self.tensors = [(key, by_name[leaf.name]) for key, _, leaf in self.keyed if isinstance(leaf, TensorRef)]
+        self.journals = f"{RESUME_DIR}/{plan.generation}"
+        self.hold: DirHold | None = None
+        self.replacing, self.old_files, self.written = False, set(), set()
+        self.kept_ranks: tuple[int, ...] = ()
+        self.kept_bytes = 0
+
+    def begin(self) -> None:
+        self.replacing, self.old_files = _committed_files(self.storage, self.plan.spec.overwrite)
+        self.hold = self.storage.hold_dir(self.journals, exclusive=True)
+
+    def write(self) -> list[Stored]:
+        what, tensors = self.plan.what, self.tensors
+        tick = Progress(self.plan.tensor_bytes, self.progress)
+        tick.begin()
+        by_name = {o.name: o for o in what.outputs}
+        values = [DcpBytesItem(key, leaf) for key, _, leaf in self.keyed if not isinstance(leaf, TensorRef)]
+        budget = buffer_budget(self.plan.spec.memory_limit, "convert", read_reserve(what.base, 1))
+        buffers = SliceBuffers.within(budget, 1, largest_slice(what.outputs), smallest=4 * ALIGN)
+        per_element = max((itemsize(o.source.dtype) + itemsize(o.dtype) for _, o in tensors), default=1)
+        max_elements = (buffers.nbytes - 2 * ALIGN) // per_element
+        file_index = 1 + max((int(_DATA_FILE.fullmatch(f).group(2)) for f in self.old_files
+                              if _DATA_FILE.fullmatch(f)), default=-1)
+        pieces = ReadOnDemand(what.reader, by_name, None, tick, buffers)
+        files = [(rank, ([*values] if rank == 0 else []) +
+                  rank_tensor_items(tensors, rank, self.plan.place, max_elements)) for rank in range(what.world)]
+        kept: list[int] = []
+        stored = write_files([(r, items) for r, items in files if items], lambda job: self._rank_file(
+            job, file_index, pieces, buffers, tick, kept), 1)
+        self.kept_ranks, self.kept_bytes = tuple(kept), sum(self.storage.file_size(f"__{r}_{file_index}.distcp")
+                                                             for r in kept)
+        return [s for rank_stored in stored for s in rank_stored]
+
+    def _rank_file(self, job: tuple[int, list], file_index: int, pieces: ReadOnDemand, buffers: SliceBuffers,
+                   tick: Progress, kept: list[int]) -> list[Stored]:
+        rank, items = job
+        path = f"__{rank}_{file_index}.distcp"
+        writer = _RankFile(self.storage, path, f"{self.journals}/{path}.json", self.plan.generation, items)
+        result = writer.kept(buffers)
+        if result is None:
+            return writer.write(pieces)
+        kept.append(rank)
+        tick(sum(i.flat.numel * itemsize(i.output.dtype) for i in items if isinstance(i, DcpTensorItem)))
+        return result
+
+    def commit(self, shares: list) -> None:
+        raise_failures(shares)
+        stored = shares[0]
         try:
-            _check_against_source(stored, tensors)
+            _check_against_source(stored, self.tensors)
         except CorruptCheckpointError:
-            storage.remove_dir(journals)  # else a rerun would keep what was wrong
+            self.storage.remove_dir(self.journals)  # else a rerun would keep what was wrong
             raise
         try:
-            storage.put_atomic(METADATA_NAME, _metadata(keyed, tensors, stored, generation), exclusive=not committed)
+            self.storage.put_atomic(METADATA_NAME, _metadata(self.keyed, self.tensors, stored, self.plan.generation),
+                                    exclusive=not self.replacing)
         except FileExistsError:
-            raise CheckpointExistsError(f"{storage.url(METADATA_NAME)}: a DCP checkpoint was committed here "
+            raise CheckpointExistsError(f"{self.storage.url(METADATA_NAME)}: a DCP checkpoint was committed here "
                                         "meanwhile; nothing of this conversion was committed") from None
-    finally:
-        hold.release()
-    _remove_old(storage, old_files - {s.path for s in stored}, journals)
-    return kept, kept_bytes
+        self.written = {s.path for s in stored}
+
+    def end(self) -> None:
+        if self.hold is not None:
+            self.hold.release()
+        if self.written:  # committed
+            _remove_old(self.storage, self.old_files - self.written, self.journals)
 
 
 def _refuse_per_rank(encoded_tree: Any) -> None:

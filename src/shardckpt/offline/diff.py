@@ -21,7 +21,7 @@ both sides, ``notes`` says what to try. ``progress(done, total)`` is told the by
 
 LOCAL checkpoints (flat groups plus their layouts) are compared as stored when both sides have the same
 layouts; otherwise (another world size or wrapping, or a LOCAL and a FULL/SHARDED/foreign checkpoint) both
-sides are compared by parameter, through ``state_dict.logical.logical_view``: the same model state at 2 and
+sides are compared by parameter, through ``formats.local_view.logical_view``: the same model state at 2 and
 3 ranks is equal, as it should be, and padding never counts.
 """
 from __future__ import annotations
@@ -37,14 +37,14 @@ import torch
 
 from shardckpt.offline.diff_select import nothing_compared_hint, select
 from shardckpt.format.dtypes import itemsize
+from shardckpt.format.flat_layout import LAYOUTS_KEY, is_local
 from shardckpt.format.tree import TensorRef, leaves, path_name
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
 from shardckpt.formats.detect import open_reader
+from shardckpt.formats.local_view import logical_view
 from shardckpt.formats.safetensors import SafetensorsReader
 from shardckpt.formats.safetensors_header import METADATA_KEY
 from shardckpt.regions import FlatRange
-from shardckpt.state_dict.flat import LAYOUTS_KEY
-from shardckpt.state_dict.logical import is_local, logical_view
 from shardckpt.tensor_views import as_bytes
 
 SLICE_BYTES = 64 << 20  # per side and per read: the memory a comparison holds
@@ -77,23 +77,48 @@ class DiffReport:
         return not self.differences
 
 
-def diff(a: str | os.PathLike | CheckpointReader, b: str | os.PathLike | CheckpointReader, *, atol: float = 0.0,
-         rtol: float = 0.0, only: Sequence[str] | None = None, strip_prefix: str | None = None,
-         read_all: bool = False, storage_options: dict | None = None, slice_bytes: int = SLICE_BYTES,
-         progress: Callable[[int, int], None] | None = None) -> DiffReport:
-    """Compare checkpoints ``a`` and ``b`` (paths, URLs or readers); differences are collected, not raised
-    (see the module's docstring for ``only``, ``strip_prefix``, tolerances and metadata). ``read_all``: compare
-    every tensor by value, also where both sides store equal checksums (a CRC32C can be made to collide).
+@dataclass(frozen=True)
+class Comparison:
+    """What ``diff`` compares, and how strictly: tolerances for floating-point values (``atol = rtol = 0``: bit for
+    bit), ``only`` / ``strip_prefix`` on each side (``diff_select``), and ``read_all``: every tensor by value, also
+    where both sides store equal checksums (a CRC32C can be made to collide)."""
+
+    atol: float = 0.0
+    rtol: float = 0.0
+    only: Sequence[str] | None = None
+    strip_prefix: str | None = None
+    read_all: bool = False
+
+    def __post_init__(self) -> None:
+        if self.atol < 0 or self.rtol < 0 or not (math.isfinite(self.atol) and math.isfinite(self.rtol)):
+            raise ValueError("atol and rtol must be finite and >= 0")
+
+    @property
+    def exact(self) -> bool:
+        return self.atol == self.rtol == 0
+
+    @property
+    def checksums(self) -> bool:
+        """Equal stored checksums settle a tensor without reading it."""
+        return not self.read_all
+
+
+def diff(a: str | os.PathLike | CheckpointReader, b: str | os.PathLike | CheckpointReader, *,
+         storage_options: dict | None = None, slice_bytes: int = SLICE_BYTES,
+         progress: Callable[[int, int], None] | None = None, **comparison: Any) -> DiffReport:
+    """Compare checkpoints ``a`` and ``b`` (paths, URLs or readers); differences are collected, not raised.
+    ``comparison``: ``Comparison``'s fields (see the module's docstring for ``only``, ``strip_prefix``, tolerances
+    and metadata).
 
     Unreadable input raises a ``CheckpointError`` subclass naming the file."""
-    if atol < 0 or rtol < 0 or not (math.isfinite(atol) and math.isfinite(rtol)):
-        raise ValueError("atol and rtol must be finite and >= 0")
+    rules = Comparison(**comparison)
     ra, rb = (r if isinstance(r, CheckpointReader) else open_reader(r, storage_options=storage_options) for r in (a, b))
     metadata = (_file_metadata(ra), _file_metadata(rb))
     ra, rb = _comparable(ra, rb)
     report = DiffReport()
-    if only or strip_prefix:
-        (ra, notes_a), (rb, notes_b) = (select(r, side, only, strip_prefix) for r, side in ((ra, "A"), (rb, "B")))
+    if rules.only or rules.strip_prefix:
+        (ra, notes_a), (rb, notes_b) = (select(r, side, rules.only, rules.strip_prefix)
+                                        for r, side in ((ra, "A"), (rb, "B")))
         report.notes += notes_a + notes_b
     _diff_plain(ra.tree(), rb.tree(), report, [m is not None for m in metadata])
     _diff_metadata(*metadata, report)
@@ -103,7 +128,6 @@ def diff(a: str | os.PathLike | CheckpointReader, b: str | os.PathLike | Checkpo
     common = sorted(set(ta) & set(tb))
     if ta and tb and not common:
         report.notes.append(nothing_compared_hint(list(ta), list(tb)))
-    rules = _Rules(atol, rtol, not read_all)
     total = sum(_bytes_to_read(ta[n], tb[n], rules) for n in common)
     tick = (lambda: progress(report.bytes_read, total)) if progress is not None and total else (lambda: None)
     tick()
@@ -112,18 +136,7 @@ def diff(a: str | os.PathLike | CheckpointReader, b: str | os.PathLike | Checkpo
     return report
 
 
-@dataclass(frozen=True)
-class _Rules:
-    atol: float
-    rtol: float
-    checksums: bool  # equal stored checksums settle a tensor without reading it
-
-    @property
-    def exact(self) -> bool:
-        return self.atol == self.rtol == 0
-
-
-def _bytes_to_read(ia: TensorInfo, ib: TensorInfo, rules: _Rules) -> int:
+def _bytes_to_read(ia: TensorInfo, ib: TensorInfo, rules: Comparison) -> int:
     """What comparing two tensors reads, both sides (0: settled without reading, or not comparable)."""
     if tuple(ia.shape) != tuple(ib.shape) or (rules.checksums and _same_checksum(ia, ib)):
         return 0
@@ -210,7 +223,7 @@ def _same_checksum(ia: TensorInfo, ib: TensorInfo) -> bool:
     return ia.dtype == ib.dtype and ia.crc32c is not None and ia.crc32c == ib.crc32c
 
 
-def _diff_tensor(ra: CheckpointReader, rb: CheckpointReader, ia: TensorInfo, ib: TensorInfo, tol: _Rules,
+def _diff_tensor(ra: CheckpointReader, rb: CheckpointReader, ia: TensorInfo, ib: TensorInfo, tol: Comparison,
                  slice_bytes: int, report: DiffReport, tick: Callable[[], None]) -> None:
     if tuple(ia.shape) != tuple(ib.shape):
         report.differences.append(Difference(ia.name, "shape", f"{list(ia.shape)} != {list(ib.shape)}"))

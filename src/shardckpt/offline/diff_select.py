@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 from shardckpt.checkpoint.load_any import wanted_keys
 from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.format.tree import TensorRef, leaves, path_name
-from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
+from shardckpt.formats.api import CheckpointReader, Facts, ReadRequest, TensorInfo
 from shardckpt.formats.safetensors_header import METADATA_KEY
 
 
@@ -29,6 +29,9 @@ class Selected:
 
     def tensors(self) -> Mapping[str, TensorInfo]:
         return dict(self._infos)
+
+    def facts(self) -> Facts:
+        return self.reader.facts()
 
     def tree(self) -> Any:
         return {**self._plain, **{name: TensorRef(name) for name in self._infos}}

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from shardckpt.checkpoint.gc import EXPORT_STAGING, EXPORT_TEMP
+from shardckpt.checkpoint.persist import OutputWriter, write_files
+from shardckpt.dist.group import raise_failures
 from shardckpt.offline import safetensors_files
 from shardckpt.offline.safetensors_files import SINGLE_FILE, is_written
 from shardckpt.errors import BadArgumentError, CheckpointError, CheckpointExistsError
@@ -100,35 +102,68 @@ def unfinished_error(storage: Storage, old: list[str]) -> CheckpointExistsError:
                                  "overwrite=True to replace it")
 
 
-def commit_local(storage: LocalStorage, files: Sequence[PlannedFile], index: bytes | None, old: list[str],
-                 overwrite: bool, resumable: bool, write: Write, skip: Callable[[PlannedFile], None],
-                 beside: Beside, token: str) -> tuple[str, ...]:
-    """Write ``files`` and ``index`` at local ``storage`` and commit them (see the module's docstring);
-    ``old``: the export files there now, none of them a committed export unless ``overwrite``. Returns the
-    names adopted from a killed run (``skip`` is told of each)."""
-    stage = _Stage(storage, token)
-    try:
-        if resumable:
-            for f in stage.adopt(files, finals_too=INDEX_NAME not in old and SINGLE_FILE not in old):
-                skip(f)
-        if old and not overwrite and not stage.kept:
-            raise unfinished_error(storage, old)
-        for f in files:
-            if f.name not in stage.ready:
-                stage.write(f, write)
-        for name, data in beside.files.items():
-            storage.put_atomic(stage.path(name), data)
+@dataclass(frozen=True)
+class ExportFiles:
+    """What an export puts at its destination (``export`` plans it) and what is there now."""
+
+    files: Sequence[PlannedFile]
+    index: bytes | None  # None: one file, no index
+    beside: Beside
+    old: list[str]  # the export files at the destination now, none of them a committed export unless overwrite
+    overwrite: bool
+    resumable: bool  # the source has an identity: the files a killed run finished are kept
+
+
+class LocalExport(OutputWriter):
+    """Local disk (see the module's docstring): each file written in this export's held directory, then all renamed
+    into place under a lock, the index last. ``kept``: the names adopted from a killed run (``skip`` is told of
+    each); ``write(storage, path, file)`` writes one file whole."""
+
+    def __init__(self, storage: LocalStorage, planned: ExportFiles, write: Write, skip: Callable[[PlannedFile], None],
+                 token: str):
+        self.storage, self.planned, self.write_file, self.skip, self.token = storage, planned, write, skip, token
+        self.stage: _Stage | None = None
+        self.committed = False
+
+    @property
+    def kept(self) -> tuple[str, ...]:
+        return tuple(self.stage.kept) if self.stage is not None else ()
+
+    def begin(self) -> None:
+        planned = self.planned
+        self.stage = _Stage(self.storage, self.token)
+        if planned.resumable:
+            no_export = INDEX_NAME not in planned.old and SINGLE_FILE not in planned.old
+            for f in self.stage.adopt(planned.files, finals_too=no_export):
+                self.skip(f)
+        if planned.old and not planned.overwrite and not self.stage.kept:
+            raise unfinished_error(self.storage, planned.old)
+
+    def write(self) -> None:
+        stage = self.stage
+        write_files([f for f in self.planned.files if f.name not in stage.ready],
+                    lambda f: stage.write(f, self.write_file), 1)
+
+    def commit(self, shares: list) -> None:
+        raise_failures(shares)
+        stage, planned = self.stage, self.planned
+        for name, data in planned.beside.files.items():
+            self.storage.put_atomic(stage.path(name), data)
             stage.ready[name] = stage.path(name)
-        if index is not None:
-            storage.put_atomic(stage.path(INDEX_NAME), index)
+        if planned.index is not None:
+            self.storage.put_atomic(stage.path(INDEX_NAME), planned.index)
             stage.ready[INDEX_NAME] = stage.path(INDEX_NAME)
-        stage.commit(list(beside.files) + [f.name for f in files], overwrite, beside.stale)
-    finally:
-        stage.close()
-    for name in storage.list_dirs() + storage.list_files():  # what killed exports left, nobody's any more
-        if EXPORT_STAGING.match(name) or EXPORT_TEMP.match(name):
-            storage.remove_abandoned(name, 0.0)
-    return tuple(stage.kept)
+        stage.commit(list(planned.beside.files) + [f.name for f in planned.files], planned.overwrite,
+                     planned.beside.stale)
+        self.committed = True
+
+    def end(self) -> None:
+        if self.stage is not None:
+            self.stage.close()
+        if self.committed:  # what killed exports left, nobody's any more
+            for name in self.storage.list_dirs() + self.storage.list_files():
+                if EXPORT_STAGING.match(name) or EXPORT_TEMP.match(name):
+                    self.storage.remove_abandoned(name, 0.0)
 
 
 class _Stage:
@@ -237,46 +272,62 @@ def refuse_own_source(storage: Storage, source: Storage, src: str) -> None:
                                "old export before the new one is written: export to another directory")
 
 
-def write_remote(storage: Storage, files: Sequence[PlannedFile], index: bytes | None, old: list[str],
-                 overwrite: bool, resumable: bool, write: Write, skip: Callable[[PlannedFile], None],
-                 beside: Beside) -> tuple[str, ...]:
+class RemoteExport(OutputWriter):
     """An object store: the stale old files removed first (the index first), then each file at its name, the
     index last; a failure removes what ``_clean_up`` says. A killed run's files under their names are kept
-    where exactly what this run would write (not with ``overwrite``). Returns the names kept."""
-    names = [f.name for f in files]
-    finished = {f.name for f in files if resumable and not overwrite and f.name in old
-                and is_written(storage, f.name, f.header, f.members)}
-    if old and not overwrite and not finished:
-        raise unfinished_error(storage, old)
-    for name in sorted((n for n in old if n not in names or n == INDEX_NAME), key=lambda n: n != INDEX_NAME):
-        safetensors_files.remove(storage, name)
-    for name in beside.stale:
-        safetensors_files.remove(storage, name)
-    written: list[PlannedFile] = []
-    put = False  # whether the index there is the one this run put
-    try:
-        for f in files:
-            if f.name in finished:
-                skip(f)
+    where exactly what this run would write (not with ``overwrite``): ``kept``, their names."""
+
+    def __init__(self, storage: Storage, planned: ExportFiles, write: Write, skip: Callable[[PlannedFile], None]):
+        self.storage, self.planned, self.write_file, self.skip = storage, planned, write, skip
+        self.names = [f.name for f in planned.files]
+        self.finished: set[str] = set()
+        self.written: list[PlannedFile] = []
+        self.put = False  # whether the index there is the one this run put
+        self.committed = False
+
+    @property
+    def kept(self) -> tuple[str, ...]:
+        return tuple(n for n in self.names if n in self.finished)
+
+    def begin(self) -> None:
+        storage, planned = self.storage, self.planned
+        self.finished = {f.name for f in planned.files if planned.resumable and not planned.overwrite
+                         and f.name in planned.old and is_written(storage, f.name, f.header, f.members)}
+        if planned.old and not planned.overwrite and not self.finished:
+            raise unfinished_error(storage, planned.old)
+        stale = sorted((n for n in planned.old if n not in self.names or n == INDEX_NAME),
+                       key=lambda n: n != INDEX_NAME)
+        for name in stale + list(planned.beside.stale):
+            safetensors_files.remove(storage, name)
+
+    def write(self) -> None:
+        for f in self.planned.files:
+            if f.name in self.finished:
+                self.skip(f)
                 continue
-            _no_other_commit(storage, names)
-            written.append(f)
-            write(storage, f.name, f)
-        for name, data in beside.files.items():  # before the index (or the one file's commit) is seen
+            _no_other_commit(self.storage, self.names)
+            self.written.append(f)
+            self.write_file(self.storage, f.name, f)
+
+    def commit(self, shares: list) -> None:
+        raise_failures(shares)
+        storage, planned = self.storage, self.planned
+        for name, data in planned.beside.files.items():  # before the index (or the one file's commit) is seen
             storage.put_atomic(name, data)
-        if index is not None:
-            _no_other_commit(storage, names)
-            _all_ours(storage, files, "nothing committed")
+        if planned.index is not None:
+            _no_other_commit(storage, self.names)
+            _all_ours(storage, planned.files, "nothing committed")
             try:  # exclusive: the old index is gone, so one there now is another export's
-                storage.put_atomic(INDEX_NAME, index, exclusive=True)
+                storage.put_atomic(INDEX_NAME, planned.index, exclusive=True)
             except FileExistsError:
                 raise _committed_meanwhile(storage) from None
-            put = True
-            _all_ours(storage, files, "its readers refuse the mix (export again)")
-    except BaseException:
-        _clean_up(storage, [] if resumable else written, put, index)
-        raise
-    return tuple(n for n in names if n in finished)
+            self.put = True
+            _all_ours(storage, planned.files, "its readers refuse the mix (export again)")
+        self.committed = True
+
+    def end(self) -> None:
+        if not self.committed:
+            _clean_up(self.storage, [] if self.planned.resumable else self.written, self.put, self.planned.index)
 
 
 def _clean_up(storage: Storage, written: Sequence[PlannedFile], put: bool, index: bytes | None) -> None:

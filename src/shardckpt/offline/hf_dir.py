@@ -265,7 +265,7 @@ def same_values(reader: CheckpointReader, a: Any, b: Any, slice_bytes: int) -> b
     if a.shape != b.shape or a.source_dtype != b.source_dtype:
         return False
     infos = reader.tensors()
-    ia, ib = infos[a.source], infos[b.source]
+    ia, ib = infos[a.source.name], infos[b.source.name]
     if ia.crc32c is not None and ia.crc32c == ib.crc32c:
         return True
     numel = math.prod(a.shape)
@@ -273,7 +273,8 @@ def same_values(reader: CheckpointReader, a: Any, b: Any, slice_bytes: int) -> b
     for lo in range(0, numel, step):
         hi = min(numel, lo + step)
         xa, xb = torch.empty(hi - lo, dtype=a.source_dtype), torch.empty(hi - lo, dtype=a.source_dtype)
-        reader.read([ReadRequest(a.source, FlatRange(lo, hi), xa), ReadRequest(b.source, FlatRange(lo, hi), xb)])
+        reader.read([ReadRequest(a.source.name, FlatRange(lo, hi), xa),
+                     ReadRequest(b.source.name, FlatRange(lo, hi), xb)])
         if not torch.equal(as_bytes(xa), as_bytes(xb)):
             return False
     return True

@@ -3,8 +3,7 @@ world size, through the read interface, so that ``convert`` plans and writes it 
 
 A LOCAL checkpoint stores each flat group's flat tensor (model parameter, and every optimizer state tensor
 shaped like it) with its ``FlatLayout``. At world size M the layout is re-derived
-(``state_dict.merge_split._at_world_size``: the same members, offsets and dtype; padding for M equal
-shards), and each flat tensor takes the new layout's ``padded_numel``. A range of a new flat tensor is
+(``FlatLayout.at_world_size``: the same members, offsets and dtype; padding for M equal shards), and each flat tensor takes the new layout's ``padded_numel``. A range of a new flat tensor is
 assembled from the members' elements, read from the stored flat tensor at the member's stored offset, and
 zeros for the alignment gaps and the tail padding, as the runtime keeps them. Every other stored tensor
 (buffers, scalars such as ``step``) and the rest of the tree (param groups, optimizer keys by name or ID)
@@ -16,23 +15,19 @@ ranks does (``piece_region``); every other tensor is stored whole.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from shardckpt.errors import IncompatibleCheckpointError
+from shardckpt.format.flat_layout import LAYOUTS_KEY, FlatLayout, is_local, stored_layouts
+from shardckpt.format.param_ids import keyed_by_id, resolve_id_names
 from shardckpt.format.tree import TensorRef
-from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
+from shardckpt.formats.api import CheckpointReader, Facts, ReadRequest, TensorInfo
+from shardckpt.formats.local_view import logical_view, per_parameter_state
 from shardckpt.formats.requests import check_requests
 from shardckpt.regions import FlatRange, contiguous_runs
-from shardckpt.runtime import FlatLayout
-from shardckpt.state_dict.flat import LAYOUTS_KEY
-from shardckpt.state_dict.load_state import stored_layouts
-from shardckpt.state_dict.logical import is_local, logical_view, per_parameter_state
-from shardckpt.state_dict.merge_split import _at_world_size
-from shardckpt.state_dict.param_ids import resolve_id_names
-from shardckpt.state_dict.rekey import key_type_of
-from shardckpt.state_dict.types import OptimStateKeyType
 
 
 def no_layouts_error(where: str, source_type: str) -> IncompatibleCheckpointError:
@@ -52,9 +47,9 @@ class LocalAtWorldSize:
         if not is_local(tree):
             raise no_layouts_error(where, "non-LOCAL")
         logical_view(base)  # checks the layouts against the flat tensors (CorruptCheckpointError naming one)
-        self.base, self.where = base, where
+        self.base, self.where, self.world_size = base, where, world_size
         stored = stored_layouts(tree)
-        self.layouts = {key: _at_world_size(layout, world_size) for key, layout in stored.items()}
+        self.layouts = {key: layout.at_world_size(world_size) for key, layout in stored.items()}
         infos = dict(base.tensors())
         # stored flat tensor name -> (its stored layout, the re-derived one)
         self.flat: dict[str, tuple[FlatLayout, FlatLayout]] = {
@@ -72,6 +67,9 @@ class LocalAtWorldSize:
     def tensors(self) -> Mapping[str, TensorInfo]:
         return self._infos
 
+    def facts(self) -> Facts:
+        return dataclasses.replace(self.base.facts(), world_size=self.world_size)
+
     def tree(self) -> Any:
         return self._tree
 
@@ -80,8 +78,8 @@ class LocalAtWorldSize:
         optimizer state ``name`` is); None for a tensor stored whole."""
         if name in self.member_state:  # the member's elements that rank holds in its flat shard
             key, j = self.member_state[name]
-            piece = self.layouts[key].member_in_shard(j, rank)
-            return FlatRange(0, 0) if piece is None else FlatRange(piece[0], piece[0] + piece[2])
+            held = self.layouts[key].held(j, rank)
+            return FlatRange(0, 0) if held is None else held.here
         if name not in self.flat:
             return None
         return FlatRange(*self.flat[name][1].shard_range(rank))
@@ -105,11 +103,11 @@ def _member_reads(name: str, stored: FlatLayout, new: FlatLayout, start: int, st
                   dest: torch.Tensor) -> list[ReadRequest]:
     """Reads filling ``dest`` (new flat elements [start, stop)) with the members' elements it covers."""
     reads = []
-    for j, numel in enumerate(new.numels):
-        a, b = max(start, new.offsets[j]), min(stop, new.offsets[j] + numel)
-        if a < b:
-            at = stored.offsets[j] + a - new.offsets[j]
-            reads.append(ReadRequest(name, FlatRange(at, at + b - a), dest[a - start:b - start]))
+    for j in range(len(new.names)):
+        part = new.member(j).clip_source(start, stop)  # the member's elements [at, at + count) land there
+        if part is not None:
+            src = stored.member(j, name).clip(part.at, part.at + part.count)
+            reads.append(ReadRequest(name, src.there, dest[part.start - start:part.start - start + part.count]))
     return reads
 
 
@@ -123,7 +121,7 @@ def _flat_tensors(tree: dict, infos: Mapping[str, TensorInfo], layouts: dict[str
     if not isinstance(state, dict):
         return out
     groups = optim.get("param_groups") or []
-    by_id = key_type_of({"state": state, "param_groups": groups}) is OptimStateKeyType.PARAM_ID
+    by_id = keyed_by_id({"state": state, "param_groups": groups}) is True
     id_names = resolve_id_names(groups, None, lambda: dict(enumerate(layouts))) if by_id else {}
     for k, entry in state.items():
         key = id_names.get(k) if by_id else k
@@ -144,7 +142,7 @@ def _member_state_tensors(tree: dict, infos: Mapping[str, TensorInfo], layouts: 
     if not isinstance(state, dict):
         return False, {}
     groups = optim.get("param_groups") or []
-    by_id = key_type_of({"state": state, "param_groups": groups}) is OptimStateKeyType.PARAM_ID
+    by_id = keyed_by_id({"state": state, "param_groups": groups}) is True
     id_names = resolve_id_names(groups, None, lambda: dict(enumerate(layouts))) if by_id else {}
     if not per_parameter_state(optim, layouts, id_names):
         return False, {}

@@ -1,6 +1,6 @@
 """The data files of one output rank of ``convert``, written resumably: each file is kept (finished and checked),
 taken up again after the prefix of it a killed run wrote and that checks, or written anew, with a journal as
-it goes (``offline.resume``, ``offline.kept``). ``RankFiles.write`` is ``write_rank_files``' ``write_file``."""
+it goes (``offline.resume``, ``offline.kept``). ``RankFiles.write`` writes one of them (``offline.chunk_output``)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,7 +11,7 @@ from typing import Callable, Mapping
 import torch
 
 from shardckpt.checkpoint.save_plan import SavePlan, WriteTask
-from shardckpt.checkpoint.writer import FileProgress, StreamedPiece, write_data_file
+from shardckpt.checkpoint.writer import FileProgress, Followed, StreamedPiece, write_data_file
 from shardckpt.offline.kept import kept_bytes, kept_chunk_terms, kept_progress
 from shardckpt.offline.resume import (
     Claim, FileJournal, file_digest, finished_entry, go_on_writing, journal_dir, read_claim,
@@ -57,9 +57,8 @@ class RankFiles:
         self._kept(progress, whole=False)
         journal = FileJournal(self.storage, journal_path, digest, self.version, isinstance(self.storage, LocalStorage))
         journal.begin(progress)
-        entry, terms = write_data_file(self.storage, data_path, index_path, tasks, self.pieces,
-                                       self.plan.compression, version=self.version, start=progress, writer=writer,
-                                       journal=journal)
+        entry, terms = write_data_file(self.storage, data_path, index_path, tasks, self.pieces, self.plan.compression,
+                                       version=self.version, followed=Followed(progress, writer, journal))
         journal.finish(progress)
         return entry, terms
 

@@ -1,8 +1,10 @@
 """``Renames``: the rename rules of ``export --rename-map`` (and ``verify --against``): regular expressions matched
 against whole names, in order; the first match renames (its groups usable in the new name), ``None`` leaves
-the tensor out. A rule that matches nothing is reported (``check_all_used``): a typo must not pass silently."""
+the tensor out. A rule that matches nothing is reported (``check_all_used``): a typo must not pass silently.
+``read_rename_map``: the rules of a JSON file (``--rename-map FILE``). Light (no torch): the CLI parses with it."""
 from __future__ import annotations
 
+import json
 import re
 from typing import Mapping
 
@@ -45,3 +47,20 @@ class Renames:
         if unused:
             raise IncompatibleCheckpointError(f"rename rules that match no exported tensor: {unused} (names are "
                                               "matched whole, after the model prefix and wrappers are removed)")
+
+
+def read_rename_map(path: str) -> dict:
+    """The rename rules in JSON file ``path`` (a ValueError naming the file if unreadable or not an object)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            rules = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--rename-map {path}: {e}") from None
+    if not isinstance(rules, dict):
+        raise ValueError(f"--rename-map {path}: expected a JSON object of pattern -> new name, got "
+                         f"{type(rules).__name__}")
+    try:
+        Renames(rules)  # every pattern compiles, every new name is a string or null
+    except ValueError as e:
+        raise ValueError(f"--rename-map {path}: {e}") from None
+    return rules

@@ -2,7 +2,8 @@
 conversion's output, and the journal of each data file that says how far a killed run had written it.
 
 A conversion's data directory is named by a hash of the source's identity and every option that shapes the
-output (``conversion_generation``), so a rerun of the same command finds what the killed run wrote. While
+output (``offline.convert_plan``; ``unused_generation`` unless committed there already), so a rerun of the same
+command finds what the killed run wrote. While
 ``convert`` writes a data file it keeps a journal beside it (``resume/<file>.json`` in the data directory,
 replaced whole, a few times per file): a digest of what the plan puts in that file, the records of its
 finished chunks and the block CRCs of the chunk in progress, and at the end that the file and its index are
@@ -22,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 
 from shardckpt.checkpoint.gc import committed_dir
-from shardckpt.checkpoint.save import data_dir
+from shardckpt.checkpoint.commit import data_dir
 from shardckpt.checkpoint.save_plan import SavePlan, WriteTask
 from shardckpt.checkpoint.writer import ALIGN, FileProgress
 from shardckpt.errors import CheckpointError
@@ -41,8 +42,7 @@ def source_identity(reader: CheckpointReader) -> str | None:
     """What changes whenever the source's values may: a shardckpt checkpoint's generation (new at every save
     and convert). None for other formats: nothing in their files changes with every write, so their
     conversions and exports are never resumed, always redone."""
-    manifest = getattr(reader, "manifest", None)
-    return f"shardckpt-generation:{manifest.generation}" if manifest is not None else None
+    return reader.facts().identity
 
 
 def content_identity(reader: CheckpointReader) -> str | None:
@@ -50,27 +50,22 @@ def content_identity(reader: CheckpointReader) -> str | None:
     shape and whole-tensor CRC32C, which sharding does not change), its tree and its metadata; not its
     generation, paths or world size. Two saves of equal state have the same; a changed tensor changes it
     unless its CRC32C collides (the odds ``kept`` takes for a resumed block too). None for other formats."""
-    manifest = getattr(reader, "manifest", None)
-    if manifest is None:
+    facts = reader.facts()
+    if facts.identity is None:
         return None
-    tensors = sorted((name, str(t.dtype), list(t.shape), t.crc32c) for name, t in manifest.tensors.items())
-    key = json.dumps([tensors, manifest.tree, manifest.metadata], sort_keys=True, default=repr)
+    tensors = sorted((name, str(t.dtype), list(t.shape), t.crc32c) for name, t in reader.tensors().items())
+    key = json.dumps([tensors, reader.tree(), dict(facts.metadata)], sort_keys=True, default=repr)
     return "shardckpt-content:" + hashlib.sha256(key.encode()).hexdigest()
 
 
-def conversion_generation(source: CheckpointReader, storage: Storage, options: dict) -> str:
-    """The data directory's generation: a hash of the source's identity and ``options`` (what shapes the
-    output), or a random one when the source has no identity or the committed checkpoint at ``storage``
-    already has that generation (its files must not be written over)."""
-    identity = source_identity(source)
-    if identity is None:
-        return uuid.uuid4().hex[:16]
-    key = json.dumps([identity, options], sort_keys=True, default=str)
-    generation = hashlib.sha256(key.encode()).hexdigest()[:16]
+def unused_generation(storage: Storage, generation: str) -> str:
+    """``generation`` (``offline.convert_plan``: a hash of the source's identity and the options that shape the
+    output), or a random one when the committed checkpoint at ``storage`` already has it (its files must not be
+    written over) or cannot be read (take no chance with its files)."""
     try:
         taken = committed_dir(storage) == data_dir(generation)
     except CheckpointError:
-        taken = True  # unreadable: take no chance with its files
+        taken = True
     return uuid.uuid4().hex[:16] if taken else generation
 
 
@@ -119,9 +114,12 @@ class FileJournal:
                            "size": progress.size, "index": index, "current": current}, separators=(",", ":")).encode()
         if isinstance(self.storage, LocalStorage):  # whole or absent for readers (a rename), and not synced
             url = self.storage.url(self.path)
-            with open(f"{url}.tmp", "wb") as f:
-                f.write(data)
-            os.replace(f"{url}.tmp", url)
+            try:
+                with open(f"{url}.tmp", "wb") as f:
+                    f.write(data)
+                os.replace(f"{url}.tmp", url)
+            except FileNotFoundError:  # its directory removed: a run of the same conversion committed (no locks)
+                return
         else:
             self.storage.put_atomic(self.path, data)
         self.written = progress.size

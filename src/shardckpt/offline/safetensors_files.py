@@ -8,15 +8,12 @@ import json
 import os
 import re
 import struct
-from typing import Any, Callable, Sequence
+from typing import Any, Mapping, Sequence
 
-import torch
-
-from shardckpt.formats.api import CheckpointReader, ReadRequest
+from shardckpt.checkpoint.writer import StreamedPiece
 from shardckpt.formats.safetensors_header import DTYPE_NAMES, INDEX_NAME, METADATA_KEY
 from shardckpt.io import FileWriter, LocalStorage, Storage
-from shardckpt.regions import FlatRange
-from shardckpt.tensor_views import as_bytes, from_bytes
+from shardckpt.tensor_views import as_bytes
 
 SINGLE_FILE = "model.safetensors"
 SHARD_FILE = "model-{index:05d}-of-{count:05d}.safetensors"
@@ -36,45 +33,17 @@ def header_bytes(tensors: Sequence, metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Writing
-
-
-class Buffers:
-    """The two reused buffers: one slice as read from the source, one as cast for the output."""
-
-    def __init__(self, tensors: Sequence, slice_bytes: int):
-        self.slice_bytes = slice_bytes
-        need_read = need_cast = 0
-        for t in tensors:
-            n = min(t.numel, self.step(t))
-            need_read = max(need_read, n * t.source_dtype.itemsize)
-            if t.dtype != t.source_dtype:
-                need_cast = max(need_cast, n * t.dtype.itemsize)
-        self.read = torch.empty(need_read, dtype=torch.uint8)
-        self.cast = torch.empty(need_cast, dtype=torch.uint8)
-
-    def step(self, t) -> int:
-        """Elements per slice of ``t``: at most ``slice_bytes`` on either side of the cast (one at the least)."""
-        return max(1, self.slice_bytes // max(t.source_dtype.itemsize, t.dtype.itemsize))
-
-
-def write_file(storage: Storage, path: str, header: bytes, tensors: Sequence, reader: CheckpointReader,
-               buffers: Buffers, tick: Callable[[int], None]) -> None:
-    """Write file ``path`` whole and close it (durable on local disk; the upload completes elsewhere)."""
+def write_file(storage: Storage, path: str, header: bytes, tensors: Sequence,
+               pieces: Mapping[str, StreamedPiece]) -> None:
+    """Write file ``path`` whole and close it (durable on local disk; the upload completes elsewhere): the header,
+    then each tensor's bytes as its piece streams them (``offline.streams.ReadOnDemand``: slices of the source,
+    cast)."""
     writer = storage.open_writer(path)
     try:
         writer.write(memoryview(header))
         for t in tensors:
-            step = buffers.step(t)
-            for lo in range(0, t.numel, step):
-                n = min(step, t.numel - lo)
-                got = from_bytes(buffers.read[:n * t.source_dtype.itemsize], t.source_dtype, (n,))
-                reader.read([ReadRequest(t.source, FlatRange(lo, lo + n), got)])
-                if t.dtype != t.source_dtype:
-                    got = from_bytes(buffers.cast[:n * t.dtype.itemsize], t.dtype, (n,)).copy_(got)
-                writer.write(memoryview(as_bytes(got).numpy()))
-                tick(n * t.dtype.itemsize)
+            for part in pieces[t.name].slices(t.dtype.itemsize, 0):
+                writer.write(memoryview(as_bytes(part).numpy()))
     except BaseException:
         abandon(writer)
         raise

@@ -1,10 +1,10 @@
-"""How ``convert`` moves values: each output chunk streamed from the source a slice at a time (``ReadOnDemand``,
-cast on the way if asked) through slice buffers allocated once (``SliceBuffers``)."""
+"""How the offline verbs move values: each output tensor (``Output``) streamed from the source a slice at a time
+(``ReadOnDemand``, cast on the way if asked) through the slice buffers (``offline.memory.SliceBuffers``), as the
+``StreamedPiece``s every output writer takes: shardckpt chunks (``convert``), DCP chunks and safetensors files."""
 from __future__ import annotations
 
-import contextlib
 import functools
-import queue
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
@@ -13,62 +13,61 @@ import torch
 from shardckpt.checkpoint.writer import StreamedPiece
 from shardckpt.format.dtypes import itemsize
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
+from shardckpt.offline.memory import ALIGN, SliceBuffers
 from shardckpt.regions import FlatRange, Region
-
-ALIGN = 64  # the cast slice's offset in a slice buffer (any element size divides it)
 
 
 @dataclass(frozen=True)
 class Output:
-    """One output tensor: its name in the output, where its values come from, its stored dtype and shape."""
+    """One output tensor: its name in the output, its path in the source's tree, the source tensor its values
+    come from, and its stored dtype (the source's, or the cast)."""
 
     name: str
     path: tuple
     source: TensorInfo
     dtype: torch.dtype
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.source.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.source.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+    @property
+    def source_dtype(self) -> torch.dtype:
+        return self.source.dtype
 
 
-class SliceBuffers:
-    """The writers' slice buffers, one per writer, allocated once and reused chunk after chunk: buffers freed
-    and allocated again would leave their pages with the C allocator, which keeps the freed heap of each
-    thread's arena (measured: +190 MiB over a 35 MiB budget at 2 GiB)."""
-
-    def __init__(self, count: int, nbytes: int):
-        self.nbytes = nbytes
-        self.free: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(count):
-            self.free.put(torch.empty(nbytes, dtype=torch.uint8))
-
-    @contextlib.contextmanager
-    def take(self, needed: int) -> Iterator[torch.Tensor]:
-        """A buffer of at least ``needed`` bytes (a one-off one when a limit too small for one block asks more)."""
-        if needed > self.nbytes:
-            yield torch.empty(needed, dtype=torch.uint8)
-            return
-        buffer = self.free.get()
-        try:
-            yield buffer
-        finally:
-            self.free.put(buffer)
+def largest_slice(outputs: list[Output]) -> int:
+    """The most bytes one slice buffer can need: a whole output tensor, as read and as cast."""
+    return max((o.numel * (itemsize(o.source_dtype) + (itemsize(o.dtype) if o.dtype != o.source_dtype else 0))
+                for o in outputs), default=0) + ALIGN
 
 
 class ReadOnDemand(Mapping[str, StreamedPiece]):
-    """A rank's pieces, each streamed from the source (and cast) a slice at a time as the writer asks for it,
-    through one of ``buffers`` (the slice as read, and as cast), at least one checksum block of the output."""
+    """Pieces, each streamed from the source (and cast) a slice at a time as the writer asks for it, through one of
+    ``buffers`` (the slice as read, and as cast), at least one checksum block of the output. ``place(output)``:
+    the region of it this piece is (None: every piece is whole, as in an export); ``tick(n)``: n bytes read;
+    ``slice_bytes``: at most this many bytes per slice on either side of the cast (None: what a buffer holds)."""
 
     def __init__(self, reader: CheckpointReader, outputs: dict[str, Output],
-                 place: Callable[[Output], tuple[Region, bool]], tick: Callable[[int], None],
-                 buffers: SliceBuffers):
+                 place: Callable[[Output], tuple[Region, bool]] | None, tick: Callable[[int], None],
+                 buffers: SliceBuffers, slice_bytes: int | None = None):
         self.reader, self.outputs, self.place, self.tick, self.buffers = reader, outputs, place, tick, buffers
+        self.slice_bytes = slice_bytes
 
     def __getitem__(self, name: str) -> StreamedPiece:
         output = self.outputs[name]
-        region, _ = self.place(output)
+        region = FlatRange(0, output.numel) if self.place is None else self.place(output)[0]
         if not isinstance(region, FlatRange):  # every placement convert makes is one run of the tensor
             raise AssertionError(f"{name!r}: output region {region} is not a flat range")
-        return StreamedPiece(name, output.dtype, tuple(output.source.shape), region,
-                             functools.partial(self._slices, output, region))
+        return StreamedPiece(name, output.dtype, output.shape, region, functools.partial(self._slices, output, region))
 
     def stream(self, output: Output, region: FlatRange) -> Iterator[torch.Tensor]:
         """``region`` of ``output`` in as few slices as the buffers hold (``offline.dcp_output``'s chunks: one)."""
@@ -78,11 +77,13 @@ class ReadOnDemand(Mapping[str, StreamedPiece]):
         region = FlatRange(region.start + first, region.stop)  # the elements before are kept (offline.resume)
         if not region.numel:
             return
-        source, cast = output.source.dtype, output.dtype
+        source, cast = output.source_dtype, output.dtype
         casts = cast != source
         per_element = itemsize(source) + (itemsize(cast) if casts else 0)
         block_elements = max(1, block // itemsize(cast))  # a block is a whole number of elements (format.index)
         count = max(1, (self.buffers.nbytes - ALIGN) // per_element // block_elements) * block_elements
+        if self.slice_bytes is not None:
+            count = min(count, max(1, self.slice_bytes // max(itemsize(source), itemsize(cast))))
         count = min(count, region.numel)
         cast_at = -(-count * itemsize(source) // ALIGN) * ALIGN
         with self.buffers.take(cast_at + count * itemsize(cast) if casts else count * itemsize(source)) as buffer:

@@ -22,15 +22,16 @@ from typing import Any, Mapping, Sequence
 
 from shardckpt.offline.diff import DiffReport, diff
 from shardckpt.offline import hf_dir
-from shardckpt.offline.export import SLICE_BYTES, select
+from shardckpt.offline.export import SLICE_BYTES
+from shardckpt.offline.export_plan import select
 from shardckpt.offline.rename import Renames
 from shardckpt.errors import CheckpointError
 from shardckpt.format.tree import TensorRef
-from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
+from shardckpt.formats.api import CheckpointReader, Facts, ReadRequest, TensorInfo
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.safetensors import SafetensorsReader
 from shardckpt.formats.safetensors_header import INDEX_NAME, SUFFIX
-from shardckpt.state_dict.logical import logical_view
+from shardckpt.formats.local_view import logical_view
 
 
 @dataclass
@@ -122,12 +123,15 @@ class _ExpectedExport:
         casts = {exported[t.name].dtype for t in chosen
                  if t.name in exported and t.source_dtype.is_floating_point and exported[t.name].dtype != t.source_dtype}
         cast = casts.pop() if len(casts) == 1 else None
-        self._source_of = {t.name: t.source for t in chosen}
+        self._source_of = {t.name: t.source.name for t in chosen}
         self._infos = {t.name: TensorInfo(t.name, cast if cast is not None and t.source_dtype.is_floating_point
                                           else t.source_dtype, t.shape, None) for t in chosen}
 
     def tensors(self) -> Mapping[str, TensorInfo]:
         return dict(self._infos)
+
+    def facts(self) -> Facts:
+        return self.source.facts()
 
     def tree(self) -> Any:
         return {name: TensorRef(name) for name in self._infos}

@@ -1,7 +1,9 @@
-"""``convert(..., workers=N)`` (``--workers N``): the output ranks spread over N local processes.
+"""``convert(..., workers=N)`` (``--workers N``): the output ranks spread over N local processes, a front door of
+its own (``shardckpt.convert`` and the CLI pick it; ``offline.convert`` knows nothing of local processes).
 
 The parent hosts a rendezvous store (``dist.world``: a port the OS picks) and spawns N workers that join a
-gloo group on this machine through it and run ``convert(..., spread_over=group)``, the path ``torchrun`` takes:
+gloo group on this machine through it and run ``offline.convert.run(spec, spread_over=group)``, the path
+``torchrun`` takes:
 worker ``i`` writes the output ranks ``r % N == i`` and worker 0 commits. The workers send their progress,
 their report or their failure through a queue; the parent sums the progress and returns the report, or
 raises worker 0's failure (every worker raises the first failure, by the spread protocol). A worker that
@@ -20,20 +22,23 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch.multiprocessing as mp
 
+from shardckpt import errors
 from shardckpt.dist import collectives
 from shardckpt.dist.world import host_store, joined
-from shardckpt import errors
 from shardckpt.errors import CheckpointError
+from shardckpt.offline.convert import ConvertReport, run
+from shardckpt.offline.spec import ConvertSpec
 
 
-def convert_in_workers(workers: int, progress: Callable[[int, int], None] | None, src: Any, dst: Any,
-                       options: dict) -> Any:
-    """``convert(src, dst, **options)`` written by ``workers`` local processes; returns worker 0's report with
-    every worker's kept ranks and bytes."""
+def convert_in_workers(spec: ConvertSpec, progress: Callable[[int, int], None] | None = None) -> ConvertReport:
+    """The conversion ``spec`` asks for, written by ``spec.workers`` local processes; returns worker 0's report
+    with every worker's kept ranks and bytes."""
+    workers = spec.workers
+    one = dataclasses.replace(spec, workers=1)  # what each worker writes its share of
     queue = mp.get_context("spawn").SimpleQueue()
     shares: dict[int, tuple[int, int]] = {}
     reports, failures = {}, {}
@@ -51,7 +56,7 @@ def convert_in_workers(workers: int, progress: Callable[[int, int], None] | None
                 failures[rank] = _rebuilt(*payload)
 
     store = host_store(workers)  # kept alive until the workers are done
-    context = mp.start_processes(_worker, args=(workers, store.port, queue, src, dst, options, os.getpid()),
+    context = mp.start_processes(_worker, args=(workers, store.port, queue, one, os.getpid()),
                                  nprocs=workers, join=False, start_method="spawn")
     try:
         while not context.join(timeout=0.1):
@@ -73,14 +78,11 @@ def convert_in_workers(workers: int, progress: Callable[[int, int], None] | None
     return dataclasses.replace(first, kept_ranks=kept, kept_bytes=sum(report.kept_bytes for report in reports.values()))
 
 
-def _worker(rank: int, world: int, port: int, queue, src: Any, dst: Any, options: dict, parent: int) -> None:
+def _worker(rank: int, world: int, port: int, queue, spec: ConvertSpec, parent: int) -> None:
     die_with_parent(parent)
-    from shardckpt.offline.convert import convert
-
     try:
         with joined(rank, world, port):
-            report = convert(src, dst, spread_over=collectives.world(),
-                             progress=lambda done, total: queue.put(("progress", rank, done, total)), **options)
+            report = run(spec, lambda done, total: queue.put(("progress", rank, done, total)), collectives.world())
         queue.put(("done", rank, report))
     except Exception as e:  # sent to the parent, which raises it: every worker raises the same failure
         queue.put(("failed", rank, type(e).__module__, type(e).__qualname__, str(e)))

@@ -21,7 +21,7 @@ from shardckpt.runtime.api import (
 )
 from shardckpt.runtime.config import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from shardckpt.runtime.flat_group import FlatGroup
-from shardckpt.runtime.layout import ALIGN_BYTES, FlatLayout
+from shardckpt.format.flat_layout import ALIGN_BYTES, FlatLayout
 
 __all__ = [
     "ALIGN_BYTES",

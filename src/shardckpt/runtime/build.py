@@ -8,7 +8,7 @@ from torch import nn
 
 from shardckpt.errors import ShardingError
 from shardckpt.runtime.flat_group import FlatGroup, Member
-from shardckpt.runtime.layout import build_layout
+from shardckpt.format.flat_layout import build_layout
 from shardckpt.runtime.process_groups import Groups
 
 WrapPolicy = Union[tuple, Callable[[nn.Module], bool], None]

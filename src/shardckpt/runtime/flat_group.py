@@ -12,7 +12,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from shardckpt.dist import collectives
 from shardckpt.dist.collectives import Handle
 from shardckpt.errors import ShardingError
-from shardckpt.runtime.layout import FlatLayout
+from shardckpt.format.flat_layout import FlatLayout
 from shardckpt.runtime.process_groups import Groups
 
 
@@ -150,8 +150,8 @@ class FlatGroup:
 
     def member_piece(self, flat_shard: torch.Tensor, index: int) -> torch.Tensor:
         """This rank's elements of member ``index`` inside a flat-shard-shaped tensor (a view; empty if none)."""
-        piece = self.layout.member_in_shard(index, self._groups.shard_rank)
-        return flat_shard[:0] if piece is None else flat_shard[piece[1]:piece[1] + piece[2]]
+        held = self.layout.held(index, self._groups.shard_rank)
+        return flat_shard[:0] if held is None else flat_shard[held.start:held.start + held.count]
 
     def orig_piece(self, flat_shard: torch.Tensor, index: int) -> torch.Tensor:
         """``member_piece`` shaped as ``use_orig_params`` exposes it: ``(1, ..., 1, n)`` with the member's number
@@ -172,10 +172,9 @@ class FlatGroup:
         shard = torch.zeros(layout.shard_numel, dtype=layout.torch_dtype, device=params[0].device)
         with torch.no_grad():
             for index, param in enumerate(params):
-                piece = layout.member_in_shard(index, rank)
-                if piece is not None:
-                    src, dst, length = piece
-                    shard[dst:dst + length].copy_(param.reshape(-1)[src:src + length])
+                held = layout.held(index, rank)
+                if held is not None:
+                    shard[held.start:held.start + held.count].copy_(param.reshape(-1)[held.at:held.at + held.count])
         return shard
 
     # --- gathering ------------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 """StateDictType handling: FULL, SHARDED and LOCAL state dicts for model and optimizer, and conversions."""
 from __future__ import annotations
 
-from shardckpt.checkpoint.load import register_reader_view
 from shardckpt.runtime.api import register_module_state_handlers
 from shardckpt.state_dict.api import (
     DEFAULT_TYPE,
@@ -13,7 +12,6 @@ from shardckpt.state_dict.api import (
     state_dict_type,
 )
 from shardckpt.state_dict.load_state import load_state
-from shardckpt.state_dict.logical import by_parameter_unless_local
 from shardckpt.state_dict.optim_state import init_optim_state, unsharded_param_names
 from shardckpt.state_dict.rekey import rekey_optim_state_dict
 from shardckpt.state_dict.types import (
@@ -38,6 +36,3 @@ __all__ = [
 # A sharded module's own state_dict()/load_state_dict() follow state_dict_type: installed here, so that
 # the runtime below needs no import of this package.
 register_module_state_handlers(MODULE_STATE_HANDLERS)
-# shardckpt.load of a LOCAL checkpoint into a FULL or SHARDED state dict (torch DCP's habit: get_state_dict,
-# load, set_state_dict) reads it by parameter, through its flat layouts.
-register_reader_view(by_parameter_unless_local)

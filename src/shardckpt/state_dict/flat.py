@@ -14,15 +14,12 @@ import torch
 
 from shardckpt.dist import collectives
 from shardckpt.dist.group import resolve_group
+from shardckpt.format.flat_layout import FlatLayout
 from shardckpt.regions import FlatRange, Region
-from shardckpt.runtime import FlatGroup, FlatLayout
+from shardckpt.runtime import FlatGroup
 from shardckpt.runtime.build import FLAT_PARAM_NAMES
 from shardckpt.runtime.process_groups import Groups
 from shardckpt.state_dict.redistribute import Move, exchange
-
-LAYOUTS_KEY = "_flat_layouts"  # in a LOCAL model state dict: {local key: FlatLayout.to_dict()}
-# in each of them (optional): the members' places in the unsharded model's named_parameters() (state_dict.logical)
-POSITIONS = "positions"
 
 
 def local_key(group: FlatGroup) -> str:
@@ -33,14 +30,14 @@ def local_key(group: FlatGroup) -> str:
 
 def held_region(layout: FlatLayout, member: int, rank: int) -> FlatRange | None:
     """The part of member ``member`` that shard-group rank ``rank`` holds, in the member's coordinates."""
-    piece = layout.member_in_shard(member, rank)
-    return None if piece is None else FlatRange(piece[0], piece[0] + piece[2])
+    held = layout.held(member, rank)
+    return None if held is None else held.here
 
 
 def shard_view(layout: FlatLayout, flat_shard: torch.Tensor, member: int, rank: int) -> torch.Tensor | None:
     """This rank's elements of ``member`` as a view into its flat shard."""
-    piece = layout.member_in_shard(member, rank)
-    return None if piece is None else flat_shard[piece[1]:piece[1] + piece[2]]
+    held = layout.held(member, rank)
+    return None if held is None else flat_shard[held.start:held.start + held.count]
 
 
 MemberPiece = tuple[int, Optional[torch.Tensor], torch.Tensor]

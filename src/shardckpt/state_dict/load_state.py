@@ -12,30 +12,30 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from shardckpt.checkpoint.load import ReaderContents, load_pieces
-from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError, ShardingError
+from shardckpt.checkpoint.load import load_pieces
+from shardckpt.errors import IncompatibleCheckpointError
+from shardckpt.format.flat_layout import stored_layouts
 from shardckpt.regions import FlatRange, Region, full_region
-from shardckpt.runtime import FlatGroup, FlatLayout, groups, is_sharded
+from shardckpt.runtime import FlatGroup, groups, is_sharded
 from shardckpt.runtime.flat_group import shards_changed
-from shardckpt.state_dict.flat import LAYOUTS_KEY, MemberPiece, flat_pieces, held_region
+from shardckpt.state_dict.flat import MemberPiece, flat_pieces, held_region
 from shardckpt.state_dict.model_state import buffers
 from shardckpt.state_dict.optim_state import _held, init_optim_state, names_by_group, unsharded_param_names
 from shardckpt.state_dict.param_groups import match_param_groups
 from shardckpt.state_dict.plain_optim import plain_names
 from shardckpt.state_dict.optim_checks import check_members_agree, same_value
 from shardckpt.state_dict.per_param import shaped_like
-from shardckpt.state_dict.param_ids import positional_names, resolve_id_names, unknown_ids
+from shardckpt.format.param_ids import positional_names, resolve_id_names, unknown_ids
 from shardckpt.state_dict.rekey import key_type_of
 from shardckpt.state_dict.types import OptimStateKeyType
-from shardckpt.format.manifest import Manifest
 from shardckpt.dist.group import resolve_group
 from shardckpt.format.tree import PerRankValues, TensorRef, path_name
-from shardckpt.formats.api import ReadRequest
+from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
 
 
 # Where the checkpoint holds elements ``region`` of parameter ``names[0]`` (or an alias) of ``shape``:
@@ -62,25 +62,26 @@ def _model_requests(model: nn.Module, resolve: Resolve) -> list[ReadRequest]:
 
 @dataclass
 class Saved:
-    """How the checkpoint names model and optimizer tensors (derived once from its manifest, or what a reader of
-    another format shows: ``ReaderContents``)."""
+    """How the checkpoint names model and optimizer tensors (derived once from what its reader shows)."""
 
-    manifest: Manifest | ReaderContents
+    tree: Any
+    tensors: Mapping[str, TensorInfo]
+    metadata: Mapping[str, Any]
     id_names: dict[int, str] | None = None  # ID -> name (a FQN, or a LOCAL flat key); None: keyed by name
     local: dict[str, tuple[str, int, tuple]] = field(default_factory=dict)  # fqn -> (flat key, offset, shape)
     local_order: list[str] = field(default_factory=list)  # flat keys in layout order
     optim_flat: bool = False  # optimizer state keyed by flat key (LOCAL of flat shards), not by parameter
 
     @classmethod
-    def of(cls, manifest: Manifest | ReaderContents, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+    def of(cls, reader: CheckpointReader, model: nn.Module, optimizer: torch.optim.Optimizer | None,
            optim_param_names: Sequence[str] | None) -> Saved:
-        saved = cls(manifest)
-        for key, layout in stored_layouts(manifest.tree).items():
+        saved = cls(reader.tree(), reader.tensors(), reader.facts().metadata)
+        for key, layout in stored_layouts(saved.tree).items():
             saved.local_order.append(key)
             for j, names in enumerate(zip(layout.names, layout.aliases)):
                 for name in (names[0],) + tuple(names[1]):
                     saved.local[name] = (key, layout.offsets[j], layout.shapes[j])
-        optim = _tree(manifest, "optim")
+        optim = saved.at("optim")
         if optimizer is not None and isinstance(optim, dict) and key_type_of(optim) is OptimStateKeyType.PARAM_ID:
             groups = optim.get("param_groups") or []
             saved.id_names = resolve_id_names(groups, optim_param_names,
@@ -97,7 +98,7 @@ class Saved:
         parameters) as torch maps them. Else: refused."""
         if self.local_order:
             return dict(enumerate(self.local_order))
-        if self.manifest.metadata.get("optim_key") == OptimStateKeyType.PARAM_ID.value:
+        if self.metadata.get("optim_key") == OptimStateKeyType.PARAM_ID.value:
             return dict(enumerate(unsharded_param_names(model)))
         if not is_sharded(model):
             return positional_names(groups, plain_names(model, optimizer), "optim_param_names")
@@ -135,8 +136,17 @@ class Saved:
         raise IncompatibleCheckpointError(f"the checkpoint holds no {prefix.split('.')[0]} state for {names[0]!r}"
                                           f"{suffix and f' ({suffix[1:]})'}")
 
+    def at(self, *path: str) -> Any:
+        """The saved tree's node at ``path`` (dict keys); None where there is none."""
+        node = self.tree
+        for key in path:
+            if not isinstance(node, dict) or key not in node:
+                return None
+            node = node[key]
+        return node
+
     def shape_of(self, tensor: str) -> tuple[int, ...] | None:
-        entry = self.manifest.tensors.get(tensor)
+        entry = self.tensors.get(tensor)
         return None if entry is None else tuple(entry.shape)
 
     def stored_flat(self, names: tuple[str, ...]) -> bool:
@@ -145,7 +155,7 @@ class Saved:
 
     def optim_entry(self, names: tuple[str, ...]) -> dict:
         """The saved optimizer state of parameter ``names[0]`` (tensors as TensorRef); {} if none."""
-        state = _tree(self.manifest, "optim", "state") or {}
+        state = self.at("optim", "state") or {}
         for name in names:
             flat_key = name in self.local and self.optim_flat
             entry = state.get(self._optim_key(self.local[name][0] if flat_key else name))
@@ -157,7 +167,7 @@ class Saved:
         """Whether two saved optimizer state values are equal: tensors by dtype, shape and checksum (equal where a
         format stores no checksum), plain values by value."""
         if isinstance(a, TensorRef) and isinstance(b, TensorRef):
-            infos = [self.manifest.tensors.get(ref.name) for ref in (a, b)]
+            infos = [self.tensors.get(ref.name) for ref in (a, b)]
             if any(info is None for info in infos):
                 return False
             (x, y) = [(info.dtype, tuple(info.shape), info.crc32c) for info in infos]
@@ -167,7 +177,7 @@ class Saved:
     def param_groups_by_name(self) -> list[dict]:
         """The saved param groups, with every parameter given as its member FQNs."""
         out = []
-        for pg in _tree(self.manifest, "optim", "param_groups") or []:
+        for pg in self.at("optim", "param_groups") or []:
             names = []
             for p in pg.get("params", []):
                 if self.id_names is not None:
@@ -178,30 +188,6 @@ class Saved:
                 names.extend([n for n, (k, _, _) in self.local.items() if k == p] if p in self.local_order else [p])
             out.append({**pg, "params": names})
         return out
-
-
-def stored_layouts(tree: Any) -> dict[str, FlatLayout]:
-    """The flat layouts a LOCAL checkpoint's tree stores (``model._flat_layouts``), by flat key, in stored
-    order; {} when it stores none. One that is not a valid layout is a ``CorruptCheckpointError`` naming it."""
-    model = tree.get("model") if isinstance(tree, dict) else None
-    docs = model.get(LAYOUTS_KEY) if isinstance(model, dict) else None
-    layouts = {}
-    for key, doc in (docs.items() if isinstance(docs, dict) else ()):
-        try:
-            layouts[key] = FlatLayout.from_dict(doc)
-        except ShardingError as e:
-            raise CorruptCheckpointError(f"the checkpoint's model.{LAYOUTS_KEY}.{key} is not a valid flat "
-                                         f"layout: {e}") from None
-    return layouts
-
-
-def _tree(manifest: Manifest | ReaderContents, *path: str) -> Any:
-    node = manifest.tree
-    for key in path:
-        if not isinstance(node, dict) or key not in node:
-            return None
-        node = node[key]
-    return node
 
 
 def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *,
@@ -228,12 +214,12 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
     extras: dict[str, Any] = {}
     rank = resolve_group(process_group).rank
 
-    def build(manifest: Manifest | ReaderContents) -> list[ReadRequest]:
+    def build(reader: CheckpointReader) -> list[ReadRequest]:
         scalars.clear()  # a retry (after a concurrent overwrite) starts over
         stateless.clear()
         extras.clear()
-        saved = Saved.of(manifest, model, optimizer, optim_param_names)
-        requests = _extra_requests(manifest, rank, extras)
+        saved = Saved.of(reader, model, optimizer, optim_param_names)
+        requests = _extra_requests(saved, rank, extras)
         requests += _model_requests(model, functools.partial(saved.resolve, "model"))
         for name, buf in buffers(model).items():
             requests.append(ReadRequest(f"model.{name}", full_region(buf.shape), buf.detach()))
@@ -243,7 +229,8 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
             # Checked here, before any data is read, so that a refusal leaves model and optimizer as they were.
             hyper[:] = match_param_groups(saved.param_groups_by_name(), optimizer, [p.members for p in params])
             # A tensor hyper-parameter (torch allows a tensor lr) is read like any tensor, not left a TensorRef.
-            hyper[:] = [_materialized(values, ("optim", "param_groups"), manifest, rank, requests) for values in hyper]
+            hyper[:] = [_materialized(values, ("optim", "param_groups"), saved.tensors, rank, requests)
+                        for values in hyper]
         return requests
 
     load_pieces(path, build, process_group=process_group, **load_kwargs)
@@ -257,16 +244,17 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
     return extras
 
 
-def _extra_requests(manifest: Manifest | ReaderContents, rank: int, out: dict[str, Any]) -> list[ReadRequest]:
+def _extra_requests(saved: Saved, rank: int, out: dict[str, Any]) -> list[ReadRequest]:
     """Fill ``out`` with the top-level entries besides ``model`` and ``optim`` as this rank gets them (see
     ``load_state``), and return the reads of their tensors."""
     requests: list[ReadRequest] = []
-    tree = manifest.tree if isinstance(manifest.tree, dict) else {}
-    out.update({k: _materialized(v, (k,), manifest, rank, requests) for k, v in tree.items() if k not in ("model", "optim")})
+    tree = saved.tree if isinstance(saved.tree, dict) else {}
+    out.update({k: _materialized(v, (k,), saved.tensors, rank, requests) for k, v in tree.items()
+                if k not in ("model", "optim")})
     return requests
 
 
-def _materialized(node: Any, path: tuple, manifest: Manifest | ReaderContents, rank: int,
+def _materialized(node: Any, path: tuple, tensors: Mapping[str, TensorInfo], rank: int,
                   requests: list[ReadRequest]) -> Any:
     """``node`` (a part of the saved tree) as values: each tensor a new CPU tensor that one of the reads added to
     ``requests`` fills, per-rank values this rank's own."""
@@ -275,16 +263,16 @@ def _materialized(node: Any, path: tuple, manifest: Manifest | ReaderContents, r
             raise IncompatibleCheckpointError(
                 f"{path_name(path)!r}: its per-rank values were saved by {len(node)} ranks, so rank {rank} has "
                 "none; load it with shardckpt.load into a PerRank target with strict=False to keep your own")
-        return _materialized(node[rank], path, manifest, rank, requests)
+        return _materialized(node[rank], path, tensors, rank, requests)
     if isinstance(node, TensorRef):
-        info = manifest.tensors[node.name]
+        info = tensors[node.name]
         tensor = torch.empty(tuple(info.shape), dtype=info.dtype)
         requests.append(ReadRequest(node.name, full_region(tensor.shape), tensor))
         return tensor
     if isinstance(node, dict):
-        return {k: _materialized(v, path + (k,), manifest, rank, requests) for k, v in node.items()}
+        return {k: _materialized(v, path + (k,), tensors, rank, requests) for k, v in node.items()}
     if isinstance(node, (list, tuple)):
-        return type(node)(_materialized(v, path + (i,), manifest, rank, requests) for i, v in enumerate(node))
+        return type(node)(_materialized(v, path + (i,), tensors, rank, requests) for i, v in enumerate(node))
     return node
 
 
@@ -343,7 +331,7 @@ def _optim_requests(optimizer: torch.optim.Optimizer, params: list[_OptimParam],
         for key in [k for k in state if k not in sharded]:
             value = given[key]
             if isinstance(value, TensorRef):
-                entry = saved.manifest.tensors[value.name]
+                entry = saved.tensors[value.name]
                 if torch.is_tensor(state[key]) and tuple(entry.shape) != tuple(state[key].shape):
                     raise IncompatibleCheckpointError(
                         f"the checkpoint's {value.name!r} has shape {list(entry.shape)}, this optimizer keeps "

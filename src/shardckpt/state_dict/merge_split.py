@@ -14,11 +14,10 @@ from typing import Any, Sequence
 
 import torch
 
-from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.regions import FlatRange, Region, full_region, strided_view
-from shardckpt.runtime.layout import FlatLayout, build_layout
+from shardckpt.format.flat_layout import LAYOUTS_KEY, POSITIONS, FlatLayout, param_order
 from shardckpt.sharded_tensor import ShardedTensor
-from shardckpt.state_dict.flat import LAYOUTS_KEY, POSITIONS
 from shardckpt.state_dict.per_param import is_per_param, per_param_keys
 from shardckpt.state_dict.rekey import keyed_by_name
 from shardckpt.state_dict.types import StateDictType
@@ -46,28 +45,6 @@ def layouts_of(local_model_state: dict) -> dict[str, FlatLayout]:
     if LAYOUTS_KEY not in local_model_state:
         raise IncompatibleCheckpointError(f"a LOCAL model state dict must carry {LAYOUTS_KEY!r}")
     return {k: FlatLayout.from_dict(v) for k, v in local_model_state[LAYOUTS_KEY].items()}
-
-
-def param_order(local_model_state: dict, where: str = "a LOCAL model state dict") -> list[str] | None:
-    """The unsharded model's ``named_parameters()`` names in order, from the places the flat layouts of a LOCAL
-    model state dict record for their members (``positions``, by ``get_state_dict``); None if they record none
-    (older state dicts). Places that do not number the members 0, 1, ... once each: ``CorruptCheckpointError``."""
-    docs = local_model_state.get(LAYOUTS_KEY)
-    if not isinstance(docs, dict) or not docs or not all(isinstance(d, dict) and POSITIONS in d for d in docs.values()):
-        return None
-    placed: dict[int, str] = {}
-    count = 0
-    for key, doc in docs.items():
-        names, positions = doc.get("names"), doc[POSITIONS]
-        if not (isinstance(names, list) and isinstance(positions, list) and len(positions) == len(names)
-                and all(isinstance(p, int) and not isinstance(p, bool) for p in positions)):
-            raise CorruptCheckpointError(f"{where}: {LAYOUTS_KEY}.{key}.{POSITIONS} is not one int per member")
-        placed.update(zip(positions, names))
-        count += len(names)
-    if sorted(placed) != list(range(count)):
-        raise CorruptCheckpointError(f"{where}: the {POSITIONS} of {LAYOUTS_KEY} do not number the parameters "
-                                     "0, 1, ... once each")
-    return [placed[i] for i in range(count)]
 
 
 def _members(flat: torch.Tensor, layout: FlatLayout) -> dict[str, torch.Tensor]:
@@ -155,7 +132,7 @@ def split(full: dict, sd_type: StateDictType, world_size: int, layouts: dict[str
     model's ``named_parameters()`` order (``param_order(local_model_state)``), which LOCAL output's layouts
     then record (``positions``), as ``get_state_dict`` records it.
     """
-    layouts = {k: _at_world_size(v, world_size) for k, v in layouts.items()}
+    layouts = {k: v.at_world_size(world_size) for k, v in layouts.items()}
     docs = {k: v.to_dict() for k, v in layouts.items()}
     if param_names is not None:
         position = {name: i for i, name in enumerate(param_names)}
@@ -164,11 +141,6 @@ def split(full: dict, sd_type: StateDictType, world_size: int, layouts: dict[str
     if "optim" in full:
         full = {**full, "optim": _by_name(full["optim"], optim_param_names, {})}
     return [_split_rank(full, sd_type, rank, world_size, layouts, docs) for rank in range(world_size)]
-
-
-def _at_world_size(layout: FlatLayout, world_size: int) -> FlatLayout:
-    return build_layout(layout.names, layout.shapes, layout.torch_dtype, world_size,
-                        requires_grad=layout.requires_grad, aliases=layout.aliases)
 
 
 def _flat_of(values: dict[str, torch.Tensor], layout: FlatLayout, dtype: torch.dtype) -> torch.Tensor:

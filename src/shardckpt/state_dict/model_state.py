@@ -8,6 +8,7 @@ from torch import nn
 
 from shardckpt.dist.group import attempt, raise_failures, resolve_group
 from shardckpt.errors import IncompatibleCheckpointError, key_mismatch
+from shardckpt.format.flat_layout import LAYOUTS_KEY, POSITIONS
 from shardckpt.regions import FlatRange, dim0_chunk, full_region
 from shardckpt.runtime import FlatGroup, groups, is_sharded
 from shardckpt.runtime.build import FLAT_PARAM_NAMES
@@ -15,8 +16,8 @@ from shardckpt.runtime.flat_group import shards_changed
 from shardckpt.runtime.state import state_of
 from shardckpt.sharded_tensor import ShardedTensor
 from shardckpt.state_dict.flat import (
-    LAYOUTS_KEY, POSITIONS, MemberPiece, copy_to_replicas, flat_pieces, gather_members, local_key, rank0_shard_rank,
-    replica_source, scatter_members,
+    MemberPiece, copy_to_replicas, flat_pieces, gather_members, local_key, rank0_shard_rank, replica_source,
+    scatter_members,
 )
 from shardckpt.state_dict.redistribute import Move, assemble_chunks, exchange
 from shardckpt.state_dict.types import FullStateDictConfig, StateDictConfig, StateDictType
@@ -104,7 +105,7 @@ def get_model_state(model: nn.Module, sd_type: StateDictType, config: StateDictC
     for group in groups(model):
         if sd_type is LOCAL:
             out[local_key(group)] = local_value(group, group.flat_param, config)
-            # with each member's place in the unsharded named_parameters(), which FULL follows (state_dict.logical)
+            # with each member's place in the unsharded named_parameters(), which FULL follows (formats.local_view)
             layouts[local_key(group)] = {**group.layout.to_dict(), POSITIONS: [position[n] for n in group.layout.names]}
             continue
         values = member_values(group, flat_pieces(group, group.flat_param), sd_type, config)

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from shardckpt.dist.group import Failure, attempt, raise_failures, resolve_group
+from shardckpt.dist.group import Failure, agreed, attempt, raise_failures, resolve_group
 from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.runtime import FlatGroup, groups, is_sharded
 from shardckpt.runtime.state import state_of
@@ -24,7 +24,7 @@ from shardckpt.state_dict.optim_checks import (
     agree, check_members_agree, check_same_optimizer, fingerprint, same_value,
 )
 from shardckpt.state_dict.param_groups import group_starts, match_param_groups
-from shardckpt.state_dict.param_ids import hyper_parameters, positional_names
+from shardckpt.format.param_ids import hyper_parameters, positional_names
 from shardckpt.state_dict.per_param import shaped_like
 from shardckpt.state_dict.plain_optim import check_plain, get_plain, set_plain
 from shardckpt.state_dict.rekey import keyed_by_name, rekey_optim_state_dict
@@ -194,8 +194,7 @@ def prepare_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dic
     nothing moves before. ``set_state_dict`` checks the optimizer state before the model state moves."""
     if not is_sharded(model):
         group = resolve_group()
-        checked = attempt(group.rank, lambda: check_plain(model, optim, osd, optim_param_names))
-        raise_failures(group.all_gather(checked if isinstance(checked, Failure) else None))
+        checked = agreed(group, lambda: check_plain(model, optim, osd, optim_param_names))
         return functools.partial(set_plain, optim, *checked)
     only0 = rank0_only(config)
     group0 = resolve_group()

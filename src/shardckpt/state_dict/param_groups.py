@@ -6,7 +6,7 @@ import torch
 
 from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.runtime.build import FLAT_PARAM_NAMES
-from shardckpt.state_dict.param_ids import NOT_HYPER, hyper_parameters
+from shardckpt.format.param_ids import NOT_HYPER, hyper_parameters
 
 
 def match_param_groups(given_groups: list[dict], optim: torch.optim.Optimizer,

@@ -11,7 +11,7 @@ from shardckpt.dist.group import resolve_group
 from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.sharded_tensor import ShardedTensor
 from shardckpt.state_dict.param_groups import group_starts, match_param_groups
-from shardckpt.state_dict.param_ids import hyper_parameters, positional_names
+from shardckpt.format.param_ids import hyper_parameters, positional_names
 from shardckpt.state_dict.per_param import is_per_param, per_param_keys
 from shardckpt.state_dict.redistribute import assemble_chunks
 from shardckpt.state_dict.rekey import keyed_by_name, rekey_optim_state_dict

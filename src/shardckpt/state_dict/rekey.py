@@ -4,20 +4,14 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from shardckpt.errors import IncompatibleCheckpointError
-from shardckpt.state_dict.param_ids import PARAM_NAMES, hyper_parameters, resolve_id_names
+from shardckpt.format.param_ids import PARAM_NAMES, hyper_parameters, keyed_by_id, resolve_id_names
 from shardckpt.state_dict.types import OptimStateKeyType
 
 
 def key_type_of(osd: dict) -> OptimStateKeyType | None:
     """How ``osd`` is keyed, judged by its param groups' ``params`` (None when it names no parameter)."""
-    keys = [k for pg in osd.get("param_groups", []) for k in pg.get("params", [])] + list(osd.get("state", {}))
-    if not keys:
-        return None
-    if all(isinstance(k, int) and not isinstance(k, bool) for k in keys):
-        return OptimStateKeyType.PARAM_ID
-    if all(isinstance(k, str) for k in keys):
-        return OptimStateKeyType.PARAM_NAME
-    raise IncompatibleCheckpointError("optimizer state dict mixes integer IDs and names as parameter keys")
+    by_id = keyed_by_id(osd)
+    return None if by_id is None else OptimStateKeyType.PARAM_ID if by_id else OptimStateKeyType.PARAM_NAME
 
 
 def rekey_optim_state_dict(osd: dict, key_type: OptimStateKeyType,

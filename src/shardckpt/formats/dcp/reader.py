@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.format.tree import TensorRef
-from shardckpt.formats.api import ReadRequest, TensorInfo
+from shardckpt.formats.api import Facts, ReadRequest, TensorInfo
 from shardckpt.formats.dcp.archive import ChunkLayout, archive_layout, load_value, read_span, read_whole
 from shardckpt.formats.dcp.metadata import METADATA_NAME, Chunk, StoredTensor, parse_metadata
 from shardckpt.formats.requests import CheckedRequest, check_requests
@@ -115,6 +115,9 @@ class DcpReader:
 
     def tensors(self) -> Mapping[str, TensorInfo]:
         return dict(self._infos)
+
+    def facts(self) -> Facts:
+        return Facts("torch DCP", self.storage.url(""))
 
     def tree(self) -> Any:
         with self._lock:

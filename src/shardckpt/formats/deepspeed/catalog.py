@@ -1,17 +1,17 @@
 """What a DeepSpeed reader presents, and where each of its tensors lies in the files it opened.
 
-A presented tensor is a list of ``Piece``s, runs of elements of stored tensors of the ``torch.save`` files
-(``TorchSaveReader``) that tile it in row-major order; ``Catalog.read`` turns read requests on presented
-tensors into read requests on the files. ``value`` presents the plain values a pickle holds (a param group's
+A presented tensor is a list of pieces, ``regions.Run``s of source ``(file, tensor)``: elements ``[at, at + count)``
+of the presented tensor (row-major) are elements ``[start, start + count)`` of stored tensor ``tensor`` (flattened)
+of ``files[file]`` (a ``TorchSaveReader``); the pieces tile it in order. ``Catalog.read`` turns read requests on
+presented tensors into read requests on the files. ``value`` presents the plain values a pickle holds (a param group's
 hyper-parameters, an optimizer's scalars), with any tensor among them presented whole under its path.
 """
 from __future__ import annotations
 
-import bisect
+import dataclasses
 import math
 import os
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -24,19 +24,7 @@ from shardckpt.formats.deepspeed.unpickle import SAFE_GLOBALS
 from shardckpt.formats.requests import check_requests
 from shardckpt.formats.torch_save import TorchSaveReader
 from shardckpt.formats.untrusted import shown
-from shardckpt.regions import FlatRange, contiguous_runs
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Elements ``[at, at + count)`` of a presented tensor (row-major) are elements ``[start, start + count)`` of
-    stored tensor ``tensor`` (flattened) of file ``file``."""
-
-    file: int
-    tensor: str
-    start: int
-    at: int
-    count: int
+from shardckpt.regions import Run, contiguous_runs, runs_within
 
 
 class Catalog:
@@ -48,7 +36,7 @@ class Catalog:
         self._index: dict[int, int] = {}  # id(file reader) -> its place in files
         self._file_infos: list[Mapping[str, TensorInfo]] = []  # each file's tensors, listed once
         self.infos: dict[str, TensorInfo] = {}
-        self.pieces: dict[str, list[Piece]] = {}
+        self.pieces: dict[str, list[Run]] = {}  # source: (file, stored tensor)
 
     def open(self, name: str) -> TorchSaveReader:
         full = os.path.join(self.path, name)
@@ -61,8 +49,12 @@ class Catalog:
         return reader
 
     def number(self, f: TorchSaveReader) -> int:
-        """``f``'s place in ``files`` (what a ``Piece`` names)."""
+        """``f``'s place in ``files`` (what a piece's source names)."""
         return self._index[id(f)]
+
+    def piece(self, segment: Run, f: TorchSaveReader, tensor: str) -> Run:
+        """A run of a rank's flat tensor (``partitions``' segment) as the piece of ``f``'s stored ``tensor`` holding it."""
+        return dataclasses.replace(segment, source=(self.number(f), tensor))
 
     def infos_of(self, f: TorchSaveReader) -> Mapping[str, TensorInfo]:
         return self._file_infos[self._index[id(f)]]
@@ -74,15 +66,16 @@ class Catalog:
             raise CorruptCheckpointError(f"{f.path}: {tensor!r} has shape {list(info.shape)}; a flat partition is 1-D")
         return info.shape[0]
 
-    def present(self, name: str, shape: tuple[int, ...], pieces: list[Piece], dtype: torch.dtype) -> TensorRef:
+    def present(self, name: str, shape: tuple[int, ...], pieces: list[Run], dtype: torch.dtype) -> TensorRef:
         """Present tensor ``name`` of ``shape`` and ``dtype`` as ``pieces``, which must tile it in order."""
         if name in self.infos:
             raise CorruptCheckpointError(f"{self.path}: two tensors would both be named {name!r}")
         covered = 0
         for p in pieces:
-            stored = self._file_infos[p.file][p.tensor]
+            file, tensor = p.source
+            stored = self._file_infos[file][tensor]
             if stored.dtype != dtype or p.at != covered or p.start + p.count > math.prod(stored.shape):
-                raise CorruptCheckpointError(f"{self.files[p.file].path}: {p.tensor!r} ({stored.dtype}, "
+                raise CorruptCheckpointError(f"{self.files[file].path}: {tensor!r} ({stored.dtype}, "
                                              f"{math.prod(stored.shape)} elements) cannot hold elements [{p.at}, "
                                              f"{p.at + p.count}) of {name!r} ({dtype})")
             covered += p.count
@@ -92,11 +85,11 @@ class Catalog:
         self.pieces[name] = pieces
         return TensorRef(name)
 
-    def whole(self, f: TorchSaveReader, ref: TensorRef) -> tuple[list[Piece], tuple[int, ...], torch.dtype]:
+    def whole(self, f: TorchSaveReader, ref: TensorRef) -> tuple[list[Run], tuple[int, ...], torch.dtype]:
         """A stored tensor presented whole: its pieces, shape and dtype."""
         info = self.infos_of(f)[ref.name]
         n = math.prod(info.shape)
-        return ([Piece(self.number(f), ref.name, 0, 0, n)] if n else []), info.shape, info.dtype
+        return ([Run((self.number(f), ref.name), 0, 0, n)] if n else []), info.shape, info.dtype
 
     def alias(self, name: str, target: str) -> TensorRef:
         """Present ``name`` as the same tensor as presented ``target`` (a tied parameter)."""
@@ -126,16 +119,10 @@ class Catalog:
         per_file: dict[int, list[ReadRequest]] = defaultdict(list)
         for c in checked:
             pieces = self.pieces[c.info.name]
-            starts = [p.at for p in pieces]  # in order: the pieces tile the tensor
             for start, local, count in contiguous_runs(c.region, c.info.shape):
-                # only the pieces the run overlaps (a row-wise region of a ZeRO-3 tensor has many runs, many pieces)
-                for j in range(max(0, bisect.bisect_right(starts, start) - 1), len(pieces)):
-                    p = pieces[j]
-                    if p.at >= start + count:
-                        break
-                    lo, hi = max(start, p.at), min(start + count, p.at + p.count)
-                    if lo < hi:
-                        per_file[p.file].append(ReadRequest(p.tensor, FlatRange(p.start + lo - p.at, p.start + hi - p.at),
-                                                            c.flat[local + lo - start:local + hi - start]))
+                for p in runs_within(pieces, start, start + count):
+                    file, tensor = p.source
+                    per_file[file].append(ReadRequest(tensor, p.there, c.flat[local + p.at - start:
+                                                                              local + p.at - start + p.count]))
         for f, reqs in per_file.items():
             self.files[f].read(reqs)

@@ -23,11 +23,12 @@ from typing import Any
 from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.format.tree import TensorRef
 from shardckpt.format.validate import MAX_NUMEL
-from shardckpt.formats.deepspeed.catalog import Catalog, Piece
+from shardckpt.formats.deepspeed.catalog import Catalog
 from shardckpt.formats.deepspeed.fields import MAPPING, NAME_MAP, NAMED, NAMES, TENSOR_MAP, root, take
 from shardckpt.formats.deepspeed.partitions import zero3_pieces
 from shardckpt.formats.torch_save import TorchSaveReader
 from shardckpt.formats.untrusted import shown
+from shardckpt.regions import Run
 
 
 def shapes(node: Any, where: str, what: str) -> dict[str, tuple[int, ...]]:
@@ -58,7 +59,7 @@ class ModelStates:
             self.files.append(self.cat.open(self.rank_name.format(len(self.files))))
         return self.files
 
-    def model_tree(self, trainable: dict[str, tuple[tuple[int, ...], list[Piece], Any]]) -> dict:
+    def model_tree(self, trainable: dict[str, tuple[tuple[int, ...], list[Run], Any]]) -> dict:
         """``{name: value}`` in the module's order; ``trainable``: each trainable parameter's shape, pieces, dtype."""
         f0, cat = self.files[0], self.cat
         module = take(self.m0, "module", NAMED, f0.path)
@@ -117,7 +118,7 @@ class ModelStates:
                 ties[name] = owner[key]
         return ties
 
-    def _frozen(self, name: str, shape: tuple, module: dict) -> tuple[list[Piece], Any]:
+    def _frozen(self, name: str, shape: tuple, module: dict) -> tuple[list[Run], Any]:
         cat = self.cat
         model = self.rank_files() if self.stage == 3 else self.files
         fragments = [take(root(f.tree(), f.path), "frozen_param_fragments", TENSOR_MAP, f.path, default={})
@@ -134,5 +135,5 @@ class ModelStates:
             raise CorruptCheckpointError(f"{self.cat.path}: the frozen parameter {name!r} lacks a rank's piece "
                                          "(frozen_param_fragments)")
         sizes = [math.prod(cat.infos_of(f)[r.name].shape) for f, r in zip(model, refs)]
-        return [Piece(cat.number(model[s.rank]), refs[s.rank].name, s.start, s.at, s.count)
+        return [cat.piece(s, model[s.source[0]], refs[s.source[0]].name)
                 for s in zero3_pieces(name, shape, sizes, cat.path)], cat.infos_of(model[0])[refs[0].name].dtype

@@ -10,38 +10,30 @@ The two layouts, as DeepSpeed writes them and its ``zero_to_fp32`` reads them ba
   elements (the last padded); rank ``r`` keeps piece ``r`` of every parameter, end to end in parameter order,
   in its flat sub-groups (``fp32_flat_groups``, the same sizes on every rank), which a parameter may span.
 
-A ``Segment`` says where a run of a parameter's elements (row-major) is: rank ``rank``'s flat tensor ``flat``
-(a param group's partition, or a sub-group), from element ``start``. Optimizer state (``exp_avg``...) has the
-partitions' layout, so the same segments locate it. A layout that does not add up (a parameter running past
+A parameter's segments are ``regions.Run``s: elements ``[at, at + count)`` of the parameter (row-major) are
+elements ``[start, start + count)`` of source ``(rank, flat)``, rank ``rank``'s flat tensor ``flat`` (a param
+group's partition, or a sub-group). Optimizer state (``exp_avg``...) has the partitions' layout, so the same
+segments locate it. A layout that does not add up (a parameter running past
 the partitions, elements left over) is a ``CorruptCheckpointError``, as ``zero_to_fp32`` refuses it.
 """
 from __future__ import annotations
 
-import bisect
+import dataclasses
 import itertools
 import math
-from dataclasses import dataclass
-from typing import Hashable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from shardckpt.errors import CorruptCheckpointError
+from shardckpt.regions import Run, cut
 
 Shapes = Mapping[str, tuple[int, ...]]
 
 
-@dataclass(frozen=True)
-class Segment:
-    rank: int
-    flat: Hashable  # which of the rank's flat tensors
-    start: int  # its first element there
-    at: int  # the parameter's element (row-major) it holds first
-    count: int
-
-
 def zero12_segments(group_shapes: Sequence[Shapes], partition_sizes: Sequence[Sequence[int]],
-                    paddings: Sequence[Sequence[int]] | None, where: str) -> dict[str, list[Segment]]:
+                    paddings: Sequence[Sequence[int]] | None, where: str) -> dict[str, list[Run]]:
     """ZeRO-1/2: ``partition_sizes[r][g]`` is rank ``r``'s partition of group ``g``; ``paddings[g][i]`` the
     alignment padding after parameter ``i`` of group ``g`` (None: not recorded, none)."""
-    out: dict[str, list[Segment]] = {}
+    out: dict[str, list[Run]] = {}
     world = len(partition_sizes)
     if paddings is not None and len(paddings) != len(group_shapes):
         raise CorruptCheckpointError(f"{where}: alignment paddings for {len(paddings)} param groups, "
@@ -60,9 +52,9 @@ def zero12_segments(group_shapes: Sequence[Shapes], partition_sizes: Sequence[Se
             if offset + numel > total:
                 raise CorruptCheckpointError(f"{where}: parameter {name!r} (shape {list(shape)}) runs past the "
                                              f"{total} elements of param group {g}'s partitions")
-            _add(out, name, [Segment(r, g, lo - starts[r], lo - offset, hi - lo) for r in range(world)
-                             for lo, hi in [(max(offset, starts[r]), min(offset + numel, starts[r + 1]))] if lo < hi],
-                 where)
+            # the group's partitions, rank after rank, are one vector: part r is rank r's
+            _add(out, name, [dataclasses.replace(run, source=(run.source, g))
+                             for run in cut(offset, offset + numel, starts)], where)
             offset += numel + pad
         align = 2 * world  # DeepSpeed pads a group to this multiple (zero_to_fp32 checks the same)
         if -(-offset // align) != -(-total // align):
@@ -71,11 +63,11 @@ def zero12_segments(group_shapes: Sequence[Shapes], partition_sizes: Sequence[Se
     return out
 
 
-def zero3_segments(shapes: Shapes, flat_sizes: Sequence[int], world: int, where: str) -> dict[str, list[Segment]]:
+def zero3_segments(shapes: Shapes, flat_sizes: Sequence[int], world: int, where: str) -> dict[str, list[Run]]:
     """ZeRO-3: ``flat_sizes`` are the sizes of each rank's flat sub-groups (the same on every rank)."""
     starts = [0] + list(itertools.accumulate(flat_sizes))
     total = starts[-1]
-    out: dict[str, list[Segment]] = {}
+    out: dict[str, list[Run]] = {}
     offset = 0
     for name, shape in shapes.items():
         numel = math.prod(shape)
@@ -84,14 +76,10 @@ def zero3_segments(shapes: Shapes, flat_sizes: Sequence[int], world: int, where:
             raise CorruptCheckpointError(f"{where}: parameter {name!r} (shape {list(shape)}) runs past the {total} "
                                          "elements of each rank's partitions")
         segments = []
-        for r in range(world):
+        for r in range(world):  # rank r's piece of the parameter, at ``offset`` of its sub-groups end to end
             at, stop = r * part, min((r + 1) * part, numel)
-            pos = offset
-            while at < stop:
-                k = bisect.bisect_right(starts, pos) - 1
-                n = min(stop - at, starts[k + 1] - pos)
-                segments.append(Segment(r, k, pos - starts[k], at, n))
-                at, pos = at + n, pos + n
+            segments += [dataclasses.replace(run, source=(r, run.source))
+                         for run in cut(offset, offset + max(0, stop - at), starts, at)]
         _add(out, name, segments, where)
         offset += part
     if offset != total:
@@ -100,9 +88,9 @@ def zero3_segments(shapes: Shapes, flat_sizes: Sequence[int], world: int, where:
     return out
 
 
-def zero3_pieces(name: str, shape: tuple[int, ...], piece_sizes: Sequence[int], where: str) -> list[Segment]:
+def zero3_pieces(name: str, shape: tuple[int, ...], piece_sizes: Sequence[int], where: str) -> list[Run]:
     """ZeRO-3's per-parameter pieces (frozen parameters: ``frozen_param_fragments``, one per rank, rank ``r``'s
-    in its own tensor, ``flat`` = ``name``): ``piece_sizes[r]`` elements each, ``ceil(numel / world)``."""
+    in its own tensor, source ``(r, name)``): ``piece_sizes[r]`` elements each, ``ceil(numel / world)``."""
     numel, world = math.prod(shape), len(piece_sizes)
     part = -(-numel // world)
     segments = []
@@ -112,11 +100,11 @@ def zero3_pieces(name: str, shape: tuple[int, ...], piece_sizes: Sequence[int], 
             raise CorruptCheckpointError(f"{where}: rank {r}'s piece of {name!r} (shape {list(shape)}) has {size} "
                                          f"elements, {part} expected at world size {world}")
         if at < stop:
-            segments.append(Segment(r, name, 0, at, stop - at))
+            segments.append(Run((r, name), 0, at, stop - at))
     return segments
 
 
-def _add(out: dict[str, list[Segment]], name: str, segments: list[Segment], where: str) -> None:
+def _add(out: dict[str, list[Run]], name: str, segments: list[Run], where: str) -> None:
     if name in out:
         raise CorruptCheckpointError(f"{where}: parameter {name!r} is listed twice in param_shapes")
     out[name] = segments

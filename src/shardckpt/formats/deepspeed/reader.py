@@ -41,15 +41,16 @@ import torch
 
 from shardckpt.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.format.tree import TensorRef
-from shardckpt.formats.api import ReadRequest, TensorInfo
-from shardckpt.formats.deepspeed.catalog import Catalog, Piece
+from shardckpt.formats.api import Facts, ReadRequest, TensorInfo
+from shardckpt.formats.deepspeed.catalog import Catalog
 from shardckpt.formats.deepspeed.fields import (
     COUNTS, LIST, MAPPING, NAMED, PADDINGS, TENSORS, plain, root, take,
 )
 from shardckpt.formats.deepspeed.model import ModelStates, shapes
-from shardckpt.formats.deepspeed.partitions import Segment, zero3_segments, zero12_segments
+from shardckpt.formats.deepspeed.partitions import zero3_segments, zero12_segments
 from shardckpt.formats.torch_save import TorchSaveReader, local_path
 from shardckpt.formats.untrusted import shown
+from shardckpt.regions import Run
 
 LATEST = "latest"
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -121,7 +122,7 @@ class DeepSpeedReader:
             every = {n: s for group in group_shapes for n, s in group.items()}
             segments = zero3_segments(every, sizes[0], self.world_size, self.path)
             base = [take(o, "optimizer_state_dict", MAPPING, f.path) for o, f in zip(osd, optim)]
-        trainable = {n: (s, [Piece(cat.number(optim[g.rank]), flats[g.rank][g.flat], g.start, g.at, g.count)
+        trainable = {n: (s, [cat.piece(g, optim[g.source[0]], flats[g.source[0]][g.source[1]])
                              for g in segments[n]], flat_dtype)
                      for group in group_shapes for n, s in group.items()}
         model_tree = model.model_tree(trainable)
@@ -197,7 +198,7 @@ class DeepSpeedReader:
 
     # --- what the reader presents ----------------------------------------------------------------------------
 
-    def _optim(self, group_shapes: list[dict], segments: dict[str, list[Segment]], base: list[dict],
+    def _optim(self, group_shapes: list[dict], segments: dict[str, list[Run]], base: list[dict],
                optim: list[TorchSaveReader]) -> dict:
         states = [take(b, "state", MAPPING, f.path, field="the optimizer's 'state'", default={})
                   for b, f in zip(base, optim)]
@@ -215,11 +216,11 @@ class DeepSpeedReader:
                         for g, (group, shapes_) in enumerate(zip(groups, group_shapes))]
         return {"state": state, "param_groups": param_groups}
 
-    def _param_state(self, name: str, segments: list[Segment], flat: int, states: list[dict],
+    def _param_state(self, name: str, segments: list[Run], flat: int, states: list[dict],
                      optim: list[TorchSaveReader]) -> dict:
-        """A parameter's optimizer state: per-element tensors from its segments, scalars from its first flat's
-        (``flat`` for a parameter without elements)."""
-        cat, first = self._cat, segments[0].flat if segments else flat
+        """A parameter's optimizer state: per-element tensors from its segments (source: rank, flat), scalars from
+        its first flat's (``flat`` for a parameter without elements)."""
+        cat, first = self._cat, segments[0].source[1] if segments else flat
         entry = states[0].get(first)
         if not NAMED.test(entry):
             raise CorruptCheckpointError(f"{optim[0].path}: the optimizer's state of flat group {first} (holding "
@@ -234,13 +235,14 @@ class DeepSpeedReader:
                 continue
             pieces = []
             for s in segments:
-                ref = states[s.rank].get(s.flat)
+                rank, flat = s.source
+                ref = states[rank].get(flat)
                 ref = ref.get(key) if isinstance(ref, dict) else None
                 if not isinstance(ref, TensorRef) or \
-                        cat.infos_of(optim[s.rank])[ref.name].shape != (self._flat_numels[s.rank][s.flat],):
-                    raise CorruptCheckpointError(f"{optim[s.rank].path}: the optimizer's {key!r} of flat group "
-                                                 f"{s.flat} is missing or not shaped like its partition")
-                pieces.append(Piece(cat.number(optim[s.rank]), ref.name, s.start, s.at, s.count))
+                        cat.infos_of(optim[rank])[ref.name].shape != (self._flat_numels[rank][flat],):
+                    raise CorruptCheckpointError(f"{optim[rank].path}: the optimizer's {key!r} of flat group "
+                                                 f"{flat} is missing or not shaped like its partition")
+                pieces.append(cat.piece(s, optim[rank], ref.name))
             out[key] = cat.present(f"optim.state.{name}.{key}", cat.infos[f"model.{name}"].shape, pieces,
                                    stored.dtype)
         return out
@@ -256,6 +258,9 @@ class DeepSpeedReader:
 
     def tensors(self) -> Mapping[str, TensorInfo]:
         return dict(self._cat.infos)
+
+    def facts(self) -> Facts:
+        return Facts("DeepSpeed", self.path, world_size=self.world_size)
 
     def tree(self) -> Any:
         return self._tree

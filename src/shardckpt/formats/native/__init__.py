@@ -6,13 +6,14 @@ overwrite) is ``checkpoint.load``'s.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from shardckpt.errors import CheckpointNotFoundError
-from shardckpt.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
-from shardckpt.formats.api import ReadRequest, TensorInfo
-from shardckpt.formats.native.plan import plan_reads, target_of
-from shardckpt.formats.native.reader import execute_reads
+from shardckpt.format.manifest import FORMAT_NAME, MANIFEST_NAME, Manifest, parse_manifest
+from shardckpt.formats.api import Facts, ReadRequest, TensorInfo
+from shardckpt.formats.native.plan import plan_reads
+from shardckpt.formats.native.reader import check_stored, execute_reads
+from shardckpt.formats.requests import check_requests
 from shardckpt.io import DEFAULT_IO_THREADS, Storage
 
 
@@ -33,10 +34,18 @@ class NativeReader:
     def tensors(self) -> Mapping[str, TensorInfo]:
         return {name: TensorInfo(name, e.dtype, e.shape, e.crc32c) for name, e in self.manifest.tensors.items()}
 
+    def facts(self) -> Facts:
+        m = self.manifest
+        return Facts(FORMAT_NAME, self.storage.url(""), m.world_size, m.metadata.get("state_dict_type"), m.metadata,
+                     f"shardckpt-generation:{m.generation}")
+
     def tree(self) -> Any:
         return self.manifest.tree
 
+    def check_stored(self, names: Iterable[str]) -> None:
+        """Before memory is allocated for tensors ``names``: the data files can hold them (``reader.check_stored``)."""
+        check_stored(self.storage, self.manifest, names)
+
     def read(self, requests: Sequence[ReadRequest]) -> None:
-        where = self.storage.url(MANIFEST_NAME)
-        targets = [target_of(self.manifest, r, where) for r in requests]
+        targets = check_requests(self.manifest.tensors, requests, self.storage.url(MANIFEST_NAME))
         execute_reads(self.storage, self.manifest, plan_reads(targets), self.io_threads, self.verify)

@@ -3,26 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from shardckpt.format.chunks import RegularChunks
-from shardckpt.format.manifest import Manifest, TensorEntry
-from shardckpt.formats.api import ReadRequest
-from shardckpt.formats.requests import check_request
-from shardckpt.regions import FlatRange, Region, canonical, flat_bounds, intersect, local_span
-
-
-@dataclass
-class Target:
-    """A checked request: ``flat`` is its ``dest`` as 1-D, holding ``region`` of ``entry``'s tensor."""
-
-    entry: TensorEntry
-    region: Region
-    flat: torch.Tensor
-
-    def __post_init__(self) -> None:
-        # Once here rather than per chunk: a dim-0 chunk becomes a flat range, the fast case of planning.
-        self.region = canonical(self.region, self.entry.shape)
+from shardckpt.format.manifest import TensorEntry
+from shardckpt.formats.requests import CheckedRequest
+from shardckpt.regions import FlatRange, Region, flat_bounds, intersect, local_span
 
 
 @dataclass
@@ -35,20 +19,15 @@ class ChunkRead:
     region: Region
     lo: int
     hi: int
-    copies: list[tuple[Region, Target]] = field(default_factory=list)
+    copies: list[tuple[Region, CheckedRequest]] = field(default_factory=list)
 
 
-def target_of(manifest: Manifest, request: ReadRequest, where: str) -> Target:
-    """The request checked against the manifest (``where`` names the checkpoint in errors)."""
-    checked = check_request(manifest.tensors, request, where)
-    return Target(checked.info, checked.region, checked.flat)
-
-
-def plan_reads(targets: list[Target]) -> list[ChunkRead]:
-    """For each stored chunk some target overlaps: the element span to read and the pieces to copy."""
+def plan_reads(targets: list[CheckedRequest]) -> list[ChunkRead]:
+    """For each stored chunk some target (a request checked against the manifest's entries: ``info`` is the
+    ``TensorEntry``) overlaps: the element span to read and the pieces to copy."""
     reads: dict[tuple[str, int], ChunkRead] = {}
     for target in targets:
-        if isinstance(target.region, FlatRange) and isinstance(target.entry.chunks, RegularChunks):
+        if isinstance(target.region, FlatRange) and isinstance(target.info.chunks, RegularChunks):
             _plan_flat_regular(target, reads)
         else:
             _plan_general(target, reads)
@@ -62,9 +41,9 @@ def _read_for(reads: dict, entry: TensorEntry, i: int, region: Region) -> ChunkR
     return read
 
 
-def _plan_flat_regular(target: Target, reads: dict) -> None:
+def _plan_flat_regular(target: CheckedRequest, reads: dict) -> None:
     """A flat range against regular flat chunks (the FSDP case at scale): integer arithmetic only."""
-    entry, (lo, hi) = target.entry, (target.region.start, target.region.stop)
+    entry, (lo, hi) = target.info, (target.region.start, target.region.stop)
     size, numel = entry.chunks.size, entry.numel
     for i in entry.chunks.overlapping(lo, hi):
         start, stop = i * size, min((i + 1) * size, numel)
@@ -80,8 +59,8 @@ def _plan_flat_regular(target: Target, reads: dict) -> None:
         read.copies.append((target.region if (a, b) == (lo, hi) else FlatRange(a, b), target))
 
 
-def _plan_general(target: Target, reads: dict) -> None:
-    entry = target.entry
+def _plan_general(target: CheckedRequest, reads: dict) -> None:
+    entry = target.info
     lo, hi = flat_bounds(target.region, entry.shape)
     for i in entry.chunks.overlapping(lo, hi):
         region = entry.chunks.region(i, entry.numel)

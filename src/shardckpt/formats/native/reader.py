@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable
 
 import torch
 
@@ -23,7 +24,9 @@ from shardckpt.format.checksum import crc32c
 from shardckpt.format.codecs import ZSTD_PLANES
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.index import ChunkRecord, parse_index
-from shardckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, TensorEntry
+from shardckpt.format.manifest import (
+    COMPRESSED_VERSION, MANIFEST_NAME, FileEntry, Manifest, TensorEntry, chunks_of, min_stored_bytes,
+)
 from shardckpt.formats.native.frames import read_span
 from shardckpt.formats.native.plan import ChunkRead
 from shardckpt.formats.native.whole_tensor import check_whole_tensors
@@ -68,6 +71,31 @@ def record_problem(rec: ChunkRecord | None, entry: TensorEntry, region) -> str |
     if rec.codec == ZSTD_PLANES and rec.block_size % itemsize(entry.dtype):
         return f"has {rec.block_size}-byte frames, which split its {entry.dtype} elements"
     return None
+
+
+def check_stored(storage: Storage, manifest: Manifest, names: Iterable[str]) -> None:
+    """The stored bytes can hold tensors ``names`` as the manifest claims: checked before memory is allocated
+    for them. From format v3 (compressed chunks: the files' sizes alone bound little) every chunk's index row is
+    checked too: the rows of a file fit in it, and each frame is no smaller than zstd could make it."""
+    entries = [manifest.tensors[name] for name in names]
+    used = {entry.name: entry.chunks.files_used() for entry in entries}  # bounded by the number of files
+    files = sorted(set().union(*used.values()))
+    for f in files:
+        check_data_file(storage, manifest.files[f])
+    for entry in entries:
+        held = sum(manifest.files[f].size for f in used[entry.name])
+        if min_stored_bytes(entry, manifest.version) > held:
+            raise CorruptCheckpointError(f"{storage.url(MANIFEST_NAME)}: tensor {entry.name!r} claims "
+                                         f"{entry.nbytes} bytes in {len(entry.chunks)} chunks, which its data "
+                                         f"files' {held} bytes cannot hold")
+    if manifest.version >= COMPRESSED_VERSION:
+        indexes = {f: read_index(storage, manifest.files[f], manifest.version) for f in files}
+        for entry in entries:
+            for i, region, f in chunks_of(entry):
+                problem = record_problem(indexes[f].get((entry.name, i)), entry, region)
+                if problem:
+                    raise CorruptCheckpointError(f"{storage.url(manifest.files[f].path)}: tensor {entry.name!r} "
+                                                 f"chunk {i} {problem}")
 
 
 def chunk_where(storage: Storage, manifest: Manifest, file: int, name: str, chunk: int) -> str:

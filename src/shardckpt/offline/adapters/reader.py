@@ -28,7 +28,7 @@ import torch
 
 from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.format.tree import TensorRef, leaves, path_name
-from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
+from shardckpt.formats.api import CheckpointReader, Facts, ReadRequest, TensorInfo
 from shardckpt.formats.requests import check_requests
 from shardckpt.offline.adapters.base import Adapter, Opts, Part, Piece, Planned
 from shardckpt.regions import FlatRange, contiguous_runs
@@ -51,10 +51,13 @@ class AdaptedReader:
             self._infos[name] = TensorInfo(name, first.dtype, p.shape, first.crc32c if whole else None)
         refs = {p.name: TensorRef(prefix + p.name) for p in planned}
         self._tree = {"model": refs}
-        self.where = getattr(base, "where", "the source")
+        self.where = base.facts().location
 
     def tensors(self) -> Mapping[str, TensorInfo]:
         return self._infos
+
+    def facts(self) -> Facts:
+        return self.base.facts()
 
     def tree(self) -> Any:
         return self._tree

@@ -1,4 +1,10 @@
-"""``logical_view``: a LOCAL checkpoint presented as the FULL one the same job would have saved.
+"""``logical_view``: a LOCAL checkpoint presented as the FULL one the same job would have saved (FORMAT.md, "LOCAL
+checkpoints", "By parameter").
+
+It lives with the readers, not with the state-dict code: it needs nothing but the read interface and LOCAL's
+on-disk layout (``format.flat_layout``), so that ``load``, ``convert``, ``inspect``, ``diff`` and ``export`` read
+a LOCAL checkpoint by parameter without importing the training runtime; and it is not part of shardckpt's own
+format's reader, since it applies to any reader whose tree holds LOCAL state.
 
 A LOCAL checkpoint stores each flat group as one flat tensor (padding included) and its ``FlatLayout`` in
 ``model._flat_layouts``; its optimizer state is keyed by flat group. The view presents, through the same
@@ -28,33 +34,19 @@ record which name each ID means.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from shardckpt.format.flat_layout import LAYOUTS_KEY, FlatLayout, is_local, param_order, stored_layouts
+from shardckpt.format.param_ids import PARAM_NAMES, hyper_parameters, keyed_by_id, resolve_id_names
 from shardckpt.format.tree import TensorRef
-from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
+from shardckpt.formats.api import CheckpointReader, Facts, ReadRequest, TensorInfo
 from shardckpt.formats.requests import check_requests
-from shardckpt.regions import FlatRange, contiguous_runs
-from shardckpt.runtime import FlatLayout
-from shardckpt.state_dict.flat import LAYOUTS_KEY
-from shardckpt.state_dict.load_state import stored_layouts
-from shardckpt.state_dict.merge_split import param_order
-from shardckpt.state_dict.param_ids import PARAM_NAMES, hyper_parameters, resolve_id_names
-from shardckpt.state_dict.rekey import key_type_of
-from shardckpt.state_dict.types import OptimStateKeyType
+from shardckpt.regions import Run, contiguous_runs
 
-
-@dataclass(frozen=True)
-class MemberSource:
-    """Where a presented tensor lives: elements ``[offset, offset + numel(shape))`` of stored tensor ``flat``."""
-
-    flat: str
-    offset: int
-    shape: tuple[int, ...]
-
-
-Source = str | MemberSource  # a stored tensor's name (presented under another name, or its own), or a member
+# Where a presented tensor is stored: a stored tensor's name (presented under another name, or its own), or, for
+# a member, a run of the stored flat tensor (source: its name) holding the member's elements in order.
+Source = str | Run
 
 
 class LogicalView:
@@ -71,6 +63,9 @@ class LogicalView:
     def tree(self) -> Any:
         return self._tree
 
+    def facts(self) -> Facts:
+        return self.base.facts()  # the same checkpoint, by parameter
+
     def source(self, name: str) -> Source:
         """Where the presented tensor ``name`` is stored."""
         return self._sources[name]
@@ -83,16 +78,10 @@ class LogicalView:
             if isinstance(src, str):
                 out.append(ReadRequest(src, request.region, request.dest))
                 continue
-            for start, local, count in contiguous_runs(request.region, src.shape):
-                out.append(ReadRequest(src.flat, FlatRange(src.offset + start, src.offset + start + count),
-                                       c.flat[local:local + count]))
+            for start, local, count in contiguous_runs(c.region, c.info.shape):
+                out.append(ReadRequest(src.source, src.clip(start, start + count).there, c.flat[local:local + count]))
         if out:
             self.base.read(out)
-
-
-def is_local(tree: Any) -> bool:
-    """Whether a checkpoint's tree is LOCAL state: its model entry stores flat layouts."""
-    return isinstance(tree, dict) and isinstance(tree.get("model"), dict) and LAYOUTS_KEY in tree["model"]
 
 
 def logical_view(reader: CheckpointReader, *, param_names: Sequence[str] | None = None) -> CheckpointReader:
@@ -141,8 +130,7 @@ def recorded_param_names(reader: CheckpointReader) -> list[str] | None:
     """The unsharded model's parameter order a LOCAL checkpoint records: in the manifest's metadata
     (``save_state``), else in its flat layouts (``positions``: a LOCAL state dict however it was saved); None
     where it records none (older checkpoints)."""
-    metadata = getattr(getattr(reader, "manifest", None), "metadata", None) or {}
-    names = metadata.get("param_names")
+    names = reader.facts().metadata.get("param_names")
     if names is None:
         tree = reader.tree()
         return param_order(tree["model"], _where(reader)) if is_local(tree) else None
@@ -163,9 +151,7 @@ def per_parameter_state(optim: dict, layouts: Mapping[str, FlatLayout], id_names
 
 
 def _where(reader: CheckpointReader) -> str:
-    storage = getattr(reader, "storage", None)
-    url = getattr(storage, "url", None)
-    return f"{url('')} (LOCAL, by parameter)" if callable(url) else "a LOCAL checkpoint (by parameter)"
+    return f"{reader.facts().location} (LOCAL, by parameter)"
 
 
 def _order(layouts: dict[str, FlatLayout], param_names: Sequence[str] | None) -> dict[str, int]:
@@ -225,7 +211,7 @@ class _Builder:
             self.consumed.add(info.name)
             self.flat_shape[key] = tuple(info.shape)
             for j, name in enumerate(layout.names):
-                source = MemberSource(info.name, layout.offsets[j], layout.shapes[j])
+                source = layout.member(j, info.name)
                 for fqn in (name,) + layout.aliases[j]:
                     if fqn in out:
                         raise CorruptCheckpointError(f"{self.where}: parameter {fqn!r} appears in two flat layouts")
@@ -243,7 +229,7 @@ class _Builder:
         state, groups = optim.get("state") or {}, optim.get("param_groups") or []
         if not isinstance(state, dict) or not isinstance(groups, list):
             raise CorruptCheckpointError(f"{self.where}: optim.state or optim.param_groups is malformed")
-        by_id = key_type_of({"state": state, "param_groups": groups}) is OptimStateKeyType.PARAM_ID
+        by_id = keyed_by_id({"state": state, "param_groups": groups}) is True
         id_names = resolve_id_names(groups, None, lambda: dict(enumerate(self.layouts))) if by_id else {}
         if per_parameter_state(optim, self.layouts, id_names):
             return copy.deepcopy(optim)  # use_orig_params: keyed and shaped per parameter already, as FULL has it
@@ -295,7 +281,7 @@ class _Builder:
             name = f"optim.state.{mkey}.{k}"
             if tuple(info.shape) == self.flat_shape.get(flat_key):  # flat-shaped: sharded like the parameter
                 out[k] = self._add(name, TensorInfo(name, info.dtype, layout.shapes[j], None),
-                                   MemberSource(info.name, layout.offsets[j], layout.shapes[j]))
+                                   layout.member(j, info.name))
             else:  # a scalar such as step: the same stored bytes under every member's name
                 out[k] = self._add(name, TensorInfo(name, info.dtype, tuple(info.shape), info.crc32c), info.name)
         return out

@@ -11,15 +11,15 @@ import torch
 
 import shardckpt
 from shardckpt import CorruptCheckpointError, IncompatibleCheckpointError, StateDictType
-from shardckpt.offline.diff import diff
+from shardckpt.format.flat_layout import LAYOUTS_KEY, POSITIONS
+from shardckpt.format.param_ids import PARAM_NAMES
 from shardckpt.format.tree import TensorRef
 from shardckpt.formats.api import ReadRequest
 from shardckpt.formats.detect import open_reader
-from shardckpt.regions import Box, FlatRange, full_region
+from shardckpt.formats.local_view import LogicalView, logical_view
+from shardckpt.offline.diff import diff
+from shardckpt.regions import Box, FlatRange, Run, full_region
 from shardckpt.state_dict import OptimStateKeyType, unsharded_param_names
-from shardckpt.state_dict.flat import LAYOUTS_KEY, POSITIONS
-from shardckpt.state_dict.logical import LogicalView, MemberSource, logical_view
-from shardckpt.state_dict.param_ids import PARAM_NAMES
 from tests._helpers import state_path
 from tests._dist import run_ranks
 from tests.runtime import _model
@@ -148,7 +148,7 @@ def test_partial_reads_across_the_shard_boundary_equal_the_full_tensor(saved, st
     flat = FlatRange(cut - 3, cut + cols + 2)  # starts and ends mid-row, crosses the cut
     assert torch.equal(_read(view, name, flat, info.dtype), whole.reshape(-1)[flat.start:flat.stop])
     src = view.source(name)
-    assert isinstance(src, MemberSource) and src.flat.endswith("_flat_param" if not state_key else state_key)
+    assert isinstance(src, Run) and src.source.endswith("_flat_param" if not state_key else state_key)
 
 
 def test_reads_of_several_tensors_go_to_the_stored_reader_in_one_call(saved):

@@ -1,5 +1,8 @@
 """Which parameter an ID of ID-keyed optimizer state means (pure: no model, no collectives).
 
+A checkpoint's optimizer state names parameters by ID or by name (FORMAT.md, "LOCAL checkpoints": ``optim_key``,
+``param_names``); reading it by parameter, in the state-dict layer or a reader's view, starts here.
+
 ``torch.optim.Optimizer.state_dict()`` numbers parameters in the order of the optimizer's own
 ``param_groups``, so an ID means nothing without the optimizer that saved it. The ID -> name map comes
 from, in this order: the caller (a list, ``names[i]`` naming ID ``i``); the state itself (torch's
@@ -95,6 +98,19 @@ def resolve_id_names(groups: Sequence[dict], given: Sequence[str] | None = None,
     if fallback is not None:
         return fallback()
     raise unknown_ids(arg)
+
+
+def keyed_by_id(osd: dict) -> bool | None:
+    """Whether optimizer state ``osd`` names parameters by integer ID (True) or by name (False), judged by its
+    param groups' ``params`` and its state's keys; None when it names none. A mix of both is refused."""
+    keys = [k for pg in osd.get("param_groups", []) for k in pg.get("params", [])] + list(osd.get("state", {}))
+    if not keys:
+        return None
+    if all(isinstance(k, int) and not isinstance(k, bool) for k in keys):
+        return True
+    if all(isinstance(k, str) for k in keys):
+        return False
+    raise IncompatibleCheckpointError("optimizer state dict mixes integer IDs and names as parameter keys")
 
 
 def hyper_parameters(pg: dict) -> dict[str, Any]:

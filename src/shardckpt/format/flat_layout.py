@@ -1,21 +1,28 @@
-"""FlatLayout: where each member parameter sits in a group's flat parameter, and which slice a rank holds.
+"""LOCAL's on-disk layout (FORMAT.md, "LOCAL checkpoints"): ``FlatLayout``, where each member parameter sits in a
+flat parameter and which slice a rank holds, its JSON form, and the layouts a LOCAL checkpoint's tree stores.
 
-This is the contract between the runtime and everything that reads LOCAL state (the state-dict code,
-offline conversion): it is plain data, JSON-able, and identical on every rank.
+This is the contract between the training runtime, which builds layouts (``build_layout``) and keeps its flat
+parameters by them, and everything that reads LOCAL state (the state-dict code, the readers' by-parameter view,
+offline conversion): plain data, JSON-able, identical on every rank. Pure: no I/O, no runtime.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 
-from shardckpt.errors import ShardingError
+from shardckpt.errors import CorruptCheckpointError, ShardingError
+from shardckpt.regions import Run
 
 ALIGN_BYTES = 16
 """Every member starts at a multiple of 16 bytes of the master dtype, and every shard has a size that
 is a multiple of it, so that a shard's start is aligned too."""
+LAYOUTS_KEY = "_flat_layouts"
+"""In a LOCAL model state dict (``tree.model`` of a LOCAL checkpoint): ``{flat key: FlatLayout.to_dict()}``."""
+POSITIONS = "positions"
+"""In each of them (optional): the members' places in the unsharded model's ``named_parameters()`` order."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -101,14 +108,22 @@ class FlatLayout:
             raise ShardingError(f"rank {rank} is outside a flat layout of world size {self.world_size}")
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
-    def member_in_shard(self, index: int, rank: int) -> tuple[int, int, int] | None:
-        """(start within the member, start within the shard, length) of member `index` held by `rank`."""
+    def member(self, index: int, source: Hashable = None) -> Run:
+        """Member `index` inside the flat parameter (named `source`): its elements [0, numel) are the flat
+        parameter's [offset, offset + numel)."""
+        return Run(source, self.offsets[index], 0, self.numels[index])
+
+    def held(self, index: int, rank: int) -> Run | None:
+        """The part of member `index` that shard-group rank `rank` holds: elements [at, at + count) of the
+        member are elements [start, start + count) of the rank's flat shard; None where it holds none."""
         lo, hi = self.shard_range(rank)
-        start, stop = self.offsets[index], self.offsets[index] + self.numels[index]
-        a, b = max(lo, start), min(hi, stop)
-        if a >= b:
-            return None
-        return a - start, a - lo, b - a
+        part = self.member(index).clip_source(lo, hi)
+        return None if part is None else Run(None, part.start - lo, part.at, part.count)
+
+    def at_world_size(self, world_size: int) -> FlatLayout:
+        """The same members, offsets and dtype split across `world_size` ranks (only the tail padding changes)."""
+        return build_layout(self.names, self.shapes, self.torch_dtype, world_size, requires_grad=self.requires_grad,
+                            aliases=self.aliases)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form (lists and strings only)."""
@@ -174,3 +189,45 @@ def build_layout(
         requires_grad=requires_grad,
         aliases=tuple(tuple(a) for a in aliases) if aliases else (),
     )
+
+
+def is_local(tree: Any) -> bool:
+    """Whether a checkpoint's tree is LOCAL state: its model entry stores flat layouts."""
+    return isinstance(tree, dict) and isinstance(tree.get("model"), dict) and LAYOUTS_KEY in tree["model"]
+
+
+def stored_layouts(tree: Any) -> dict[str, FlatLayout]:
+    """The flat layouts a LOCAL checkpoint's tree stores (``model._flat_layouts``), by flat key, in stored
+    order; {} when it stores none. One that is not a valid layout is a ``CorruptCheckpointError`` naming it."""
+    model = tree.get("model") if isinstance(tree, dict) else None
+    docs = model.get(LAYOUTS_KEY) if isinstance(model, dict) else None
+    layouts = {}
+    for key, doc in (docs.items() if isinstance(docs, dict) else ()):
+        try:
+            layouts[key] = FlatLayout.from_dict(doc)
+        except ShardingError as e:
+            raise CorruptCheckpointError(f"the checkpoint's model.{LAYOUTS_KEY}.{key} is not a valid flat "
+                                         f"layout: {e}") from None
+    return layouts
+
+
+def param_order(local_model_state: dict, where: str = "a LOCAL model state dict") -> list[str] | None:
+    """The unsharded model's ``named_parameters()`` names in order, from the places the flat layouts of a LOCAL
+    model state dict record for their members (``positions``, by ``get_state_dict``); None if they record none
+    (older state dicts). Places that do not number the members 0, 1, ... once each: ``CorruptCheckpointError``."""
+    docs = local_model_state.get(LAYOUTS_KEY)
+    if not isinstance(docs, dict) or not docs or not all(isinstance(d, dict) and POSITIONS in d for d in docs.values()):
+        return None
+    placed: dict[int, str] = {}
+    count = 0
+    for key, doc in docs.items():
+        names, positions = doc.get("names"), doc[POSITIONS]
+        if not (isinstance(names, list) and isinstance(positions, list) and len(positions) == len(names)
+                and all(isinstance(p, int) and not isinstance(p, bool) for p in positions)):
+            raise CorruptCheckpointError(f"{where}: {LAYOUTS_KEY}.{key}.{POSITIONS} is not one int per member")
+        placed.update(zip(positions, names))
+        count += len(names)
+    if sorted(placed) != list(range(count)):
+        raise CorruptCheckpointError(f"{where}: the {POSITIONS} of {LAYOUTS_KEY} do not number the parameters "
+                                     "0, 1, ... once each")
+    return [placed[i] for i in range(count)]
