@@ -115,7 +115,7 @@ class Planned:
         return data_dir(self.generation)
 
 
-def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
+def plan(staged: Staged, path: str | os.PathLike | Storage, *, process_group: Any = None, overwrite: bool = False,
          files_per_rank: int = DEFAULT_FILES_PER_RANK, storage_options: dict | None = None,
          compress: str | None = None, reuse: Planned | None = None) -> Planned:
     """Save step 2 of 3 (collective): rank 0 gathers every rank's piece infos and a digest of its tree, checks
@@ -124,6 +124,9 @@ def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, 
     ``overwrite``, and sends each rank its write tasks and the compression (rank 0's ``files_per_rank`` and
     ``compress`` count). Raises on every rank if any rank failed to stage or to open ``path``, or if
     planning failed. Writes nothing.
+
+    ``path`` may differ between ranks (each rank's files go to its own ``Storage``; rank 0's gets the manifest):
+    the tiers' node-local copies (``shardckpt.tiers``).
 
     ``reuse``: the ``Planned`` of an earlier save over the same group. A rank whose pieces are as they were
     then sends a marker instead of its infos; if every rank does (and the options are the same), rank 0
@@ -135,7 +138,7 @@ def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, 
         if staged.rank != group.rank:
             raise ValueError(f"this Staged was staged as rank {staged.rank}, but this is rank {group.rank} of "
                              "the process group given to plan(); stage and plan with the same group")
-        storage = open_storage(path, storage_options)
+        storage = open_storage(path, storage_options) if isinstance(path, (str, os.PathLike)) else path
         unchanged = reuse is not None and reuse.infos == staged.infos
         return _Report(storage, _UNCHANGED if unchanged else staged.infos, digest(staged.tree), staged.per_rank)
 

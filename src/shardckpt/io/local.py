@@ -36,10 +36,11 @@ _SYNC_FILE_RANGE_WRITE = 2
 class _LocalWriter:
     positional = True
 
-    def __init__(self, path: str, keep: int | None = None):
+    def __init__(self, path: str, keep: int | None = None, durable: bool = True):
         """A new (emptied) file at ``path``; or, ``keep`` given, the existing file, cut to its first ``keep``
-        bytes, written on after them (``FileNotFoundError`` if it is gone)."""
-        self._path = path
+        bytes, written on after them (``FileNotFoundError`` if it is gone). ``durable=False``: no writeback started
+        and no fsync at close (a copy that need not survive the node, e.g. a tier-0 copy on a tmpfs)."""
+        self._path, self._durable = path, durable
         while True:
             flags = os.O_WRONLY if keep is not None else os.O_WRONLY | os.O_CREAT | os.O_TRUNC
             self._fd = os.open(path, flags, 0o644)
@@ -57,7 +58,7 @@ class _LocalWriter:
     def write(self, data: memoryview) -> None:
         self.pwrite(data, self._pos)
         self._pos += data.nbytes
-        if _START_WRITEBACK is not None and self._pos - self._started >= WRITEBACK_BYTES:
+        if self._durable and _START_WRITEBACK is not None and self._pos - self._started >= WRITEBACK_BYTES:
             _START_WRITEBACK(self._fd, self._started, self._pos - self._started, _SYNC_FILE_RANGE_WRITE)
             self._started = self._pos
 
@@ -69,18 +70,19 @@ class _LocalWriter:
 
     def close(self) -> None:
         try:
-            os.fsync(self._fd)
+            if self._durable:
+                os.fsync(self._fd)
         finally:
             os.close(self._fd)
 
 
-def _new_writer(path: str, keep: int | None = None) -> _LocalWriter:
+def _new_writer(path: str, keep: int | None = None, durable: bool = True) -> _LocalWriter:
     """A writer of ``path``, its directory made first, and made again should it vanish before the file is
     created in it (an empty directory a collector removed: ``LocalStorage.remove_empty_dir``)."""
     for _ in range(100):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
-            return _LocalWriter(path, keep)
+            return _LocalWriter(path, keep, durable)
         except FileNotFoundError:
             if keep is not None or os.path.isdir(os.path.dirname(path)):
                 raise
@@ -114,10 +116,12 @@ class _DirHold:
 
 
 class LocalStorage:
-    """A directory on local disk."""
+    """A directory on local disk. ``durable=False``: files written are not fsynced (nor directories), for a copy
+    that a process restart must keep but a node crash may lose (tier 0 of ``shardckpt.tiers``)."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, durable: bool = True):
         self.root = os.path.abspath(root)
+        self.durable = durable
         self._pinned: dict[str, int] = {}
         self._pins = 0  # pin() calls not yet released: the descriptors close when the last one is
         self._pin_lock = threading.Lock()
@@ -200,7 +204,7 @@ class LocalStorage:
     def open_writer(self, path: str, keep: int | None = None) -> _LocalWriter:
         """The protocol's writer; local disk also goes on writing an existing file after its first ``keep``
         bytes (what follows is cut off), which a resumed ``convert`` uses."""
-        return _new_writer(self.url(path), keep)
+        return _new_writer(self.url(path), keep, self.durable)
 
     def put_atomic(self, path: str, data: bytes, exclusive: bool = False) -> None:
         """Write to a temporary name, fsync, then rename it over ``path`` (or, ``exclusive``, hard-link it to
@@ -311,6 +315,8 @@ class LocalStorage:
             os.close(fd)
 
     def sync_dir(self, path: str) -> None:
+        if not self.durable:
+            return
         fd = os.open(self.url(path) if path else self.root, os.O_RDONLY)
         try:
             os.fsync(fd)
