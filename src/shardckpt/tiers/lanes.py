@@ -62,20 +62,26 @@ def write_step(lanes: Lanes, step: int, epoch: int, staged: Staged) -> bytes | N
     synced = attempt(group.rank, lanes.buffers.synchronize)
     if isinstance(synced, Failure) and not staged.failure:
         staged = dataclasses.replace(staged, failure=synced)
-    if not _room_agreed(lanes, step, staged):
-        return None
-    storage = local.node_storage(lanes.state.root, step)
-    planned = plan(staged, storage, process_group=group.pg, overwrite=True, reuse=lanes.planned)
-    lanes.planned = planned
-    persist(staged, planned)
+    with lanes.state.lock:  # pinned from its first byte: a trim of an older step never takes it for an old one
+        lanes.state.pinned.add(step)
+        lanes.state.epochs[step] = epoch
+    try:
+        if not _room_agreed(lanes, step, staged):
+            lanes.state.pinned.discard(step)
+            return None
+        storage = local.node_storage(lanes.state.root, step)
+        planned = plan(staged, storage, process_group=group.pg, overwrite=True, reuse=lanes.planned)
+        lanes.planned = planned
+        persist(staged, planned)
+    except BaseException:
+        lanes.state.pinned.discard(step)
+        raise
     mine = attempt(0, lambda: storage.read_bytes(MANIFEST_NAME)) if group.is_coordinator else None
     data = group.broadcast(mine)
     raise_failures([data])
     done = attempt(group.rank, lambda: local.publish(lanes.state.root, step, data) if lanes.topo.leader else None)
     raise_failures(group.all_gather(done if isinstance(done, Failure) else None))
     with lanes.state.lock:
-        lanes.state.pinned.add(step)
-        lanes.state.epochs[step] = epoch
         lanes.state.moved = {"tier0_bytes": staged.nbytes}
     return data
 
@@ -210,7 +216,9 @@ def _join(base: str, name: str) -> str:
 
 def _test_hook(lane: str, step: int) -> None:
     """Fault injection for the kill tests: ``SHARDCKPT_TIERS_KILL=<lane>:<step>`` kills this process with SIGKILL
-    in that lane, after its first file of that step (a node lost mid-replication or mid-upload)."""
-    want = os.environ.get("SHARDCKPT_TIERS_KILL")
-    if want and want == f"{lane}:{step}":
+    in that lane, after its first file of the first step from ``<step>`` on that the lane copies (a node lost
+    mid-replication or mid-upload)."""
+    want = os.environ.get("SHARDCKPT_TIERS_KILL", "")
+    name, _, first = want.partition(":")
+    if name == lane and first.isdigit() and step >= int(first):
         os.kill(os.getpid(), 9)

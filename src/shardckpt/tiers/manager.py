@@ -38,7 +38,8 @@ log = logging.getLogger("shardckpt.tiers")
 @dataclass
 class TierSave:
     """One step's save: ``committed`` (tier 0 on every node: True, or False when skipped for want of room),
-    ``replicated`` (True, False when a replication failed, None without replicas) and ``persisted`` (tier 2;
+    ``replicated`` (True, False when a replication failed, None without replicas or when a newer step was
+    committed before its turn: latest wins) and ``persisted`` (tier 2;
     None when not due), each a ``concurrent.futures.Future``."""
 
     step: int
@@ -117,10 +118,18 @@ class CheckpointManager:
         return handle
 
     def _replicate_and_upload(self, step: int, data: bytes, handle: TierSave) -> None:
+        """Lane RP for one committed step. Latest wins: when every rank has committed a newer step already, this
+        one is not replicated (the newer one will be), nor uploaded if a newer due step is committed too."""
         try:
-            has_peers = any(self.lanes.topo.peers.values())
+            with self.lanes.state.lock:
+                newest = max(self.lanes.state.epochs)
+            newest = min(self._copy.all_gather(newest))
+            has_peers = any(self.lanes.topo.peers.values()) and newest == step
             handle.replicated.set_result(replicate(self.lanes, step, data) if has_peers else None)
-            if self.config.persists(step):
+            due_later = any(self.config.persists(s) for s in range(step + 1, newest + 1))
+            if self.config.persists(step) and due_later:
+                handle.persisted.set_result(None)
+            elif self.config.persists(step):
                 try:
                     persist_step(self.lanes, step, data)
                     handle.persisted.set_result(True)
@@ -173,6 +182,10 @@ class CheckpointManager:
         restored = restore_io.restore(self._write, source, facts, loader)
         self.epoch = restore_io.after_restore(topo.leader, topo.node, self.lanes.state.root, facts,
                                               restored.candidate if restored else None)
+        with self.lanes.state.lock:  # the epochs of the steps kept here, for the budget's and the trim's order
+            for candidate in facts.holdings.get(topo.node, {}):
+                if restored is None or candidate <= restored.candidate:
+                    self.lanes.state.epochs.setdefault(candidate.step, candidate.epoch)
         return restored
 
     # -- the end ------------------------------------------------------------------------------------------------
