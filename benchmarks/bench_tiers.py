@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from _common import drop_caches, loadavg, median, spawn_gloo  # noqa: E402
 from bench_async_save import shapes  # noqa: E402
+from bench_s3 import _start_moto  # noqa: E402
 
 METHODS = ("copy", "tiers", "async_save", "dcp")
 
@@ -215,7 +215,7 @@ def main() -> int:
                 runs.append(json.load(f))
         s3 = None
         if not args.no_s3:
-            moto, endpoint = _start_moto()
+            moto, endpoint = _start_moto(wait_s=60)  # a shared machine: moto may take a while
             s3 = {"url": "s3://bench/tiers", "options": {"endpoint_url": endpoint, "key": "k", "secret": "s"}}
             _make_bucket(s3)
         rec = recovery(sizes, root, s3)
@@ -225,26 +225,6 @@ def main() -> int:
         shutil.rmtree(disk, ignore_errors=True)
         if moto is not None:
             moto.kill()
-
-
-def _start_moto() -> tuple[subprocess.Popen, str]:
-    """moto_server on 127.0.0.1 (as bench_s3.py's, waiting up to a minute: this machine is shared)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    for _ in range(600):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("moto_server did not start")
 
 
 def _make_bucket(s3: dict) -> None:

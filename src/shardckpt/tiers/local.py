@@ -119,8 +119,35 @@ def _matches(base: str, f) -> bool:
         return False
 
 
-def report(node: str, found: list[Found]) -> NodeReport:
-    return NodeReport(node, {f.candidate: f.files for f in found}, {f.candidate: f.held for f in found})
+def orphans(root: str) -> dict[str, frozenset[str]]:
+    """By generation, the data files (with their index) in step directories that have no manifest here: a kill
+    between rank 0's commit and this node's publication of the manifest leaves them (``restore.merge`` counts
+    them for the one candidate of that generation; every byte is checked as read)."""
+    out: dict[str, set[str]] = {}
+    for step in steps_here(root):
+        base = os.path.join(root, step_dir(step))
+        if os.path.exists(os.path.join(base, MANIFEST_NAME)):
+            continue
+        for name in _listdir(base):
+            if not name.startswith("data-"):
+                continue
+            for f in _listdir(os.path.join(base, name)):
+                index = f[:-len(".bin")] + ".index.json"
+                if RANK_RE.search(f) and os.path.exists(os.path.join(base, name, index)):
+                    out.setdefault(name[len("data-"):], set()).add(f"{name}/{f}")
+    return {g: frozenset(p) for g, p in out.items()}
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def report(node: str, found: list[Found], orphaned: dict[str, frozenset[str]] | None = None) -> NodeReport:
+    return NodeReport(node, {f.candidate: f.files for f in found}, {f.candidate: f.held for f in found},
+                      orphaned or {})
 
 
 def publish(root: str, step: int, data: bytes) -> None:

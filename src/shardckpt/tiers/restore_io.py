@@ -61,7 +61,7 @@ class Facts:
 def gather_facts(group: Group, leader: bool, node: str, root: str, persistent_dir: str | None,
                  address: tuple | None) -> Facts:
     """Node leaders scan their tier 0; rank 0 lists tier 2; all gathered on every rank."""
-    found = attempt(group.rank, lambda: local.scan(root) if leader else None)
+    found = attempt(group.rank, lambda: (local.scan(root), local.orphans(root)) if leader else None)
     reports = group.all_gather((node, found, address))
     raise_failures([f for _, f, _ in reports])
     tier2 = attempt(0, lambda: scan_persistent(persistent_dir)) if group.is_coordinator else None
@@ -71,8 +71,8 @@ def gather_facts(group: Group, leader: bool, node: str, root: str, persistent_di
     node_reports = []
     for name, found, _ in reports:
         if found is not None:
-            node_reports.append(local.report(name, found))
-            manifests.update({f.candidate: f.data for f in found})
+            node_reports.append(local.report(name, *found))
+            manifests.update({f.candidate: f.data for f in found[0]})
     layouts, holdings = merge(node_reports, {c: files for c, (files, _) in tier2.items()})
     addresses = {name: addr for name, _, addr in reports if addr is not None}
     return Facts(layouts, holdings, set(tier2), manifests, addresses)
