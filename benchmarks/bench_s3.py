@@ -62,12 +62,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_moto() -> tuple[subprocess.Popen, str]:
+def _start_moto(wait_s: float = 10.0) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
     proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    for _ in range(100):
+    for _ in range(int(wait_s * 10)):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
             return proc, f"http://127.0.0.1:{port}"

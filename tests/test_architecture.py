@@ -29,6 +29,8 @@ ALLOWED = {
     "dcp": BASE | {"io", "format", "formats", "checkpoint"},
     "state_dict": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime"},
     "offline": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict"},
+    # Checkpoint tiers (issue 40): the pure core now; save, replicate and restore through checkpoint and dist later.
+    "tiers": BASE | {"dist", "io", "format", "formats", "checkpoint"},
     "api": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict", "offline"},
     "demo": BASE | {"dist", "io", "format", "checkpoint", "runtime", "state_dict"},
     "cli": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict", "offline", "api", "demo", "cli"},

@@ -188,7 +188,7 @@ def test_commit_refuses_a_manifest_that_would_not_load(tmp_path):
 
     result = _write(planned, staged, [])
     with pytest.raises(shardckpt.CheckpointError, match="would not load.*disagree on \\['x'\\]"):
-        commit(planned.storage, planned.save_plan, planned.generation, [result], 1,
+        commit(planned.storage, planned.save_plan, planned.generation, [result],
                {"w": {"$tensor": "w"}, "x": {"$tensor": "x"}}, None, False)
     assert os.listdir(path) == []
 

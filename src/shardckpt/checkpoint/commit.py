@@ -5,7 +5,7 @@ before it leaves the previous checkpoint untouched; a failed rank's result remov
 from __future__ import annotations
 
 import posixpath
-from typing import Any
+from typing import Any, Collection
 
 from shardckpt._version import __version__
 from shardckpt.checkpoint.agree import encoded_holds_per_rank, per_rank_names
@@ -22,12 +22,14 @@ def data_dir(generation: str) -> str:
     return f"data-{generation}"
 
 
-def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list, world_size: int,
-           encoded_tree: Any, metadata: dict | None, overwrite: bool) -> None:
-    """Commit ``generation`` from every (possibly virtual) rank's write results: the manifest, written last
-    and atomically, then the replaced generation's data removed. A failed rank's result removes this
+def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list,
+           encoded_tree: Any, metadata: dict | None, overwrite: bool, here: Collection[int] | None = None) -> None:
+    """Commit ``generation`` from every (possibly virtual) rank's write results (one per rank; None: it wrote
+    nothing): the manifest, written last and atomically, then the replaced generation's data removed. A failed rank's result removes this
     generation's files and raises. Without ``overwrite`` the manifest is created exclusively: of writers
-    racing to one new path exactly one commits, the others get ``CheckpointExistsError`` (their data removed)."""
+    racing to one new path exactly one commits, the others get ``CheckpointExistsError`` (their data removed).
+    ``here``: the ranks whose files were written to ``storage`` (default all; the tiers' ranks write to their own
+    node's copy), the files checked to be there before the commit."""
     failures = [r for r in results if isinstance(r, Failure)]
     if failures:
         _remove_quietly(storage, data_dir(generation))
@@ -52,7 +54,7 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
     if files:
         lifecycle(storage).sync_dir(data_dir(generation))
     previous = _previous_generation(storage)
-    manifest = Manifest(world_size=world_size, generation=generation, tree=None, tensors=tensors,
+    manifest = Manifest(world_size=len(results), generation=generation, tree=None, tensors=tensors,
                         files=files, metadata=metadata or {}, created_by=f"shardckpt {__version__}",
                         version=version)
     data = manifest.to_bytes(encoded_tree)
@@ -61,7 +63,8 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
     except CorruptCheckpointError as e:
         _remove_quietly(storage, data_dir(generation))
         raise CheckpointError(f"cannot save: the checkpoint would not load ({e}); nothing was committed") from None
-    _check_files_there(storage, files, generation)
+    _check_files_there(storage, [f for r, result in enumerate(results) if result is not None and
+                                 (here is None or r in here) for f in result.files], generation)
     try:
         storage.put_atomic(MANIFEST_NAME, data, exclusive=not overwrite)
     except FileExistsError:

@@ -27,7 +27,7 @@ def run_storage(step: Storage) -> Storage:
     """The run directory: the parent of the checkpoint directory ``step``."""
     parent = sibling_storage(step, "x")
     if isinstance(parent, LocalStorage):
-        return LocalStorage(os.path.dirname(parent.root))
+        return LocalStorage(os.path.dirname(parent.root), parent.direct_io, parent.durable)
     parent.root = parent.root.rsplit("/", 1)[0]
     return parent
 

@@ -41,7 +41,7 @@ def pool_of_run(run: Storage) -> Storage:
 
 def child_storage(run: Storage, name: str) -> Storage:
     if isinstance(run, LocalStorage):
-        return LocalStorage(os.path.join(run.root, name))
+        return LocalStorage(os.path.join(run.root, name), run.direct_io, run.durable)
     child = sibling_storage(run, "x")
     child.root = f"{run.root.rstrip('/')}/{name}"
     return child

@@ -133,13 +133,14 @@ class Planned:
     gathered: list | None = None  # every rank's infos (rank 0 only, for reuse)
     tree: Any = None
     version: int | None = None  # the format version of the indexes and manifest
+    here: frozenset[int] | None = None  # the ranks whose files are where rank 0 commits (rank 0 only; tiers: a node's)
 
     @property
     def data_dir(self) -> str:
         return data_dir(self.generation)
 
 
-def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
+def plan(staged: Staged, path: str | os.PathLike | Storage, *, process_group: Any = None, overwrite: bool = False,
          files_per_rank: int = DEFAULT_FILES_PER_RANK, storage_options: Options | None = None,
          compress: str | None = None, reuse: Planned | None = None) -> Planned:
     """Save step 2 of 3 (collective): rank 0 gathers every rank's piece infos and a digest of its tree, checks
@@ -148,6 +149,9 @@ def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, 
     ``overwrite``, and sends each rank its write tasks and the compression (rank 0's ``files_per_rank`` and
     ``compress`` count). Raises on every rank if any rank failed to stage or to open ``path``, or if
     planning failed. Writes nothing.
+
+    ``path`` may differ between ranks (each rank's files go to its own ``Storage``; rank 0's gets the manifest):
+    the tiers' node-local copies (``shardckpt.tiers``).
 
     ``reuse``: the ``Planned`` of an earlier save over the same group. A rank whose pieces are as they were
     then sends a marker instead of its infos; if every rank does (and the options are the same), rank 0
@@ -161,7 +165,8 @@ def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, 
                              "the process group given to plan(); stage and plan with the same group")
         storage = open_storage(path, storage_options)
         unchanged = reuse is not None and reuse.infos == staged.infos
-        return _Report(storage, _UNCHANGED if unchanged else staged.infos, digest(staged.tree), staged.per_rank)
+        return _Report(storage, storage.url(""), _UNCHANGED if unchanged else staged.infos, digest(staged.tree),
+                       staged.per_rank)
 
     report = staged.failure or attempt(group.rank, local)
     gathered = group.gather(report if isinstance(report, Failure) else dataclasses.replace(report, storage=None))
@@ -174,9 +179,10 @@ def plan(staged: Staged, path: str | os.PathLike, *, process_group: Any = None, 
     raise_failures([mine, report])  # the same (the first failing rank's) on every rank
     generation, tasks, per_rank, compression, version = mine
     coordinator = group.is_coordinator
+    here = frozenset(r for r, g in enumerate(gathered) if g.place == report.place) if coordinator else None
     return Planned(group, report.storage, generation, tasks, per_rank, compression,
                    whole[0] if coordinator else None, overwrite, staged.infos,
-                   whole[2] if coordinator else None, whole[1] if coordinator else None, version)
+                   whole[2] if coordinator else None, whole[1] if coordinator else None, version, here)
 
 
 @dataclass(frozen=True)
@@ -185,6 +191,7 @@ class _Report:
     and its ``PerRank`` values (its storage stays on the rank)."""
 
     storage: Storage | None
+    place: str  # the storage's URL: ranks may write to different places (tiers), rank 0's gets the manifest
     infos: Any
     digest: bytes
     per_rank: dict[str, Any]
@@ -320,7 +327,7 @@ def _write(planned: Planned, staged: Staged, holds: list,
 
 
 def _commit(planned: Planned, results: list, staged: Staged) -> None:
-    commit(planned.storage, planned.save_plan, planned.generation, results, planned.group.world_size, planned.tree,
-           staged.metadata, planned.overwrite)
+    commit(planned.storage, planned.save_plan, planned.generation, results, planned.tree, staged.metadata,
+           planned.overwrite, here=planned.here)
 
 

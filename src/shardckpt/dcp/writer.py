@@ -169,8 +169,8 @@ class StorageWriter(_DcpStorageWriter):
         tree = nested_tree(metadata, values)
         encoded = encode(tree, lambda v: isinstance(v, TensorLeaf))
         try:
-            commit(self._opened(), self._save_plan, self._save_plan.generation, rank_results, len(results),
-                   encoded, self.metadata, self.overwrite)
+            commit(self._opened(), self._save_plan, self._save_plan.generation, rank_results, encoded,
+                   self.metadata, self.overwrite)
         finally:
             self._release()
             self._save_plan = None

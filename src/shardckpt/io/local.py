@@ -57,16 +57,18 @@ def _open_held(path: str, keep: int | None, direct: bool) -> tuple[int, bool]:
 class _LocalWriter:
     positional = True
 
-    def __init__(self, fd: int, keep: int | None = None):
-        """Writes through the page cache to ``fd`` (from ``_open_held``), after its first ``keep`` bytes."""
-        self._fd = fd
+    def __init__(self, fd: int, keep: int | None = None, durable: bool = True):
+        """Writes through the page cache to ``fd`` (from ``_open_held``), after its first ``keep`` bytes.
+        ``durable=False``: no writeback started and no fsync at close (a copy that need not survive the node,
+        e.g. a tier-0 copy on a tmpfs)."""
+        self._fd, self._durable = fd, durable
         self._pos = keep or 0
         self._started = self._pos  # bytes [0, _started) are written back already or being written back
 
     def write(self, data: memoryview) -> None:
         self.pwrite(data, self._pos)
         self._pos += data.nbytes
-        if _START_WRITEBACK is not None and self._pos - self._started >= WRITEBACK_BYTES:
+        if self._durable and _START_WRITEBACK is not None and self._pos - self._started >= WRITEBACK_BYTES:
             _START_WRITEBACK(self._fd, self._started, self._pos - self._started, _SYNC_FILE_RANGE_WRITE)
             self._started = self._pos
 
@@ -78,12 +80,14 @@ class _LocalWriter:
 
     def close(self) -> None:
         try:
-            os.fsync(self._fd)
+            if self._durable:
+                os.fsync(self._fd)
         finally:
             os.close(self._fd)
 
 
-def _new_writer(path: str, keep: int | None = None, direct: bool = False) -> _LocalWriter | DirectWriter:
+def _new_writer(path: str, keep: int | None = None, direct: bool = False,
+                durable: bool = True) -> _LocalWriter | DirectWriter:
     """A writer of ``path``, its directory made first, and made again should it vanish before the file is
     created in it (an empty directory a collector removed: ``LocalStorage.remove_empty_dir``). ``direct``: past
     the page cache (``io.direct``) where the file system allows it; a file written on after ``keep`` bytes never
@@ -92,7 +96,7 @@ def _new_writer(path: str, keep: int | None = None, direct: bool = False) -> _Lo
         os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
             fd, is_direct = _open_held(path, keep, direct and keep is None)
-            return DirectWriter(fd) if is_direct else _LocalWriter(fd, keep)
+            return DirectWriter(fd) if is_direct else _LocalWriter(fd, keep, durable)
         except FileNotFoundError:
             if keep is not None or os.path.isdir(os.path.dirname(path)):
                 raise
@@ -126,13 +130,16 @@ class _DirHold:
 
 
 class LocalStorage:
-    """A directory on local disk."""
+    """A directory on local disk. ``durable=False``: files written are not fsynced (nor directories), for a copy
+    that a process restart must keep but a node crash may lose (tier 0 of ``shardckpt.tiers``)."""
 
-    def __init__(self, root: str, direct_io: bool | None = None):
+    def __init__(self, root: str, direct_io: bool | None = None, durable: bool = True):
         """``direct_io``: write data files past the page cache (``io.direct``); default on, unless the environment
-        sets ``SHARDCKPT_DIRECT_IO=0``."""
+        sets ``SHARDCKPT_DIRECT_IO=0``, and never for a store that is not ``durable`` (its copies live in memory)."""
         self.root = os.path.abspath(root)
-        self.direct_io = os.environ.get("SHARDCKPT_DIRECT_IO", "1") != "0" if direct_io is None else direct_io
+        self.durable = durable
+        self.direct_io = durable and (os.environ.get("SHARDCKPT_DIRECT_IO", "1") != "0" if direct_io is None
+                                      else direct_io)
         self._pinned: dict[str, int] = {}
         self._pins = 0  # pin() calls not yet released: the descriptors close when the last one is
         self._pin_lock = threading.Lock()
@@ -221,7 +228,7 @@ class LocalStorage:
         """The protocol's writer (past the page cache where ``direct``, default ``direct_io``); local disk also goes
         on writing an existing file after its first ``keep`` bytes (what follows is cut off), which a resumed
         ``convert`` uses."""
-        return _new_writer(self.url(path), keep, self.direct_io if direct is None else direct)
+        return _new_writer(self.url(path), keep, self.direct_io if direct is None else direct, self.durable)
 
     def put_atomic(self, path: str, data: bytes, exclusive: bool = False) -> None:
         """Write to a temporary name, fsync, then rename it over ``path`` (or, ``exclusive``, hard-link it to
@@ -332,6 +339,8 @@ class LocalStorage:
             os.close(fd)
 
     def sync_dir(self, path: str) -> None:
+        if not self.durable:
+            return
         fd = os.open(self.url(path) if path else self.root, os.O_RDONLY)
         try:
             os.fsync(fd)

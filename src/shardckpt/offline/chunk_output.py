@@ -91,7 +91,7 @@ class ConvertedChunks(OutputWriter):
             _remove_uncommitted(self.storage, generation)  # else a rerun would keep what was wrong
             raise
         self.storage.remove_dir(journal_dir(generation))
-        commit(self.storage, self.chunks, generation, results, what.world, what.encoded_tree, what.metadata,
+        commit(self.storage, self.chunks, generation, results, what.encoded_tree, what.metadata,
                self.plan.spec.overwrite)
 
     def end(self) -> None:

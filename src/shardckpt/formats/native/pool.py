@@ -24,7 +24,8 @@ def sibling_storage(storage: Storage, name: str) -> Storage:
     if isinstance(storage, PooledView):
         storage = storage.step
     if isinstance(storage, LocalStorage):
-        return LocalStorage(os.path.join(os.path.dirname(storage.root.rstrip(os.sep)), name))
+        return LocalStorage(os.path.join(os.path.dirname(storage.root.rstrip(os.sep)), name), storage.direct_io,
+                            storage.durable)
     if not isinstance(getattr(storage, "root", None), str):  # a Storage the caller made: it has no parent we know
         raise IncompatibleCheckpointError(f"{storage.url('')}: a pooled (incremental) checkpoint needs its run "
                                           "directory, and this Storage has no parent shardckpt can open; pass the "

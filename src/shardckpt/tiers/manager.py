@@ -1,0 +1,229 @@
+"""``CheckpointManager``: the training loop's one object for checkpoint tiers (docs/design/tiers.md, section 4).
+
+    with CheckpointManager(TierConfig(local_dir=..., run_id=..., persistent_dir=..., persistent_every=50)) as ckpt:
+        restored = ckpt.restore(state)          # None: a fresh start
+        for step in range((restored.step if restored else 0) + 1, total + 1):
+            train_step(state)
+            ckpt.step(step, state)              # blocked only while staging, when due
+
+Creating one is collective over the default group: the node map, a token for the peer servers, two gloo side
+groups (lane W and restores; lanes R and P, shared), and each node leader's peer server. ``step``/``save`` stage
+in the caller (as ``async_save``) and hand the rest to lane W; lane RP replicates, uploads when due and trims.
+A failed tier-0 write or tier-2 upload raises on every rank at the next ``step``/``save``/``close``; a failed
+replication is logged, the step stays unreplicated and training goes on."""
+from __future__ import annotations
+
+import logging
+import secrets
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from shardckpt.checkpoint.load import load
+from shardckpt.checkpoint.stage import StagingBuffers, stage
+from shardckpt.dist.group import resolve_group, side_group
+from shardckpt.errors import CheckpointError
+from shardckpt.io import Storage
+from shardckpt.tiers import local, restore_io
+from shardckpt.tiers.config import TierConfig
+from shardckpt.tiers.lanes import Lanes, NodeState, persist_step, replicate, trim_node, write_step
+from shardckpt.tiers.peer import PeerServer
+from shardckpt.tiers.restore import next_epoch
+from shardckpt.tiers.topology import join
+
+log = logging.getLogger("shardckpt.tiers")
+
+
+@dataclass
+class TierSave:
+    """One step's save: ``committed`` (tier 0 on every node: True, or False when skipped for want of room),
+    ``replicated`` (True, False when a replication failed, None without replicas or when a newer step was
+    committed before its turn: latest wins) and ``persisted`` (tier 2;
+    None when not due), each a ``concurrent.futures.Future``."""
+
+    step: int
+    committed: Future = field(default_factory=Future)
+    replicated: Future = field(default_factory=Future)
+    persisted: Future = field(default_factory=Future)
+
+    def wait(self) -> None:
+        for future in (self.committed, self.replicated, self.persisted):
+            future.result()
+
+
+class CheckpointManager:
+    """Tiers of checkpoints over the default process group (see the module docstring)."""
+
+    def __init__(self, config: TierConfig, process_group: Any = None):
+        if process_group is not None:
+            raise CheckpointError("CheckpointManager runs over the default process group for now")
+        self.config = config
+        self.group = resolve_group(None)
+        self._write, self._copy = side_group(self.group), side_group(self.group)
+        topo = join(self._write, config)
+        root = local.run_root(config.local_dir, config.run_id)
+        token = self._write.broadcast(secrets.token_hex(16) if self._write.rank == 0 else None)
+        self._server = PeerServer(root, token, config.peer_host or "127.0.0.1", config.peer_port) \
+            if topo.leader else None
+        if topo.leader:
+            local.remove_debris(root)
+        seen = self._write.all_gather((topo.node, self._server.address if self._server else None))
+        addresses = {node: addr for node, addr in seen if addr is not None}
+        self.lanes = Lanes(config, topo, NodeState(root), self._write, self._copy, token, addresses, StagingBuffers())
+        self.epoch: int | None = None
+        self._w = ThreadPoolExecutor(1, thread_name_prefix="shardckpt-tier0")
+        self._rp = ThreadPoolExecutor(1, thread_name_prefix="shardckpt-tier12")
+        self._last: TierSave | None = None
+        self._errors: list[BaseException] = []
+        self._closed = False
+
+    # -- saving -------------------------------------------------------------------------------------------------
+
+    def step(self, step: int, state: dict | Callable[[], dict]) -> TierSave | None:
+        """Called every training step on every rank: saves when ``config.saves_locally(step)`` (uploads when
+        ``config.persists(step)``), else returns None at once."""
+        return self.save(step, state) if self.config.saves_locally(step) else None
+
+    def save(self, step: int, state: dict | Callable[[], dict]) -> TierSave:
+        """Save ``step`` now (collective): returns once the state is staged; the tiers follow in the background."""
+        self._finish_previous()
+        if self.epoch is None:
+            self.epoch = self._first_epoch()
+        state = state() if callable(state) else state
+        topo = self.lanes.topo
+        meta = {"tiers": {"run_id": self.config.run_id, "epoch": self.epoch, "step": step,
+                          "nodes": {n: list(r) for n, r in topo.node_ranks.items()}, "domains": topo.domains}}
+        staged = stage(state, process_group=self._write.pg, metadata=meta, buffers=self.lanes.buffers)
+        handle = TierSave(step)
+        epoch = self.epoch
+
+        def background() -> None:
+            try:
+                data = write_step(self.lanes, step, epoch, staged)
+            except BaseException as e:
+                handle.committed.set_exception(e)
+                handle.replicated.set_result(None)
+                handle.persisted.set_result(None)
+                raise
+            handle.committed.set_result(data is not None)
+            if data is None:
+                handle.replicated.set_result(None)
+                handle.persisted.set_result(None)
+                return
+            self._rp.submit(self._replicate_and_upload, step, data, handle)
+
+        self._last = handle
+        self._last_future = self._w.submit(background)
+        return handle
+
+    def _replicate_and_upload(self, step: int, data: bytes, handle: TierSave) -> None:
+        """Lane RP for one committed step. Latest wins: when every rank has committed a newer step already, this
+        one is not replicated (the newer one will be), nor uploaded if a newer due step is committed too."""
+        try:
+            with self.lanes.state.lock:
+                newest = max(self.lanes.state.epochs)
+            newest = min(self._copy.all_gather(newest))
+            has_peers = any(self.lanes.topo.peers.values()) and newest == step
+            handle.replicated.set_result(replicate(self.lanes, step, data) if has_peers else None)
+            due_later = any(self.config.persists(s) for s in range(step + 1, newest + 1))
+            if self.config.persists(step) and due_later:
+                handle.persisted.set_result(None)
+            elif self.config.persists(step):
+                try:
+                    persist_step(self.lanes, step, data)
+                    handle.persisted.set_result(True)
+                except BaseException as e:
+                    self._errors.append(e)
+                    handle.persisted.set_exception(e)
+            else:
+                handle.persisted.set_result(None)
+        finally:
+            trim_node(self.lanes, step)
+
+    def _finish_previous(self) -> None:
+        """Wait for lane W (its staging buffers are reused); a failure of lane W, or of an upload, on any rank is
+        raised on every rank (agreed over the idle lane-W group)."""
+        future = getattr(self, "_last_future", None)
+        error = future.exception() if future is not None else None
+        if error is None and self._errors:
+            error = self._errors.pop(0)
+        if any(self._write.all_gather(error is not None)):
+            raise error or CheckpointError("a tiers save failed on another rank")
+
+    def wait(self) -> None:
+        """Wait until every lane is idle (every step saved so far committed, replicated and uploaded when due)."""
+        future = getattr(self, "_last_future", None)
+        if future is not None:
+            future.exception()
+        self._rp.submit(lambda: None).result()
+
+    def _first_epoch(self) -> int:
+        facts = self._facts()
+        return next_epoch(facts.layouts)
+
+    # -- restoring ----------------------------------------------------------------------------------------------
+
+    def _facts(self) -> restore_io.Facts:
+        topo = self.lanes.topo
+        return restore_io.gather_facts(self._write, topo.leader, topo.node, self.lanes.state.root,
+                                       self.config.persistent_dir, self._server.address if self._server else None)
+
+    def restore(self, target: dict | Callable[[Storage], Any]) -> restore_io.Restored | None:
+        """Fill ``target`` (a state dict, in place) or call ``target(storage)`` with the newest complete and
+        verified step across the tiers, agreed by every rank (collective). None: nothing to restore."""
+        self.wait()
+        topo = self.lanes.topo
+        facts = self._facts()
+        loader = target if callable(target) else \
+            (lambda storage: load(target, storage, process_group=self._write.pg))
+        source = restore_io.Source(topo.node, self.lanes.state.root, self.lanes.token, self.config.persistent_dir,
+                                   self.config.peer_timeout_s)
+        restored = restore_io.restore(self._write, source, facts, loader)
+        self.epoch = restore_io.after_restore(topo.leader, topo.node, self.lanes.state.root, facts,
+                                              restored.candidate if restored else None)
+        with self.lanes.state.lock:  # the epochs of the steps kept here, for the budget's and the trim's order
+            for candidate in facts.holdings.get(topo.node, {}):
+                if restored is None or candidate <= restored.candidate:
+                    self.lanes.state.epochs.setdefault(candidate.step, candidate.epoch)
+        return restored
+
+    # -- the end ------------------------------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        state = self.lanes.state
+        with state.lock:
+            return {"node": self.lanes.topo.node, "steps": local.steps_here(state.root), "safe": sorted(state.safe),
+                    "pinned": sorted(state.pinned), "moved": dict(state.moved), "epoch": self.epoch}
+
+    def close(self) -> None:
+        """Finish every lane (the last due step reaches tier 2), raise a failure on every rank, stop the peer
+        server and, unless ``keep_local_on_close``, remove this run's tier 0 (collective)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+            self._finish_previous()
+        finally:
+            self._w.shutdown(wait=True)
+            self._rp.shutdown(wait=True)
+            self._write.all_gather(None)  # no peer reads from another node's server after this
+            if self._server is not None:
+                self._server.close()
+                if not self.config.keep_local_on_close:
+                    shutil.rmtree(self.lanes.state.root, ignore_errors=True)
+            self.lanes.buffers.release()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - the error that left the block is the one to see
+                log.exception("shardckpt tiers: closing after an error failed")
+

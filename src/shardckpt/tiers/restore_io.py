@@ -1,0 +1,193 @@
+"""The restore protocol around the pure decision (``tiers.restore``): node leaders report what their tier 0
+holds, rank 0 lists tier 2, every rank computes the same choice and routing from the same gathered facts, and
+loads through a ``TieredStorage``. A load that fails its checksums on any rank is followed by a check of every
+copy each rank read: the bad copies are excluded (never read again) and the decision is made again.
+
+Collective over the manager's restore group, in the caller's thread, before training."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from shardckpt.dist.group import Failure, Group, attempt, raise_failures
+from shardckpt.errors import CheckpointError, CorruptCheckpointError
+from shardckpt.format.manifest import MANIFEST_NAME, Manifest
+from shardckpt.io import Storage, open_storage
+from shardckpt.tiers import local
+from shardckpt.tiers.copy import check_file
+from shardckpt.tiers.peer import PeerStorage
+from shardckpt.tiers.peers import PERSISTENT
+from shardckpt.tiers.restore import Candidate, StepFiles, choose, merge, next_epoch, route, superseded
+from shardckpt.tiers.tiered import TieredStorage
+
+log = logging.getLogger("shardckpt.tiers")
+TIER_NAMES = {0: "tier0", 1: "tier1", 2: "tier2"}
+
+
+class RestoreError(CheckpointError):
+    """Candidates existed but none could be restored (every one failed its checksums somewhere)."""
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What ``restore`` restored: the step and its epoch, bytes read by tier (``"tier0"``: this node's own files,
+    ``"tier1"``: replicas, on this node or a peer's, ``"tier2"``), the slowest tier read from, the copies
+    excluded as corrupt, the seconds it took and the saved manifest's metadata."""
+
+    step: int
+    epoch: int
+    candidate: Candidate
+    tiers: dict[str, int]
+    slowest_tier: str
+    seconds: float
+    excluded: tuple = ()
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class Facts:
+    """Everything every rank needs to decide alike: the merged layouts and holdings, tier 2's candidates, the
+    manifests' bytes by candidate, and each live node's peer-server address."""
+
+    layouts: dict
+    holdings: dict
+    persistent: set
+    manifests: dict
+    addresses: dict
+
+
+def gather_facts(group: Group, leader: bool, node: str, root: str, persistent_dir: str | None,
+                 address: tuple | None) -> Facts:
+    """Node leaders scan their tier 0; rank 0 lists tier 2; all gathered on every rank."""
+    found = attempt(group.rank, lambda: (local.scan(root), local.orphans(root)) if leader else None)
+    reports = group.all_gather((node, found, address))
+    raise_failures([f for _, f, _ in reports])
+    tier2 = attempt(0, lambda: scan_persistent(persistent_dir)) if group.is_coordinator else None
+    tier2 = group.broadcast(tier2)
+    raise_failures([tier2])
+    manifests = {c: data for c, (_, data) in tier2.items()}
+    node_reports = []
+    for name, found, _ in reports:
+        if found is not None:
+            node_reports.append(local.report(name, *found))
+            manifests.update({f.candidate: f.data for f in found[0]})
+    layouts, holdings = merge(node_reports, {c: files for c, (files, _) in tier2.items()})
+    addresses = {name: addr for name, _, addr in reports if addr is not None}
+    return Facts(layouts, holdings, set(tier2), manifests, addresses)
+
+
+def scan_persistent(persistent_dir: str | None) -> dict[Candidate, tuple[StepFiles, bytes]]:
+    """Tier 2's committed tiers steps (a step directory with a manifest that parses)."""
+    if persistent_dir is None:
+        return {}
+    root = open_storage(persistent_dir)
+    out = {}
+    for name in root.list_dirs():
+        if not local.STEP_RE.match(name) or not root.exists(f"{name}/{MANIFEST_NAME}"):
+            continue
+        data = root.read_bytes(f"{name}/{MANIFEST_NAME}")
+        try:
+            candidate, files, _ = local.describe(data, root.url(f"{name}/{MANIFEST_NAME}"))
+        except CheckpointError:
+            continue
+        out[candidate] = (files, data)
+    return out
+
+
+@dataclass
+class Source:
+    """How this rank reaches each holder: its own node's directory, the peers' servers, tier 2."""
+
+    node: str
+    root: str
+    token: str
+    persistent_dir: str | None
+    timeout_s: float
+
+    def storage(self, holder: str, facts: Facts, step: int) -> Storage:
+        if holder == self.node:
+            return local.node_storage(self.root, step)
+        if holder == PERSISTENT:
+            base = self.persistent_dir.rstrip("/")
+            return open_storage(f"{base}/{local.step_dir(step)}")
+        return PeerStorage(facts.addresses[holder], self.token, local.step_dir(step), self.timeout_s)
+
+
+def restore(group: Group, source: Source, facts: Facts, load: Callable[[Storage], Any]) -> Restored | None:
+    """Choose, route, load; on a checksum failure exclude the bad copies and choose again (see the module
+    docstring). None when no step is complete anywhere (a fresh start)."""
+    started, excluded = time.perf_counter(), set()
+    while True:
+        chosen = choose(facts.layouts, facts.holdings, facts.persistent, frozenset(excluded))
+        if chosen is None:
+            if excluded:
+                raise RestoreError(f"no step can be restored: every candidate has a file whose copies all failed "
+                                   f"their checksums (excluded: {sorted(excluded)[:4]})")
+            return None
+        files = facts.layouts[chosen]
+        routing = route(chosen, files, facts.holdings, facts.persistent,
+                        {n: range(len(files)) for n in facts.addresses}, frozenset(excluded))
+        data = facts.manifests[chosen]
+        _, _, manifest = local.describe(data, f"step {chosen.step}")
+        places = _places(source, facts, chosen.step, manifest, routing.reads[source.node])
+        tiered = TieredStorage(data, places)
+        outcome = attempt(group.rank, lambda: load(tiered))
+        failed = isinstance(outcome, Failure)
+        corrupt = failed and isinstance(outcome.error, CorruptCheckpointError)
+        bad = _bad_copies(source, chosen, manifest, routing.reads[source.node], tiered, places) if corrupt else set()
+        every = group.all_gather((failed, bad, outcome if failed and not corrupt else None))
+        raise_failures([o for _, _, o in every if o is not None])
+        if not any(f for f, _, _ in every):
+            return _restored(chosen, manifest, routing, time.perf_counter() - started, excluded)
+        new = set().union(*(b for _, b, _ in every))
+        if not new:
+            raise RestoreError(f"step {chosen.step}: the load failed its checksums, but every copy read checks out "
+                               f"on a second read ({outcome.error if failed else 'on another rank'})")
+        log.warning("shardckpt tiers: restore of step %d: excluding %d corrupt copies %s, choosing again",
+                    chosen.step, len(new), sorted((h, i) for h, _, i in new)[:4])
+        excluded |= new
+
+
+def _places(source: Source, facts: Facts, step: int, manifest: Manifest, reads) -> dict[str, Storage]:
+    by_holder: dict[str, Storage] = {}
+    places = {}
+    for i, f in enumerate(manifest.files):
+        holder = reads[i].source
+        if holder not in by_holder:
+            by_holder[holder] = source.storage(holder, facts, step)
+        places[f.path] = places[f.index_path] = by_holder[holder]
+    return places
+
+
+def _bad_copies(source: Source, chosen: Candidate, manifest: Manifest, reads, tiered: TieredStorage,
+                places: dict) -> set:
+    """The copies this rank read that fail a full check: ``(holder, candidate, file index)``."""
+    bad = set()
+    for i, f in enumerate(manifest.files):
+        if f.path not in tiered.touched and f.index_path not in tiered.touched:
+            continue
+        try:
+            check_file(places[f.path], manifest, f)
+        except CorruptCheckpointError:
+            bad.add((reads[i].source, chosen, i))
+    return bad
+
+
+def _restored(chosen: Candidate, manifest: Manifest, routing, seconds: float, excluded: set) -> Restored:
+    tiers: dict[str, int] = {}
+    for (tier, _), n in routing.bytes_by().items():
+        tiers[TIER_NAMES[tier]] = tiers.get(TIER_NAMES[tier], 0) + n
+    slowest = routing.slowest_tier()
+    return Restored(chosen.step, chosen.epoch, chosen, tiers, TIER_NAMES.get(slowest, "tier0"), seconds,
+                    tuple(sorted(excluded)), dict(manifest.metadata))
+
+
+def after_restore(leader: bool, node: str, root: str, facts: Facts, chosen: Candidate | None) -> int:
+    """Node leaders remove the candidates newer than the one restored; the epoch of the saves that follow."""
+    if leader:
+        steps = {c.step: c for c in superseded(chosen, facts.holdings).get(node, [])}
+        for step in steps:
+            local.remove_step(root, step)
+    return next_epoch(facts.layouts)

@@ -1,0 +1,98 @@
+"""``CheckpointManager`` on simulated nodes: pools of gloo ranks, two ranks per node, each node its own tier-0
+directory and peer server on 127.0.0.1; saves, replication, uploads and restores at the same and a smaller world
+size, a lost node, a corrupt replica."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from shardckpt.format.manifest import parse_manifest
+from tests._dist import run_ranks
+from tests.tiers import _train
+
+
+def _train_and_save(base: str, steps: int, more: dict | None = None) -> dict:
+    import torch.distributed as dist
+
+    from shardckpt.tiers import CheckpointManager
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = _train.config_for(base, rank, **(more or {}))
+    w = torch.zeros(_train.ROWS, _train.COLS)
+    with CheckpointManager(config) as ckpt:
+        for step in range(1, steps + 1):
+            w = _train.train_step(w, _train.target())
+            handle = ckpt.step(step, _train.state_for(rank, world, w, step))
+        ckpt.wait()
+        last = (handle.committed.result(), handle.replicated.result(), handle.persisted.result())
+        return {"last": last, "status": ckpt.status()}
+
+
+def _restore(base: str, more: dict | None = None) -> dict:
+    import torch.distributed as dist
+
+    from shardckpt.tiers import CheckpointManager
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = _train.config_for(base, rank, **(more or {}))
+    state = _train.state_for(rank, world)
+    with CheckpointManager(config) as ckpt:
+        restored = ckpt.restore(state)
+    if restored is None:
+        return {"step": None}
+    lo, n = _train.rows(rank, world)
+    want = _train.full_at(restored.step)[lo:lo + n]
+    return {"step": restored.step, "state_step": state["step"], "equal": torch.equal(state["w"].local, want),
+            "tiers": restored.tiers, "slowest": restored.slowest_tier, "excluded": len(restored.excluded),
+            "epoch": restored.epoch}
+
+
+def test_save_replicate_upload_then_restore_from_tier0(tmp_path):
+    base = str(tmp_path)
+    out = run_ranks(4, _train_and_save, base, 4, {"persistent_every": 2}, timeout=180)
+    assert out[0]["last"] == (True, True, True)
+    assert out[0]["status"]["steps"] == [3, 4]  # keep_last=2
+    for node in ("node-0", "node-1"):  # each node: its own files and its peer's replicas
+        step_dir = os.path.join(base, node, "run", "step-000000004")
+        manifest = parse_manifest(open(os.path.join(step_dir, "manifest.json"), "rb").read(), step_dir)
+        assert all(os.path.exists(os.path.join(step_dir, f.path)) for f in manifest.files)
+    assert os.path.exists(os.path.join(base, "persistent", "step-000000004", "manifest.json"))
+    got = run_ranks(4, _restore, base, timeout=180)
+    assert all(g["step"] == 4 and g["state_step"] == 4 and g["equal"] for g in got), got
+    assert set(got[0]["tiers"]) <= {"tier0", "tier1"} and got[0]["slowest"] in ("tier0", "tier1")
+
+
+def test_node_lost_restores_from_replicas_same_and_smaller_world(tmp_path):
+    base = str(tmp_path)
+    run_ranks(4, _train_and_save, base, 3, {"persistent_every": 2}, timeout=180)
+    shutil.rmtree(os.path.join(base, "node-1"))  # node 1 is lost
+    backup = str(tmp_path / "backup")
+    shutil.copytree(os.path.join(base, "node-0"), backup)
+    got = run_ranks(4, _restore, base, timeout=180)  # a replacement node 1, empty
+    assert all(g["step"] == 3 and g["equal"] for g in got), got
+    assert got[0]["tiers"].get("tier2", 0) == 0 and got[0]["tiers"]["tier1"] > 0
+    shutil.rmtree(os.path.join(base, "node-0"))
+    shutil.copytree(backup, os.path.join(base, "node-0"))
+    shutil.rmtree(os.path.join(base, "node-1"))
+    got = run_ranks(2, _restore, base, timeout=180)  # node 0 alone, resharded 4 -> 2
+    assert all(g["step"] == 3 and g["equal"] for g in got), got
+
+
+def test_corrupt_replica_is_excluded_never_loaded(tmp_path):
+    base = str(tmp_path)
+    run_ranks(4, _train_and_save, base, 4, {"persistent_every": 2}, timeout=180)
+    shutil.rmtree(os.path.join(base, "node-1"))
+    step_dir = os.path.join(base, "node-0", "run", "step-000000004")
+    manifest = parse_manifest(open(os.path.join(step_dir, "manifest.json"), "rb").read(), step_dir)
+    replica = next(f for f in manifest.files if "rank-00002" in f.path)  # node 1's file, held by node 0
+    with open(os.path.join(step_dir, replica.path), "r+b") as f:
+        f.seek(replica.size // 2)
+        byte = f.read(1)
+        f.seek(replica.size // 2)
+        f.write(bytes([byte[0] ^ 0x40]))
+    got = run_ranks(2, _restore, base, timeout=180)
+    # step 4 still has a good copy of that file in tier 2: restored from there, the flipped copy excluded
+    assert all(g["step"] == 4 and g["equal"] and g["excluded"] >= 1 for g in got), got
+    assert got[0]["tiers"].get("tier2", 0) > 0

@@ -1,0 +1,64 @@
+"""Tiers in one process (a world of one, no process group): the room rule's skip and refusal with their message,
+and a save / restore round trip through ``CheckpointManager`` with a tier-0 copy, an upload and retention."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from shardckpt.checkpoint.stage import StagingBuffers, stage
+from shardckpt.dist.group import LOCAL, resolve_group
+from shardckpt.tiers import CheckpointManager, TierConfig
+from shardckpt.tiers.budget import TierFullError
+from shardckpt.tiers.lanes import Lanes, NodeState, write_step
+from shardckpt.tiers.topology import Topology
+
+
+def _lanes(tmp_path, **more) -> Lanes:
+    config = TierConfig(local_dir=str(tmp_path / "t0"), run_id="r", node_id="n", min_free=1, **more)
+    group = resolve_group(LOCAL)
+    topo = Topology("n", 0, {"n": (0,)}, {"n": "n"}, {"n": ()})
+    return Lanes(config, topo, NodeState(str(tmp_path / "t0" / "r")), group, group, "tok", {}, StagingBuffers())
+
+
+def _staged(lanes: Lanes, step: int):
+    meta = {"tiers": {"run_id": "r", "epoch": 0, "step": step, "nodes": {"n": [0]}, "domains": {"n": "n"}}}
+    return stage({"w": torch.arange(4096, dtype=torch.float32) + step}, process_group=LOCAL, metadata=meta,
+                 buffers=lanes.buffers)
+
+
+def test_a_step_that_does_not_fit_is_skipped_with_a_message_or_refused(tmp_path, caplog):
+    lanes = _lanes(tmp_path, local_budget=1000)
+    with caplog.at_level(logging.WARNING, logger="shardckpt.tiers"):
+        assert write_step(lanes, 1, 0, _staged(lanes, 1)) is None
+    assert "tier 0 has no room for this step" in caplog.text and "local_budget" in caplog.text
+    assert not os.path.exists(os.path.join(lanes.state.root, "step-000000001", "manifest.json"))
+    lanes = _lanes(tmp_path, local_budget=1000, on_full="raise")
+    with pytest.raises(TierFullError, match="raise local_budget"):
+        write_step(lanes, 1, 0, _staged(lanes, 1))
+    lanes = _lanes(tmp_path, local_budget="1MiB")
+    assert write_step(lanes, 1, 0, _staged(lanes, 1)) is not None
+    assert os.path.exists(os.path.join(lanes.state.root, "step-000000001", "manifest.json"))
+
+
+def test_world_of_one_save_upload_retention_restore(tmp_path):
+    config = TierConfig(local_dir=str(tmp_path / "t0"), run_id="r", node_id="n", min_free=1, keep_last=2,
+                        persistent_dir=str(tmp_path / "t2"), persistent_every=2, persistent_keep_last=1,
+                        peer_host="127.0.0.1", keep_local_on_close=True)
+    with CheckpointManager(config) as ckpt:
+        for step in range(1, 6):
+            ckpt.step(step, {"w": torch.arange(4096, dtype=torch.float32) + step, "step": step})
+        ckpt.wait()
+        assert ckpt.status()["steps"] == [4, 5]
+    assert sorted(os.listdir(tmp_path / "t2")) == ["step-000000004"]  # persistent_keep_last=1
+    state = {"w": torch.zeros(4096), "step": 0}
+    with CheckpointManager(config) as ckpt:
+        restored = ckpt.restore(state)
+    assert restored.step == 5 and state["step"] == 5 and torch.equal(state["w"], torch.arange(4096.0) + 5)
+    assert restored.slowest_tier == "tier0" and restored.epoch == 0
+    config = config.replace(run_id="elsewhere")  # no tier 0 at all: tier 2's newest
+    with CheckpointManager(config) as ckpt:
+        restored = ckpt.restore(state)
+    assert restored.step == 4 and torch.equal(state["w"], torch.arange(4096.0) + 4) and restored.slowest_tier == "tier2"
