@@ -76,3 +76,20 @@ def test_the_default_peer_host_is_the_interface_towards_the_rendezvous(monkeypat
     monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # TEST-NET-1: routed (if at all) through a real interface
     host = default_peer_host()
     assert host == "127.0.0.1" or not host.startswith("127."), host  # never loopback for a remote rendezvous
+
+
+def test_a_restored_step_missing_from_tier_2_is_uploaded_again(tmp_path):
+    config = _config(tmp_path, persistent_dir=str(tmp_path / "t2"), persistent_every=2)
+    with CheckpointManager(config) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.arange(4096, dtype=torch.float32) + step})
+    step2 = tmp_path / "t2" / "step-000000002"
+    os.remove(step2 / "manifest.json")  # as a kill during the upload leaves it: files, no commit
+    state = {"w": torch.zeros(4096)}
+    with CheckpointManager(config) as ckpt:
+        restored = ckpt.restore(state)
+        assert restored.step == 2 and restored.slowest_tier == "tier0"
+        ckpt.wait()
+        assert (step2 / "manifest.json").exists()
+    assert torch.equal(shardckpt.load_full(str(step2))["w"], torch.arange(4096, dtype=torch.float32) + 2)
+    assert shardckpt.verify(str(step2)).ok

@@ -153,6 +153,14 @@ class CheckpointManager:
         finally:
             trim_node(self.lanes, step)
 
+    def _redrive(self, step: int, data: bytes, storage: Storage) -> None:
+        """Lane RP after a restore: upload the restored step to tier 2 again, from where the restore read it."""
+        try:
+            persist_step(self.lanes, step, data, storage)
+            log.info("shardckpt tiers: step %d, restored but missing from tier 2, uploaded again", step)
+        except BaseException as e:
+            self._errors.append(e)
+
     def _finish_previous(self) -> None:
         """Wait for lane W (its staging buffers are reused); a failure of lane W, or of an upload, on any rank is
         raised on every rank (agreed over the idle lane-W group)."""
@@ -193,6 +201,9 @@ class CheckpointManager:
                                    self.config.peer_timeout_s)
         restored = restore_io.restore(self._write, source, facts, loader)
         self._last_step = restored.step if restored is not None else None
+        if restored is not None and self.config.persists(restored.step) and restored.candidate not in facts.persistent:
+            data = facts.manifests[restored.candidate]  # due in tier 2, not committed there: a kill during its upload
+            self._rp.submit(self._redrive, restored.step, data, restored.storage)
         self.epoch = restore_io.after_restore(topo.leader, topo.node, self.lanes.state.root, facts,
                                               restored.candidate if restored else None)
         with self.lanes.state.lock:  # the epochs of the steps kept here, for the budget's and the trim's order
