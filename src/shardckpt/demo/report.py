@@ -103,13 +103,13 @@ def plot_tier_losses(summary: dict, path: str) -> str | None:
     ax.text(start, top / 2, f"resume at step {start} from {read}\n(tier 2 alone: step {resume['tier2_newest_step']}) ",
             color="tab:green", va="top", ha="right", fontsize=8)
     again = ", ".join(f"{t}" for t, b in sorted((regrow["bytes_by_tier"] or {}).items()) if b)
-    ax.text(regrow["from_step"], top / 8, f" resume at step {regrow['from_step']}: a corrupt copy excluded,\n "
-            f"read from {again}", color="tab:cyan", va="top", fontsize=8)
+    ax.text(regrow["from_step"], top / 4, f"resume at step {regrow['from_step']}: a corrupt copy excluded,\n"
+            f"read from {again} ", color="tab:cyan", va="top", ha="right", fontsize=8)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (log scale)")
     ax.set_title(f"shardckpt demo --tiers: tier 0 every {summary['save_every']} steps, replicated; tier 2 every "
                  f"{summary['persistent_every']}")
-    ax.legend(loc="upper right", bbox_to_anchor=(1, 0.8), fontsize=8)
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 0.08), fontsize=8)  # below the falling curve: empty
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
