@@ -32,8 +32,8 @@ ALLOWED = {
     # Checkpoint tiers (issue 40): the pure core now; save, replicate and restore through checkpoint and dist later.
     "tiers": BASE | {"dist", "io", "format", "formats", "checkpoint"},
     "api": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict", "offline"},
-    "demo": BASE | {"dist", "io", "format", "checkpoint", "runtime", "state_dict"},
-    "cli": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict", "offline", "api", "demo", "cli"},
+    "demo": BASE | {"dist", "io", "format", "checkpoint", "runtime", "state_dict", "tiers"},
+    "cli": BASE | {"dist", "io", "format", "formats", "checkpoint", "runtime", "state_dict", "offline", "api", "demo", "tiers", "cli"},
 }
 
 

@@ -193,9 +193,9 @@ def test_10_with_a_nonzero_step_the_bytes_are_bounded_by_all_files(tmp_path):
 
 
 def test_11_the_seal_covers_every_version_from_2_and_planes_need_whole_elements_per_row(tmp_path):
-    _doc_says("a manifest of version 2 or later (2, 3 or 4) without that prefix",
+    _doc_says("a manifest of version 2 or later (2 to 5) without that prefix",
               "for each row whose codec is `zstd-planes`")
-    for version in (2, 3, 4):
+    for version in (2, 3, 4, 5):
         unsealed = json.dumps({"format": "shardckpt", "version": version}).encode()
         with pytest.raises(CorruptCheckpointError, match="must begin with its checksum"):
             parse_manifest(unsealed, "m")

@@ -160,5 +160,7 @@ def test_killed_mid_lane_then_restart(tmp_path, lane):
     expected = max(_complete_steps([_tier0(base, 0), _tier0(base, 1)], persistent))
     assert expected >= step
     _restart_and_check(base, 4, expected)
+    if expected % PERSISTENT_EVERY == 0:  # due in tier 2: committed there now, re-driven if the kill stopped it
+        assert os.path.exists(os.path.join(persistent, f"step-{expected:09d}", "manifest.json"))
     debris = [n for d, _, names in os.walk(os.path.join(base, "node-1")) for n in names if ".part-" in n]
     assert not debris

@@ -25,8 +25,9 @@ import warnings
 from dataclasses import dataclass
 from functools import partial
 
-from shardckpt.errors import CheckpointError
+from shardckpt.errors import BadArgumentError, CheckpointError
 from shardckpt.format.manifest import MANIFEST_NAME, parse_manifest
+from shardckpt.format.pool import POOL_JSON
 from shardckpt.io import LocalStorage, Storage, is_named, lifecycle, open_storage
 from shardckpt.storage_options import Options
 
@@ -103,6 +104,9 @@ def gc(path: str | os.PathLike | Storage, *, dry_run: bool = False, min_age_s: f
     storage = open_storage(path, storage_options)
     if not storage.is_dir():
         raise CheckpointError(f"{storage.url('')}: no such directory")
+    if storage.exists(POOL_JSON):  # its data-* are named by the run's checkpoints, not by a manifest of its own
+        raise BadArgumentError(f"{storage.url('')}: a run's chunk pool (incremental checkpoints); gc the run directory "
+                               "above it, which removes the pool's data that no committed checkpoint names")
     removed = collect(storage, dry_run, min_age_s)
     if committed_dir(storage) is None and is_named(path):  # a Storage is one checkpoint's place, never a run's
         removed += collect_run(path, dry_run=dry_run, min_age_s=min_age_s, storage_options=storage_options).removed

@@ -233,9 +233,22 @@ def _write_units(planned: Any, staged: Any, setup: _RankSetup, holds: list,
         else:
             to_write.append((unit.task, dataclasses.replace(piece, digest=digest)))
     files, placed, written_terms, written = _write_slots(pool, planned, setup, to_write, progress)
+    _check_unmoved([(task, piece) for task, piece in to_write if task.name in staged.aliased], setup)
     for name, term in written_terms.items():
         terms[name] = terms.get(name, 0) ^ term
     return PooledShare(files, placed, refs, terms, written)
+
+
+def _check_unmoved(written: list, setup: _RankSetup) -> None:
+    """The units just written from the caller's own tensors (a synchronous save writes them in place) still hold
+    the bytes hashed before the write. Else the pool would keep a unit under the digest of bytes it does not
+    hold, and a later save of those bytes would reference it: raise, and nothing is committed."""
+    for (task, piece), digest in zip(written, _hashed(setup, [piece for _, piece in written])):
+        if digest != piece.digest:
+            raise CheckpointError(f"tensor {task.name!r} changed while it was being saved (its bytes are not those "
+                                  "hashed before they were written: another thread or stream wrote to it); nothing "
+                                  "was committed. Save a state that does not change meanwhile, or use async_save, "
+                                  "which saves a copy")
 
 
 def _write_slots(pool: Storage, planned: Any, setup: _RankSetup, to_write: list,

@@ -76,7 +76,7 @@ def pool_checkpoints(run: Storage, pool_id: str, skip: str = "", strict: bool = 
     ``strict`` (collectors), a manifest that cannot be read is an error: what it names is unknown, so nothing may be
     collected; without (a save choosing its parent), it is skipped."""
     found = []
-    for name in run.list_dirs(""):
+    for name in child_dirs(run):
         if name == POOL_DIR or name == skip:
             continue
         path = f"{name}/{MANIFEST_NAME}"
@@ -95,6 +95,19 @@ def pool_checkpoints(run: Storage, pool_id: str, skip: str = "", strict: bool = 
         if manifest is not None and manifest.pool is not None and manifest.pool["id"] == pool_id:
             found.append(PooledCheckpoint(name, manifest))
     return sorted(found, key=lambda c: (step_of(c.name) is None, step_of(c.name) or 0, c.name))
+
+
+def child_dirs(run: Storage) -> list[str]:
+    """The run's child directories, links to directories included (``list_dirs`` leaves links out, so that no
+    collector follows one): a checkpoint directory may be a link (its data on another disk), and what its
+    manifest names must count as named."""
+    if not isinstance(run, LocalStorage):
+        return run.list_dirs("")
+    try:
+        with os.scandir(run.root) as entries:
+            return sorted(e.name for e in entries if e.is_dir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def _parse_child(data: bytes, where: str) -> Manifest | None:
@@ -157,7 +170,7 @@ def release_all(holds: list) -> None:
     holds.clear()
 
 
-__all__ = ["POOL_PATH", "open_pool", "pool_checkpoints", "parent_table", "hold_generations", "run_storage"]
+__all__ = ["POOL_PATH", "open_pool", "pool_checkpoints", "child_dirs", "parent_table", "hold_generations", "run_storage"]
 
 
 def sharing_of(step: Storage, manifest: Manifest) -> Any:

@@ -23,7 +23,7 @@ from typing import Any
 
 from shardckpt.checkpoint.gc import GENERATION_DIR
 from shardckpt.checkpoint.latest import step_of
-from shardckpt.checkpoint.pool import pool_checkpoints, referenced_files, run_storage
+from shardckpt.checkpoint.pool import child_dirs, pool_checkpoints, referenced_files, run_storage
 from shardckpt.checkpoint.retention import Retention, steps_to_remove
 from shardckpt.errors import CheckpointError, CheckpointNotFoundError
 from shardckpt.format.manifest import MANIFEST_NAME, POOL_DIR, parse_manifest
@@ -111,6 +111,8 @@ def rm(path: str | os.PathLike, *, force: bool = False, storage_options: Options
     removal), then what is left of its directory. A pooled checkpoint's data stays in the pool until ``gc`` finds
     no committed checkpoint naming it, so removing one never breaks another. Without ``force``, the run's latest
     committed checkpoint is refused. Returns the removed checkpoint's URL."""
+    if isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path):
+        path = os.path.realpath(path)  # a link to the latest step is the latest step (the guard below)
     step = open_storage(path, storage_options)
     if not step.exists(MANIFEST_NAME):
         raise CheckpointNotFoundError(f"{step.url(MANIFEST_NAME)}: no committed checkpoint here to remove")
@@ -118,8 +120,8 @@ def rm(path: str | os.PathLike, *, force: bool = False, storage_options: Options
     run = run_storage(step)
     name = step.root.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
     if not force and _is_latest(run, name):
-        raise CheckpointError(f"{step.url('')}: the run's latest committed checkpoint; pass force=True (--force) to "
-                              "remove it")
+        raise CheckpointError(f"{step.url('')}: the run's latest committed checkpoint; pass force=True to remove "
+                              "it")
     remove_checkpoint(run, name)
     log.info("removed %s (format v%d%s)", step.url(""), manifest.version, ", pooled" if manifest.pool else "")
     return step.url("")
@@ -135,7 +137,7 @@ def remove_checkpoint(run: Storage, name: str) -> None:
 
 
 def _is_latest(run: Storage, name: str) -> bool:
-    steps = [(step_of(n), n) for n in run.list_dirs("") if step_of(n) is not None and run.exists(f"{n}/{MANIFEST_NAME}")]
+    steps = [(step_of(n), n) for n in child_dirs(run) if step_of(n) is not None and run.exists(f"{n}/{MANIFEST_NAME}")]
     return bool(steps) and max(steps)[1] == name
 
 

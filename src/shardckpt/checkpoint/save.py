@@ -41,7 +41,7 @@ from shardckpt.checkpoint.writer import RankResult, write_rank_files
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures, resolve_group
 from shardckpt.errors import BadArgumentError, CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from shardckpt.format.codecs import Compression
-from shardckpt.format.manifest import MANIFEST_NAME, check_tree, version_for
+from shardckpt.format.manifest import MANIFEST_NAME, check_tree, refuse_pool_dir, version_for
 from shardckpt.format.tree import decode
 from shardckpt.io import Storage, lifecycle, open_storage
 from shardckpt.options import takes
@@ -164,6 +164,7 @@ def plan(staged: Staged, path: str | os.PathLike | Storage, *, process_group: An
             raise ValueError(f"this Staged was staged as rank {staged.rank}, but this is rank {group.rank} of "
                              "the process group given to plan(); stage and plan with the same group")
         storage = open_storage(path, storage_options)
+        refuse_pool_dir(storage.url(""))
         unchanged = reuse is not None and reuse.infos == staged.infos
         return _Report(storage, storage.url(""), _UNCHANGED if unchanged else staged.infos, digest(staged.tree),
                        staged.per_rank)

@@ -33,7 +33,7 @@ from shardckpt.format.manifest import MANIFEST_NAME
 
 # What the demo writes under --out: a directory holding anything else is refused rather than cleared.
 OWN_NAMES = {"checkpoints", "export", "logs", "events-first.jsonl", "events-resumed.jsonl", "final-weights.pt",
-             "loss.png", "summary.json"}
+             "loss.png", "summary.json", "tiers", "events-regrown.jsonl"}  # tiers: ``demo --tiers`` (demo/tiers_job.py)
 TIME_LIMIT_S = 1800.0  # a hung rank must not hang the demo
 
 

@@ -5,12 +5,19 @@ checkpoints every ``--save-every`` steps with ``async_save_state`` as LOCAL stat
 shards as they are in memory, plus their layouts), and resumes with ``load_state`` from a checkpoint of
 any world size and type. Rank 0 appends one JSON line per event to ``--events``; the demo reads them,
 as it happens, to know when a save is in flight and to plot the loss.
+
+With ``--tiers DIR`` (``shardckpt demo --tiers``) it checkpoints through ``shardckpt.tiers.CheckpointManager``
+instead: SHARDED state every ``--save-every`` steps into its node's tier 0 (``DIR/nodes/node-N``, ``N`` = rank //
+``--ranks-per-node``), replicated to the other node, and every ``--persistent-every`` steps uploaded to tier 2
+(``DIR/persistent``); it starts by restoring the newest complete step found across the tiers.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import threading
 import time
 
 import torch
@@ -33,11 +40,13 @@ class Events:
 
     def __init__(self, path: str, rank: int) -> None:
         self._file = open(path, "a", encoding="utf-8") if rank == 0 else None
+        self._lock = threading.Lock()  # the tiers report from their background threads
 
     def __call__(self, **event) -> None:
         if self._file:
-            self._file.write(json.dumps(event) + "\n")
-            self._file.flush()
+            with self._lock:
+                self._file.write(json.dumps(event) + "\n")
+                self._file.flush()
 
 
 class Saves:
@@ -72,19 +81,68 @@ class Saves:
         return time.perf_counter() - t
 
 
+class TierSaves:
+    """The saves of a run with tiers (``--tiers``): each returns once staged; rank 0 logs each tier as it lands."""
+
+    def __init__(self, manager, events: Events) -> None:
+        self.manager, self.events = manager, events
+
+    def start(self, model, optim, path: str, step: int) -> None:
+        t = time.perf_counter()
+        handle = self.manager.save(step, lambda: {**get_state_dict(model, optim, type=StateDictType.SHARDED_STATE_DICT),
+                                                  "step": step})
+        self.events(event="save_started", step=step, blocked_s=time.perf_counter() - t, waited_s=0.0)
+        for tier, future in (("tier0", handle.committed), ("tier1", handle.replicated), ("tier2", handle.persisted)):
+            future.add_done_callback(functools.partial(self._landed, step, tier))
+
+    def _landed(self, step: int, tier: str, future) -> None:
+        if future.exception() is None and future.result():
+            self.events(event="tier_saved", step=step, tier=tier)
+
+    def poll(self) -> None:
+        pass
+
+    def finish(self) -> float:
+        t = time.perf_counter()
+        self.manager.wait()
+        return time.perf_counter() - t
+
+
+def tier_config(args: argparse.Namespace):
+    from shardckpt.tiers import TierConfig
+
+    node = f"node-{args.rank // args.ranks_per_node}"
+    return TierConfig(local_dir=os.path.join(args.tiers, "nodes", node), run_id="demo", node_id=node,
+                      persistent_dir=os.path.join(args.tiers, "persistent"), local_every=args.save_every,
+                      persistent_every=args.persistent_every, replicas=1, keep_last=2, min_free="16MiB",
+                      peer_host="127.0.0.1", keep_local_on_close=True)
+
+
 def train(args: argparse.Namespace) -> None:
     torch.manual_seed(0)  # every rank builds the same initial weights
     module = DemoTransformer(ModelShape(args.layers, args.dim, args.heads))
     parameters = sum(p.numel() for p in module.parameters())
     model = shard(module, wrap=(Block,))
     optim = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    first = 0
-    if args.resume:
-        first = load_state(model, optim, args.resume)["step"]
     events = Events(args.events, args.rank)
+    if args.tiers:
+        from shardckpt.tiers import CheckpointManager
+
+        with CheckpointManager(tier_config(args)) as manager:
+            restored = manager.restore(lambda storage: load_state(model, optim, storage))
+            if restored is not None:
+                events(event="restored", step=restored.step, tiers=restored.tiers, slowest=restored.slowest_tier,
+                       seconds=restored.seconds, excluded=len(restored.excluded))
+            _train_steps(args, model, optim, parameters, events, TierSaves(manager, events),
+                         restored.step if restored else 0)
+        return
+    first = load_state(model, optim, args.resume)["step"] if args.resume else 0
+    _train_steps(args, model, optim, parameters, events, Saves(events), first)
+
+
+def _train_steps(args: argparse.Namespace, model, optim, parameters: int, events: Events, saves, first: int) -> None:
     events(event="started", world_size=args.world_size, step=first, resumed_from=args.resume,
            parameters=parameters)
-    saves = Saves(events)
     per_rank = GLOBAL_BATCH // args.world_size
     for step in range(first, args.steps):
         seqs = global_batch(step)[args.rank * per_rank:(args.rank + 1) * per_rank]
@@ -121,6 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=ModelShape.layers)
     p.add_argument("--dim", type=int, default=ModelShape.dim)
     p.add_argument("--heads", type=int, default=ModelShape.heads)
+    p.add_argument("--tiers", help="checkpoint with tiers below this directory (and restore from them first)")
+    p.add_argument("--persistent-every", type=int, help="with --tiers: upload to tier 2 every this many steps")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="with --tiers: ranks of one simulated node")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # the ranks share the machine's cores
     with joined(args.rank, args.world_size, args.port):

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import torch
 
-from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from shardckpt.errors import BadArgumentError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.regions import Region
 from shardckpt.format.checksum import crc32c
 from shardckpt.format.chunks import Chunks, RegularChunks, chunks_from_json
@@ -52,6 +52,14 @@ def version_for(compressed: bool, per_rank: bool = False) -> int:
 MANIFEST_NAME = "manifest.json"
 POOL_DIR = "shardckpt-pool"  # a pooled checkpoint's pool: its parent directory's child of this name
 POOL_PATH = f"../{POOL_DIR}"
+
+
+def refuse_pool_dir(url: str) -> None:
+    """Raise ``BadArgumentError`` if ``url`` names a run's chunk pool: a checkpoint written there would be swept
+    with the pool's unnamed data (and its commit's clean-up would take the pool's data for debris)."""
+    if url.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1] == POOL_DIR:
+        raise BadArgumentError(f"{url}: {POOL_DIR} is the run's chunk pool of incremental checkpoints, not a place "
+                               "for a checkpoint; choose another directory")
 MAX_WORLD_SIZE = 1 << 24  # the most ranks a manifest may record
 # The checksum prefix: exactly these bytes with 8 lowercase hex digits; the CRC32C covers every byte after it.
 _SEAL = re.compile(rb'\{"crc32c":"([0-9a-f]{8})",')

@@ -45,7 +45,7 @@ from typing import Any, Callable
 from shardckpt.checkpoint.persist import persist
 from shardckpt.dist.group import LOCAL, resolve_group
 from shardckpt.errors import BadArgumentError, CheckpointExistsError
-from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.format.manifest import MANIFEST_NAME, refuse_pool_dir
 from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.detect import open_reader
 from shardckpt.io import Storage, open_storage
@@ -91,6 +91,7 @@ def run(spec: ConvertSpec, progress: Callable[[int, int], None] | None = None,
     workers = resolve_group(LOCAL if spread_over is None else spread_over)
     plan = plan_conversion(open_source(spec), spec)
     storage = open_storage(spec.dst, spec.dst_storage_options)
+    refuse_pool_dir(storage.url(""))
     if spec.format == "shardckpt":
         _refuse_existing(storage, spec)
     plan = plan.with_generation(workers.broadcast(unused_generation(storage, plan.generation)

@@ -42,7 +42,9 @@ class TierConfig:
     ``verify``: a restore checks every byte it reads against its checksums in any case; ``"before-choosing"``
     also reads every local copy whole before the step is chosen (slower; for media that corrupt silently).
     ``peer_host`` / ``peer_port``: where this node serves its tier 0, read-only, to its peers (replication and
-    restores read it as a ``Storage``); None: the address of the interface gloo uses; port 0: one the OS picks.
+    restores read it as a ``Storage``); None: the address of this node's interface towards ``MASTER_ADDR`` (the
+    route the job's rendezvous takes), 127.0.0.1 without one; port 0: one the OS picks. A port in use raises
+    ``TierConfigError``.
     ``peer_timeout_s``: how long a read from a peer may stall before that copy counts as unreachable.
     ``keep_local_on_close``: leave tier 0 in place when the manager closes normally (by default it is removed once
     the last due step is in tier 2: a tmpfs holds the node's memory until someone does).

@@ -16,7 +16,7 @@ from shardckpt.checkpoint.save import Planned, persist, plan
 from shardckpt.checkpoint.stage import Staged, StagingBuffers
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures
 from shardckpt.format.manifest import MANIFEST_NAME, parse_manifest
-from shardckpt.io import open_storage
+from shardckpt.io import Storage, open_storage
 from shardckpt.tiers import local
 from shardckpt.tiers.budget import TierFullError, incoming, plan_room, trim
 from shardckpt.tiers.config import TierConfig
@@ -154,19 +154,22 @@ def replicate(lanes: Lanes, step: int, data: bytes) -> bool:
     return True
 
 
-def persist_step(lanes: Lanes, step: int, data: bytes) -> None:
+def persist_step(lanes: Lanes, step: int, data: bytes, source: Storage | None = None) -> None:
     """Lane RP, for a step due in tier 2: every rank uploads its own files from its node's tier 0 (checked as read)
     to ``<persistent_dir>/step-NNNNNNNNN/``, then rank 0 puts the same manifest bytes there exclusively (the
     tier-2 commit; one already there with the same bytes counts) and applies ``persistent_keep_last``. Raises
-    on every rank if any failed: nothing is committed then."""
+    on every rank if any failed: nothing is committed then. ``source``: an upload re-driven after a restart (at
+    any world size) reads every file from there (the restore's routing) instead, each rank every
+    world-size-th file."""
     group = lanes.copy_group
     manifest = parse_manifest(data, f"step {step}")
     dst_url = _join(lanes.config.persistent_dir, local.step_dir(step))
 
     def send() -> int:
-        src, dst, moved = local.node_storage(lanes.state.root, step), open_storage(dst_url), 0
-        for f in manifest.files:
-            if local.file_rank(f.path) == group.rank:
+        src = source if source is not None else local.node_storage(lanes.state.root, step)
+        dst, moved = open_storage(dst_url), 0
+        for i, f in enumerate(manifest.files):
+            if (i % group.world_size if source is not None else local.file_rank(f.path)) == group.rank:
                 moved += upload(src, dst, manifest, f)
                 _test_hook("upload", step)
         return moved

@@ -19,6 +19,7 @@ from shardckpt.tiers.budget import HeldStep, Space
 from shardckpt.tiers.restore import Candidate, NodeReport, StepFiles
 
 STEP_RE = re.compile(r"^step-(\d{9})$")
+MAX_STEPS = 10 ** 9  # steps 0..MAX_STEPS-1: nine digits in their directories' names
 RANK_RE = re.compile(r"(?:^|/)rank-(\d{5})-\d+\.bin$")
 PART = ".part-"
 

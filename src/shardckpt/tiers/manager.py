@@ -16,6 +16,9 @@ from __future__ import annotations
 import logging
 import secrets
 import shutil
+import sys
+import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -23,12 +26,12 @@ from typing import Any, Callable
 from shardckpt.checkpoint.load import load
 from shardckpt.checkpoint.stage import StagingBuffers, stage
 from shardckpt.dist.group import resolve_group, side_group
-from shardckpt.errors import CheckpointError
+from shardckpt.errors import BadArgumentError, CheckpointError
 from shardckpt.io import Storage
 from shardckpt.tiers import local, restore_io
-from shardckpt.tiers.config import TierConfig
+from shardckpt.tiers.config import TierConfig, TierConfigError
 from shardckpt.tiers.lanes import Lanes, NodeState, persist_step, replicate, trim_node, write_step
-from shardckpt.tiers.peer import PeerServer
+from shardckpt.tiers.peer import PeerServer, default_peer_host
 from shardckpt.tiers.restore import next_epoch
 from shardckpt.tiers.topology import join
 
@@ -64,8 +67,7 @@ class CheckpointManager:
         topo = join(self._write, config)
         root = local.run_root(config.local_dir, config.run_id)
         token = self._write.broadcast(secrets.token_hex(16) if self._write.rank == 0 else None)
-        self._server = PeerServer(root, token, config.peer_host or "127.0.0.1", config.peer_port) \
-            if topo.leader else None
+        self._server = _serve(root, token, config) if topo.leader else None
         if topo.leader:
             local.remove_debris(root)
         seen = self._write.all_gather((topo.node, self._server.address if self._server else None))
@@ -77,16 +79,26 @@ class CheckpointManager:
         self._last: TierSave | None = None
         self._errors: list[BaseException] = []
         self._closed = False
+        self._last_step: int | None = None  # saved or restored: a step saved again must come after it
+        _live.add(self)
 
     # -- saving -------------------------------------------------------------------------------------------------
 
     def step(self, step: int, state: dict | Callable[[], dict]) -> TierSave | None:
         """Called every training step on every rank: saves when ``config.saves_locally(step)`` (uploads when
         ``config.persists(step)``), else returns None at once."""
+        _check_step(step)
         return self.save(step, state) if self.config.saves_locally(step) else None
 
     def save(self, step: int, state: dict | Callable[[], dict]) -> TierSave:
-        """Save ``step`` now (collective): returns once the state is staged; the tiers follow in the background."""
+        """Save ``step`` now (collective): returns once the state is staged; the tiers follow in the background.
+        Steps must increase (a step names its directories in every tier; the same name twice would race its own
+        upload)."""
+        _check_step(step)
+        if self._last_step is not None and step <= self._last_step:
+            raise BadArgumentError(f"step {step}: not after step {self._last_step}, the last one saved or restored; "
+                                   "a CheckpointManager's steps must increase")
+        self._last_step = step
         self._finish_previous()
         if self.epoch is None:
             self.epoch = self._first_epoch()
@@ -141,6 +153,14 @@ class CheckpointManager:
         finally:
             trim_node(self.lanes, step)
 
+    def _redrive(self, step: int, data: bytes, storage: Storage) -> None:
+        """Lane RP after a restore: upload the restored step to tier 2 again, from where the restore read it."""
+        try:
+            persist_step(self.lanes, step, data, storage)
+            log.info("shardckpt tiers: step %d, restored but missing from tier 2, uploaded again", step)
+        except BaseException as e:
+            self._errors.append(e)
+
     def _finish_previous(self) -> None:
         """Wait for lane W (its staging buffers are reused); a failure of lane W, or of an upload, on any rank is
         raised on every rank (agreed over the idle lane-W group)."""
@@ -180,6 +200,10 @@ class CheckpointManager:
         source = restore_io.Source(topo.node, self.lanes.state.root, self.lanes.token, self.config.persistent_dir,
                                    self.config.peer_timeout_s)
         restored = restore_io.restore(self._write, source, facts, loader)
+        self._last_step = restored.step if restored is not None else None
+        if restored is not None and self.config.persists(restored.step) and restored.candidate not in facts.persistent:
+            data = facts.manifests[restored.candidate]  # due in tier 2, not committed there: a kill during its upload
+            self._rp.submit(self._redrive, restored.step, data, restored.storage)
         self.epoch = restore_io.after_restore(topo.leader, topo.node, self.lanes.state.root, facts,
                                               restored.candidate if restored else None)
         with self.lanes.state.lock:  # the epochs of the steps kept here, for the budget's and the trim's order
@@ -227,3 +251,34 @@ class CheckpointManager:
             except Exception:  # noqa: BLE001 - the error that left the block is the one to see
                 log.exception("shardckpt tiers: closing after an error failed")
 
+
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < local.MAX_STEPS:
+        raise BadArgumentError(f"step {step!r}: must be an int in 0..{local.MAX_STEPS - 1} (it names the tiers' "
+                               "step-NNNNNNNNN directories)")
+
+
+def _serve(root: str, token: str, config: TierConfig) -> PeerServer:
+    host = config.peer_host or default_peer_host()
+    try:
+        return PeerServer(root, token, host, config.peer_port)
+    except OSError as e:
+        raise TierConfigError(f"peer_host/peer_port: cannot serve this node's tier 0 on {host}:{config.peer_port} "
+                              f"({e.strerror or e}); choose another peer_port (0: one the OS picks)") from None
+
+
+_live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+def _close_managers_at_exit() -> None:
+    """A manager the program did not close is closed at exit, as ``async_save``'s savers are: the save in flight
+    reaches tier 0 (and its replicas, and tier 2 when due) instead of being dropped with the process. Runs before
+    concurrent.futures refuses new work at exit (registered after it, run before it)."""
+    for manager in list(_live):
+        try:
+            manager.close()
+        except BaseException as e:  # noqa: BLE001 - at exit: say it, the other managers still close
+            print(f"shardckpt tiers: closing a CheckpointManager at exit failed: {e!r}", file=sys.stderr, flush=True)
+
+
+threading._register_atexit(_close_managers_at_exit)  # noqa: SLF001 - the hook concurrent.futures uses itself

@@ -107,6 +107,18 @@ class PeerServer:
         self._server.server_close()
 
 
+def default_peer_host() -> str:
+    """Where a node serves its peers when ``peer_host`` is None: the address of its interface towards the job's
+    rendezvous (``MASTER_ADDR``), the route its peers' traffic takes too; 127.0.0.1 without one."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, 9))  # a datagram socket sends nothing on connect: this only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
 class PeerStorage:
     """A peer's tier-0 directory ``prefix`` (a step directory) as a read-only ``Storage``, one connection per
     thread. A peer that does not answer within ``timeout_s`` raises ``CorruptCheckpointError`` (the copy is then

@@ -44,6 +44,8 @@ class Restored:
     seconds: float
     excluded: tuple = ()
     metadata: dict = field(default_factory=dict)
+    storage: Storage | None = field(default=None, repr=False, compare=False)
+    """Where each of the step's files was read from (this rank's routing): a re-driven upload reads them again."""
 
 
 @dataclass
@@ -140,7 +142,7 @@ def restore(group: Group, source: Source, facts: Facts, load: Callable[[Storage]
         every = group.all_gather((failed, bad, outcome if failed and not corrupt else None))
         raise_failures([o for _, _, o in every if o is not None])
         if not any(f for f, _, _ in every):
-            return _restored(chosen, manifest, routing, time.perf_counter() - started, excluded)
+            return _restored(chosen, manifest, routing, time.perf_counter() - started, excluded, tiered)
         new = set().union(*(b for _, b, _ in every))
         if not new:
             raise RestoreError(f"step {chosen.step}: the load failed its checksums, but every copy read checks out "
@@ -175,13 +177,14 @@ def _bad_copies(source: Source, chosen: Candidate, manifest: Manifest, reads, ti
     return bad
 
 
-def _restored(chosen: Candidate, manifest: Manifest, routing, seconds: float, excluded: set) -> Restored:
+def _restored(chosen: Candidate, manifest: Manifest, routing, seconds: float, excluded: set,
+              tiered: TieredStorage) -> Restored:
     tiers: dict[str, int] = {}
     for (tier, _), n in routing.bytes_by().items():
         tiers[TIER_NAMES[tier]] = tiers.get(TIER_NAMES[tier], 0) + n
     slowest = routing.slowest_tier()
     return Restored(chosen.step, chosen.epoch, chosen, tiers, TIER_NAMES.get(slowest, "tier0"), seconds,
-                    tuple(sorted(excluded)), dict(manifest.metadata))
+                    tuple(sorted(excluded)), dict(manifest.metadata), tiered)
 
 
 def after_restore(leader: bool, node: str, root: str, facts: Facts, chosen: Candidate | None) -> int:

@@ -1,0 +1,95 @@
+"""What an adversarial review of ``CheckpointManager`` found (one process, a world of one): a save in flight
+when the program exits without ``close``, steps that cannot name a directory or repeat one, a peer port in use,
+and the peer address a node advertises."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shardckpt
+from shardckpt.errors import BadArgumentError
+from shardckpt.tiers import CheckpointManager, TierConfig, TierConfigError
+from shardckpt.tiers.peer import default_peer_host
+
+
+def _config(tmp_path, **more) -> TierConfig:
+    kw = dict(local_dir=str(tmp_path / "t0"), run_id="r", node_id="n", min_free=1, peer_host="127.0.0.1",
+              keep_local_on_close=True)
+    kw.update(more)
+    return TierConfig(**kw)
+
+
+def test_a_save_in_flight_at_exit_reaches_tier_0_and_tier_2(tmp_path):
+    code = ("import torch, sys\nfrom shardckpt.tiers import CheckpointManager, TierConfig\n"
+            f"c = TierConfig(local_dir={str(tmp_path / 't0')!r}, run_id='r', node_id='n', min_free=1, "
+            f"peer_host='127.0.0.1', persistent_dir={str(tmp_path / 't2')!r}, persistent_every=1, "
+            "keep_local_on_close=True)\n"
+            "m = CheckpointManager(c)\nm.save(1, {'w': torch.arange(1 << 20, dtype=torch.float32)})\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for where in (tmp_path / "t0" / "r", tmp_path / "t2"):
+        step = where / "step-000000001"
+        assert (step / "manifest.json").exists(), (where, os.listdir(where))
+        assert torch.equal(shardckpt.load_full(str(step))["w"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("step", [-1, 10 ** 9, 2.0, "3", True])
+def test_a_step_that_names_no_directory_is_refused(tmp_path, step):
+    with CheckpointManager(_config(tmp_path)) as ckpt:
+        for call in (ckpt.save, ckpt.step):
+            with pytest.raises(BadArgumentError, match="must be an int in 0..999999999"):
+                call(step, {"w": torch.zeros(4)})
+        assert ckpt.status()["steps"] == []
+
+
+def test_steps_must_increase(tmp_path):
+    with CheckpointManager(_config(tmp_path, persistent_dir=str(tmp_path / "t2"), persistent_every=2)) as ckpt:
+        ckpt.save(4, {"w": torch.zeros(4)})
+        for step in (4, 3):
+            with pytest.raises(BadArgumentError, match="not after step 4"):
+                ckpt.save(step, {"w": torch.ones(4)})
+        ckpt.save(6, {"w": torch.ones(4)})
+    state = {"w": torch.full((4,), 9.0)}
+    with CheckpointManager(_config(tmp_path)) as ckpt:
+        assert ckpt.restore(state).step == 6 and torch.equal(state["w"], torch.ones(4))
+        with pytest.raises(BadArgumentError, match="not after step 6"):  # the restored step too
+            ckpt.save(6, state)
+
+
+def test_a_peer_port_in_use_is_a_config_error_naming_it(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(TierConfigError, match=f"peer_host/peer_port: cannot serve .* on 127.0.0.1:{port}"):
+            CheckpointManager(_config(tmp_path, peer_port=port))
+
+
+def test_the_default_peer_host_is_the_interface_towards_the_rendezvous(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert default_peer_host() == "127.0.0.1"
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # TEST-NET-1: routed (if at all) through a real interface
+    host = default_peer_host()
+    assert host == "127.0.0.1" or not host.startswith("127."), host  # never loopback for a remote rendezvous
+
+
+def test_a_restored_step_missing_from_tier_2_is_uploaded_again(tmp_path):
+    config = _config(tmp_path, persistent_dir=str(tmp_path / "t2"), persistent_every=2)
+    with CheckpointManager(config) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.arange(4096, dtype=torch.float32) + step})
+    step2 = tmp_path / "t2" / "step-000000002"
+    os.remove(step2 / "manifest.json")  # as a kill during the upload leaves it: files, no commit
+    state = {"w": torch.zeros(4096)}
+    with CheckpointManager(config) as ckpt:
+        restored = ckpt.restore(state)
+        assert restored.step == 2 and restored.slowest_tier == "tier0"
+        ckpt.wait()
+        assert (step2 / "manifest.json").exists()
+    assert torch.equal(shardckpt.load_full(str(step2))["w"], torch.arange(4096, dtype=torch.float32) + 2)
+    assert shardckpt.verify(str(step2)).ok
