@@ -15,7 +15,7 @@ from shardckpt.demo.tiers_job import run_tiers_demo
 def demo(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("demo-tiers") / "run")
     lines: list[str] = []
-    summary = run_tiers_demo(TiersDemoConfig(out=out, steps=30, save_every=5, persistent_every=10, crash_at=15),
+    summary = run_tiers_demo(TiersDemoConfig(out=out, steps=40, save_every=5, persistent_every=10, crash_at=15),
                              say=lines.append)
     return out, summary, lines
 

@@ -53,6 +53,8 @@ def test_steps_must_increase(tmp_path):
         for step in (4, 3):
             with pytest.raises(BadArgumentError, match="not after step 4"):
                 ckpt.save(step, {"w": torch.ones(4)})
+        with pytest.raises(ZeroDivisionError):
+            ckpt.save(6, lambda: {"w": torch.ones(4) / 0 if 1 / 0 else None})  # not saved: step 6 is not taken
         ckpt.save(6, {"w": torch.ones(4)})
     state = {"w": torch.full((4,), 9.0)}
     with CheckpointManager(_config(tmp_path)) as ckpt:

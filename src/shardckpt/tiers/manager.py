@@ -98,7 +98,6 @@ class CheckpointManager:
         if self._last_step is not None and step <= self._last_step:
             raise BadArgumentError(f"step {step}: not after step {self._last_step}, the last one saved or restored; "
                                    "a CheckpointManager's steps must increase")
-        self._last_step = step
         self._finish_previous()
         if self.epoch is None:
             self.epoch = self._first_epoch()
@@ -125,7 +124,7 @@ class CheckpointManager:
                 return
             self._rp.submit(self._replicate_and_upload, step, data, handle)
 
-        self._last = handle
+        self._last, self._last_step = handle, step  # staged: this step is taken (a failed one may be retried)
         self._last_future = self._w.submit(background)
         return handle
 
@@ -271,14 +270,15 @@ _live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 
 
 def _close_managers_at_exit() -> None:
-    """A manager the program did not close is closed at exit, as ``async_save``'s savers are: the save in flight
-    reaches tier 0 (and its replicas, and tier 2 when due) instead of being dropped with the process. Runs before
+    """A manager the program did not close finishes its lanes at exit, as ``async_save``'s savers do: the save in
+    flight reaches tier 0 (and its replicas, and tier 2 when due) instead of being dropped with the process. No
+    collective of ``close`` (other ranks may be gone, or training on); failures are printed. Runs before
     concurrent.futures refuses new work at exit (registered after it, run before it)."""
-    for manager in list(_live):
-        try:
-            manager.close()
-        except BaseException as e:  # noqa: BLE001 - at exit: say it, the other managers still close
-            print(f"shardckpt tiers: closing a CheckpointManager at exit failed: {e!r}", file=sys.stderr, flush=True)
+    for manager in (m for m in list(_live) if not m._closed):
+        manager.wait()  # the lanes' collectives run on every rank's own lane threads: no rank needs to be here
+        future = getattr(manager, "_last_future", None)
+        for error in manager._errors + [e for e in [future.exception() if future else None] if e is not None]:
+            print(f"shardckpt tiers: a save in flight at exit failed: {error!r}", file=sys.stderr, flush=True)
 
 
 threading._register_atexit(_close_managers_at_exit)  # noqa: SLF001 - the hook concurrent.futures uses itself
