@@ -95,3 +95,28 @@ def test_a_restored_step_missing_from_tier_2_is_uploaded_again(tmp_path):
         assert (step2 / "manifest.json").exists()
     assert torch.equal(shardckpt.load_full(str(step2))["w"], torch.arange(4096, dtype=torch.float32) + 2)
     assert shardckpt.verify(str(step2)).ok
+
+
+def test_tier_2_on_an_s3_store_opened_with_persistent_options(tmp_path, s3_bucket):
+    server, bucket = s3_bucket
+    config = _config(tmp_path, persistent_dir=f"s3://{bucket}/run", persistent_every=2,
+                     persistent_options=server.options())
+    with CheckpointManager(config) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.arange(4096, dtype=torch.float32) + step})
+    got = shardckpt.load_full(f"s3://{bucket}/run/step-000000002", storage_options=server.options())
+    assert torch.equal(got["w"], torch.arange(4096, dtype=torch.float32) + 2)
+    state = {"w": torch.zeros(4096)}
+    with CheckpointManager(config.replace(run_id="elsewhere")) as ckpt:  # no tier 0: tier 2's newest
+        restored = ckpt.restore(state)
+    assert restored.step == 2 and restored.slowest_tier == "tier2"
+    assert torch.equal(state["w"], torch.arange(4096, dtype=torch.float32) + 2)
+
+
+@pytest.mark.parametrize("more, message", [
+    (dict(persistent_options={"endpoint_url": "http://127.0.0.1:1"}), "without a persistent_dir"),
+    (dict(persistent_dir="s3://b/x", persistent_options="endpoint=x"), "expected a StorageOptions or a dict"),
+])
+def test_persistent_options_that_cannot_be_used_are_refused(tmp_path, more, message):
+    with pytest.raises(TierConfigError, match=message):
+        _config(tmp_path, **more)

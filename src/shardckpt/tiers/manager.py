@@ -186,7 +186,7 @@ class CheckpointManager:
     def _facts(self) -> restore_io.Facts:
         topo = self.lanes.topo
         return restore_io.gather_facts(self._write, topo.leader, topo.node, self.lanes.state.root,
-                                       self.config.persistent_dir, self._server.address if self._server else None)
+                                       self.config, self._server.address if self._server else None)
 
     def restore(self, target: dict | Callable[[Storage], Any]) -> restore_io.Restored | None:
         """Fill ``target`` (a state dict, in place) or call ``target(storage)`` with the newest complete and
@@ -196,7 +196,7 @@ class CheckpointManager:
         facts = self._facts()
         loader = target if callable(target) else \
             (lambda storage: load(target, storage, process_group=self._write.pg))
-        source = restore_io.Source(topo.node, self.lanes.state.root, self.lanes.token, self.config.persistent_dir,
+        source = restore_io.Source(topo.node, self.lanes.state.root, self.lanes.token, self.config,
                                    self.config.peer_timeout_s)
         restored = restore_io.restore(self._write, source, facts, loader)
         self._last_step = restored.step if restored is not None else None
