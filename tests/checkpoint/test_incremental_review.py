@@ -51,6 +51,7 @@ def test_a_step_directory_that_is_a_link_keeps_its_data(tmp_path):
     os.symlink(elsewhere, run / "step-000002")
     _save(run / "step-000002", 2, overwrite=True)  # its own sweep must see the linked step
     assert torch.equal(shardckpt.load_full(str(run / "step-000002"))["a"], _state(2)["a"])
+    assert shardckpt.latest_checkpoint(str(run)) == str(run / "step-000002")  # where a job resumes counts it too
     shardckpt.rm(str(run / "step-000001"))  # not the latest: step-000002, through its link, is
     shardckpt.gc(str(run))
     assert torch.equal(shardckpt.load_full(str(run / "step-000002"))["a"], _state(2)["a"])

@@ -22,8 +22,8 @@ import os
 from typing import Any
 
 from shardckpt.checkpoint.gc import GENERATION_DIR
-from shardckpt.checkpoint.latest import step_of
-from shardckpt.checkpoint.pool import child_dirs, pool_checkpoints, referenced_files, run_storage
+from shardckpt.checkpoint.latest import child_dirs, step_of
+from shardckpt.checkpoint.pool import pool_checkpoints, referenced_files, run_storage
 from shardckpt.checkpoint.retention import Retention, steps_to_remove
 from shardckpt.errors import CheckpointError, CheckpointNotFoundError
 from shardckpt.format.manifest import MANIFEST_NAME, POOL_DIR, parse_manifest
