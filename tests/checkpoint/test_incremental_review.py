@@ -57,17 +57,21 @@ def test_a_step_directory_that_is_a_link_keeps_its_data(tmp_path):
     assert torch.equal(shardckpt.load_full(str(run / "step-000002"))["a"], _state(2)["a"])
 
 
-def test_a_tensor_changed_during_a_synchronous_save_fails_it_and_poisons_nothing(tmp_path):
-    t, fired = torch.zeros(4096), []
+@pytest.mark.parametrize("back", [False, True], ids=["changed", "changed-and-back"])
+@pytest.mark.parametrize("compress", [None, "zstd"])
+def test_a_tensor_changed_during_a_synchronous_save_fails_it_and_poisons_nothing(tmp_path, back, compress):
+    t, calls = torch.zeros(4096), []
 
     def progress(done, total):
-        if not fired:
-            fired.append(1)
+        calls.append(done)
+        if len(calls) == 1:
             t.fill_(7.0)  # after the hashing, before the writing
+        elif len(calls) == 2 and back:
+            t.zero_()  # and back before the save ends: what was written is still not what was hashed
 
     with pytest.raises(shardckpt.CheckpointError, match="tensor 'w' changed while it was being saved"):
         shardckpt.save({"w": t}, str(tmp_path / "step-000001"), incremental=True, incremental_unit=4096,
-                       progress=progress)
+                       progress=progress, compress=compress)
     assert not (tmp_path / "step-000001" / "manifest.json").exists()
     shardckpt.save({"w": torch.zeros(4096)}, str(tmp_path / "step-000002"), incremental=True, incremental_unit=4096)
     assert torch.equal(shardckpt.load_full(str(tmp_path / "step-000002"))["w"], torch.zeros(4096))
