@@ -87,3 +87,27 @@ def test_rm_through_a_link_to_the_latest_step_is_refused_without_force(tmp_path,
     err = capsys.readouterr().err
     assert "pass --force to remove it" in err and "(--force)" not in err
     assert (tmp_path / "step-000002" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_a_link_to_the_pool_is_refused_as_the_pool_is(tmp_path, incremental):
+    _save(tmp_path / "step-000001", 1)
+    os.symlink(tmp_path / "shardckpt-pool", tmp_path / "alias")
+    with pytest.raises(BadArgumentError, match="shardckpt-pool is the run's chunk pool"):
+        shardckpt.save(_state(2), str(tmp_path / "alias"), incremental=incremental, overwrite=True)
+    with pytest.raises(BadArgumentError, match="shardckpt-pool is the run's chunk pool"):
+        shardckpt.convert(str(tmp_path / "step-000001"), str(tmp_path / "alias"), overwrite=True)
+    assert shardckpt.verify(str(tmp_path / "step-000001")).ok
+
+
+def test_rm_of_a_linked_step_is_judged_in_the_run_it_is_named_in(tmp_path):
+    run = tmp_path / "run"
+    shardckpt.save(_state(1), str(run / "step-000001"))
+    shardckpt.save(_state(2), str(tmp_path / "elsewhere" / "final"))
+    os.symlink(tmp_path / "elsewhere" / "final", run / "step-000002")  # the run's latest, a link
+    with pytest.raises(shardckpt.CheckpointError, match="latest committed checkpoint"):
+        shardckpt.rm(str(run / "step-000002"))
+    shardckpt.save(_state(3), str(run / "step-000003"))  # now step 2 is not the latest: removed (its target)
+    shardckpt.rm(str(run / "step-000002"))
+    assert not (tmp_path / "elsewhere" / "final" / "manifest.json").exists()
+    assert shardckpt.verify(str(run / "step-000001")).ok and shardckpt.verify(str(run / "step-000003")).ok
