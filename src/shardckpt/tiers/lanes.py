@@ -12,9 +12,11 @@ import os
 import threading
 from dataclasses import dataclass, field
 
+from shardckpt.checkpoint.commit import data_dir
 from shardckpt.checkpoint.save import Planned, persist, plan
 from shardckpt.checkpoint.stage import Staged, StagingBuffers
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures
+from shardckpt.errors import CheckpointExistsError
 from shardckpt.format.manifest import MANIFEST_NAME, parse_manifest
 from shardckpt.io import Storage
 from shardckpt.tiers import local
@@ -187,7 +189,11 @@ def _commit_tier2(lanes: Lanes, step: int, data: bytes) -> None:
         storage.put_atomic(MANIFEST_NAME, data, exclusive=True)
     except FileExistsError:
         if storage.read_bytes(MANIFEST_NAME) != data:
-            raise
+            storage.remove_dir(data_dir(parse_manifest(data, storage.url(MANIFEST_NAME)).generation))  # ours only
+            raise CheckpointExistsError(
+                f"{storage.url(MANIFEST_NAME)}: tier 2 already holds another checkpoint of step {step} (another run "
+                "sharing persistent_dir, or one from before a restore that fell back past it); this step's upload "
+                "is dropped, the checkpoint there is kept") from None
     keep = lanes.config.persistent_keep_last
     if keep is not None:
         root = lanes.config.persistent_storage()

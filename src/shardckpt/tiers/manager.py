@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from shardckpt.checkpoint.load import load
 from shardckpt.checkpoint.stage import StagingBuffers, stage
-from shardckpt.dist.group import resolve_group, side_group
+from shardckpt.dist.group import Failure, attempt, raise_failures, resolve_group, side_group
 from shardckpt.errors import BadArgumentError, CheckpointError
 from shardckpt.io import Storage
 from shardckpt.tiers import local, restore_io
@@ -67,10 +67,13 @@ class CheckpointManager:
         topo = join(self._write, config)
         root = local.run_root(config.local_dir, config.run_id)
         token = self._write.broadcast(secrets.token_hex(16) if self._write.rank == 0 else None)
-        self._server = _serve(root, token, config) if topo.leader else None
+        served = attempt(self._write.rank, lambda: _serve(root, token, config)) if topo.leader else None
+        failed = isinstance(served, Failure)
+        seen = self._write.all_gather((topo.node, served if failed else served.address if served else None))
+        raise_failures([addr for _, addr in seen])  # a leader that cannot serve: every rank raises
+        self._server = served
         if topo.leader:
             local.remove_debris(root)
-        seen = self._write.all_gather((topo.node, self._server.address if self._server else None))
         addresses = {node: addr for node, addr in seen if addr is not None}
         self.lanes = Lanes(config, topo, NodeState(root), self._write, self._copy, token, addresses, StagingBuffers())
         self.epoch: int | None = None
@@ -157,8 +160,12 @@ class CheckpointManager:
         try:
             persist_step(self.lanes, step, data, storage)
             log.info("shardckpt tiers: step %d, restored but missing from tier 2, uploaded again", step)
-        except BaseException as e:
-            self._errors.append(e)
+        except Exception as e:  # noqa: BLE001 - tier 2 just lacks that step: training goes on (no crash loop)
+            log.warning("shardckpt tiers: step %d, restored but missing from tier 2, could not be uploaded again "
+                        "(%s); the next due step will be", step, e)
+        finally:
+            with self.lanes.state.lock:
+                self.lanes.state.pinned.discard(step)
 
     def _finish_previous(self) -> None:
         """Wait for lane W (its staging buffers are reused); a failure of lane W, or of an upload, on any rank is
@@ -202,6 +209,8 @@ class CheckpointManager:
         self._last_step = restored.step if restored is not None else None
         if restored is not None and self.config.persists(restored.step) and restored.candidate not in facts.persistent:
             data = facts.manifests[restored.candidate]  # due in tier 2, not committed there: a kill during its upload
+            with self.lanes.state.lock:  # every node's copy stays until the upload read it (no eviction, no trim)
+                self.lanes.state.pinned.add(restored.step)
             self._rp.submit(self._redrive, restored.step, data, restored.storage)
         self.epoch = restore_io.after_restore(topo.leader, topo.node, self.lanes.state.root, facts,
                                               restored.candidate if restored else None)
@@ -263,7 +272,8 @@ def _serve(root: str, token: str, config: TierConfig) -> PeerServer:
         return PeerServer(root, token, host, config.peer_port)
     except OSError as e:
         raise TierConfigError(f"peer_host/peer_port: cannot serve this node's tier 0 on {host}:{config.peer_port} "
-                              f"({e.strerror or e}); choose another peer_port (0: one the OS picks)") from None
+                              f"({e.strerror or e}): peer_host must be an IPv4 address of this node, peer_port a free "
+                              "port (0: one the OS picks)") from None
 
 
 _live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
