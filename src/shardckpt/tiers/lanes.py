@@ -16,7 +16,7 @@ from shardckpt.checkpoint.commit import data_dir
 from shardckpt.checkpoint.save import Planned, persist, plan
 from shardckpt.checkpoint.stage import Staged, StagingBuffers
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures
-from shardckpt.errors import CheckpointExistsError
+from shardckpt.errors import CheckpointError, CheckpointExistsError
 from shardckpt.format.manifest import MANIFEST_NAME, parse_manifest
 from shardckpt.io import Storage
 from shardckpt.tiers import local
@@ -196,11 +196,24 @@ def _commit_tier2(lanes: Lanes, step: int, data: bytes) -> None:
                 "is dropped, the checkpoint there is kept") from None
     keep = lanes.config.persistent_keep_last
     if keep is not None:
-        root = lanes.config.persistent_storage()
-        steps = sorted(d for d in root.list_dirs() if local.STEP_RE.match(d) and root.exists(f"{d}/{MANIFEST_NAME}"))
-        for old in steps[:-keep]:
+        for old in _tier2_by_age(lanes.config)[:-keep]:
             lanes.config.persistent_storage(old).remove_dir(MANIFEST_NAME)
-            root.remove_dir(old)
+            lanes.config.persistent_storage().remove_dir(old)
+
+
+def _tier2_by_age(config: TierConfig) -> list[str]:
+    """Tier 2's committed step directories, oldest first by ``(epoch, step)``: after a restore fell back, the
+    steps of the abandoned timeline are older than every step saved since, whatever their numbers (one whose
+    manifest does not parse is the oldest of all)."""
+    root, held = config.persistent_storage(), []
+    for name in root.list_dirs():
+        if local.STEP_RE.match(name) and root.exists(f"{name}/{MANIFEST_NAME}"):
+            try:
+                candidate = local.describe(root.read_bytes(f"{name}/{MANIFEST_NAME}"), root.url(name))[0]
+                held.append(((candidate.epoch, candidate.step), name))
+            except CheckpointError:
+                held.append(((-1, -1), name))
+    return [name for _, name in sorted(held)]
 
 
 def trim_node(lanes: Lanes, step: int) -> None:
