@@ -82,7 +82,12 @@ def test_the_loss_plot_is_drawn(demo):
 
 
 def test_a_rerun_replaces_its_own_files_but_never_anothers(tmp_path):
-    (tmp_path / "run" / "logs").mkdir(parents=True)
+    (tmp_path / "mine" / "checkpoints").mkdir(parents=True)  # names like the demo's, in a directory it did not make
+    (tmp_path / "mine" / "summary.json").write_text("{}")
+    with pytest.raises(DemoError, match=r"not written by shardckpt demo \(no .shardckpt-demo there\)"):
+        _prepare(str(tmp_path / "mine"))
+    assert (tmp_path / "mine" / "summary.json").read_text() == "{}"
+    assert _prepare(str(tmp_path / "run")) == str(tmp_path / "run")  # a demo's directory: cleared on a rerun
     (tmp_path / "run" / "summary.json").write_text("{}")
     assert _prepare(str(tmp_path / "run")) == str(tmp_path / "run")
     assert not (tmp_path / "run" / "summary.json").exists()

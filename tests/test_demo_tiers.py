@@ -15,7 +15,7 @@ from shardckpt.demo.tiers_job import run_tiers_demo
 def demo(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("demo-tiers") / "run")
     lines: list[str] = []
-    summary = run_tiers_demo(TiersDemoConfig(out=out, steps=30, save_every=5, persistent_every=10, crash_at=15),
+    summary = run_tiers_demo(TiersDemoConfig(out=out, steps=40, save_every=5, persistent_every=10, crash_at=15),
                              say=lines.append)
     return out, summary, lines
 
@@ -50,6 +50,8 @@ def test_the_resumed_losses_continue_the_killed_runs(demo):
 @pytest.mark.parametrize("argv, message", [
     (["demo", "--persistent-every", "10"], "applies to the tiers variant"),
     (["demo", "--tiers", "--save-every", "10", "--persistent-every", "15"], "multiple of save_every"),
+    (["demo", "--tiers", "--steps", "12", "--save-every", "2", "--crash-at", "11", "--persistent-every", "2"],
+     "use --steps 16 or more"),
 ])
 def test_settings_that_do_not_fit_are_a_usage_error(tmp_path, capsys, argv, message):
     assert main(argv + ["--out", str(tmp_path / "x")]) == 2

@@ -96,3 +96,26 @@ def test_corrupt_replica_is_excluded_never_loaded(tmp_path):
     # step 4 still has a good copy of that file in tier 2: restored from there, the flipped copy excluded
     assert all(g["step"] == 4 and g["equal"] and g["excluded"] >= 1 for g in got), got
     assert got[0]["tiers"].get("tier2", 0) > 0
+
+
+def _open_with_busy_leader_port(base: str, port: int) -> str:
+    from shardckpt.tiers import CheckpointManager, TierConfigError
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    try:  # node 0's leader (rank 0) cannot serve on the busy port; rank 1 must not wait for it forever
+        CheckpointManager(_train.config_for(base, rank, peer_port=port if rank == 0 else 0))
+    except TierConfigError as e:
+        return str(e)
+    return "opened"
+
+
+def test_a_leader_that_cannot_serve_fails_every_rank(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        got = run_ranks(2, _open_with_busy_leader_port, str(tmp_path), port, timeout=60)
+    assert all(f"127.0.0.1:{port}" in g for g in got), got

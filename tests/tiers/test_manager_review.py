@@ -53,6 +53,8 @@ def test_steps_must_increase(tmp_path):
         for step in (4, 3):
             with pytest.raises(BadArgumentError, match="not after step 4"):
                 ckpt.save(step, {"w": torch.ones(4)})
+        with pytest.raises(ZeroDivisionError):
+            ckpt.save(6, lambda: {"w": torch.ones(4) / 0 if 1 / 0 else None})  # not saved: step 6 is not taken
         ckpt.save(6, {"w": torch.ones(4)})
     state = {"w": torch.full((4,), 9.0)}
     with CheckpointManager(_config(tmp_path)) as ckpt:
@@ -93,3 +95,56 @@ def test_a_restored_step_missing_from_tier_2_is_uploaded_again(tmp_path):
         assert (step2 / "manifest.json").exists()
     assert torch.equal(shardckpt.load_full(str(step2))["w"], torch.arange(4096, dtype=torch.float32) + 2)
     assert shardckpt.verify(str(step2)).ok
+
+
+def test_tier_2_on_an_s3_store_opened_with_persistent_options(tmp_path, s3_bucket):
+    server, bucket = s3_bucket
+    config = _config(tmp_path, persistent_dir=f"s3://{bucket}/run", persistent_every=2,
+                     persistent_options=server.options())
+    with CheckpointManager(config) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.arange(4096, dtype=torch.float32) + step})
+    got = shardckpt.load_full(f"s3://{bucket}/run/step-000000002", storage_options=server.options())
+    assert torch.equal(got["w"], torch.arange(4096, dtype=torch.float32) + 2)
+    state = {"w": torch.zeros(4096)}
+    with CheckpointManager(config.replace(run_id="elsewhere")) as ckpt:  # no tier 0: tier 2's newest
+        restored = ckpt.restore(state)
+    assert restored.step == 2 and restored.slowest_tier == "tier2"
+    assert torch.equal(state["w"], torch.arange(4096, dtype=torch.float32) + 2)
+
+
+@pytest.mark.parametrize("more, message", [
+    (dict(persistent_options={"endpoint_url": "http://127.0.0.1:1"}), "without a persistent_dir"),
+    (dict(persistent_dir="s3://b/x", persistent_options="endpoint=x"), "expected a StorageOptions or a dict"),
+])
+def test_persistent_options_that_cannot_be_used_are_refused(tmp_path, more, message):
+    with pytest.raises(TierConfigError, match=message):
+        _config(tmp_path, **more)
+
+
+def test_tier_2_retention_keeps_the_current_timeline_after_a_fallback(tmp_path):
+    import glob
+    import shutil
+
+    config = _config(tmp_path, keep_last=4, persistent_dir=str(tmp_path / "t2"), persistent_every=2,
+                     persistent_keep_last=1)
+    with CheckpointManager(config) as ckpt:
+        for step in range(1, 9):
+            ckpt.save(step, {"w": torch.arange(4096, dtype=torch.float32) + step})
+    data = max(glob.glob(str(tmp_path / "t2" / "step-000000008" / "data-*" / "*.bin")), key=os.path.getsize)
+    with open(data, "r+b") as f:  # tier 2's step 8 corrupt, tier 0's 6..8 gone: the restore falls back to 5
+        f.seek(os.path.getsize(data) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    for step in (6, 7, 8):
+        shutil.rmtree(tmp_path / "t0" / "r" / f"step-00000000{step}")
+    with CheckpointManager(config) as ckpt:
+        assert ckpt.restore({"w": torch.zeros(4096)}).step == 5
+        ckpt.save(6, {"w": torch.arange(4096, dtype=torch.float32) + 6})  # epoch 1: newer than epoch 0's step 8
+    assert [n for n in os.listdir(tmp_path / "t2") if (tmp_path / "t2" / n / "manifest.json").exists()] == \
+        ["step-000000006"]
+    shutil.rmtree(tmp_path / "t0")
+    state = {"w": torch.zeros(4096)}
+    with CheckpointManager(config) as ckpt:
+        assert ckpt.restore(state).step == 6 and torch.equal(state["w"], torch.arange(4096, dtype=torch.float32) + 6)

@@ -231,24 +231,23 @@ def _write_units(planned: Any, staged: Any, setup: _RankSetup, holds: list,
             term = chunk_crc_term(piece, piece.data.dtype.itemsize, unit.candidate.crc32c, unit_bytes_of(piece))
             terms[name] = terms.get(name, 0) ^ term
         else:
-            to_write.append((unit.task, dataclasses.replace(piece, digest=digest)))
+            to_write.append((unit.task, dataclasses.replace(piece, digest=digest, hash_key=setup.key)))
     files, placed, written_terms, written = _write_slots(pool, planned, setup, to_write, progress)
-    _check_unmoved([(task, piece) for task, piece in to_write if task.name in staged.aliased], setup)
     for name, term in written_terms.items():
         terms[name] = terms.get(name, 0) ^ term
     return PooledShare(files, placed, refs, terms, written)
 
 
-def _check_unmoved(written: list, setup: _RankSetup) -> None:
-    """The units just written from the caller's own tensors (a synchronous save writes them in place) still hold
-    the bytes hashed before the write. Else the pool would keep a unit under the digest of bytes it does not
-    hold, and a later save of those bytes would reference it: raise, and nothing is committed."""
-    for (task, piece), digest in zip(written, _hashed(setup, [piece for _, piece in written])):
-        if digest != piece.digest:
-            raise CheckpointError(f"tensor {task.name!r} changed while it was being saved (its bytes are not those "
-                                  "hashed before they were written: another thread or stream wrote to it); nothing "
-                                  "was committed. Save a state that does not change meanwhile, or use async_save, "
-                                  "which saves a copy")
+def _check_unmoved(written: list, digests: dict) -> None:
+    """Each unit written holds the bytes hashed when the save chose to write it. The writer hashes what it writes
+    (the pool's digest is always of the stored bytes); a difference means the caller's tensor changed while a
+    synchronous save wrote it in place: raise, and nothing is committed."""
+    for task, piece in written:
+        if digests.get((task.name, task.chunk)) != piece.digest:
+            raise CheckpointError(f"tensor {task.name!r} changed while it was being saved (the bytes written are not "
+                                  "those hashed when the save chose to write them: another thread or stream wrote "
+                                  "to it); nothing was committed. Save a state that does not change meanwhile, or "
+                                  "use async_save, which saves a copy")
 
 
 def _write_slots(pool: Storage, planned: Any, setup: _RankSetup, to_write: list,
@@ -262,14 +261,16 @@ def _write_slots(pool: Storage, planned: Any, setup: _RankSetup, to_write: list,
     tick = Progress(total, progress)
     tick.begin()
     base = f"{data_dir(setup.generation)}/rank-{planned.group.rank:05d}"
+    digests: dict = {}  # the writers' digests of what they wrote
 
     def write(slot: int) -> tuple[FileEntry, dict[str, int]]:
         tasks = [t for t, _ in by_slot[slot]]
         pieces = {(t.name, t.chunk): p for t, p in by_slot[slot]}
         return write_data_file(pool, f"{base}-{slot}.bin", f"{base}-{slot}.index.json", tasks, pieces,
-                               planned.compression, version=POOLED_VERSION, followed=Followed(tick=tick))
+                               planned.compression, version=POOLED_VERSION, followed=Followed(tick=tick, digests=digests))
 
     written = write_files(slots, write, planned.files_per_rank)
+    _check_unmoved(to_write, digests)
     placed = {(t.name, t.chunk): k for k, slot in enumerate(slots) for t, _ in by_slot[slot]}
     terms: dict[str, int] = {}
     for _, file_terms in written:

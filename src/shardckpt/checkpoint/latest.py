@@ -6,7 +6,7 @@ import re
 
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.errors import BadArgumentError
-from shardckpt.io import is_named, open_storage, where
+from shardckpt.io import LocalStorage, Storage, is_named, open_storage, where
 from shardckpt.storage_options import Options
 
 _STEP = re.compile(r"step[-_]?(\d+)", re.IGNORECASE)
@@ -20,15 +20,29 @@ def step_of(name: str) -> int | None:
     return int(found[-1]) if found else None
 
 
+def child_dirs(run: Storage) -> list[str]:
+    """The run's child directories, links to directories included (``list_dirs`` leaves links out, so that no
+    collector follows one): a checkpoint directory may be a link (its data on another disk), and what its
+    manifest names must count as named."""
+    if not isinstance(run, LocalStorage):
+        return run.list_dirs("")
+    try:
+        with os.scandir(run.root) as entries:
+            return sorted(e.name for e in entries if e.is_dir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def latest_checkpoint(root: str | os.PathLike, *, storage_options: Options | None = None) -> str | None:
     """The committed checkpoint directly under ``root`` (a path or fsspec URL) with the highest step in its
     name (``step_of``), or None if there is none. A directory without a committed manifest, such as one
-    an interrupted save left, is skipped; among equal steps the last name in sorted order wins."""
+    an interrupted save left, is skipped; among equal steps the last name in sorted order wins. A step directory
+    that is a link counts (``child_dirs``)."""
     if not is_named(root):
         raise BadArgumentError(f"{where(root)}: latest_checkpoint looks below a run directory, named by a path or "
                                "URL; a Storage is one checkpoint's place")
     storage = open_storage(root, storage_options)
-    named = sorted(((step, name) for name in storage.list_dirs() if (step := step_of(name)) is not None),
+    named = sorted(((step, name) for name in child_dirs(storage) if (step := step_of(name)) is not None),
                    reverse=True)
     for _, name in named:
         if storage.exists(f"{name}/{MANIFEST_NAME}"):

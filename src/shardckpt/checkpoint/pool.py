@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from shardckpt.checkpoint.latest import step_of
+from shardckpt.checkpoint.latest import child_dirs, step_of
 from shardckpt.errors import BadArgumentError, CheckpointError, CorruptCheckpointError
 from shardckpt.format.chunk_identity import ChunkKey, StoredChunk
 from shardckpt.format.dtypes import itemsize
@@ -97,19 +97,6 @@ def pool_checkpoints(run: Storage, pool_id: str, skip: str = "", strict: bool = 
     return sorted(found, key=lambda c: (step_of(c.name) is None, step_of(c.name) or 0, c.name))
 
 
-def child_dirs(run: Storage) -> list[str]:
-    """The run's child directories, links to directories included (``list_dirs`` leaves links out, so that no
-    collector follows one): a checkpoint directory may be a link (its data on another disk), and what its
-    manifest names must count as named."""
-    if not isinstance(run, LocalStorage):
-        return run.list_dirs("")
-    try:
-        with os.scandir(run.root) as entries:
-            return sorted(e.name for e in entries if e.is_dir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
 def _parse_child(data: bytes, where: str) -> Manifest | None:
     if not data.startswith(b"{"):
         return None
@@ -170,7 +157,7 @@ def release_all(holds: list) -> None:
     holds.clear()
 
 
-__all__ = ["POOL_PATH", "open_pool", "pool_checkpoints", "child_dirs", "parent_table", "hold_generations", "run_storage"]
+__all__ = ["POOL_PATH", "open_pool", "pool_checkpoints", "parent_table", "hold_generations", "run_storage"]
 
 
 def sharing_of(step: Storage, manifest: Manifest) -> Any:

@@ -22,8 +22,8 @@ import os
 from typing import Any
 
 from shardckpt.checkpoint.gc import GENERATION_DIR
-from shardckpt.checkpoint.latest import step_of
-from shardckpt.checkpoint.pool import child_dirs, pool_checkpoints, referenced_files, run_storage
+from shardckpt.checkpoint.latest import child_dirs, latest_checkpoint, step_of
+from shardckpt.checkpoint.pool import pool_checkpoints, referenced_files, run_storage
 from shardckpt.checkpoint.retention import Retention, steps_to_remove
 from shardckpt.errors import CheckpointError, CheckpointNotFoundError
 from shardckpt.format.manifest import MANIFEST_NAME, POOL_DIR, parse_manifest
@@ -111,15 +111,14 @@ def rm(path: str | os.PathLike, *, force: bool = False, storage_options: Options
     removal), then what is left of its directory. A pooled checkpoint's data stays in the pool until ``gc`` finds
     no committed checkpoint naming it, so removing one never breaks another. Without ``force``, the run's latest
     committed checkpoint is refused. Returns the removed checkpoint's URL."""
-    if isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path):
-        path = os.path.realpath(path)  # a link to the latest step is the latest step (the guard below)
-    step = open_storage(path, storage_options)
+    local = isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)
+    step = open_storage(os.path.realpath(path) if local else path, storage_options)  # a link: its target goes
     if not step.exists(MANIFEST_NAME):
         raise CheckpointNotFoundError(f"{step.url(MANIFEST_NAME)}: no committed checkpoint here to remove")
     manifest = parse_manifest(step.read_bytes(MANIFEST_NAME), step.url(MANIFEST_NAME))
     run = run_storage(step)
     name = step.root.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
-    if not force and _is_latest(run, name):
+    if not force and (_latest_through_links(path) if local else _is_latest(run, name)):
         raise CheckpointError(f"{step.url('')}: the run's latest committed checkpoint; pass force=True to remove "
                               "it")
     remove_checkpoint(run, name)
@@ -134,6 +133,13 @@ def remove_checkpoint(run: Storage, name: str) -> None:
     if isinstance(step, LocalStorage):
         step.sync_dir("")
     run.remove_dir(name)
+
+
+def _latest_through_links(path: str | os.PathLike) -> bool:
+    """Whether local ``path`` is, or links to, the latest committed checkpoint of the run it is named in
+    (``latest_checkpoint``, which counts linked step directories): ``RUN/latest -> step-000002`` is the latest."""
+    latest = latest_checkpoint(os.path.dirname(os.path.abspath(path).rstrip(os.sep)))
+    return latest is not None and os.path.realpath(latest) == os.path.realpath(path)
 
 
 def _is_latest(run: Storage, name: str) -> bool:

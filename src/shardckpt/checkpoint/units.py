@@ -54,6 +54,7 @@ class UnitPiece(LocalPiece):
     """One unit of a staged piece (a view of its data), with the digest of its bytes once hashed."""
 
     digest: bytes | None = None
+    hash_key: bytes | None = None  # the pool's key: the writer hashes the bytes it writes (they must match digest)
 
 
 def unit_piece(piece: LocalPiece, unit: Region) -> UnitPiece:

@@ -33,6 +33,7 @@ from shardckpt.regions import FlatRange, contiguous_runs
 from shardckpt.io import FileWriter, Storage
 from shardckpt.format.codecs import CODEC_THREADS, RAW, Compression, codec_pool, encode_frame
 from shardckpt.format.checksum import combine_block_crcs, crc32c, runs_crc_term
+from shardckpt.format.content_hash import ChunkHasher
 from shardckpt.format.index import BLOCK_SIZE, ChunkRecord, index_to_bytes
 from shardckpt.format.manifest import FileEntry, version_for
 from shardckpt.tensor_views import as_bytes
@@ -119,6 +120,7 @@ class _Sink:
     progress: FileProgress
     journal: Journal
     tick: Tick
+    hasher: ChunkHasher | None = None  # the chunk being written's content hash (an incremental save's unit)
 
     def write(self, data: memoryview) -> None:
         self.writer.write(data)
@@ -140,6 +142,8 @@ def _write_raw(sink: _Sink, data: memoryview, block: int) -> None:
     for lo in range(0, len(data), step):
         part = data[lo:lo + step]
         crcs = [crc32c(part[k:k + block]) for k in range(0, len(part), block)]
+        if sink.hasher is not None:  # the same bytes as the CRCs, just before they are written
+            sink.hasher.update(part)
         sink.write(part)
         progress.blocks.extend(crcs)
         progress.size += len(part)
@@ -151,18 +155,23 @@ def _write_frames(sink: _Sink, data: memoryview, block: int, codec: str, itemsiz
     """Encode and write a chunk frame by frame, adding its block CRCs and frames' stored lengths to the progress."""
     pool = codec_pool()
 
-    def encode(lo: int) -> tuple[int, memoryview, int]:
+    def encode(lo: int) -> tuple[int, memoryview, int, bytes | None]:
         frame = data[lo:lo + block]
-        return crc32c(frame), encode_frame(codec, frame, itemsize, level), len(frame)
+        if sink.hasher is not None:  # hashed in order below: from this copy, the bytes encoded and CRC'd
+            frame = bytes(frame)
+        return crc32c(frame), encode_frame(codec, frame, itemsize, level), len(frame), \
+            frame if sink.hasher is not None else None
 
     starts = iter(range(0, len(data), block))
     # Frames encoded ahead of the writes, in order: enough to keep every codec thread busy, few enough
     # that memory stays a few blocks.
     pending = deque(pool.submit(encode, lo) for lo in itertools.islice(starts, 2 * CODEC_THREADS))
     while pending:
-        crc, stored, length = pending.popleft().result()
+        crc, stored, length, copy = pending.popleft().result()
         for lo in itertools.islice(starts, 1):
             pending.append(pool.submit(encode, lo))
+        if copy is not None:
+            sink.hasher.update(copy)
         sink.write(stored)
         sink.wrote(crc, len(stored), length, frame=True)
 
@@ -218,6 +227,7 @@ class Followed:
     writer: FileWriter | None = None
     journal: Journal | None = None
     tick: Tick | None = None
+    digests: dict | None = None  # filled with each hashed chunk's digest, by (name, chunk)
 
 
 def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: list[WriteTask],
@@ -247,9 +257,12 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
                     writer.write(memoryview(bytes(pad)))
                 progress.current, progress.offset, progress.blocks, progress.frames = key, progress.size + pad, [], []
                 progress.size += pad
+            sink.hasher = ChunkHasher(piece.hash_key) if getattr(piece, "hash_key", None) is not None else None
             record, term = _write_chunk(sink, piece, compression)
-            if getattr(piece, "digest", None) is not None:  # format v5: the unit's content hash (incremental saves)
-                record = dataclasses.replace(record, digest=piece.digest)
+            if sink.hasher is not None:  # format v5: the unit's content hash, of the bytes written (incremental)
+                record = dataclasses.replace(record, digest=sink.hasher.digest())
+                if followed.digests is not None:
+                    followed.digests[key] = record.digest
             progress.done[key], progress.current = record, None
             terms[task.name] = terms.get(task.name, 0) ^ term
     finally:

@@ -59,3 +59,8 @@ class TiersDemoConfig:
         if self.persistent_every > self.crash_at:
             raise DemoUsageError(f"persistent_every ({self.persistent_every}) must not exceed crash_at ({self.crash_at}): "
                                  "the demo compares the fast tiers with tier 2's newest step")
+        first = -(-self.crash_at // self.save_every) * self.save_every  # the first save at or after crash_at
+        if first + 2 * self.save_every > self.steps:  # replicated (latest wins: maybe the next), 2 steps trained
+            raise DemoUsageError(f"steps ({self.steps}) must leave two saves after crash_at ({self.crash_at}): the kill "
+                                 f"comes once a save from step {first} on is replicated and two more steps are "
+                                 f"trained; use --steps {first + 2 * self.save_every} or more")

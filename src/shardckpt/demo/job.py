@@ -33,7 +33,9 @@ from shardckpt.format.manifest import MANIFEST_NAME
 
 # What the demo writes under --out: a directory holding anything else is refused rather than cleared.
 OWN_NAMES = {"checkpoints", "export", "logs", "events-first.jsonl", "events-resumed.jsonl", "final-weights.pt",
-             "loss.png", "summary.json", "tiers", "events-regrown.jsonl"}  # tiers: ``demo --tiers`` (demo/tiers_job.py)
+             "loss.png", "summary.json", "tiers", "events-regrown.jsonl",  # tiers: ``demo --tiers`` (demo/tiers_job.py)
+             ".shardckpt-demo"}
+MARK = ".shardckpt-demo"  # written first into --out: only a directory that has it is cleared for a rerun
 TIME_LIMIT_S = 1800.0  # a hung rank must not hang the demo
 
 
@@ -195,11 +197,15 @@ def _prepare(out: str) -> str:
         if foreign:
             raise DemoUsageError(f"{out} holds files the demo did not write ({', '.join(foreign[:5])}); "
                                  f"choose another --out or empty it")
+        if os.listdir(out) and not os.path.exists(os.path.join(out, MARK)):  # names like ours, but not ours
+            raise DemoUsageError(f"{out} holds {', '.join(sorted(os.listdir(out))[:5])}, not written by shardckpt "
+                                 f"demo (no {MARK} there); choose another --out or empty it")
         for name in os.listdir(out):
             path = os.path.join(out, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     try:
         os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+        open(os.path.join(out, MARK), "w").close()
     except OSError as e:  # a file above it, no permission: say so plainly, not as a raw [Errno N]
         raise DemoUsageError(f"cannot create {out}: {e.strerror.lower() if e.strerror else e}; "
                              f"choose another --out") from e

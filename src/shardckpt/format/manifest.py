@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -57,7 +58,8 @@ POOL_PATH = f"../{POOL_DIR}"
 def refuse_pool_dir(url: str) -> None:
     """Raise ``BadArgumentError`` if ``url`` names a run's chunk pool: a checkpoint written there would be swept
     with the pool's unnamed data (and its commit's clean-up would take the pool's data for debris)."""
-    if url.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1] == POOL_DIR:
+    names = [url] if "://" in url else [url, os.path.realpath(url)]  # local: a link to the pool is the pool
+    if any(u.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1] == POOL_DIR for u in names):
         raise BadArgumentError(f"{url}: {POOL_DIR} is the run's chunk pool of incremental checkpoints, not a place "
                                "for a checkpoint; choose another directory")
 MAX_WORLD_SIZE = 1 << 24  # the most ranks a manifest may record

@@ -3,11 +3,14 @@ construction (a bad value raises ``TierConfigError`` naming the field), importab
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from shardckpt.errors import CheckpointError
 from shardckpt.sizes import parse_size
+from shardckpt.storage_options import StorageOptions
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 ON_FULL = ("skip", "raise")
@@ -26,7 +29,9 @@ class TierConfig:
     every node; checkpoints go below ``local_dir/run_id/step-NNNNNNNNN/``. ``run_id`` keeps jobs that share a
     node apart (path-safe: letters, digits, ``_.-``).
     ``persistent_dir``: tier 2 (a path or fsspec URL), or None for none; its steps are ``step-NNNNNNNNN/``
-    below it, each a plain shardckpt checkpoint.
+    below it, each a plain shardckpt checkpoint. ``persistent_options``: how tier 2's store is opened, as every
+    verb's ``storage_options`` (a ``StorageOptions``, or fsspec's keyword arguments as a dict, e.g.
+    ``{"endpoint_url": ...}`` for an S3-compatible store); None: the store's defaults.
     ``local_every`` / ``persistent_every``: save to tier 0 every so many steps, and to tier 2 every so many (a
     multiple of ``local_every``: tier 2 is uploaded from tier 0's copy, so every persisted step is a tier-0 step).
     ``replicas``: the number ``k`` of peer nodes that hold a copy of each node's files (0: none; at most the
@@ -53,6 +58,7 @@ class TierConfig:
     local_dir: str
     run_id: str
     persistent_dir: str | None = None
+    persistent_options: Any = None
     local_every: int = 1
     persistent_every: int | None = None
     replicas: int = 1
@@ -76,6 +82,7 @@ class TierConfig:
                                   "directory below local_dir)")
         if self.persistent_dir is not None:
             _text("persistent_dir", self.persistent_dir)
+        _options(self.persistent_options, self.persistent_dir)
         _positive("local_every", self.local_every)
         if self.persistent_every is not None:
             _positive("persistent_every", self.persistent_every)
@@ -104,6 +111,14 @@ class TierConfig:
             value = getattr(self, name)
             if value is not None:
                 _text(name, value)
+
+    def persistent_storage(self, name: str = ""):
+        """Tier 2 (``persistent_dir``), or its child directory ``name``, opened with ``persistent_options``."""
+        from shardckpt.io import open_storage  # (this module stays importable without the I/O layer)
+
+        base = self.persistent_dir
+        url = base if not name else f"{base.rstrip('/')}/{name}" if "://" in base else os.path.join(base, name)
+        return open_storage(url, self.persistent_options)
 
     def persists(self, step: int) -> bool:
         """Whether ``step`` goes to tier 2 (as well as to tier 0)."""
@@ -142,3 +157,12 @@ def _size(name: str, value: object) -> int:
 def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise TierConfigError(f"{name} {value!r}: expected one of {', '.join(map(repr, choices))}")
+
+
+def _options(options: Any, persistent_dir: str | None) -> None:
+    if options is None:
+        return
+    if not isinstance(options, (dict, StorageOptions)):
+        raise TierConfigError(f"persistent_options {options!r}: expected a StorageOptions or a dict of fsspec's options")
+    if persistent_dir is None:
+        raise TierConfigError("persistent_options: given without a persistent_dir to open with them")

@@ -12,11 +12,13 @@ import os
 import threading
 from dataclasses import dataclass, field
 
+from shardckpt.checkpoint.commit import data_dir
 from shardckpt.checkpoint.save import Planned, persist, plan
 from shardckpt.checkpoint.stage import Staged, StagingBuffers
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures
+from shardckpt.errors import CheckpointError, CheckpointExistsError
 from shardckpt.format.manifest import MANIFEST_NAME, parse_manifest
-from shardckpt.io import Storage, open_storage
+from shardckpt.io import Storage
 from shardckpt.tiers import local
 from shardckpt.tiers.budget import TierFullError, incoming, plan_room, trim
 from shardckpt.tiers.config import TierConfig
@@ -163,11 +165,10 @@ def persist_step(lanes: Lanes, step: int, data: bytes, source: Storage | None = 
     world-size-th file."""
     group = lanes.copy_group
     manifest = parse_manifest(data, f"step {step}")
-    dst_url = _join(lanes.config.persistent_dir, local.step_dir(step))
 
     def send() -> int:
         src = source if source is not None else local.node_storage(lanes.state.root, step)
-        dst, moved = open_storage(dst_url), 0
+        dst, moved = lanes.config.persistent_storage(local.step_dir(step)), 0
         for i, f in enumerate(manifest.files):
             if (i % group.world_size if source is not None else local.file_rank(f.path)) == group.rank:
                 moved += upload(src, dst, manifest, f)
@@ -183,19 +184,36 @@ def persist_step(lanes: Lanes, step: int, data: bytes, source: Storage | None = 
 
 
 def _commit_tier2(lanes: Lanes, step: int, data: bytes) -> None:
-    storage = open_storage(_join(lanes.config.persistent_dir, local.step_dir(step)))
+    storage = lanes.config.persistent_storage(local.step_dir(step))
     try:
         storage.put_atomic(MANIFEST_NAME, data, exclusive=True)
     except FileExistsError:
         if storage.read_bytes(MANIFEST_NAME) != data:
-            raise
+            storage.remove_dir(data_dir(parse_manifest(data, storage.url(MANIFEST_NAME)).generation))  # ours only
+            raise CheckpointExistsError(
+                f"{storage.url(MANIFEST_NAME)}: tier 2 already holds another checkpoint of step {step} (another run "
+                "sharing persistent_dir, or one from before a restore that fell back past it); this step's upload "
+                "is dropped, the checkpoint there is kept") from None
     keep = lanes.config.persistent_keep_last
     if keep is not None:
-        root = open_storage(lanes.config.persistent_dir)
-        steps = sorted(d for d in root.list_dirs() if local.STEP_RE.match(d) and root.exists(f"{d}/{MANIFEST_NAME}"))
-        for old in steps[:-keep]:
-            open_storage(_join(lanes.config.persistent_dir, old)).remove_dir(MANIFEST_NAME)
-            root.remove_dir(old)
+        for old in _tier2_by_age(lanes.config)[:-keep]:
+            lanes.config.persistent_storage(old).remove_dir(MANIFEST_NAME)
+            lanes.config.persistent_storage().remove_dir(old)
+
+
+def _tier2_by_age(config: TierConfig) -> list[str]:
+    """Tier 2's committed step directories, oldest first by ``(epoch, step)``: after a restore fell back, the
+    steps of the abandoned timeline are older than every step saved since, whatever their numbers (one whose
+    manifest does not parse is the oldest of all)."""
+    root, held = config.persistent_storage(), []
+    for name in root.list_dirs():
+        if local.STEP_RE.match(name) and root.exists(f"{name}/{MANIFEST_NAME}"):
+            try:
+                candidate = local.describe(root.read_bytes(f"{name}/{MANIFEST_NAME}"), root.url(name))[0]
+                held.append(((candidate.epoch, candidate.step), name))
+            except CheckpointError:
+                held.append(((-1, -1), name))
+    return [name for _, name in sorted(held)]
 
 
 def trim_node(lanes: Lanes, step: int) -> None:
@@ -211,10 +229,6 @@ def trim_node(lanes: Lanes, step: int) -> None:
         local.remove_step(lanes.state.root, old)
         with lanes.state.lock:
             lanes.state.safe.discard(old)
-
-
-def _join(base: str, name: str) -> str:
-    return f"{base.rstrip('/')}/{name}" if "://" in base else os.path.join(base, name)
 
 
 def _test_hook(lane: str, step: int) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from shardckpt.checkpoint.load import load
 from shardckpt.checkpoint.stage import StagingBuffers, stage
-from shardckpt.dist.group import resolve_group, side_group
+from shardckpt.dist.group import Failure, attempt, raise_failures, resolve_group, side_group
 from shardckpt.errors import BadArgumentError, CheckpointError
 from shardckpt.io import Storage
 from shardckpt.tiers import local, restore_io
@@ -67,10 +67,13 @@ class CheckpointManager:
         topo = join(self._write, config)
         root = local.run_root(config.local_dir, config.run_id)
         token = self._write.broadcast(secrets.token_hex(16) if self._write.rank == 0 else None)
-        self._server = _serve(root, token, config) if topo.leader else None
+        served = attempt(self._write.rank, lambda: _serve(root, token, config)) if topo.leader else None
+        failed = isinstance(served, Failure)
+        seen = self._write.all_gather((topo.node, served if failed else served.address if served else None))
+        raise_failures([addr for _, addr in seen])  # a leader that cannot serve: every rank raises
+        self._server = served
         if topo.leader:
             local.remove_debris(root)
-        seen = self._write.all_gather((topo.node, self._server.address if self._server else None))
         addresses = {node: addr for node, addr in seen if addr is not None}
         self.lanes = Lanes(config, topo, NodeState(root), self._write, self._copy, token, addresses, StagingBuffers())
         self.epoch: int | None = None
@@ -98,7 +101,6 @@ class CheckpointManager:
         if self._last_step is not None and step <= self._last_step:
             raise BadArgumentError(f"step {step}: not after step {self._last_step}, the last one saved or restored; "
                                    "a CheckpointManager's steps must increase")
-        self._last_step = step
         self._finish_previous()
         if self.epoch is None:
             self.epoch = self._first_epoch()
@@ -125,7 +127,7 @@ class CheckpointManager:
                 return
             self._rp.submit(self._replicate_and_upload, step, data, handle)
 
-        self._last = handle
+        self._last, self._last_step = handle, step  # staged: this step is taken (a failed one may be retried)
         self._last_future = self._w.submit(background)
         return handle
 
@@ -158,8 +160,12 @@ class CheckpointManager:
         try:
             persist_step(self.lanes, step, data, storage)
             log.info("shardckpt tiers: step %d, restored but missing from tier 2, uploaded again", step)
-        except BaseException as e:
-            self._errors.append(e)
+        except Exception as e:  # noqa: BLE001 - tier 2 just lacks that step: training goes on (no crash loop)
+            log.warning("shardckpt tiers: step %d, restored but missing from tier 2, could not be uploaded again "
+                        "(%s); the next due step will be", step, e)
+        finally:
+            with self.lanes.state.lock:
+                self.lanes.state.pinned.discard(step)
 
     def _finish_previous(self) -> None:
         """Wait for lane W (its staging buffers are reused); a failure of lane W, or of an upload, on any rank is
@@ -187,7 +193,7 @@ class CheckpointManager:
     def _facts(self) -> restore_io.Facts:
         topo = self.lanes.topo
         return restore_io.gather_facts(self._write, topo.leader, topo.node, self.lanes.state.root,
-                                       self.config.persistent_dir, self._server.address if self._server else None)
+                                       self.config, self._server.address if self._server else None)
 
     def restore(self, target: dict | Callable[[Storage], Any]) -> restore_io.Restored | None:
         """Fill ``target`` (a state dict, in place) or call ``target(storage)`` with the newest complete and
@@ -197,12 +203,14 @@ class CheckpointManager:
         facts = self._facts()
         loader = target if callable(target) else \
             (lambda storage: load(target, storage, process_group=self._write.pg))
-        source = restore_io.Source(topo.node, self.lanes.state.root, self.lanes.token, self.config.persistent_dir,
+        source = restore_io.Source(topo.node, self.lanes.state.root, self.lanes.token, self.config,
                                    self.config.peer_timeout_s)
         restored = restore_io.restore(self._write, source, facts, loader)
         self._last_step = restored.step if restored is not None else None
         if restored is not None and self.config.persists(restored.step) and restored.candidate not in facts.persistent:
             data = facts.manifests[restored.candidate]  # due in tier 2, not committed there: a kill during its upload
+            with self.lanes.state.lock:  # every node's copy stays until the upload read it (no eviction, no trim)
+                self.lanes.state.pinned.add(restored.step)
             self._rp.submit(self._redrive, restored.step, data, restored.storage)
         self.epoch = restore_io.after_restore(topo.leader, topo.node, self.lanes.state.root, facts,
                                               restored.candidate if restored else None)
@@ -264,21 +272,23 @@ def _serve(root: str, token: str, config: TierConfig) -> PeerServer:
         return PeerServer(root, token, host, config.peer_port)
     except OSError as e:
         raise TierConfigError(f"peer_host/peer_port: cannot serve this node's tier 0 on {host}:{config.peer_port} "
-                              f"({e.strerror or e}); choose another peer_port (0: one the OS picks)") from None
+                              f"({e.strerror or e}): peer_host must be an IPv4 address of this node, peer_port a free "
+                              "port (0: one the OS picks)") from None
 
 
 _live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 
 
 def _close_managers_at_exit() -> None:
-    """A manager the program did not close is closed at exit, as ``async_save``'s savers are: the save in flight
-    reaches tier 0 (and its replicas, and tier 2 when due) instead of being dropped with the process. Runs before
+    """A manager the program did not close finishes its lanes at exit, as ``async_save``'s savers do: the save in
+    flight reaches tier 0 (and its replicas, and tier 2 when due) instead of being dropped with the process. No
+    collective of ``close`` (other ranks may be gone, or training on); failures are printed. Runs before
     concurrent.futures refuses new work at exit (registered after it, run before it)."""
-    for manager in list(_live):
-        try:
-            manager.close()
-        except BaseException as e:  # noqa: BLE001 - at exit: say it, the other managers still close
-            print(f"shardckpt tiers: closing a CheckpointManager at exit failed: {e!r}", file=sys.stderr, flush=True)
+    for manager in (m for m in list(_live) if not m._closed):
+        manager.wait()  # the lanes' collectives run on every rank's own lane threads: no rank needs to be here
+        future = getattr(manager, "_last_future", None)
+        for error in manager._errors + [e for e in [future.exception() if future else None] if e is not None]:
+            print(f"shardckpt tiers: a save in flight at exit failed: {error!r}", file=sys.stderr, flush=True)
 
 
 threading._register_atexit(_close_managers_at_exit)  # noqa: SLF001 - the hook concurrent.futures uses itself

@@ -14,8 +14,9 @@ from typing import Any, Callable
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures
 from shardckpt.errors import CheckpointError, CorruptCheckpointError
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest
-from shardckpt.io import Storage, open_storage
+from shardckpt.io import Storage
 from shardckpt.tiers import local
+from shardckpt.tiers.config import TierConfig
 from shardckpt.tiers.copy import check_file
 from shardckpt.tiers.peer import PeerStorage
 from shardckpt.tiers.peers import PERSISTENT
@@ -60,13 +61,13 @@ class Facts:
     addresses: dict
 
 
-def gather_facts(group: Group, leader: bool, node: str, root: str, persistent_dir: str | None,
+def gather_facts(group: Group, leader: bool, node: str, root: str, config: TierConfig,
                  address: tuple | None) -> Facts:
     """Node leaders scan their tier 0; rank 0 lists tier 2; all gathered on every rank."""
     found = attempt(group.rank, lambda: (local.scan(root), local.orphans(root)) if leader else None)
     reports = group.all_gather((node, found, address))
     raise_failures([f for _, f, _ in reports])
-    tier2 = attempt(0, lambda: scan_persistent(persistent_dir)) if group.is_coordinator else None
+    tier2 = attempt(0, lambda: scan_persistent(config)) if group.is_coordinator else None
     tier2 = group.broadcast(tier2)
     raise_failures([tier2])
     manifests = {c: data for c, (_, data) in tier2.items()}
@@ -80,11 +81,11 @@ def gather_facts(group: Group, leader: bool, node: str, root: str, persistent_di
     return Facts(layouts, holdings, set(tier2), manifests, addresses)
 
 
-def scan_persistent(persistent_dir: str | None) -> dict[Candidate, tuple[StepFiles, bytes]]:
+def scan_persistent(config: TierConfig) -> dict[Candidate, tuple[StepFiles, bytes]]:
     """Tier 2's committed tiers steps (a step directory with a manifest that parses)."""
-    if persistent_dir is None:
+    if config.persistent_dir is None:
         return {}
-    root = open_storage(persistent_dir)
+    root = config.persistent_storage()
     out = {}
     for name in root.list_dirs():
         if not local.STEP_RE.match(name) or not root.exists(f"{name}/{MANIFEST_NAME}"):
@@ -105,15 +106,14 @@ class Source:
     node: str
     root: str
     token: str
-    persistent_dir: str | None
+    config: TierConfig  # tier 2's place and options
     timeout_s: float
 
     def storage(self, holder: str, facts: Facts, step: int) -> Storage:
         if holder == self.node:
             return local.node_storage(self.root, step)
         if holder == PERSISTENT:
-            base = self.persistent_dir.rstrip("/")
-            return open_storage(f"{base}/{local.step_dir(step)}")
+            return self.config.persistent_storage(local.step_dir(step))
         return PeerStorage(facts.addresses[holder], self.token, local.step_dir(step), self.timeout_s)
 
 
