@@ -139,3 +139,40 @@ def test_every_package_is_installed():
     assert all(os.path.exists(os.path.join(f, "__init__.py")) for f in folders), "a package without __init__.py"
     found = {"shardckpt." + os.path.relpath(f, SRC).replace(os.sep, ".") if f != SRC else "shardckpt" for f in folders}
     assert found | {"shardckpt.cli"} == listed, "every folder of src/shardckpt needs an __init__.py and a line in pyproject"
+
+
+# Where a ``storage_options`` parameter may appear: the public edges that open a place (the verbs, ``save``,
+# ``load``, the DCP backend torch opens by path, ``open_storage`` itself) and the typed specs that carry a
+# conversion's two places to the processes that run it. Below them only an opened ``Storage`` travels.
+STORAGE_OPTIONS_EDGES = {
+    "api/check.py": {"verify", "inspect"}, "api/runs.py": {"ls"}, "api/tidy.py": {"gc", "rm", "latest"},
+    "checkpoint/save.py": {"save", "plan"}, "checkpoint/load.py": {"load", "load_pieces", "load_full"},
+    "checkpoint/lane.py": {"open_checkpoint"}, "checkpoint/latest.py": {"latest_checkpoint"},
+    "formats/detect.py": {"open_reader"}, "formats/safetensors.py": {"open_safetensors"},
+    "dcp/reader.py": {"__init__"}, "dcp/writer.py": {"__init__"},
+    "state_dict/zero_redundancy.py": {"load_zero_partition_state"}, "io/__init__.py": {"open_storage"},
+}
+
+
+def _takes_storage_options() -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for folder, _, files in os.walk(SRC):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    args = node.args.args + node.args.kwonlyargs + node.args.posonlyargs
+                    if any(a.arg in ("storage_options", "dst_storage_options") for a in args):
+                        found.setdefault(os.path.relpath(path, SRC).replace(os.sep, "/"), set()).add(node.name)
+    return found
+
+
+def test_storage_options_are_opened_at_the_edge_and_never_passed_down():
+    """Issue 42: ``storage_options`` is not a tramp parameter. A function below the edges that takes it is a
+    place that opens a path again instead of walking from the opened place (``io.navigate``)."""
+    found = _takes_storage_options()
+    extra = {path: names - STORAGE_OPTIONS_EDGES.get(path, set()) for path, names in found.items()}
+    assert not {p: n for p, n in extra.items() if n}, "storage_options taken below the edge"
+    assert found.get("api/check.py") == {"verify", "inspect"}  # the walk sees parameters: not vacuous

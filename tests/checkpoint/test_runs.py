@@ -20,7 +20,7 @@ from shardckpt.checkpoint.runs import (
 )
 from shardckpt.checkpoint.verify import verify
 from shardckpt.errors import CheckpointNotFoundError
-from shardckpt.io import open_storage
+from shardckpt.io import LocalStorage, open_storage, where
 
 # Saves steps 10 and 20, then is killed (SIGKILL, at a fixed point: halfway through the first data write)
 # in the save of step 30, as the demo's --crash-at kills a training job: step-000030/data-<gen>/ stays.
@@ -201,21 +201,21 @@ def test_a_writer_whose_directory_a_collector_removed_as_empty_makes_it_again(tm
 
 
 def test_run_dir_error_names_the_checkpoints_below_and_the_latest(run_dir):
-    error = run_dir_error(run_dir)
+    error = run_dir_error(open_storage(run_dir))
     assert isinstance(error, CheckpointNotFoundError)
     text = str(error)
     assert "a run directory, not a checkpoint" in text and "step-000010, step-000020, step-000030" in text
     assert os.path.join(run_dir, "step-000020") in text and "latest=True" in text  # (the CLI says --latest)
-    assert run_dir_error(os.path.join(run_dir, "step-000010")) is None
-    assert checkpoint_or_latest(run_dir, latest=True) == os.path.join(run_dir, "step-000020")
-    assert checkpoint_or_latest(run_dir) == run_dir
+    assert run_dir_error(open_storage(os.path.join(run_dir, "step-000010"))) is None
+    assert run_dir_error(LocalStorage(run_dir)) is None  # a Storage the caller made is one checkpoint's place
+    assert where(checkpoint_or_latest(open_storage(run_dir))) == os.path.join(run_dir, "step-000020")
 
 
 def test_latest_of_a_run_with_nothing_committed_says_so(tmp_path):
     os.makedirs(tmp_path / "run" / "step-000010" / "data-abc123")
     with pytest.raises(CheckpointError, match=r"latest=True: 1 checkpoint below \(1 incomplete\); no shardckpt checkpoint is committed"):
-        checkpoint_or_latest(tmp_path / "run", latest=True)
-    assert checkpoint_or_latest(tmp_path / "run", latest=True, required=False) == str(tmp_path / "run")
+        checkpoint_or_latest(open_storage(tmp_path / "run"))
+    assert where(checkpoint_or_latest(open_storage(tmp_path / "run"), required=False)) == str(tmp_path / "run")
 
 
 def test_gc_of_a_run_leaves_the_data_directories_of_what_is_no_checkpoint(run_dir):

@@ -88,3 +88,44 @@ def test_concurrent_reads_on_one_reader(saved):
         rows = list(pool.map(read_row, range(48)))
     for i, row in enumerate(rows):
         assert torch.equal(row, state["w"][i % 6])
+
+
+def _reads_of_index(monkeypatch) -> list[str]:
+    import shardckpt.formats.native.reader as native_reader
+
+    calls, real = [], native_reader.read_index
+    monkeypatch.setattr(native_reader, "read_index", lambda s, f, v: calls.append(f.path) or real(s, f, v))
+    return calls
+
+
+def test_a_reader_reads_each_index_once_however_many_reads_it_serves(tmp_path, monkeypatch):
+    """A reader read tensor by tensor (convert, export) parsed a file's whole index on every read: quadratic in the
+    tensors of a file (2,400 small tensors converted in 114 s, 48 ms each). Each index is now read once."""
+    state = {f"t{i}": torch.full((3, 4), float(i)) for i in range(40)}
+    shardckpt.save(state, tmp_path / "ck")
+    storage = open_storage(tmp_path / "ck")
+    reader = NativeReader(storage, read_manifest(storage))
+    calls = _reads_of_index(monkeypatch)
+    for name, t in state.items():
+        out = torch.empty(t.numel())
+        reader.read([ReadRequest(name, FlatRange(0, t.numel()), out)])
+        assert torch.equal(out.view_as(t), t)
+    assert len(calls) == len(reader.manifest.files) and len(set(calls)) == len(calls)
+    dst = tmp_path / "ws2"
+    shardckpt.convert(tmp_path / "ck", dst, world_size=2)
+    assert len(calls) == 2 * len(reader.manifest.files)  # the convert's reader: once more each, not once a tensor
+    assert shardckpt.diff(tmp_path / "ck", dst).equal
+
+
+def test_a_damaged_index_is_refused_on_every_read_not_remembered(tmp_path):
+    shardckpt.save({"a": torch.ones(4), "b": torch.zeros(4)}, tmp_path / "ck")
+    storage = open_storage(tmp_path / "ck")
+    reader = NativeReader(storage, read_manifest(storage))
+    for file in reader.manifest.files:
+        index = tmp_path / "ck" / file.index_path
+        data = bytearray(index.read_bytes())
+        data[len(data) // 2] ^= 1
+        index.write_bytes(bytes(data))
+    for name in ("a", "b", "a"):
+        with pytest.raises(shardckpt.CorruptCheckpointError, match="chunk index is damaged"):
+            reader.read([ReadRequest(name, FlatRange(0, 4), torch.empty(4))])

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 import shardckpt
 from shardckpt import ShardedTensor
 from shardckpt.checkpoint.verify import verify
+from shardckpt.io import open_storage
 from shardckpt.offline.convert import convert
 from shardckpt.offline.export import export
 from shardckpt.io import direct, local, remote, s3_transfer
@@ -136,7 +137,7 @@ def holds(op: str, root: str, version: int) -> bool:
             return set(got) == set(want["model"]) and all(torch.equal(got[k], v) for k, v in want["model"].items())
         if op.endswith("(s3)"):
             got = shardckpt.load_full(S3["url"], storage_options=S3["options"])
-            return verify(S3["url"], storage_options=S3["options"]).ok and got["step"] == version and \
+            return verify(open_storage(S3["url"], S3["options"])).ok and got["step"] == version and \
                 torch.equal(got["model"]["w"], want["model"]["w"])
         got = shardckpt.load_full(dst)
         return verify(dst).ok and got["step"] == version and torch.equal(got["model"]["w"], want["model"]["w"]) \

@@ -25,6 +25,7 @@ from shardckpt.offline.diff import diff
 from shardckpt.offline.export import export
 from shardckpt.offline.verify_export import verify_export
 from shardckpt.errors import CheckpointError
+from shardckpt.io import open_storage
 from tests.storage import _boundaries as bnd
 from tests.storage._util import zeros_like_tree
 
@@ -133,13 +134,13 @@ def _verbs(template: dict, refs: dict[str, str], scratch: str) -> dict[str, Call
         return _fingerprint(sd)
 
     def inspect(path, options):
-        info = describe(path, storage_options=options)
+        info = describe(open_storage(path, options))
         return json.dumps([info["format"], [(t["name"], t["dtype"], t["shape"], t.get("crc32c"))
                                             for t in info["tensors"]]])
 
     def verify_(path, options):
-        ok = verify_export(path, dst_storage_options=options).ok if foreign_format(path, storage_options=options) \
-            else verify(path, storage_options=options).ok
+        place = open_storage(path, options)
+        ok = verify_export(place).ok if foreign_format(place) else verify(place).ok
         if not ok:
             raise CheckpointError("verify found problems")
         return "ok"
@@ -161,7 +162,7 @@ def _verbs(template: dict, refs: dict[str, str], scratch: str) -> dict[str, Call
             shutil.rmtree(out, ignore_errors=True)
 
     def diff_(path, options):
-        return tuple(v for v, ref in refs.items() if diff(path, ref, storage_options=options).equal)
+        return tuple(v for v, ref in refs.items() if diff(open_storage(path, options), ref).equal)
 
     return {"load_full": lambda p, o: _fingerprint(shardckpt.load_full(p, storage_options=o)), "load": load,
             "inspect": inspect, "verify": verify_, "convert": convert_, "export": export_, "diff": diff_}

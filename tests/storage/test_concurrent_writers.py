@@ -13,6 +13,7 @@ import torch
 
 import shardckpt
 from shardckpt.checkpoint.verify import verify
+from shardckpt.io import open_storage
 
 TRIALS = int(os.environ.get("SHARDCKPT_RACE_TRIALS", "10"))
 
@@ -77,7 +78,7 @@ def test_of_two_writers_to_a_new_path_exactly_one_commits(where):
         winner = next(who for who, outcome in by.items() if outcome == "committed")
         got = shardckpt.load_full(path, storage_options=options)
         assert got["who"] == winner and torch.equal(got["w"], _state(winner)["w"])
-        assert verify(path, storage_options=options).ok
+        assert verify(open_storage(path, options)).ok
         assert len(generations(path)) == 1  # the loser removed its data
 
 
@@ -89,7 +90,7 @@ def test_with_overwrite_the_last_commit_wins_cleanly(where):
         assert set(by.values()) == {"committed"}, (path, by)
         got = shardckpt.load_full(path, storage_options=options)
         assert got["who"] in (1, 2) and torch.equal(got["w"], _state(got["who"])["w"])
-        assert verify(path, storage_options=options).ok
+        assert verify(open_storage(path, options)).ok
 
 
 @pytest.mark.timeout(300)

@@ -16,8 +16,8 @@ import shardckpt
 from shardckpt import CheckpointError
 from shardckpt.checkpoint.gc import gc
 from shardckpt.checkpoint.verify import verify
-from shardckpt.cli.main import main
 from shardckpt.io import open_storage
+from shardckpt.cli.main import main
 from tests.storage._util import assert_tree_equal
 
 
@@ -140,7 +140,7 @@ def test_object_store_debris_goes_by_age(backend):
     backend.write("data-abc123/rank-00000-0.bin", b"half a save")
     shardckpt.save(_state(2.0), backend.url, storage_options=backend.options, overwrite=True)
     assert backend.exists("data-abc123/rank-00000-0.bin")  # recent: perhaps a live writer's
-    assert gc(backend.url, storage_options=backend.options, min_age_s=0) == ["data-abc123"]
+    assert gc(open_storage(backend.url, backend.options), min_age_s=0) == ["data-abc123"]
     assert not backend.exists("data-abc123/rank-00000-0.bin")
     assert shardckpt.load_full(backend.url, storage_options=backend.options)["v"] == 2.0
 
@@ -155,11 +155,11 @@ def test_object_store_debris_with_an_upload_in_flight_is_a_live_save(backend):
     backend.write("data-abc123/rank-00000-0.bin", b"a finished file")
     bucket, key = backend.root.split("/", 1)
     upload = backend.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=f"{key}/data-abc123/rank-00001-0.bin")
-    assert gc(backend.url, storage_options=backend.options, min_age_s=0) == []
+    assert gc(open_storage(backend.url, backend.options), min_age_s=0) == []
     assert backend.exists("data-abc123/rank-00000-0.bin")
     backend.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=f"{key}/data-abc123/rank-00001-0.bin",
                        UploadId=upload["UploadId"])
-    assert gc(backend.url, storage_options=backend.options, min_age_s=0) == ["data-abc123"]
+    assert gc(open_storage(backend.url, backend.options), min_age_s=0) == ["data-abc123"]
 
 
 def test_a_save_whose_data_was_collected_before_its_commit_fails_and_keeps_the_previous(backend, monkeypatch):
@@ -184,7 +184,7 @@ def test_a_save_whose_data_was_collected_before_its_commit_fails_and_keeps_the_p
     monkeypatch.undo()
     assert removed
     assert shardckpt.load_full(backend.url, storage_options=backend.options)["v"] == 1.0
-    assert verify(backend.url, storage_options=backend.options).ok
+    assert verify(open_storage(backend.url, backend.options)).ok
 
 
 def test_a_temp_manifest_collected_before_its_writer_held_it_is_made_again(tmp_path, monkeypatch):
@@ -274,16 +274,16 @@ def test_a_run_directory_is_listed_and_collected_on_every_backend(backend):
     run, options = backend.url, backend.options
     shardckpt.save(_state(1.0), f"{run}/step-000010", storage_options=options)
     backend.write("step-000020/data-abc123/rank-00000-0.bin", b"half a save")
-    listing = list_checkpoints(run, storage_options=options)
+    listing = list_checkpoints(open_storage(run, options))
     states = [(e.name, e.state) for e in listing.checkpoints]
     killed = "incomplete" if backend.kind == "local" else "being written"  # object stores go by age
     assert states == [("step-000010", "committed"), ("step-000020", killed)]
     assert listing.latest.name == "step-000010" and listing.checkpoints[0].world_size == 1
     assert listing.checkpoints[0].file_bytes == sum(len(backend.read(f)) for f in backend.data_files()
                                                     if f.startswith("step-000010/"))
-    removed = gc(run, storage_options=options, min_age_s=0)
+    removed = gc(open_storage(run, options), min_age_s=0)
     assert removed == ["step-000020/data-abc123"] + (["step-000020/"] if backend.kind == "local" else [])
-    left = [(e.name, e.state) for e in list_checkpoints(run, storage_options=options).checkpoints]
+    left = [(e.name, e.state) for e in list_checkpoints(open_storage(run, options)).checkpoints]
     # (memory:// keeps directories of its own, empty now; gc removes empty directories on local disk only)
     assert left == [("step-000010", "committed")] + ([("step-000020", "empty")] if backend.kind == "memory" else [])
     assert shardckpt.load_full(f"{run}/step-000010", storage_options=options)["v"] == 1.0

@@ -12,6 +12,7 @@ import shardckpt
 from shardckpt.offline import safetensors_files
 from shardckpt.offline.export import export
 from shardckpt.offline.verify_export import verify_export
+from shardckpt.io import open_storage
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,7 +37,7 @@ def test_config_files_land_and_an_overwrite_replaces_them(tmp_path, backend):
     opts = {"dst_storage_options": backend.options}
     export(tmp_path / "ck", backend.url, config=tmp_path / "ref", max_shard_size="4KB", **opts)
     assert "config.json" in _names(backend) and "tokenizer.json" in _names(backend)
-    assert verify_export(backend.url, against=tmp_path / "ck", dst_storage_options=backend.options).ok
+    assert verify_export(open_storage(backend.url, backend.options), against=tmp_path / "ck").ok
     (tmp_path / "ref" / "tokenizer.json").unlink()
     export(tmp_path / "ck", backend.url, config=tmp_path / "ref", max_shard_size="4KB", overwrite=True,
            dtype="bfloat16", **opts)

@@ -31,7 +31,7 @@ def test_pooled_saves_load_verify_and_rm_on_s3(s3_bucket):
     for step in (2, 3):
         got = shardckpt.load_full(f"{run}/step-{step}", storage_options=options)
         assert_bits(got["model"], saved[step])
-        report = verify(f"{run}/step-{step}", storage_options=options)
+        report = verify(open_storage(f"{run}/step-{step}", options))
         assert report.ok and report.sharing["shared_bytes"] >= sd["model"]["base"].nbytes
     assert sweep_pool(open_storage(run, options)) == []  # nothing deleted without leases
     torch.testing.assert_close(shardckpt.load_full(f"{run}/step-3", storage_options=options)["model"]["lora"],

@@ -113,6 +113,7 @@ def test_export_to_s3_stages_nothing_locally_and_verifies_against_its_source(s3_
     from safetensors.torch import load as load_bytes
 
     from shardckpt.offline.export import INDEX_NAME, export
+    from shardckpt.io import open_storage
     from shardckpt.offline.verify_export import verify_export
 
     server, bucket = s3_bucket
@@ -135,7 +136,7 @@ def test_export_to_s3_stages_nothing_locally_and_verifies_against_its_source(s3_
         got.update(load_bytes(fs.cat_file(f"{bucket}/hf/{name}")))  # safetensors itself reads them
     assert sorted(got) == ["embed", "norm"] and all(torch.equal(got[k], model[k].to(torch.bfloat16)) for k in got)
     assert fs.exists(f"{bucket}/hf/{INDEX_NAME}")
-    check = verify_export(url, against=src, dst_storage_options=server.options())
+    check = verify_export(open_storage(url, server.options()), against=src)
     assert check.ok and check.values.tensors == 2
 
 

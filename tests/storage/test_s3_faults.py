@@ -51,7 +51,7 @@ def test_transient_faults_are_retried_and_the_data_is_exact(proxied):
     target = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None for k, v in _state(1).items()}
     shardckpt.load(target, url, storage_options=options)
     assert_tree_equal(target, _state(1))
-    assert verify(url, storage_options=server.options()).ok  # checked without the proxy, too
+    assert verify(open_storage(url, server.options())).ok  # checked without the proxy, too
     assert set(proxy.injected) == set(FAULTS), proxy.injected  # every kind of fault happened
     assert sum(proxy.injected.values()) >= 10, proxy.injected
 
@@ -92,7 +92,7 @@ def test_a_server_gone_mid_save_leaves_the_old_checkpoint_and_commits_nothing(pr
     assert f"{bucket}/gone/" in str(err.value)  # names the object
     assert server.raw_fs.cat_file(f"{bucket}/gone/manifest.json") == before  # nothing new committed
     assert_tree_equal(shardckpt.load_full(url, storage_options=server.options()), _state(1))
-    assert verify(url, storage_options=server.options()).ok
+    assert verify(open_storage(url, server.options())).ok
 
 
 def test_reading_from_a_server_gone_is_a_storage_error_naming_the_object(proxied):

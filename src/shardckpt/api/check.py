@@ -45,15 +45,17 @@ def verify(
     from shardckpt.checkpoint.describe import foreign_format
 
     start = time.monotonic()
-    other = foreign_format(path, storage_options=storage_options)
+    place = open_storage(path, storage_options)
+    other = foreign_format(place)
     if against is not None or (other is not None and other.startswith("safetensors")):
-        result = _verify_export(path, against, only, strip_prefix, rename_map, storage_options)
+        source = None if against is None else open_storage(against, storage_options)
+        result = _verify_export(place, source, only, strip_prefix, rename_map)
     elif other is not None:
         raise IncompatibleCheckpointError(f"{where(path)}: {other}, not a shardckpt checkpoint; verify checks "
                                           "shardckpt "
                                           "checkpoints against the checksums they store (inspect lists this one)")
     else:
-        result = _verify_checkpoint(path, open_storage(path, storage_options), threads, progress)
+        result = _verify_checkpoint(path, place, threads, progress)
     return VerifyResult(**{**result, "seconds": time.monotonic() - start})
 
 
@@ -74,13 +76,12 @@ def _verify_checkpoint(path: PathLike | Storage, storage: Storage, threads: int 
                 sharing=report.sharing)
 
 
-def _verify_export(path, against, only, strip_prefix, rename_map, storage_options) -> dict:
+def _verify_export(place: Storage, against: Storage | None, only, strip_prefix, rename_map) -> dict:
     from shardckpt.offline.verify_export import verify_export
 
-    base = dict(path=where(path), kind="export", against=None if against is None else where(against))
+    base = dict(path=where(place), kind="export", against=None if against is None else where(against))
     try:
-        check = verify_export(path, against=against, only=only, strip_prefix=strip_prefix, rename=rename_map,
-                              storage_options=storage_options, dst_storage_options=storage_options)
+        check = verify_export(place, against=against, only=only, strip_prefix=strip_prefix, rename=rename_map)
     except CheckpointError as e:  # an unreadable export or source: a failed check, named
         return dict(base, ok=False, tensors=0, tensor_bytes=0, problems=(Problem(str(e)),))
     values = check.values
@@ -110,22 +111,21 @@ def diff(a: PathLike, b: PathLike, *, progress: Progress | None = None, **option
 
     start = time.monotonic()
     spec = DiffSpec(a, b, **options)
-    storage_options = spec.storage_options
-    a, b = _sides(a, b, spec.latest, storage_options)
-    with explaining_run_dirs(storage_options, a, b):
+    a, b = _sides(open_storage(a, spec.storage_options), open_storage(b, spec.storage_options), spec.latest)
+    with explaining_run_dirs(a, b):
         report = run_diff(a, b, atol=spec.atol, rtol=spec.rtol, only=spec.only, strip_prefix=spec.strip_prefix,
-                          read_all=spec.read_all, storage_options=storage_options, progress=progress)
+                          read_all=spec.read_all, progress=progress)
     return DiffResult(where(a), where(b), report.equal, report.tensors, report.by_checksum,
                       report.bytes_read, report.plain_values, _differences(report), time.monotonic() - start,
                       _differences(report, "dtype_differences"), _differences(report, "metadata_differences"),
                       tuple(report.notes))
 
 
-def _sides(a: PathLike, b: PathLike, latest: bool, storage_options: Options | None) -> tuple[str, str]:
+def _sides(a: Storage, b: Storage, latest: bool) -> tuple[Storage, Storage]:
     """A and B, with ``latest`` each run directory among them replaced by its latest committed checkpoint."""
     from shardckpt.api.runs import resolve
 
-    sides = tuple(resolve(p, latest, storage_options, required=False) for p in (a, b))
+    sides = tuple(resolve(p, latest, required=False) for p in (a, b))
     if latest and sides == (a, b):
         raise CheckpointNotFoundError(f"latest=True: neither {where(a)} nor {where(b)} has a committed "
                                       "checkpoint below it")
@@ -150,22 +150,22 @@ def inspect(
     from shardckpt.checkpoint.describe import describe
     from shardckpt.format.manifest import FORMAT_NAME
 
-    path = resolve(path, latest, storage_options)
-    with explaining_run_dirs(storage_options, path):
-        info = describe(path, storage_options=storage_options)
+    place = resolve(open_storage(path, storage_options), latest)
+    with explaining_run_dirs(place):
+        info = describe(place)
     if info["format"] == FORMAT_NAME:
-        info["parameters"] = _by_parameter(path, storage_options)
+        info["parameters"] = _by_parameter(place)
     details = {k: v for k, v in info.items() if k not in ("path", "format", "tensors")}
-    return InspectResult(where(path), info["format"], tuple(info["tensors"]), info["total_bytes"], details)
+    return InspectResult(where(place), info["format"], tuple(info["tensors"]), info["total_bytes"], details)
 
 
-def _by_parameter(path: PathLike, options: Options | None) -> list[dict] | None:
+def _by_parameter(place: Storage) -> list[dict] | None:
     """A LOCAL checkpoint's tensors by parameter name, through its flat layouts (None: not LOCAL)."""
     from shardckpt.format.flat_layout import is_local
     from shardckpt.formats.detect import open_reader
     from shardckpt.formats.local_view import logical_view
 
-    reader = open_reader(path, storage_options=options, verify=False)
+    reader = open_reader(place, verify=False)
     if not is_local(reader.tree()):
         return None
     view = logical_view(reader)

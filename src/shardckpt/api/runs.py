@@ -8,7 +8,7 @@ import os
 from typing import Annotated, Iterator
 
 from shardckpt.api.results import LsResult
-from shardckpt.io import Storage, is_named
+from shardckpt.io import Storage, open_storage
 from shardckpt.options import STORAGE, Opt
 from shardckpt.storage_options import Options
 
@@ -33,26 +33,25 @@ def ls(
 
     from shardckpt.checkpoint.runs import list_checkpoints
 
-    listing = list_checkpoints(run_dir, storage_options=storage_options)
+    listing = list_checkpoints(open_storage(run_dir, storage_options))
     latest = listing.latest
     return LsResult(listing.path, None if latest is None else latest.name, None if latest is None else latest.path,
                     tuple(asdict(e) for e in listing.checkpoints), listing.summary())
 
 
-def resolve(path: str | os.PathLike | Storage, latest: bool, storage_options: Options | None,
-            required: bool = True) -> str | Storage:
-    """``path`` (a ``Storage`` as it is), or with ``latest`` the latest committed checkpoint below it
+def resolve(place: Storage, latest: bool, required: bool = True) -> Storage:
+    """``place`` (opened at the verb's edge), or with ``latest`` the latest committed checkpoint below it
     (``checkpoint_or_latest``)."""
     if not latest:
-        return path if not is_named(path) else os.fspath(path)
+        return place
     from shardckpt.checkpoint.runs import checkpoint_or_latest
 
-    return checkpoint_or_latest(path, latest=True, storage_options=storage_options, required=required)
+    return checkpoint_or_latest(place, required=required)
 
 
 @contextlib.contextmanager
-def explaining_run_dirs(storage_options: Options | None, *paths: str | os.PathLike) -> Iterator[None]:
-    """A "no checkpoint here" error for one of ``paths`` that is a run directory becomes one that names the
+def explaining_run_dirs(*places: Storage) -> Iterator[None]:
+    """A "no checkpoint here" error for one of ``places`` that is a run directory becomes one that names the
     checkpoints below it and the latest."""
     from shardckpt.errors import CheckpointNotFoundError
 
@@ -61,8 +60,8 @@ def explaining_run_dirs(storage_options: Options | None, *paths: str | os.PathLi
     except CheckpointNotFoundError as e:
         from shardckpt.checkpoint.runs import run_dir_error
 
-        for path in paths:
-            better = run_dir_error(path, storage_options=storage_options)
+        for place in places:
+            better = run_dir_error(place)
             if better is not None:
                 raise better from e
         raise

@@ -5,7 +5,7 @@ import os
 from typing import Annotated
 
 from shardckpt.api.results import GcResult, LatestResult, RmResult
-from shardckpt.io import where
+from shardckpt.io import open_storage, where
 from shardckpt.options import STORAGE, Opt, non_negative
 from shardckpt.api.transform import PathLike
 from shardckpt.storage_options import Options
@@ -29,7 +29,7 @@ def gc(
     """
     from shardckpt.checkpoint.gc import gc as run_gc
 
-    removed = run_gc(path, dry_run=dry_run, min_age_s=min_age, storage_options=storage_options)
+    removed = run_gc(open_storage(path, storage_options), dry_run=dry_run, min_age_s=min_age)
     return GcResult(where(path), tuple(removed), dry_run)
 
 
@@ -50,7 +50,7 @@ def rm(
     """
     from shardckpt.checkpoint.pool_gc import rm as run_rm
 
-    return RmResult(where(path), run_rm(path, force=force, storage_options=storage_options))
+    return RmResult(where(path), run_rm(open_storage(path, storage_options), force=force))
 
 
 def latest(

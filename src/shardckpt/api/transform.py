@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable
 
 from shardckpt.api.results import ConvertResult, ExportResult
-from shardckpt.io import where
+from shardckpt.io import is_named, open_storage, where
 from shardckpt.offline.spec import ConvertSpec, ExportSpec
 from shardckpt.options import takes
 
@@ -79,8 +79,10 @@ def export(src: PathLike, dst: PathLike, *, progress: Progress | None = None, **
 
     start = time.monotonic()
     spec = ExportSpec(src, dst, **options)
-    spec = dataclasses.replace(spec, src=resolve(spec.src, spec.latest, spec.storage_options), latest=False)
-    with explaining_run_dirs(spec.storage_options, spec.src):
+    source = resolve(open_storage(spec.src, spec.storage_options), spec.latest)
+    if spec.latest:  # a named source stays named (the spec's run opens it with its options, in any process)
+        spec = dataclasses.replace(spec, src=where(source) if is_named(spec.src) else source, latest=False)
+    with explaining_run_dirs(source):
         report = run(spec, progress)
     if report.kept:
         log.info("%s: resumed a killed export: kept %d finished files", dst, len(report.kept))

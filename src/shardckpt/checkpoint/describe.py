@@ -19,7 +19,6 @@ from shardckpt.formats.detect import open_reader
 from shardckpt.formats.native import NativeReader
 from shardckpt.formats.native.reader import read_index
 from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage, where
-from shardckpt.storage_options import Options
 
 
 def format_description(reader: CheckpointReader, storage: Storage) -> tuple[str, int | None]:
@@ -44,21 +43,21 @@ def _count(n: int | None, what: str) -> str:
     return f"{n if n is not None else '?'} {what}{'' if n == 1 else 's'}"
 
 
-def foreign_format(path: str | os.PathLike, *, storage_options: Options | None = None) -> str | None:
-    """The description of the format at ``path`` when it holds a checkpoint of a format other than
-    shardckpt's own; ``None`` when it holds shardckpt's format or nothing recognised. A committed manifest says
-    shardckpt's format without being read: a damaged one is for ``verify`` to report."""
-    storage = open_storage(path, storage_options)
+def foreign_format(place: str | os.PathLike | Storage) -> str | None:
+    """The description of the format at ``place`` (a local path, or the place opened) when it holds a checkpoint
+    of a format other than shardckpt's own; ``None`` when it holds shardckpt's format or nothing recognised. A
+    committed manifest says shardckpt's format without being read: a damaged one is for ``verify`` to report."""
+    storage = open_storage(place)
     if storage.exists(MANIFEST_NAME):
         return None
     try:
-        reader = open_reader(path, storage_options=storage_options, verify=False)
+        reader = open_reader(storage, verify=False)
     except CheckpointNotFoundError:
         return None
     return None if reader.facts().format == FORMAT_NAME else format_description(reader, storage)[0]
 
 
-def describe(path: str | os.PathLike, *, storage_options: Options | None = None) -> dict:
+def describe(place: str | os.PathLike | Storage) -> dict:
     """A JSON-able summary: format, world size, state-dict type, total (logical) and stored bytes, and one
     entry per tensor, with its stored bytes and codecs (from every chunk index in format v3, which may
     compress; before it every chunk is ``raw``, stored as its bytes).
@@ -66,9 +65,9 @@ def describe(path: str | os.PathLike, *, storage_options: Options | None = None)
     ``block_size`` is the checksum block size of the first data file's chunks (format v2 on; ``None`` for
     v1, whose partial reads are checked by reading whole chunks). Another format (see ``describe_reader``)
     has ``format``, ``description``, ``files``, ``total_bytes``, ``tensors`` and ``values`` only."""
-    pinned = open_checkpoint(path, process_group=LOCAL, storage_options=storage_options, verify=False)
+    pinned = open_checkpoint(place, process_group=LOCAL, verify=False)
     if not isinstance(pinned.reader, NativeReader):  # what a reader lists; shardckpt's own says more
-        return describe_reader(pinned.reader, path, pinned.storage)
+        return describe_reader(pinned.reader, where(place), pinned.storage)
     storage, manifest = pinned.storage, pinned.reader.manifest
     block_size, stored = None, _StoredForm(manifest.version)
     if manifest.version >= 2 and manifest.files:
@@ -85,7 +84,7 @@ def describe(path: str | os.PathLike, *, storage_options: Options | None = None)
                 **stored.of(t), "chunks": len(t.chunks), "crc32c": f"{t.crc32c:08x}"}
                for t in manifest.tensors.values()]
     return {
-        "path": where(path),
+        "path": where(place),
         "format": FORMAT_NAME,
         "version": manifest.version,
         "manifest_checksum": manifest.checksummed,

@@ -28,8 +28,8 @@ from functools import partial
 from shardckpt.errors import BadArgumentError, CheckpointError
 from shardckpt.format.manifest import MANIFEST_NAME, parse_manifest
 from shardckpt.format.pool import POOL_JSON
-from shardckpt.io import LocalStorage, Storage, is_named, lifecycle, open_storage
-from shardckpt.storage_options import Options
+from shardckpt.io.navigate import child as below
+from shardckpt.io import LocalStorage, Storage, lifecycle, open_storage
 
 log = logging.getLogger("shardckpt")
 REMOTE_MIN_AGE_S = 6 * 3600.0
@@ -95,21 +95,21 @@ def _min_age(storage: Storage, name: str) -> float:
     return 0.0 if isinstance(storage, LocalStorage) else REMOTE_MIN_AGE_S  # local disk goes by locks
 
 
-def gc(path: str | os.PathLike | Storage, *, dry_run: bool = False, min_age_s: float | None = None,
-       storage_options: Options | None = None) -> list[str]:
-    """``shardckpt gc``: remove what interrupted saves left at ``path`` (see the module docstring), and, where
-    ``path`` holds no committed checkpoint itself (a run directory), below it (``collect_run``); returns the
-    paths removed, relative to ``path``. ``min_age_s`` overrides the age below which an entry may still be a
-    live writer's."""
-    storage = open_storage(path, storage_options)
+def gc(place: str | os.PathLike | Storage, *, dry_run: bool = False, min_age_s: float | None = None) -> list[str]:
+    """``shardckpt gc``: remove what interrupted saves left at ``place`` (a local path, or the place opened: see
+    the module docstring), and, where it holds no committed checkpoint itself (a run directory), below it
+    (``collect_run``); returns the paths removed, relative to ``place``. ``min_age_s`` overrides the age below
+    which an entry may still be a live writer's."""
+    storage = open_storage(place)
     if not storage.is_dir():
         raise CheckpointError(f"{storage.url('')}: no such directory")
     if storage.exists(POOL_JSON):  # its data-* are named by the run's checkpoints, not by a manifest of its own
         raise BadArgumentError(f"{storage.url('')}: a run's chunk pool (incremental checkpoints); gc the run directory "
                                "above it, which removes the pool's data that no committed checkpoint names")
     removed = collect(storage, dry_run, min_age_s)
-    if committed_dir(storage) is None and is_named(path):  # a Storage is one checkpoint's place, never a run's
-        removed += collect_run(path, dry_run=dry_run, min_age_s=min_age_s, storage_options=storage_options).removed
+    if committed_dir(storage) is None and getattr(storage, "shown", None) is not None:
+        # opened from a path or URL (io.named): maybe a run directory; a caller's Storage is one checkpoint's place
+        removed += collect_run(storage, dry_run=dry_run, min_age_s=min_age_s).removed
     return removed
 
 
@@ -121,20 +121,19 @@ class RunCollected:
     removed: list[str]
 
 
-def collect_run(run_dir: str | os.PathLike, *, dry_run: bool = False, min_age_s: float | None = None,
-                storage_options: Options | None = None) -> RunCollected:
+def collect_run(run_dir: str | os.PathLike | Storage, *, dry_run: bool = False,
+                min_age_s: float | None = None) -> RunCollected:
     """The debris of every checkpoint directly below ``run_dir`` (``gc.collect`` on each, with its safety
     rules; a checkpoint: ``is_checkpoint_dir``), then each directory this leaves empty that a save made (named
     for a step, or holding the debris just removed): on local disk, removed only while empty and held by no
     one (``remove_empty_dir``; object stores have no empty directories); then the run's chunk pool, if it has one:
     the files no committed checkpoint names (``pool_gc.sweep_pool``, by reachability)."""
-    root = os.fspath(run_dir)
-    storage = open_storage(root, storage_options)
+    storage = open_storage(run_dir)
     removed = []
     for name in storage.list_dirs():
         if GENERATION_DIR.match(name) or EXPORT_STAGING.match(name):
             continue
-        child = open_storage(child_path(root, name), storage_options)
+        child = below(storage, name)
         if not is_checkpoint_dir(child, name):
             continue
         try:
@@ -165,8 +164,4 @@ def is_checkpoint_dir(storage: Storage, name: str) -> bool:
     names = storage.list_files() + storage.list_dirs()
     return any(_TEMP_MANIFEST.match(n) or EXPORT_TEMP.match(n) or EXPORT_STAGING.match(n) for n in names)
 
-
-def child_path(root: str, name: str) -> str:
-    """The path or URL of ``name`` directly below ``root``."""
-    return f"{root.rstrip('/')}/{name}" if "://" in root else os.path.join(root, name)
 

@@ -98,10 +98,10 @@ def open_checkpoint(where: str | os.PathLike | Storage, *, process_group: Any = 
     ``formats.detect.open_reader`` reads. ``io_threads`` bounds concurrent reads; ``verify`` checks the checksums
     a format stores. Raises ``CheckpointNotFoundError`` where nothing is recognised, on every rank."""
     group = resolve_group(process_group)
-    storage = open_storage(where, storage_options) if isinstance(where, (str, os.PathLike)) else where
+    storage = open_storage(where, storage_options)
     data = _committed_manifest(group, storage)
     if data is None:
-        other = _other_format(group, where, storage_options, io_threads, verify)
+        other = _other_format(group, storage, io_threads, verify)
         if other is not None:
             return PinnedReader(group, storage, other, io_threads, verify)
         data = _committed_manifest(group, storage)  # a manifest committed since rank 0 looked
@@ -147,13 +147,11 @@ def _committed_manifest(group: Group, storage: Storage, quiet: bool = False) -> 
     return data
 
 
-def _other_format(group: Group, where: str | os.PathLike | Storage, storage_options: Options | None, io_threads: int,
-                  verify: bool) -> CheckpointReader | None:
-    """The reader of another format at ``where``, opened on every rank (a failure on any: raised on all); None when
+def _other_format(group: Group, storage: Storage, io_threads: int, verify: bool) -> CheckpointReader | None:
+    """The reader of another format at ``storage``, opened on every rank (a failure on any: raised on all); None when
     some rank found shardckpt's own format there after all (committed since rank 0 looked: every rank reads it
     from rank 0's manifest then)."""
-    outcome = attempt(group.rank, lambda: open_reader(where, storage_options=storage_options, io_threads=io_threads,
-                                                      verify=verify))
+    outcome = attempt(group.rank, lambda: open_reader(storage, io_threads=io_threads, verify=verify))
     seen = group.all_gather(outcome if isinstance(outcome, Failure) else isinstance(outcome, NativeReader))
     raise_failures(seen)
     return None if any(s is True for s in seen) else outcome

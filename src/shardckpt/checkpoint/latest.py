@@ -6,6 +6,7 @@ import re
 
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.errors import BadArgumentError
+from shardckpt.io.navigate import child
 from shardckpt.io import LocalStorage, Storage, is_named, open_storage, where
 from shardckpt.storage_options import Options
 
@@ -41,11 +42,15 @@ def latest_checkpoint(root: str | os.PathLike, *, storage_options: Options | Non
     if not is_named(root):
         raise BadArgumentError(f"{where(root)}: latest_checkpoint looks below a run directory, named by a path or "
                                "URL; a Storage is one checkpoint's place")
-    storage = open_storage(root, storage_options)
-    named = sorted(((step, name) for name in child_dirs(storage) if (step := step_of(name)) is not None),
-                   reverse=True)
+    latest = latest_in(open_storage(root, storage_options))
+    return None if latest is None else where(latest)
+
+
+def latest_in(run: Storage) -> Storage | None:
+    """The committed checkpoint directly under run directory ``run`` with the highest step in its name (see
+    ``latest_checkpoint``), or None."""
+    named = sorted(((step, name) for name in child_dirs(run) if (step := step_of(name)) is not None), reverse=True)
     for _, name in named:
-        if storage.exists(f"{name}/{MANIFEST_NAME}"):
-            root = os.fspath(root)
-            return f"{root.rstrip('/')}/{name}" if "://" in root else os.path.join(root, name)
+        if run.exists(f"{name}/{MANIFEST_NAME}"):
+            return child(run, name)
     return None

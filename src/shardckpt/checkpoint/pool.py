@@ -18,18 +18,9 @@ from shardckpt.format.chunk_identity import ChunkKey, StoredChunk
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import MANIFEST_NAME, POOL_DIR, POOL_PATH, FileEntry, Manifest, chunks_of, parse_manifest
 from shardckpt.format.pool import POOL_JSON, PoolInfo, new_pool_info
-from shardckpt.formats.native.pool import pool_storage, read_pool_info, sibling_storage
+from shardckpt.formats.native.pool import pool_storage, read_pool_info, run_storage
 from shardckpt.formats.native.reader import read_index
-from shardckpt.io import LocalStorage, Storage, lifecycle
-
-
-def run_storage(step: Storage) -> Storage:
-    """The run directory: the parent of the checkpoint directory ``step``."""
-    parent = sibling_storage(step, "x")
-    if isinstance(parent, LocalStorage):
-        return LocalStorage(os.path.dirname(parent.root), parent.direct_io, parent.durable)
-    parent.root = parent.root.rsplit("/", 1)[0]
-    return parent
+from shardckpt.io import Storage, lifecycle
 
 
 def check_pool_argument(incremental: object, step: Storage) -> None:

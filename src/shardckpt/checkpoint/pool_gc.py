@@ -27,24 +27,11 @@ from shardckpt.checkpoint.pool import pool_checkpoints, referenced_files, run_st
 from shardckpt.checkpoint.retention import Retention, steps_to_remove
 from shardckpt.errors import CheckpointError, CheckpointNotFoundError
 from shardckpt.format.manifest import MANIFEST_NAME, POOL_DIR, parse_manifest
-from shardckpt.formats.native.pool import read_pool_info, sibling_storage
+from shardckpt.formats.native.pool import read_pool_info
 from shardckpt.io import LocalStorage, Storage, lifecycle, open_storage
-from shardckpt.storage_options import Options
+from shardckpt.io.navigate import child, name_of
 
 log = logging.getLogger("shardckpt")
-
-
-def pool_of_run(run: Storage) -> Storage:
-    """The pool directory of run directory ``run``."""
-    return sibling_storage(child_storage(run, "x"), POOL_DIR)
-
-
-def child_storage(run: Storage, name: str) -> Storage:
-    if isinstance(run, LocalStorage):
-        return LocalStorage(os.path.join(run.root, name), run.direct_io, run.durable)
-    child = sibling_storage(run, "x")
-    child.root = f"{run.root.rstrip('/')}/{name}"
-    return child
 
 
 def remove_file(storage: Storage, path: str) -> None:
@@ -64,7 +51,7 @@ def remove_file(storage: Storage, path: str) -> None:
 def sweep_pool(run: Storage, dry_run: bool = False) -> list[str]:
     """Delete (or, ``dry_run``, list) the pool files of run directory ``run`` that no committed checkpoint names and
     no live save holds; returns their paths relative to the run directory (``shardckpt-pool/data-<g>/<file>``)."""
-    pool = pool_of_run(run)
+    pool = child(run, POOL_DIR)
     info = read_pool_info(pool)
     local = isinstance(pool, LocalStorage)
     if info is None or not local:
@@ -106,19 +93,22 @@ def _delete_unnamed(pool: Storage, generations: list[str], named: set[str], dry_
     return removed
 
 
-def rm(path: str | os.PathLike, *, force: bool = False, storage_options: Options | None = None) -> str:
-    """Remove the checkpoint at ``path``: its manifest is deleted first, in one atomic step (the commit point of the
-    removal), then what is left of its directory. A pooled checkpoint's data stays in the pool until ``gc`` finds
-    no committed checkpoint naming it, so removing one never breaks another. Without ``force``, the run's latest
-    committed checkpoint is refused. Returns the removed checkpoint's URL."""
-    local = isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)
-    step = open_storage(os.path.realpath(path) if local else path, storage_options)  # a link: its target goes
+def rm(place: str | os.PathLike | Storage, *, force: bool = False) -> str:
+    """Remove the checkpoint at ``place`` (a local path, or the place opened): its manifest is deleted first, in
+    one atomic step (the commit point of the removal), then what is left of its directory. A pooled checkpoint's
+    data stays in the pool until ``gc`` finds no committed checkpoint naming it, so removing one never breaks
+    another. Without ``force``, the run's latest committed checkpoint is refused. Returns the removed checkpoint's
+    URL."""
+    given = open_storage(place)
+    local = isinstance(given, LocalStorage)
+    # A link: its target goes.
+    step = LocalStorage(os.path.realpath(given.root), given.direct_io, given.durable) if local else given
     if not step.exists(MANIFEST_NAME):
         raise CheckpointNotFoundError(f"{step.url(MANIFEST_NAME)}: no committed checkpoint here to remove")
     manifest = parse_manifest(step.read_bytes(MANIFEST_NAME), step.url(MANIFEST_NAME))
     run = run_storage(step)
-    name = step.root.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
-    if not force and (_latest_through_links(path) if local else _is_latest(run, name)):
+    name = name_of(step)
+    if not force and (_latest_through_links(given.root) if local else _is_latest(run, name)):
         raise CheckpointError(f"{step.url('')}: the run's latest committed checkpoint; pass force=True to remove "
                               "it")
     remove_checkpoint(run, name)
@@ -128,7 +118,7 @@ def rm(path: str | os.PathLike, *, force: bool = False, storage_options: Options
 
 def remove_checkpoint(run: Storage, name: str) -> None:
     """Delete ``name``'s manifest (local: ``unlink``, then the directory made durable), then its directory."""
-    step = child_storage(run, name)
+    step = child(run, name)
     remove_file(step, MANIFEST_NAME)
     if isinstance(step, LocalStorage):
         step.sync_dir("")
@@ -169,7 +159,7 @@ def tidy_after_save(step: Storage, pool_id: str, policy: Retention | None) -> An
     manifests and the pool). Failures are logged, never raised: the save is committed."""
     try:
         run = run_storage(step)
-        name = step.root.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
+        name = name_of(step)
         if policy is not None:
             apply_retention(run, pool_id, policy, name)
         if isinstance(step, LocalStorage) or policy is not None:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from shardckpt.checkpoint.gc import EXPORT_STAGING, GENERATION_DIR, STEP_NAME, child_path, collect, debris, is_checkpoint_dir
+from shardckpt.checkpoint.gc import EXPORT_STAGING, GENERATION_DIR, STEP_NAME, collect, debris, is_checkpoint_dir
 from shardckpt.checkpoint.latest import step_of
 from shardckpt.errors import BadArgumentError, CheckpointError, CheckpointNotFoundError
 from shardckpt.format.manifest import FORMAT_NAME, MANIFEST_NAME
-from shardckpt.io import Storage, is_named, open_storage, where
-from shardckpt.storage_options import Options
+from shardckpt.io import Storage, open_storage, where
+from shardckpt.io.navigate import child
 
 COMMITTED, INCOMPLETE, WRITING, EMPTY, UNREADABLE = "committed", "incomplete", "being written", "empty", "unreadable"
 RUN_DIR = "run directory"  # no checkpoint itself, but committed shardckpt checkpoints below (runs/demo/checkpoints)
@@ -64,35 +64,34 @@ class RunListing:
         return f"{len(self.checkpoints)} checkpoint{'s' if len(self.checkpoints) != 1 else ''} below ({states}); {latest}"
 
 
-def list_checkpoints(run_dir: str | os.PathLike, *, storage_options: Options | None = None) -> RunListing:
-    """The checkpoints directly below ``run_dir`` (a path or fsspec URL; see the module's docstring).
+def list_checkpoints(run_dir: str | os.PathLike | Storage) -> RunListing:
+    """The checkpoints directly below ``run_dir`` (a local path, or the place opened: see the module's docstring).
     Directories holding neither a checkpoint nor debris (``logs/``) are left out, and empty ones unless
     named for a step. Raises ``CheckpointNotFoundError`` when ``run_dir`` is not a directory."""
-    root = os.fspath(run_dir)
-    storage = open_storage(root, storage_options)
+    storage = open_storage(run_dir)
     if not storage.is_dir():
         raise CheckpointNotFoundError(f"{storage.url('')}: no such directory")
     entries = []
     for name in storage.list_dirs():
         if GENERATION_DIR.match(name) or EXPORT_STAGING.match(name):
             continue  # run_dir is itself a checkpoint's directory: its data, not a checkpoint
-        entry = _entry(open_storage(child_path(root, name), storage_options), name, child_path(root, name),
-                       storage_options)
+        below = child(storage, name)
+        entry = _entry(below, name, where(below))
         if entry is not None:
             entries.append(entry)
     entries.sort(key=lambda e: (e.step is None, e.step or 0, e.name))
     native = [e for e in entries if e.state == COMMITTED and e.format == FORMAT_NAME and e.step is not None]
-    return RunListing(root, entries, max(native, key=lambda e: (e.step, e.name), default=None))
+    return RunListing(where(storage), entries, max(native, key=lambda e: (e.step, e.name), default=None))
 
 
-def _entry(storage: Storage, name: str, path: str, options: Options | None) -> CheckpointEntry | None:
+def _entry(storage: Storage, name: str, path: str) -> CheckpointEntry | None:
     try:
-        return _read_entry(storage, name, path, options)
+        return _read_entry(storage, name, path)
     except CheckpointError as e:  # a manifest that does not parse, a file gone while it was listed
         return CheckpointEntry(name, path, step_of(name), UNREADABLE, detail=str(e))
 
 
-def _read_entry(storage: Storage, name: str, path: str, options: Options | None) -> CheckpointEntry | None:
+def _read_entry(storage: Storage, name: str, path: str) -> CheckpointEntry | None:
     step = step_of(name)
     removable, live = _uncommitted(storage) if is_checkpoint_dir(storage, name) else ([], [])
     extra = {"debris": removable, "debris_bytes": sum(_bytes(storage, d) for d in removable), "live": live}
@@ -106,17 +105,16 @@ def _read_entry(storage: Storage, name: str, path: str, options: Options | None)
         return CheckpointEntry(name, path, step, WRITING if live else INCOMPLETE, **extra)
     if not storage.list_dirs() and not storage.list_files():
         return CheckpointEntry(name, path, step, EMPTY) if STEP_NAME.search(name) else None
-    return _foreign(storage, name, path, step, options)
+    return _foreign(storage, name, path, step)
 
 
-def _foreign(storage: Storage, name: str, path: str, step: int | None,
-             options: Options | None) -> CheckpointEntry | None:
+def _foreign(storage: Storage, name: str, path: str, step: int | None) -> CheckpointEntry | None:
     """A checkpoint of another format (an export, a torch DCP directory), or None when nothing reads it."""
     from shardckpt.checkpoint.describe import format_description
     from shardckpt.formats.detect import open_reader
 
     try:
-        reader = open_reader(path, storage_options=options, verify=False)
+        reader = open_reader(storage, verify=False)
     except CheckpointNotFoundError:
         below = sum(storage.exists(f"{d}/{MANIFEST_NAME}") for d in storage.list_dirs())
         return CheckpointEntry(name, path, step, RUN_DIR, detail=f"{below} committed below") if below else None
@@ -142,44 +140,40 @@ def _bytes(storage: Storage, path: str) -> int:
     return files + sum(_bytes(storage, prefix + d) for d in storage.list_dirs(path))
 
 
-def run_dir_error(path: str | os.PathLike, *, storage_options: Options | None = None) -> CheckpointNotFoundError | None:
-    """For a ``path`` that holds no checkpoint itself: if checkpoints lie below it (a run directory), the
-    error that says which and how to pick one (else None: the caller's own error stands, as for a path that is a
-    committed checkpoint itself, with others below it: the error was another path's; a ``Storage`` is one
-    checkpoint's place, never a run directory)."""
-    if not is_named(path):
+def run_dir_error(place: Storage) -> CheckpointNotFoundError | None:
+    """For a place that holds no checkpoint itself: if checkpoints lie below it (a run directory), the error that
+    says which and how to pick one (else None: the caller's own error stands, as for a place that is a committed
+    checkpoint itself, with others below it: the error was another path's). Only a place opened from a path or
+    URL (``io.named``) is looked below: a ``Storage`` the caller made is one checkpoint's place."""
+    if getattr(place, "shown", None) is None:
         return None
+    path = where(place)
     try:
-        if open_storage(path, storage_options).exists(MANIFEST_NAME):
+        if place.exists(MANIFEST_NAME):
             return None
-        listing = list_checkpoints(path, storage_options=storage_options)
+        listing = list_checkpoints(place)
     except CheckpointError:
         return None
     if not listing.checkpoints:
         return None
     names = [e.name for e in listing.checkpoints]
     shown = ", ".join(names[:3] + ["..."] + names[-2:] if len(names) > 6 else names)
-    pick = f"pass it, or latest=True (`shardckpt ls {os.fspath(path)}` lists them)" if listing.latest else \
-        f"`shardckpt ls {os.fspath(path)}` says what each holds"
-    return CheckpointNotFoundError(f"{os.fspath(path)}: a run directory, not a checkpoint: {listing.summary()} "
+    pick = f"pass it, or latest=True (`shardckpt ls {path}` lists them)" if listing.latest else \
+        f"`shardckpt ls {path}` says what each holds"
+    return CheckpointNotFoundError(f"{path}: a run directory, not a checkpoint: {listing.summary()} "
                                    f"[{shown}]; {pick}")
 
 
-def checkpoint_or_latest(path: str | os.PathLike, *, latest: bool = False, storage_options: Options | None = None,
-                         required: bool = True) -> str:
-    """``path``; with ``latest``, the latest committed checkpoint below it (``RunListing.latest``). Where
-    there is none: ``CheckpointNotFoundError`` naming what lies below, or, not ``required``, ``path``. A run
-    directory is a path or URL: ``latest`` with a ``Storage`` is refused."""
-    if not is_named(path):
-        if latest:
-            raise BadArgumentError(f"{where(path)}: latest=True looks below a run directory, named by a path or URL; "
-                                   "a Storage is one checkpoint's place")
-        return path
-    if not latest:
-        return os.fspath(path)
-    listing = list_checkpoints(path, storage_options=storage_options)
+def checkpoint_or_latest(place: Storage, *, required: bool = True) -> Storage:
+    """The latest committed checkpoint below run directory ``place`` (``RunListing.latest``). Where there is
+    none: ``CheckpointNotFoundError`` naming what lies below, or, not ``required``, ``place``. A run directory is
+    opened from a path or URL (``io.named``): ``latest`` with a ``Storage`` the caller made is refused."""
+    if getattr(place, "shown", None) is None:
+        raise BadArgumentError(f"{where(place)}: latest=True looks below a run directory, named by a path or URL; "
+                               "a Storage is one checkpoint's place")
+    listing = list_checkpoints(place)
     if listing.latest is not None:
-        return listing.latest.path
+        return child(place, listing.latest.name)
     if not required:
-        return os.fspath(path)
-    raise CheckpointNotFoundError(f"{os.fspath(path)}: latest=True: {listing.summary()}")
+        return place
+    raise CheckpointNotFoundError(f"{where(place)}: latest=True: {listing.summary()}")

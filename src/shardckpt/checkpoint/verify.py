@@ -28,7 +28,6 @@ from shardckpt.formats.native import read_manifest
 from shardckpt.formats.native.pool import files_view
 from shardckpt.formats.native.frames import StoredChunk, block_problem, read_span
 from shardckpt.formats.native.reader import Index, check_data_file, read_index, record_problem
-from shardckpt.storage_options import Options
 
 READ_SIZE = 16 << 20  # bytes read at a time when checksumming a chunk
 
@@ -126,15 +125,15 @@ def _sharing(storage: Storage, manifest: Manifest) -> dict | None:
     return sharing_json(sharing_of(storage, manifest))
 
 
-def verify(path: str | os.PathLike | Storage, *, storage_options: Options | None = None,
-           io_threads: int = DEFAULT_IO_THREADS,
+def verify(place: str | os.PathLike | Storage, *, io_threads: int = DEFAULT_IO_THREADS,
            progress: Callable[[int, int], None] | None = None) -> VerifyReport:
-    """Check everything about the checkpoint at ``path``; problems are collected, not raised.
+    """Check everything about the checkpoint at ``place`` (a local path, or the place opened: ``shardckpt.verify``
+    opens it with the caller's options); problems are collected, not raised.
 
     Raises ``CheckpointNotFoundError`` if there is no checkpoint, ``CorruptCheckpointError`` if the
     manifest itself is damaged. ``progress(done_bytes, total_bytes)`` is called as data is read.
     """
-    storage = open_storage(path, storage_options)
+    storage = open_storage(place)
     manifest = read_manifest(storage)
     report = VerifyReport(tensors=len(manifest.tensors), version=manifest.version,
                           manifest_checksum=manifest.checksummed, sharing=_sharing(storage, manifest))

@@ -36,7 +36,8 @@ from shardckpt.formats.native import NativeReader, read_manifest
 from shardckpt.formats.safetensors import SafetensorsReader
 from shardckpt.formats.safetensors_header import INDEX_NAME, MAX_HEADER_SIZE, SUFFIX
 from shardckpt.formats.torch_save import TorchSaveReader, is_torch_save, local_path
-from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage, split_url
+from shardckpt.io import DEFAULT_IO_THREADS, FsspecStorage, LocalStorage, Storage, is_named, open_storage, where
+from shardckpt.io.navigate import parent
 from shardckpt.storage_options import Options
 
 HEAD_BYTES = 16  # what the file detectors see of a file's beginning
@@ -44,13 +45,14 @@ HEAD_BYTES = 16  # what the file detectors see of a file's beginning
 
 @dataclass
 class Place:
-    """What the detectors look at: ``path`` as a directory (``storage``) and, when it is a file, its bytes.
+    """What the detectors look at: ``storage`` (the place, opened once) as a directory and, when it is a file, its
+    bytes, read through its parent directory; ``path`` names it in messages.
 
     Everything is looked up lazily and at most once, so a detector pays only for what it asks.
     """
 
     path: str
-    storage_options: Options | None = None
+    storage: Storage
     io_threads: int = DEFAULT_IO_THREADS
     verify: bool = True
     _cache: dict = field(default_factory=dict, repr=False)
@@ -61,21 +63,13 @@ class Place:
         return self._cache[key]
 
     @property
-    def storage(self) -> Storage:
-        """The path as a directory or URL prefix."""
-        return self._memo("storage", lambda: open_storage(self.path, self.storage_options))
-
-    @property
     def is_dir(self) -> bool:
         return self._memo("is_dir", lambda: self.storage.is_dir())
 
     @property
     def parent(self) -> tuple[Storage, str]:
         """The storage of the path's directory, and the path's name in it."""
-        def make():
-            parent, name = split_url(self.path)
-            return open_storage(parent, self.storage_options), name
-        return self._memo("parent", make)
+        return self._memo("parent", lambda: parent(self.storage))
 
     @property
     def file_size(self) -> int | None:
@@ -183,9 +177,9 @@ def open_reader(path: str | os.PathLike | Storage, *, storage_options: Options |
     checksums) matters for formats that store them (shardckpt's own). Raises ``CheckpointNotFoundError``
     when no format is recognised, and the format's own errors when a recognised one is damaged.
     """
-    files = isinstance(path, (str, os.PathLike))  # a Storage is a directory: the file detectors look at a parent
-    place = Place(os.fspath(path), storage_options, io_threads, verify) if files else \
-        Place(path.url(""), None, io_threads, verify, {"storage": path})
+    storage = open_storage(path, storage_options)
+    place = Place(os.fspath(path) if is_named(path) else where(path), storage, io_threads, verify)
+    files = isinstance(storage, (LocalStorage, FsspecStorage))  # else a caller's Storage: a directory, no parent
     for _, detect in DIRECTORY_DETECTORS + (FILE_DETECTORS if files else []):
         reader = detect(place)
         if reader is not None:

@@ -45,7 +45,8 @@ from shardckpt.formats.requests import CheckedRequest, check_requests
 from shardckpt.formats.safetensors_header import (
     EXPORT_ID_KEY, INDEX_NAME, MAX_INDEX_SIZE, METADATA_KEY, SHARD_NAME, SUFFIX, FileHeader, parse_index, read_header,
 )
-from shardckpt.io import DEFAULT_IO_THREADS, Storage, lifecycle, open_storage, split_url
+from shardckpt.io import DEFAULT_IO_THREADS, Storage, lifecycle, open_storage
+from shardckpt.io.navigate import parent
 from shardckpt.regions import contiguous_runs
 from shardckpt.tensor_views import as_bytes, from_bytes
 from shardckpt.storage_options import Options
@@ -256,8 +257,8 @@ def _refuse_other_exports(reader: SafetensorsReader) -> None:
 def open_safetensors(path: str | os.PathLike, storage_options: Options | None = None, *,
                      io_threads: int = DEFAULT_IO_THREADS) -> SafetensorsReader:
     """A ``.safetensors`` file, or a directory (index or one file), by local path or fsspec URL."""
-    path = os.fspath(path)
-    if path.rstrip("/").endswith(SUFFIX):
-        parent, name = split_url(path)
-        return SafetensorsReader.from_file(open_storage(parent, storage_options), name, io_threads=io_threads)
-    return SafetensorsReader.from_directory(open_storage(path, storage_options), io_threads=io_threads)
+    storage = open_storage(path, storage_options)
+    if os.fspath(path).rstrip("/").endswith(SUFFIX):
+        directory, name = parent(storage)
+        return SafetensorsReader.from_file(directory, name, io_threads=io_threads)
+    return SafetensorsReader.from_directory(storage, io_threads=io_threads)

@@ -13,7 +13,7 @@ from shardckpt.storage_options import Options, StorageOptions, StorageTuning, as
 
 __all__ = ["DEFAULT_IO_THREADS", "DirHold", "FileWriter", "FsspecStorage", "Lifecycle", "LocalStorage", "NoLifecycle",
            "S3Storage", "Storage", "StorageOptions", "StorageTuning", "is_named", "lifecycle", "open_storage",
-           "split_url", "where"]
+           "named", "split_url", "where"]
 
 DEFAULT_IO_THREADS = 4  # concurrent reads per rank (load, verify)
 
@@ -33,10 +33,8 @@ def open_storage(path: str | os.PathLike | Storage,
         return path
     path = os.fspath(path)
     options = as_storage_options(storage_options)
-    if "://" not in path:
-        return LocalStorage(path)
-    if path.startswith("file://"):
-        return LocalStorage(path[len("file://"):])
+    if "://" not in path or path.startswith("file://"):
+        return named(LocalStorage(path[len("file://"):] if path.startswith("file://") else path), path)
     s3 = path.startswith(("s3://", "s3a://"))
     try:
         import fsspec
@@ -55,6 +53,13 @@ def open_storage(path: str | os.PathLike | Storage,
     except Exception as e:  # noqa: BLE001 - whatever the backend says of the URL or the options
         raise StorageConfigError(f"cannot open {path}: {type(e).__name__}: {e}. Check the URL and the storage "
                                  f"options ({_option_names(options.fsspec)}; --storage-option KEY=VALUE)") from e
+    return named(storage, path)
+
+
+def named(storage: Storage, name: str) -> Storage:
+    """``storage``, remembering the path or URL it was opened by (``shown``): what ``where`` says of it, so that
+    messages and results name a place as the caller wrote it (``runs/a/step-000040``, not its absolute path)."""
+    storage.shown = name
     return storage
 
 
@@ -65,7 +70,13 @@ def is_named(place: str | os.PathLike | Storage) -> bool:
 
 def where(place: str | os.PathLike | Storage) -> str:
     """A path, URL or ``Storage`` as text, for messages and results."""
-    return os.fspath(place) if isinstance(place, (str, os.PathLike)) else place.url("").rstrip("/") or place.root
+    if isinstance(place, (str, os.PathLike)):
+        return os.fspath(place)
+    if getattr(place, "shown", None):
+        return place.shown
+    if isinstance(place, FsspecStorage):
+        return place._display("")  # with its scheme: s3://bucket/prefix
+    return place.url("").rstrip("/") or place.root
 
 
 def _storage(fs, root: str, tuning: S3Tuning | None) -> Storage:

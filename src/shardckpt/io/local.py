@@ -133,6 +133,8 @@ class LocalStorage:
     """A directory on local disk. ``durable=False``: files written are not fsynced (nor directories), for a copy
     that a process restart must keep but a node crash may lose (tier 0 of ``shardckpt.tiers``)."""
 
+    shown: str | None = None  # the path it was opened by (``io.named``)
+
     def __init__(self, root: str, direct_io: bool | None = None, durable: bool = True):
         """``direct_io``: write data files past the page cache (``io.direct``); default on, unless the environment
         sets ``SHARDCKPT_DIRECT_IO=0``, and never for a store that is not ``durable`` (its copies live in memory)."""

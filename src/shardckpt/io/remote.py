@@ -38,6 +38,8 @@ def _modified(info: dict) -> float | None:
 class FsspecStorage:
     """Any fsspec filesystem. Object stores get whole-object puts (atomic) and ranged GETs; no renames."""
 
+    shown: str | None = None  # the URL it was opened by (``io.named``)
+
     def __init__(self, fs, root: str, protocol: str):
         self.fs, self.root, self._protocol = fs, root.rstrip("/"), protocol
 

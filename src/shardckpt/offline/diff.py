@@ -41,12 +41,12 @@ from shardckpt.format.flat_layout import LAYOUTS_KEY, is_local
 from shardckpt.format.tree import TensorRef, leaves, path_name
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
 from shardckpt.formats.detect import open_reader
+from shardckpt.io import Storage
 from shardckpt.formats.local_view import logical_view
 from shardckpt.formats.safetensors import SafetensorsReader
 from shardckpt.formats.safetensors_header import METADATA_KEY
 from shardckpt.regions import FlatRange
 from shardckpt.tensor_views import as_bytes
-from shardckpt.storage_options import Options
 
 SLICE_BYTES = 64 << 20  # per side and per read: the memory a comparison holds
 # hi - lo of two integers of n bytes wraps in their own type, but is exact read as unsigned: it is < 2**(8n)
@@ -104,16 +104,16 @@ class Comparison:
         return not self.read_all
 
 
-def diff(a: str | os.PathLike | CheckpointReader, b: str | os.PathLike | CheckpointReader, *,
-         storage_options: Options | None = None, slice_bytes: int = SLICE_BYTES,
+def diff(a: str | os.PathLike | Storage | CheckpointReader, b: str | os.PathLike | Storage | CheckpointReader, *,
+         slice_bytes: int = SLICE_BYTES,
          progress: Callable[[int, int], None] | None = None, **comparison: Any) -> DiffReport:
-    """Compare checkpoints ``a`` and ``b`` (paths, URLs or readers); differences are collected, not raised.
+    """Compare checkpoints ``a`` and ``b`` (local paths, opened places or readers); differences are collected, not raised.
     ``comparison``: ``Comparison``'s fields (see the module's docstring for ``only``, ``strip_prefix``, tolerances
     and metadata).
 
     Unreadable input raises a ``CheckpointError`` subclass naming the file."""
     rules = Comparison(**comparison)
-    ra, rb = (r if isinstance(r, CheckpointReader) else open_reader(r, storage_options=storage_options) for r in (a, b))
+    ra, rb = (r if isinstance(r, CheckpointReader) else open_reader(r) for r in (a, b))
     metadata = (_file_metadata(ra), _file_metadata(rb))
     ra, rb = _comparable(ra, rb)
     report = DiffReport()

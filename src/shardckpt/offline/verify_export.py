@@ -32,7 +32,7 @@ from shardckpt.formats.detect import open_reader
 from shardckpt.formats.safetensors import SafetensorsReader
 from shardckpt.formats.safetensors_header import INDEX_NAME, SUFFIX
 from shardckpt.formats.local_view import logical_view
-from shardckpt.storage_options import Options
+from shardckpt.io import Storage, where
 
 
 @dataclass
@@ -48,21 +48,20 @@ class ExportCheck:
         return not self.problems and (self.values is None or self.values.equal)
 
 
-def verify_export(dst: str | os.PathLike, *, against: str | os.PathLike | None = None,
+def verify_export(dst: str | os.PathLike | Storage, *, against: str | os.PathLike | Storage | None = None,
                   only: Sequence[str] | None = None, strip_prefix: str | None = None,
-                  rename: Mapping[str, str | None] | None = None, storage_options: Options | None = None,
-                  dst_storage_options: Options | None = None) -> ExportCheck:
-    """Check the export at ``dst`` (see the module's docstring). Problems are collected, not raised; an
-    unreadable export or source raises a ``CheckpointError`` naming the file."""
-    reader = open_reader(dst, storage_options=dst_storage_options)
+                  rename: Mapping[str, str | None] | None = None) -> ExportCheck:
+    """Check the export at ``dst`` (see the module's docstring; a local path, or the place opened). Problems are
+    collected, not raised; an unreadable export or source raises a ``CheckpointError`` naming the file."""
+    reader = open_reader(dst)
     if not isinstance(reader, SafetensorsReader):
-        raise CheckpointError(f"{dst}: not a safetensors export (verify checks shardckpt checkpoints by their "
+        raise CheckpointError(f"{where(dst)}: not a safetensors export (verify checks shardckpt checkpoints by their "
                               "own checksums; --against is for exports)")
     infos = reader.tensors()
     check = ExportCheck(len(reader.headers), len(infos), sum(h.size for h in reader.headers.values()),
                         _structure_problems(reader))
     if against is not None:
-        source = logical_view(open_reader(against, storage_options=storage_options))
+        source = logical_view(open_reader(against))
         expected = _ExpectedExport(source, only, strip_prefix, Renames(rename or {}), infos, _config_ties(reader))
         check.problems += expected.problems
         check.values = diff(expected, reader)

@@ -13,7 +13,7 @@ from shardckpt.format.manifest import FORMAT_NAME, MANIFEST_NAME, Manifest, pars
 from shardckpt.formats.api import Facts, ReadRequest, TensorInfo
 from shardckpt.formats.native.plan import plan_reads
 from shardckpt.formats.native.pool import files_view
-from shardckpt.formats.native.reader import check_stored, execute_reads
+from shardckpt.formats.native.reader import Indexes, check_stored, execute_reads
 from shardckpt.formats.requests import check_requests
 from shardckpt.io import DEFAULT_IO_THREADS, Storage
 
@@ -32,6 +32,7 @@ class NativeReader:
                  verify: bool = True):
         self.storage, self.manifest, self.io_threads, self.verify = storage, manifest, io_threads, verify
         self.storage = files_view(storage, manifest)  # a pooled (v5) checkpoint reads its files from its pool
+        self.indexes = Indexes(self.storage, manifest)
 
     def tensors(self) -> Mapping[str, TensorInfo]:
         return {name: TensorInfo(name, e.dtype, e.shape, e.crc32c) for name, e in self.manifest.tensors.items()}
@@ -50,4 +51,4 @@ class NativeReader:
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
         targets = check_requests(self.manifest.tensors, requests, self.storage.url(MANIFEST_NAME))
-        execute_reads(self.storage, self.manifest, plan_reads(targets), self.io_threads, self.verify)
+        execute_reads(self.storage, self.manifest, plan_reads(targets), self.io_threads, self.verify, self.indexes)

@@ -8,36 +8,35 @@ knows of pools: plans, ranged reads, block checks, pins and streaming work on th
 """
 from __future__ import annotations
 
-import copy
-import os
-import posixpath
 from typing import Any
 
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.format.manifest import POOL_DIR, Manifest
 from shardckpt.format.pool import POOL_JSON, PoolInfo, parse_pool_info
-from shardckpt.io import LocalStorage, Storage, lifecycle
+from shardckpt.io import Storage, lifecycle
+from shardckpt.io.navigate import parent, sibling
 
 
-def sibling_storage(storage: Storage, name: str) -> Storage:
-    """The directory (prefix) ``name`` beside ``storage``'s root, on the same store with the same options."""
+def walkable(storage: Storage) -> Storage:
+    """``storage`` (a pooled view: its checkpoint's directory), refused by name where its run directory cannot be
+    found from it (a ``Storage`` the caller made)."""
     if isinstance(storage, PooledView):
         storage = storage.step
-    if isinstance(storage, LocalStorage):
-        return LocalStorage(os.path.join(os.path.dirname(storage.root.rstrip(os.sep)), name), storage.direct_io,
-                            storage.durable)
-    if not isinstance(getattr(storage, "root", None), str):  # a Storage the caller made: it has no parent we know
+    if not isinstance(getattr(storage, "root", None), str):
         raise IncompatibleCheckpointError(f"{storage.url('')}: a pooled (incremental) checkpoint needs its run "
                                           "directory, and this Storage has no parent shardckpt can open; pass the "
                                           "checkpoint's path or URL instead")
-    other = copy.copy(storage)  # fsspec and S3 storages: the same filesystem object and tuning, another root
-    other.root = posixpath.join(posixpath.dirname(storage.root.rstrip("/")), name)
-    return other
+    return storage
 
 
 def pool_storage(storage: Storage) -> Storage:
     """The pool of the checkpoint (or run child) whose directory ``storage`` is."""
-    return sibling_storage(storage, POOL_DIR)
+    return sibling(walkable(storage), POOL_DIR)
+
+
+def run_storage(step: Storage) -> Storage:
+    """The run directory: the parent of the checkpoint directory ``step``."""
+    return parent(walkable(step))[0]
 
 
 def read_pool_info(pool: Storage) -> PoolInfo | None:

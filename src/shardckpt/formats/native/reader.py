@@ -13,6 +13,7 @@ in one file are read in runs, one ranged read each (``small_spans``), then check
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
@@ -59,9 +60,30 @@ def read_index(storage: Storage, file: FileEntry, version: int) -> Index:
     return parse_index(data, version, file.size, url)
 
 
-def read_indexes(storage: Storage, manifest: Manifest, files: set[int], pool: ThreadPoolExecutor) -> dict[int, Index]:
-    ordered = sorted(files)
-    return dict(zip(ordered, pool.map(lambda f: read_index(storage, manifest.files[f], manifest.version), ordered)))
+class Indexes:
+    """The chunk indexes of one committed generation, each read and checked (``read_index``) once, when a read first
+    needs it: a reader that reads tensor by tensor (convert, export) would otherwise read and parse a file's whole
+    index again for every tensor, quadratic in the tensors of a file. A generation's index files never change (a
+    new save writes a new generation), so a parsed one stays right for as long as the reader reads that
+    generation."""
+
+    def __init__(self, storage: Storage, manifest: Manifest):
+        self._storage, self._manifest = storage, manifest
+        self._parsed: dict[int, Index] = {}
+        self._lock = threading.Lock()
+
+    def of(self, files: set[int], io_threads: int) -> dict[int, Index]:
+        with self._lock:  # one reader's reads may run on several threads
+            missing = sorted(files - self._parsed.keys())
+            if len(missing) > 1:
+                with ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="shardckpt-read") as pool:
+                    self._parsed.update(zip(missing, pool.map(self._read, missing)))
+            elif missing:
+                self._parsed[missing[0]] = self._read(missing[0])
+            return {f: self._parsed[f] for f in files}
+
+    def _read(self, f: int) -> Index:
+        return read_index(self._storage, self._manifest.files[f], self._manifest.version)
 
 
 def record_problem(rec: ChunkRecord | None, entry: TensorEntry, region) -> str | None:
@@ -190,20 +212,20 @@ def execute_read(storage: Storage, manifest: Manifest, read: ChunkRead, rec: Chu
 
 
 def execute_reads(storage: Storage, manifest: Manifest, reads: list[ChunkRead], io_threads: int,
-                  verify: bool) -> None:
+                  verify: bool, indexes: Indexes | None = None) -> None:
+    """Read ``reads`` (``indexes``: the generation's parsed indexes, kept by the reader between reads)."""
     files = {r.file for r in reads}
     # Open every data file first: a concurrent overwrite may delete them once a new manifest is committed.
     lifecycle(storage).pin([manifest.files[f].path for f in sorted(files)])
     try:
-        _execute(storage, manifest, reads, files, io_threads, verify)
+        found = (indexes or Indexes(storage, manifest)).of(files, io_threads)
+        _execute(storage, manifest, reads, found, io_threads, verify)
     finally:
         lifecycle(storage).release()
 
 
-def _execute(storage: Storage, manifest: Manifest, reads: list[ChunkRead], files: set[int], io_threads: int,
-             verify: bool) -> None:
-    with ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="shardckpt-read") as pool:
-        indexes = read_indexes(storage, manifest, files, pool)
+def _execute(storage: Storage, manifest: Manifest, reads: list[ChunkRead], indexes: dict[int, Index],
+             io_threads: int, verify: bool) -> None:
     records = [chunk_record(storage, manifest, indexes, r) for r in reads]
     streamed = _streamed_files(storage, manifest, reads, records)
     # The lanes of streamed files first (few, long), then the other reads, biggest first, so that the tail is short.
@@ -216,8 +238,11 @@ def _execute(storage: Storage, manifest: Manifest, reads: list[ChunkRead], files
     tasks += [lambda i=i: execute_read(storage, manifest, reads[i], records[i], verify) for i in rest]
     # Every lane in flight at once: a lane is one GET, and the storage said how many suit it.
     threads = max(1, io_threads, min(len(tasks), getattr(storage, "stream_lanes", 0) if streamed else 0))
-    with ThreadPoolExecutor(threads, thread_name_prefix="shardckpt-read") as pool:
-        list(pool.map(lambda task: task(), tasks))
+    if len(tasks) == 1:  # one small read (a reader reading tensor by tensor): no pool to start and join
+        tasks[0]()
+    else:
+        with ThreadPoolExecutor(threads, thread_name_prefix="shardckpt-read") as pool:
+            list(pool.map(lambda task: task(), tasks))
     if verify:
         check_whole_tensors(reads, records, storage.url(MANIFEST_NAME))
 
