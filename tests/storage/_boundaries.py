@@ -50,7 +50,7 @@ class Spec:
     at: int | None = None  # the boundary to act at (None: only number them)
     action: str = ""  # kill | gc | writer2
     worker: int | None = None  # convert --workers: the worker that acts (by its rank)
-    gc: dict = field(default_factory=dict)  # gc(**gc)
+    gc: dict = field(default_factory=dict)  # gc(open_storage(path, storage_options), **the rest)
     writer2: dict = field(default_factory=dict)  # {"call": "module:function", "args": [...], "kwargs": {...}}
     server: str = ""  # the SecondWriter's address
     kill_at: int | None = None  # SIGKILL this process as well, once that operation returns
@@ -286,9 +286,11 @@ def _kill(spec: Spec) -> None:
 def _gc(spec: Spec) -> None:
     from shardckpt.checkpoint.gc import gc
     from shardckpt.errors import CheckpointError
+    from shardckpt.io import open_storage
 
+    args = dict(spec.gc)
     try:
-        done = {"removed": gc(**spec.gc)}
+        done = {"removed": gc(open_storage(args.pop("path"), args.pop("storage_options", None)), **args)}
     except Exception as e:  # noqa: BLE001 - recorded for the test (a CheckpointError: gc refused, e.g. no path yet)
         done = {"error": f"{type(e).__name__}: {e}", "checkpoint_error": isinstance(e, CheckpointError)}
     _log(f"gc {_rank if _rank is not None else '-'} {json.dumps(done)}")

@@ -162,7 +162,7 @@ def _verbs(template: dict, refs: dict[str, str], scratch: str) -> dict[str, Call
             shutil.rmtree(out, ignore_errors=True)
 
     def diff_(path, options):
-        return tuple(v for v, ref in refs.items() if diff(open_storage(path, options), ref).equal)
+        return tuple(v for v, ref in refs.items() if diff(open_storage(path, options), open_storage(ref, options)).equal)
 
     return {"load_full": lambda p, o: _fingerprint(shardckpt.load_full(p, storage_options=o)), "load": load,
             "inspect": inspect, "verify": verify_, "convert": convert_, "export": export_, "diff": diff_}
