@@ -1,7 +1,6 @@
 """``gc``, ``rm`` and ``latest``: a run's checkpoints kept tidy and found, as ``shardckpt gc`` / ``rm`` / ``latest`` do."""
 from __future__ import annotations
 
-import os
 from typing import Annotated
 
 from shardckpt.api.results import GcResult, LatestResult, RmResult
@@ -66,4 +65,4 @@ def latest(
     """
     from shardckpt.checkpoint.latest import latest_checkpoint
 
-    return LatestResult(os.fspath(run_dir), latest_checkpoint(run_dir, storage_options=storage_options))
+    return LatestResult(where(run_dir), latest_checkpoint(run_dir, storage_options=storage_options))

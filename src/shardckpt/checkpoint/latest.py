@@ -34,12 +34,13 @@ def child_dirs(run: Storage) -> list[str]:
         return []
 
 
-def latest_checkpoint(root: str | os.PathLike, *, storage_options: Options | None = None) -> str | None:
-    """The committed checkpoint directly under ``root`` (a path or fsspec URL) with the highest step in its
+def latest_checkpoint(root: str | os.PathLike | Storage, *, storage_options: Options | None = None) -> str | None:
+    """The committed checkpoint directly under ``root`` (a path, an fsspec URL, or a run directory opened with
+    ``open_storage``) with the highest step in its
     name (``step_of``), or None if there is none. A directory without a committed manifest, such as one
     an interrupted save left, is skipped; among equal steps the last name in sorted order wins. A step directory
     that is a link counts (``child_dirs``)."""
-    if not is_named(root):
+    if not is_named(root) and getattr(root, "shown", None) is None:
         raise BadArgumentError(f"{where(root)}: latest_checkpoint looks below a run directory, named by a path or "
                                "URL; a Storage is one checkpoint's place")
     latest = latest_in(open_storage(root, storage_options))

@@ -28,7 +28,7 @@ from shardckpt.checkpoint.retention import Retention, steps_to_remove
 from shardckpt.errors import CheckpointError, CheckpointNotFoundError
 from shardckpt.format.manifest import MANIFEST_NAME, POOL_DIR, parse_manifest
 from shardckpt.formats.native.pool import read_pool_info
-from shardckpt.io import LocalStorage, Storage, lifecycle, open_storage
+from shardckpt.io import LocalStorage, Storage, lifecycle, open_storage, where
 from shardckpt.io.navigate import child, name_of
 
 log = logging.getLogger("shardckpt")
@@ -109,11 +109,16 @@ def rm(place: str | os.PathLike | Storage, *, force: bool = False) -> str:
     run = run_storage(step)
     name = name_of(step)
     if not force and (_latest_through_links(given.root) if local else _is_latest(run, name)):
-        raise CheckpointError(f"{step.url('')}: the run's latest committed checkpoint; pass force=True to remove "
+        raise CheckpointError(f"{where(given)}: the run's latest committed checkpoint; pass force=True to remove "
                               "it")
+    below = [d for d in child_dirs(step) if d == POOL_DIR or step.exists(f"{d}/{MANIFEST_NAME}")]
+    if not force and below:
+        raise CheckpointError(f"{where(given)}: holds checkpoints of its own below it ({', '.join(below[:3])}"
+                              f"{', ...' if len(below) > 3 else ''}), which removing it would remove too; remove them "
+                              "one by one, or pass force=True")
     remove_checkpoint(run, name)
-    log.info("removed %s (format v%d%s)", step.url(""), manifest.version, ", pooled" if manifest.pool else "")
-    return step.url("")
+    log.info("removed %s (format v%d%s)", where(given), manifest.version, ", pooled" if manifest.pool else "")
+    return where(given)
 
 
 def remove_checkpoint(run: Storage, name: str) -> None:

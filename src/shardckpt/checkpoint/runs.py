@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from shardckpt.checkpoint.gc import EXPORT_STAGING, GENERATION_DIR, STEP_NAME, collect, debris, is_checkpoint_dir
-from shardckpt.checkpoint.latest import step_of
+from shardckpt.checkpoint.latest import child_dirs, step_of
 from shardckpt.errors import BadArgumentError, CheckpointError, CheckpointNotFoundError
 from shardckpt.format.manifest import FORMAT_NAME, MANIFEST_NAME
 from shardckpt.io import Storage, open_storage, where
@@ -72,7 +72,7 @@ def list_checkpoints(run_dir: str | os.PathLike | Storage) -> RunListing:
     if not storage.is_dir():
         raise CheckpointNotFoundError(f"{storage.url('')}: no such directory")
     entries = []
-    for name in storage.list_dirs():
+    for name in child_dirs(storage):  # a step directory that is a link counts, as for latest_checkpoint
         if GENERATION_DIR.match(name) or EXPORT_STAGING.match(name):
             continue  # run_dir is itself a checkpoint's directory: its data, not a checkpoint
         below = child(storage, name)

@@ -26,7 +26,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Callable
 
-from shardckpt.errors import CheckpointError, CheckpointNotFoundError
+from shardckpt.errors import CheckpointError, CheckpointNotFoundError, IncompatibleCheckpointError
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.dcp import METADATA_NAME, DcpReader, is_dcp_dir
@@ -77,7 +77,10 @@ class Place:
         def make():
             if self.is_dir:
                 return None
-            storage, name = self.parent
+            try:
+                storage, name = self.parent
+            except IncompatibleCheckpointError:  # a bucket's root: never a file
+                return None
             return storage.file_size(name) if name and storage.exists(name) else None
         return self._memo("file_size", make)
 

@@ -14,7 +14,8 @@ import posixpath
 
 from shardckpt.errors import IncompatibleCheckpointError
 from shardckpt.io.local import LocalStorage
-from shardckpt.io import split_url
+from shardckpt.io import split_url, where
+from shardckpt.io.s3 import S3Storage
 from shardckpt.io.protocol import Storage
 
 
@@ -37,6 +38,10 @@ def parent(storage: Storage) -> tuple[Storage, str]:
         above = LocalStorage(head or os.sep, storage.direct_io, storage.durable)
     else:
         head, name = posixpath.split(_remote_root(storage).rstrip("/"))
+        if not head and isinstance(storage, S3Storage):  # s3://bucket: above it is the store's bucket list
+            raise IncompatibleCheckpointError(
+                f"{where(storage)}: a bucket's root has no directory above it (a run directory, a pool); put the "
+                "checkpoint under a prefix, s3://bucket/run/step")
         above = _moved(storage, head)
     shown = getattr(storage, "shown", None)
     above.shown = split_url(shown)[0] if shown else None

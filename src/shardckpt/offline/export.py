@@ -98,7 +98,7 @@ from shardckpt.checkpoint.progress import Progress
 from shardckpt.errors import CheckpointExistsError
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.safetensors_header import EXPORT_ID_KEY, INDEX_NAME
-from shardckpt.io import LocalStorage, Storage, open_storage
+from shardckpt.io import LocalStorage, Storage, open_storage, where
 from shardckpt.offline import adapters, hf_dir, safetensors_files
 from shardckpt.offline.export_commit import (
     Beside, ExportFiles, LocalExport, PlannedFile, RemoteExport, export_id, index_bytes, refuse_own_source,
@@ -190,7 +190,7 @@ def _planned_files(plan: ExportPlan, storage: Storage, spec: ExportSpec, identit
         raise CheckpointExistsError(f"{storage.url(beside[0])}: already exists at {storage.root}; pass "
                                     "overwrite=True to replace it")
     if spec.overwrite and old and not local:
-        refuse_own_source(storage, open_storage(spec.src, spec.storage_options), os.fspath(spec.src))
+        refuse_own_source(storage, open_storage(spec.src, spec.storage_options), where(spec.src))
     return ExportFiles(files, index, Beside(plan.beside, beside), old, spec.overwrite, identity is not None)
 
 
