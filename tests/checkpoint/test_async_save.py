@@ -447,3 +447,52 @@ def test_a_save_failing_in_flight_at_exit_makes_the_exit_status_1(tmp_path, how)
     assert "the program's own exit handler ran" in proc.stdout  # the other exit handlers still run
     with open(tmp_path / "log") as f:
         assert f.read() == "step 9 loss 0.1\n"  # what the program left buffered is not lost to the exit
+
+
+def _a_late_failure_on_one_rank(root: str) -> list[str]:
+    """Rank 1's save fails after the commit (its own tidy-up): both handles fail, and the next call, which has
+    to agree on raising, does not hang."""
+    from shardckpt.checkpoint import save as save_module
+    rank = dist.get_rank()
+    saver = async_module.AsyncSaver()
+    end = save_module._Saved.end
+
+    def failing_end(self):
+        end(self)
+        raise OSError("tidy-up failed on rank 1")
+
+    if rank == 1:
+        save_module._Saved.end = failing_end
+    try:
+        handle = saver.save({"w": torch.ones(4)}, os.path.join(root, "a"))
+        outcome = [type(handle.exception()).__name__]
+    finally:
+        save_module._Saved.end = end
+    saver.save({"w": torch.full((4,), 2.0)}, os.path.join(root, "b")).wait()
+    return outcome
+
+
+def test_a_failure_on_one_rank_after_the_commit_fails_every_rank(tmp_path):
+    assert run_ranks(2, _a_late_failure_on_one_rank, str(tmp_path), timeout=60) == [["OSError"], ["OSError"]]
+    assert torch.equal(shardckpt.load_full(str(tmp_path / "b"))["w"], torch.full((4,), 2.0))
+
+
+def _blocked_after_a_late_peer(root: str) -> float:
+    import time
+    saver = async_module.AsyncSaver()
+    saver.save({"w": torch.ones(4)}, os.path.join(root, "a")).wait()
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(1.5)  # the training of rank 1 is behind
+    start = time.perf_counter()
+    handle = saver.save({"w": torch.ones(4)}, os.path.join(root, "b"))
+    blocked = time.perf_counter() - start
+    handle.wait()
+    return blocked
+
+
+def test_a_call_after_a_successful_save_does_not_wait_for_the_other_ranks(tmp_path):
+    # Only staging blocks the caller: no collective in the call (rank 0 does not wait for the late rank 1).
+    blocked = run_ranks(2, _blocked_after_a_late_peer, str(tmp_path), timeout=60)
+    assert blocked[0] < 0.5, blocked
+    assert torch.equal(shardckpt.load_full(str(tmp_path / "b"))["w"], torch.ones(4))

@@ -15,9 +15,11 @@ Each process group gets one ``AsyncSaver`` (created by its first ``async_save``,
 - the last save's plan: a save whose pieces are as they were reuses it (``plan(reuse=...)``), so that
   the background does not gather every rank's metadata and plan again;
 - one background thread. **One save at a time**: a call while the previous save is in flight first waits
-  for it (its buffers are being written), whatever the path. An error is never dropped: ``wait()``
-  raises it; if any rank has not seen it, the next call raises it on every rank (the ranks agree over
-  the idle side group) and saves nothing.
+  for it (its buffers are being written), whatever the path. An error is never dropped: the background
+  agrees the outcome over the side group before the handle is done, so a save fails on every rank or on
+  none; ``wait()`` raises it; if any rank has not seen it, the next call raises it on every rank (the ranks
+  agree over the idle side group, only after a failure: a call after a success has no collective in the
+  caller's blocked time) and saves nothing.
 
 Ends: ``torch.distributed.destroy_process_group()`` first finishes the save in flight on a group it
 destroys (hooked: ``dist.group.before_destroy``), then lets go of the saver, and raises that save's error,
@@ -49,7 +51,8 @@ from typing import Any
 from shardckpt.checkpoint.progress import ProgressCallback
 from shardckpt.checkpoint.save import Planned, SaveOptions, persist, persist_any, plan
 from shardckpt.checkpoint.stage import StagingBuffers, stage
-from shardckpt.dist.group import LOCAL, Failure, Group, attempt, before_destroy, destroys, resolve_group, side_group
+from shardckpt.dist.group import (LOCAL, Failure, Group, agreed, attempt, before_destroy, destroys, resolve_group,
+                                  side_group)
 from shardckpt.errors import CheckpointError
 from shardckpt.io import Storage, is_named, where
 
@@ -113,7 +116,7 @@ class AsyncSaver:
             pg = self.side.pg if self.side.pg is not None else LOCAL
             staged = stage(state_dict, process_group=pg, metadata=given.metadata, buffers=self.buffers)
 
-            def background() -> None:
+            def write() -> None:
                 # A failure to land the copies (CUDA) travels like a staging error: plan raises it on every rank.
                 synced = attempt(self.side.rank, self.buffers.synchronize)
                 ready = staged if staged.failure or not isinstance(synced, Failure) else \
@@ -127,22 +130,28 @@ class AsyncSaver:
                 else:
                     persist(ready, planned, progress=progress)
 
-            self._last = SaveHandle(self._executor.submit(background), where(path))
+            # The outcome is agreed before the handle is done (a failure on any rank, even in a rank's own
+            # tidy-up after the commit, fails every rank's handle), so that the next call needs no collective
+            # when the save succeeded: a collective there would be in the caller's blocked time.
+            self._last = SaveHandle(self._executor.submit(agreed, self.side, write), where(path))
             return self._last
 
     def _finish_previous(self) -> None:
-        """Wait for the save in flight (its buffers are about to be reused). If it failed and some rank has not
-        seen the error, raise it on every rank: the ranks agree over the (idle) side group, so that all of
-        them raise here or none does."""
+        """Wait for the save in flight (its buffers are about to be reused). If it failed (then it failed on every
+        rank: the background agreed its outcome) and some rank has not seen the error, raise it on every rank:
+        the ranks agree over the (idle) side group, so that all of them raise here or none does. A save that
+        succeeded needs no collective: it succeeded on every rank."""
         last = self._last
         if last is None:
             return
         seen = last.observed
         error = last._future.exception()  # an interrupt here keeps _last: the next call waits again
         self._last = None
-        if any(self.side.all_gather(error is not None and not seen)):
+        if error is None:
+            return
+        if any(self.side.all_gather(not seen)):
             last.observed = True
-            raise error or CheckpointError("the previous async save failed on another rank")
+            raise error
 
     def wait(self) -> None:
         """Wait for the save in flight, if any, and raise its error (this rank only; not collective)."""
