@@ -12,7 +12,9 @@ holds a lock on what it writes (it dies with the process); on object stores (no 
 6 h is kept (--min-age to change).
 A successful save does the same at its path after it commits. PATH a run directory (no checkpoint of its
 own): the same for every checkpoint directly below it, and the step-* directories a killed save left empty
-are removed (on local disk; never one a live process holds or anything has been written into).
+are removed (on local disk; never one a live process holds or anything has been written into), and its
+shardckpt-pool/ (incremental saves) loses the files no committed checkpoint names: on local disk never one a
+live save holds; on object stores never one a live save's lease names, nor one newer than --min-age (6 h).
 
 examples:
   shardckpt gc /ckpt/step-1000 --dry-run

@@ -152,7 +152,7 @@ def collect_run(run_dir: str | os.PathLike | Storage, *, dry_run: bool = False,
             removed.append(f"{name}/")
     from shardckpt.checkpoint.pool_gc import sweep_pool  # (it imports this module)
 
-    return RunCollected(removed + sweep_pool(storage, dry_run))
+    return RunCollected(removed + sweep_pool(storage, dry_run, min_age_s))
 
 
 def is_checkpoint_dir(storage: Storage, name: str) -> bool:

@@ -20,6 +20,7 @@ digests of the stored row and of the bytes this save would write are equal (``fo
 from __future__ import annotations
 
 import dataclasses
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,9 +31,10 @@ from shardckpt.checkpoint.gc import collect
 from shardckpt.checkpoint.persist import OutputWriter, persist, write_files
 from shardckpt.checkpoint.pool import (
     POOL_PATH, Candidate, check_pool_argument, hold_generations, open_pool, parent_table, pool_checkpoints,
-    release_all, run_storage,
+    referenced_files, release_all, run_storage,
 )
 from shardckpt.checkpoint.pool_gc import tidy_after_save
+from shardckpt.checkpoint.pool_leases import SaveLease, read_markers
 from shardckpt.checkpoint.progress import Progress, ProgressCallback
 from shardckpt.checkpoint.retention import Retention
 from shardckpt.checkpoint.save_plan import SavePlan, WriteTask
@@ -47,7 +49,9 @@ from shardckpt.format.dtypes import DTYPES
 from shardckpt.format.manifest import MANIFEST_NAME, POOLED_VERSION, FileEntry, Manifest, TensorEntry, parse_manifest
 from shardckpt.format.pool import PoolInfo
 from shardckpt.formats.native.pool import pool_storage
-from shardckpt.io import Storage, lifecycle
+from shardckpt.io import LocalStorage, Storage, lifecycle
+
+log = logging.getLogger("shardckpt")
 
 MAX_GENERATIONS = 64  # the most generations one pooled manifest references (consolidation beyond)
 HASH_THREADS = 2  # units hashed at once per rank (BLAKE3 releases the GIL)
@@ -99,6 +103,7 @@ class _Whole:
     ref_files: dict[str, FileEntry]
     holds: list = field(default_factory=list)
     candidates: dict = field(default_factory=dict)  # (name, chunk) -> Candidate
+    lease: SaveLease | None = None  # object stores
 
 
 @dataclass(frozen=True)
@@ -138,17 +143,45 @@ def _setup(planned: Any, options: IncrementalOptions, incremental: Any) -> _Whol
     pool, info = open_pool(storage)
     chunk_key(info.secret)  # the hash is there (HashUnavailableError otherwise), before any rank writes
     whole = _Whole(unit_plan(planned.save_plan, options.unit_bytes), pool, info, {})
+    try:
+        _hold_and_pick(whole, planned, options)
+    except BaseException:
+        release_all(whole.holds)
+        raise
+    return whole
+
+
+def _hold_and_pick(whole: _Whole, planned: Any, options: IncrementalOptions) -> None:
+    """Hold this save's generation and its parent's (local: shared locks; object stores: the lease, then the
+    collectors' markers read), *then* read which of the parent's chunks are there to reference."""
+    storage, pool = planned.storage, whole.pool
     whole.holds.extend(hold_generations(pool, {planned.generation}))
     target = storage.root.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
-    parents = pool_checkpoints(run_storage(storage), info.id, skip=target, strict=False)
-    if parents:
-        parent = parents[-1].manifest
-        whole.holds.extend(hold_generations(pool, {_generation(f.path) for f in parent.files}))
-        table = parent_table(pool, parent)  # after the holds: files seen now stay until the holds end
-        table = _consolidated(table, options.max_generations - 1)
-        whole.ref_files = {c.file.path: c.file for c in table.values()}
-        whole.candidates = table
-    return whole
+    parents = pool_checkpoints(run_storage(storage), whole.info.id, skip=target, strict=False)
+    parent = parents[-1].manifest if parents else None
+    doomed: frozenset[str] | None = frozenset()
+    if not isinstance(pool, LocalStorage):  # no locks (pool_leases)
+        whole.lease = SaveLease(pool, planned.generation, target, referenced_files([parent]) if parent else ())
+        whole.holds.append(whole.lease)
+        doomed = _doomed(pool)
+    if parent is None or doomed is None:
+        return
+    whole.holds.extend(hold_generations(pool, {_generation(f.path) for f in parent.files}))
+    table = parent_table(pool, parent)  # after the holds (the lease): files seen now stay until they end
+    table = {k: c for k, c in table.items() if c.file.path not in doomed and c.file.index_path not in doomed}
+    table = _consolidated(table, options.max_generations - 1)
+    whole.ref_files = {c.file.path: c.file for c in table.values()}
+    whole.candidates = table
+
+
+def _doomed(pool: Storage) -> frozenset[str] | None:
+    """The pool files a collector's sweep marker names (it may be deleting them: not referenced); None if a marker
+    does not parse (then nothing is referenced: every chunk is written anew)."""
+    try:
+        return frozenset().union(*(m.files for m in read_markers(pool)))
+    except CheckpointError as e:
+        log.warning("%s; this save references nothing in the pool", e)
+        return None
 
 
 def _generation(path: str) -> str:
@@ -300,6 +333,8 @@ def _commit_pooled(planned: Any, whole: _Whole, shares: list, staged: Any) -> No
     tensors = {name: _tensor_entry(name, tp, shares, first, at) for name, tp in whole.save_plan.tensors.items()}
     if any(s is not None and s.files for s in shares):
         lifecycle(pool).sync_dir(data_dir(planned.generation))
+    if whole.lease is not None:
+        whole.lease.check_fresh()
     manifest = Manifest(world_size=planned.group.world_size, generation=planned.generation, tree=None,
                         tensors=tensors, files=files, metadata=staged.metadata or {},
                         created_by=f"shardckpt {__version__}", version=POOLED_VERSION,

@@ -12,8 +12,8 @@ generation it references or writes before it checks that the files exist and unt
 3. deletes the locked generations' files that no manifest names (and a directory left empty);
 4. lets go.
 
-Object stores have no locks, and their protocol (leases and sweep markers) is not built yet: there the sweep
-deletes nothing (a pool on an object store only grows; ``rm`` and retention still remove checkpoints).
+Object stores have no locks: there savers publish leases and the collector sweep markers (``pool_leases``), and a
+file unnamed for less than ``min_age_s`` (default 6 h) is kept.
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from typing import Any
 from shardckpt.checkpoint.gc import GENERATION_DIR
 from shardckpt.checkpoint.latest import child_dirs, latest_checkpoint, step_of
 from shardckpt.checkpoint.pool import pool_checkpoints, referenced_files, run_storage
+from shardckpt.checkpoint.pool_leases import LEASE_T_S, remove_file, sweep_object_store
+from shardckpt.checkpoint.reachability import ManifestRefs
 from shardckpt.checkpoint.retention import Retention, steps_to_remove
 from shardckpt.errors import CheckpointError, CheckpointNotFoundError
 from shardckpt.format.manifest import MANIFEST_NAME, POOL_DIR, parse_manifest
@@ -34,30 +36,21 @@ from shardckpt.io.navigate import child, name_of
 log = logging.getLogger("shardckpt")
 
 
-def remove_file(storage: Storage, path: str) -> None:
-    """Delete one file (a missing one is not an error): ``unlink`` on local disk, one DELETE on object stores."""
-    if isinstance(storage, LocalStorage):
-        try:
-            os.unlink(storage.url(path))
-        except FileNotFoundError:
-            pass
-        return
-    try:
-        storage.fs.rm_file(storage.url(path))
-    except FileNotFoundError:
-        pass
-
-
-def sweep_pool(run: Storage, dry_run: bool = False) -> list[str]:
+def sweep_pool(run: Storage, dry_run: bool = False, min_age_s: float | None = None) -> list[str]:
     """Delete (or, ``dry_run``, list) the pool files of run directory ``run`` that no committed checkpoint names and
-    no live save holds; returns their paths relative to the run directory (``shardckpt-pool/data-<g>/<file>``)."""
+    no live save holds; returns their paths relative to the run directory (``shardckpt-pool/data-<g>/<file>``).
+    ``min_age_s``: object stores only, keep files written more recently (default ``pool_leases.LEASE_T_S``)."""
     pool = child(run, POOL_DIR)
     info = read_pool_info(pool)
-    local = isinstance(pool, LocalStorage)
-    if info is None or not local:
-        if info is not None:
-            log.info("%s: pools on object stores are not swept yet (their leases are to come)", pool.url(""))
+    if info is None:
         return []
+    if not isinstance(pool, LocalStorage):
+        def manifests() -> list[ManifestRefs]:
+            return [ManifestRefs(c.name, c.manifest.generation, frozenset(referenced_files([c.manifest])))
+                    for c in pool_checkpoints(run, info.id)]
+
+        fresh_s = LEASE_T_S if min_age_s is None else min_age_s
+        return [f"{POOL_DIR}/{p}" for p in sweep_object_store(pool, manifests, fresh_s, dry_run)]
     locked = []
     try:
         for name in pool.list_dirs(""):

@@ -96,6 +96,24 @@ class FsspecStorage:
             return []
         return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == kind)
 
+    def ages(self, path: str = "") -> dict[str, float]:
+        """Every file below ``path``, recursively (relative to it), with the seconds since its last write (the store's
+        LastModified against this clock; one of unknown time counts as just written)."""
+        base = self.url(path).rstrip("/")
+        self.fs.invalidate_cache(base)
+        try:
+            infos = self.fs.find(base, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        now = time.time()
+        found = {}
+        for name, info in infos.items():
+            name = name.rstrip("/")
+            if info.get("type") == "file" and name.startswith(base + "/"):
+                modified = _modified(info)
+                found[name[len(base) + 1:]] = 0.0 if modified is None else max(0.0, now - modified)
+        return found
+
     def file_size(self, path: str) -> int:
         self.fs.invalidate_cache(posixpath.dirname(self.url(path)))
         try:
