@@ -33,3 +33,4 @@ def test_kill_and_collectors_at_every_boundary_of_save_gc_and_rm(tmp_path):
 def test_the_trials_catch_a_saver_that_does_not_hold_what_it_references(tmp_path):
     found = _run(tmp_path, "save_rm_gc", "no_saver_holds")
     assert any("file missing" in f for f in found["failures"])
+

@@ -22,6 +22,7 @@ from shardckpt.errors import CheckpointError
 from shardckpt.formats.native.pool import read_pool_info
 from shardckpt.io import open_storage
 from tests.checkpoint.test_incremental import assert_bits, state
+from tests.checkpoint.test_pool_kills import _run as run_crasher
 
 UNIT = 64 << 10
 
@@ -217,3 +218,23 @@ def test_a_lease_is_renewed_while_its_save_runs(s3_bucket, monkeypatch):
     finally:
         lease.release()
     assert pool.list_files("leases") == []
+
+
+@pytest.mark.timeout(1500)
+def test_kill_and_collectors_at_every_boundary_on_s3(tmp_path, s3_bucket):
+    """tests/checkpoint/test_pool_kills.py's trials on S3: kill -9 at every boundary of a save, gc and rm, and a
+    collector (gc; rm of the parent, then gc) at every boundary of a save, with ``min_age_s=0``: only the leases and
+    markers protect. After each, every committed step loads bit for bit and verifies, before and after a gc."""
+    server, bucket = s3_bucket
+    s3 = json.dumps({"url": f"s3://{bucket}/t", "options": server.options()})
+    found = run_crasher(tmp_path, "save,gc,rm,save_gc,save_rm_gc", "--s3", s3)
+    assert found["trials"]["save"] >= 8 and found["trials"]["gc"] >= 3 and found["trials"]["rm"] >= 2
+    assert found["failures"] == []
+
+
+@pytest.mark.timeout(900)
+def test_the_s3_trials_catch_a_saver_without_a_lease(tmp_path, s3_bucket):
+    server, bucket = s3_bucket
+    s3 = json.dumps({"url": f"s3://{bucket}/t", "options": server.options()})
+    found = run_crasher(tmp_path, "save_rm_gc", "no_saver_lease", "--s3", s3)
+    assert any("missing" in f for f in found["failures"]), found["failures"][:3]
