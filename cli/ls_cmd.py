@@ -30,6 +30,20 @@ def show(result: LsResult, args: argparse.Namespace) -> None:
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    if result.pool is not None:
+        print(_pool_line(result.pool))
+
+
+def _pool_line(pool: dict) -> str:
+    """The chunk pool the steps share (their "files" count shared data once per step)."""
+    line = (f"pool: {format_bytes(pool['bytes'])} in {pool['files']} files, {pool['generations']} generation"
+            f"{'s' if pool['generations'] != 1 else ''} (the steps' files are shared here)")
+    if pool["unnamed_files"] is None:
+        return line + "; a manifest could not be read: what no step names is unknown"
+    if pool["unnamed_files"]:
+        line += (f"; {format_bytes(pool['unnamed_bytes'])} in {pool['unnamed_files']} files named by no committed "
+                 "checkpoint (`shardckpt gc RUN_DIR` removes them; on object stores once 6 h old)")
+    return line
 
 
 def _row(e: dict, latest: bool) -> tuple[str, ...]:

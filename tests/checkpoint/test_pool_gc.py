@@ -91,3 +91,31 @@ def test_gc_leaves_a_generation_a_live_save_holds(tmp_path):
     hold.release()
     assert shardckpt.gc(tmp_path).removed == ("shardckpt-pool/data-00000000cafe/rank-00000-0.bin",)
     assert not (tmp_path / "shardckpt-pool" / "data-00000000cafe").exists()
+
+
+def test_ls_shows_the_pool_and_what_gc_would_remove_from_it(tmp_path, capsys):
+    saves(tmp_path, (1, 2, 3))
+    files = pool_files(tmp_path)
+    size = sum(os.path.getsize(tmp_path / "shardckpt-pool" / f) for f in files)
+    pool = shardckpt.ls(tmp_path).pool
+    assert pool == {"path": str(tmp_path / "shardckpt-pool"), "generations": 3, "files": len(files), "bytes": size,
+                    "unnamed_files": 0, "unnamed_bytes": 0}
+    shardckpt.rm(tmp_path / "step-2")
+    pool = shardckpt.ls(tmp_path).pool
+    doomed = shardckpt.gc(tmp_path, dry_run=True).removed
+    assert pool["unnamed_files"] == len(doomed) > 0
+    assert pool["unnamed_bytes"] == sum(os.path.getsize(tmp_path / d) for d in doomed)
+    from shardckpt.cli.main import main
+
+    assert main(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "pool: " in out and f"in {len(doomed)} files named by no committed checkpoint" in out
+    shardckpt.gc(tmp_path)
+    assert shardckpt.ls(tmp_path).pool["unnamed_files"] == 0
+    (tmp_path / "step-1" / "manifest.json").write_bytes(b"{damaged")
+    assert shardckpt.ls(tmp_path).pool["unnamed_files"] is None  # unknown, never a guess
+
+
+def test_ls_of_a_run_without_a_pool_has_none(tmp_path):
+    shardckpt.save({"w": torch.ones(3)}, tmp_path / "step-1")
+    assert shardckpt.ls(tmp_path).pool is None

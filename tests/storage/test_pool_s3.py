@@ -35,7 +35,7 @@ def _save(run: str, step: int, sd: dict, options: dict, **kw) -> dict:
 
 def _pool_files(run: str, options: dict) -> set[str]:
     pool = open_storage(f"{run}/shardckpt-pool", options)
-    return {p for p in pool.ages("") if p.startswith("data-")}
+    return {p for p in pool.listing("") if p.startswith("data-")}
 
 
 def _named(run: str, options: dict) -> set[str]:
@@ -89,6 +89,8 @@ def test_pooled_saves_load_verify_and_rm_on_s3(s3_bucket):
     assert sweep_pool(open_storage(run, options)) == []
     unnamed = _pool_files(run, options) - _named(run, options)
     assert unnamed
+    listed = shardckpt.ls(run, storage_options=options).pool
+    assert listed["unnamed_files"] == len(unnamed) and listed["files"] == len(_pool_files(run, options))
     assert sorted(sweep_pool(open_storage(run, options), dry_run=True, min_age_s=0)) == \
         sorted(f"shardckpt-pool/{p}" for p in unnamed)
     assert sorted(sweep_pool(open_storage(run, options), min_age_s=0)) == sorted(f"shardckpt-pool/{p}" for p in unnamed)

@@ -257,6 +257,9 @@ class LsResult(Result):
     :ivar checkpoints: one dict per checkpoint: ``name``, ``path``, ``step``, ``state``, ``format``,
         ``state_dict_type``, ``world_size``, ``file_bytes``, ...
     :ivar summary: one line: ``"3 checkpoints below (2 committed, 1 incomplete); the latest committed is ..."``.
+    :ivar pool: the run's chunk pool (incremental saves), or None: ``path``, ``generations``, ``files``, ``bytes``,
+        and ``unnamed_files`` / ``unnamed_bytes``, those no committed checkpoint names (``gc`` of the run removes
+        them; None if a manifest could not be read).
     """
 
     path: str
@@ -264,3 +267,4 @@ class LsResult(Result):
     latest_path: str | None
     checkpoints: tuple[dict, ...]
     summary: str
+    pool: dict | None = None

@@ -36,7 +36,8 @@ def ls(
     listing = list_checkpoints(open_storage(run_dir, storage_options))
     latest = listing.latest
     return LsResult(listing.path, None if latest is None else latest.name, None if latest is None else latest.path,
-                    tuple(asdict(e) for e in listing.checkpoints), listing.summary())
+                    tuple(asdict(e) for e in listing.checkpoints), listing.summary(),
+                    None if listing.pool is None else asdict(listing.pool))
 
 
 def resolve(place: Storage, latest: bool, required: bool = True) -> Storage:

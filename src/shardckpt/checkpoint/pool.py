@@ -20,7 +20,8 @@ from shardckpt.format.manifest import MANIFEST_NAME, POOL_DIR, POOL_PATH, FileEn
 from shardckpt.format.pool import POOL_JSON, PoolInfo, new_pool_info
 from shardckpt.formats.native.pool import pool_storage, read_pool_info, run_storage
 from shardckpt.formats.native.reader import read_index
-from shardckpt.io import Storage, lifecycle
+from shardckpt.io import LocalStorage, Storage, lifecycle, where
+from shardckpt.io.navigate import child
 
 
 def check_pool_argument(incremental: object, step: Storage) -> None:
@@ -148,7 +149,53 @@ def release_all(holds: list) -> None:
     holds.clear()
 
 
-__all__ = ["POOL_PATH", "open_pool", "pool_checkpoints", "parent_table", "hold_generations", "run_storage"]
+@dataclass(frozen=True)
+class PoolUsage:
+    """A run's pool as ``ls`` shows it: its data files (``data-<generation>/*``) and their bytes, and those no
+    committed checkpoint names (what ``gc`` of the run may remove; None when a manifest could not be read)."""
+
+    path: str
+    generations: int
+    files: int
+    bytes: int
+    unnamed_files: int | None
+    unnamed_bytes: int | None
+
+
+def pool_usage(run: Storage) -> PoolUsage | None:
+    """The pool of run directory ``run``, if it has one (one listing of the pool, and the run's manifests)."""
+    pool = child(run, POOL_DIR)
+    info = read_pool_info(pool)
+    if info is None:
+        return None
+    sizes = {p: n for p, n in file_sizes(pool).items() if p.startswith("data-") and p.count("/") == 1}
+    try:
+        named = referenced_files([c.manifest for c in pool_checkpoints(run, info.id)])
+        unnamed = [n for p, n in sizes.items() if p not in named]
+        unnamed_files, unnamed_bytes = len(unnamed), sum(unnamed)
+    except CheckpointError:  # a manifest that does not parse: what it names is unknown
+        unnamed_files = unnamed_bytes = None
+    return PoolUsage(where(pool), len({p.split("/", 1)[0] for p in sizes}), len(sizes), sum(sizes.values()),
+                     unnamed_files, unnamed_bytes)
+
+
+def file_sizes(storage: Storage) -> dict[str, int]:
+    """Every file below ``storage`` (recursively, relative paths) with its size, in one walk or listing."""
+    if isinstance(storage, LocalStorage):
+        out = {}
+        for top, _, files in os.walk(storage.root):
+            for f in files:
+                full = os.path.join(top, f)
+                try:
+                    out[os.path.relpath(full, storage.root).replace(os.sep, "/")] = os.stat(full).st_size
+                except FileNotFoundError:
+                    continue
+        return out
+    return {p: size for p, (size, _) in storage.listing("").items()}
+
+
+__all__ = ["POOL_PATH", "open_pool", "pool_checkpoints", "parent_table", "hold_generations", "run_storage",
+           "pool_usage"]
 
 
 def sharing_of(step: Storage, manifest: Manifest) -> Any:

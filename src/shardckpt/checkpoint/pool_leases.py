@@ -92,7 +92,7 @@ def remove_file(storage: Storage, path: str) -> None:
 def read_leases(pool: Storage) -> list[Lease]:
     """The pool's leases, with their ages (raises ``CheckpointError`` for one that does not parse)."""
     out = []
-    for name, age in pool.ages(LEASES_DIR).items():
+    for name, (_, age) in pool.listing(LEASES_DIR).items():
         data = _read_json(pool, f"{LEASES_DIR}/{name}")
         if data is None:
             continue  # deleted since the listing: its save committed or ended
@@ -106,7 +106,7 @@ def read_leases(pool: Storage) -> list[Lease]:
 def read_markers(pool: Storage) -> list[SweepMarker]:
     """The pool's sweep markers, with their ages (raises ``CheckpointError`` for one that does not parse)."""
     out = []
-    for name, age in pool.ages(SWEEPS_DIR).items():
+    for name, (_, age) in pool.listing(SWEEPS_DIR).items():
         data = _read_json(pool, f"{SWEEPS_DIR}/{name}")
         if data is None:
             continue
@@ -149,7 +149,7 @@ def sweep_object_store(pool: Storage, list_manifests, fresh_s: float, dry_run: b
         for lease in gone:
             remove_file(pool, f"{LEASES_DIR}/{lease.generation}.json")
     leases = [lease for lease in leases if lease not in gone]
-    entries = [PoolEntry(path, age) for path, age in pool.ages("").items() if _is_pool_file(path)]
+    entries = [PoolEntry(path, age) for path, (_, age) in pool.listing("").items() if _is_pool_file(path)]
     candidates = sweep_candidates(entries, manifests, leases, fresh_s)
     if dry_run or not candidates:
         return sorted(candidates)

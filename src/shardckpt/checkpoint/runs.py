@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from shardckpt.checkpoint.gc import EXPORT_STAGING, GENERATION_DIR, STEP_NAME, collect, debris, is_checkpoint_dir
 from shardckpt.checkpoint.latest import child_dirs, step_of
+from shardckpt.checkpoint.pool import PoolUsage, pool_usage
 from shardckpt.errors import BadArgumentError, CheckpointError, CheckpointNotFoundError
 from shardckpt.format.manifest import FORMAT_NAME, MANIFEST_NAME
 from shardckpt.io import Storage, open_storage, where
@@ -50,6 +51,7 @@ class RunListing:
     path: str
     checkpoints: list[CheckpointEntry]
     latest: CheckpointEntry | None  # as ``latest_checkpoint``: the highest step with a shardckpt manifest
+    pool: PoolUsage | None = None  # the run's chunk pool (incremental saves), if it has one
 
     def summary(self) -> str:
         """One line: how many checkpoints in each state, and the latest."""
@@ -81,7 +83,8 @@ def list_checkpoints(run_dir: str | os.PathLike | Storage) -> RunListing:
             entries.append(entry)
     entries.sort(key=lambda e: (e.step is None, e.step or 0, e.name))
     native = [e for e in entries if e.state == COMMITTED and e.format == FORMAT_NAME and e.step is not None]
-    return RunListing(where(storage), entries, max(native, key=lambda e: (e.step, e.name), default=None))
+    return RunListing(where(storage), entries, max(native, key=lambda e: (e.step, e.name), default=None),
+                      pool_usage(storage))
 
 
 def _entry(storage: Storage, name: str, path: str) -> CheckpointEntry | None:

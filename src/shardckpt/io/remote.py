@@ -96,9 +96,9 @@ class FsspecStorage:
             return []
         return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == kind)
 
-    def ages(self, path: str = "") -> dict[str, float]:
-        """Every file below ``path``, recursively (relative to it), with the seconds since its last write (the store's
-        LastModified against this clock; one of unknown time counts as just written)."""
+    def listing(self, path: str = "") -> dict[str, tuple[int, float]]:
+        """Every file below ``path``, recursively (relative to it), with its size and the seconds since its last
+        write (the store's LastModified against this clock; one of unknown time counts as just written)."""
         base = self.url(path).rstrip("/")
         self.fs.invalidate_cache(base)
         try:
@@ -111,7 +111,8 @@ class FsspecStorage:
             name = name.rstrip("/")
             if info.get("type") == "file" and name.startswith(base + "/"):
                 modified = _modified(info)
-                found[name[len(base) + 1:]] = 0.0 if modified is None else max(0.0, now - modified)
+                age = 0.0 if modified is None else max(0.0, now - modified)
+                found[name[len(base) + 1:]] = (int(info.get("size") or 0), age)
         return found
 
     def file_size(self, path: str) -> int:
