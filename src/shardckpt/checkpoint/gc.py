@@ -29,7 +29,7 @@ from shardckpt.errors import BadArgumentError, CheckpointError
 from shardckpt.format.manifest import MANIFEST_NAME, parse_manifest
 from shardckpt.format.pool import POOL_JSON
 from shardckpt.io.navigate import child as below
-from shardckpt.io import LocalStorage, Storage, lifecycle, open_storage
+from shardckpt.io import LocalStorage, Storage, lifecycle, open_storage, opened_by_name
 
 log = logging.getLogger("shardckpt")
 REMOTE_MIN_AGE_S = 6 * 3600.0
@@ -107,7 +107,7 @@ def gc(place: str | os.PathLike | Storage, *, dry_run: bool = False, min_age_s: 
         raise BadArgumentError(f"{storage.url('')}: a run's chunk pool (incremental checkpoints); gc the run directory "
                                "above it, which removes the pool's data that no committed checkpoint names")
     removed = collect(storage, dry_run, min_age_s)
-    if committed_dir(storage) is None and getattr(storage, "shown", None) is not None:
+    if committed_dir(storage) is None and opened_by_name(storage):
         # opened from a path or URL (io.named): maybe a run directory; a caller's Storage is one checkpoint's place
         removed += collect_run(storage, dry_run=dry_run, min_age_s=min_age_s).removed
     return removed

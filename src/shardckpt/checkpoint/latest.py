@@ -7,7 +7,7 @@ import re
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.errors import BadArgumentError
 from shardckpt.io.navigate import child
-from shardckpt.io import LocalStorage, Storage, is_named, open_storage, where
+from shardckpt.io import LocalStorage, Storage, is_named, open_storage, opened_by_name, where
 from shardckpt.storage_options import Options
 
 _STEP = re.compile(r"step[-_]?(\d+)", re.IGNORECASE)
@@ -40,7 +40,7 @@ def latest_checkpoint(root: str | os.PathLike | Storage, *, storage_options: Opt
     name (``step_of``), or None if there is none. A directory without a committed manifest, such as one
     an interrupted save left, is skipped; among equal steps the last name in sorted order wins. A step directory
     that is a link counts (``child_dirs``)."""
-    if not is_named(root) and getattr(root, "shown", None) is None:
+    if not is_named(root) and not opened_by_name(root):
         raise BadArgumentError(f"{where(root)}: latest_checkpoint looks below a run directory, named by a path or "
                                "URL; a Storage is one checkpoint's place")
     latest = latest_in(open_storage(root, storage_options))

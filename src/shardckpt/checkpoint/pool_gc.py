@@ -90,8 +90,8 @@ def rm(place: str | os.PathLike | Storage, *, force: bool = False) -> str:
     """Remove the checkpoint at ``place`` (a local path, or the place opened): its manifest is deleted first, in
     one atomic step (the commit point of the removal), then what is left of its directory. A pooled checkpoint's
     data stays in the pool until ``gc`` finds no committed checkpoint naming it, so removing one never breaks
-    another. Without ``force``, the run's latest committed checkpoint is refused. Returns the removed checkpoint's
-    URL."""
+    another. Without ``force``, the run's latest committed checkpoint is refused. Returns the removed checkpoint as
+    given (``io.where``)."""
     given = open_storage(place)
     local = isinstance(given, LocalStorage)
     # A link: its target goes.

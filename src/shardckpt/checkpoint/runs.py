@@ -16,7 +16,7 @@ from shardckpt.checkpoint.latest import child_dirs, step_of
 from shardckpt.checkpoint.pool import PoolUsage, pool_usage
 from shardckpt.errors import BadArgumentError, CheckpointError, CheckpointNotFoundError
 from shardckpt.format.manifest import FORMAT_NAME, MANIFEST_NAME
-from shardckpt.io import Storage, open_storage, where
+from shardckpt.io import Storage, open_storage, opened_by_name, where
 from shardckpt.io.navigate import child
 
 COMMITTED, INCOMPLETE, WRITING, EMPTY, UNREADABLE = "committed", "incomplete", "being written", "empty", "unreadable"
@@ -148,7 +148,7 @@ def run_dir_error(place: Storage) -> CheckpointNotFoundError | None:
     says which and how to pick one (else None: the caller's own error stands, as for a place that is a committed
     checkpoint itself, with others below it: the error was another path's). Only a place opened from a path or
     URL (``io.named``) is looked below: a ``Storage`` the caller made is one checkpoint's place."""
-    if getattr(place, "shown", None) is None:
+    if not opened_by_name(place):
         return None
     path = where(place)
     try:
@@ -171,7 +171,7 @@ def checkpoint_or_latest(place: Storage, *, required: bool = True) -> Storage:
     """The latest committed checkpoint below run directory ``place`` (``RunListing.latest``). Where there is
     none: ``CheckpointNotFoundError`` naming what lies below, or, not ``required``, ``place``. A run directory is
     opened from a path or URL (``io.named``): ``latest`` with a ``Storage`` the caller made is refused."""
-    if getattr(place, "shown", None) is None:
+    if not opened_by_name(place):
         raise BadArgumentError(f"{where(place)}: latest=True looks below a run directory, named by a path or URL; "
                                "a Storage is one checkpoint's place")
     listing = list_checkpoints(place)

@@ -13,7 +13,7 @@ from shardckpt.storage_options import Options, StorageOptions, StorageTuning, as
 
 __all__ = ["DEFAULT_IO_THREADS", "DirHold", "FileWriter", "FsspecStorage", "Lifecycle", "LocalStorage", "NoLifecycle",
            "S3Storage", "Storage", "StorageOptions", "StorageTuning", "is_named", "lifecycle", "open_storage",
-           "named", "split_url", "where"]
+           "named", "opened_by_name", "split_url", "where"]
 
 DEFAULT_IO_THREADS = 4  # concurrent reads per rank (load, verify)
 
@@ -63,6 +63,12 @@ def named(storage: Storage, name: str) -> Storage:
     return storage
 
 
+def opened_by_name(place: Storage) -> bool:
+    """Whether ``place`` was opened from a path or URL (``named``): such a place may be a run directory, looked
+    below; a ``Storage`` the caller made is one checkpoint's place."""
+    return getattr(place, "shown", None) is not None
+
+
 def is_named(place: str | os.PathLike | Storage) -> bool:
     """Whether ``place`` is a path or URL (else a ``Storage``, the place itself)."""
     return isinstance(place, (str, os.PathLike))
@@ -72,7 +78,7 @@ def where(place: str | os.PathLike | Storage) -> str:
     """A path, URL or ``Storage`` as text, for messages and results."""
     if isinstance(place, (str, os.PathLike)):
         return os.fspath(place)
-    if getattr(place, "shown", None):
+    if opened_by_name(place) and place.shown:
         return place.shown
     if isinstance(place, FsspecStorage):
         return place._display("")  # with its scheme: s3://bucket/prefix
