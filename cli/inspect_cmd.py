@@ -34,8 +34,12 @@ def show(result: InspectResult, args: argparse.Namespace) -> None:
         return
     print(f"{info['path']}: {info['format']} v{info['version']} ({info['created_by']}), world size "
           f"{info['world_size']}, state dict type {info['state_dict_type'] or '-'}, {len(info['tensors'])} tensors, "
-          f"{_size(info['total_bytes'])} of tensor data in {info['files']} files ({_size(info['stored_bytes'])} "
-          "on disk)")
+          f"{_size(info['total_bytes'])} of tensor data in {info['files']} files "
+          f"({'?' if info['stored_bytes'] is None else _size(info['stored_bytes'])} on disk)")
+    if info.get("pool"):
+        print(f"  pooled (incremental): its files are in {info['pool']['path']} (id {info['pool']['id'][:12]}...), "
+              f"from {info['pool']['generations']} generation{'s' if info['pool']['generations'] != 1 else ''}; "
+              "`verify` says which steps wrote them")
     # codecs None: the index could not be read ("?"); []: an empty tensor, which has no chunks
     codecs = sorted({c for t in info["tensors"] for c in (["?"] if t["codecs"] is None else t["codecs"])})
     if codecs not in ([], ["raw"]) and info["stored_bytes"]:

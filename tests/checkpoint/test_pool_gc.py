@@ -119,3 +119,21 @@ def test_ls_shows_the_pool_and_what_gc_would_remove_from_it(tmp_path, capsys):
 def test_ls_of_a_run_without_a_pool_has_none(tmp_path):
     shardckpt.save({"w": torch.ones(3)}, tmp_path / "step-1")
     assert shardckpt.ls(tmp_path).pool is None
+
+
+def test_inspect_of_a_pooled_step_reads_its_indexes_in_the_pool(tmp_path, capsys):
+    saves(tmp_path, (1, 2))
+    info = shardckpt.inspect(tmp_path / "step-2").details
+    m = manifest(tmp_path / "step-2")
+    assert info["pool"] == {"path": str(tmp_path / "shardckpt-pool"), "id": m.pool["id"],
+                            "generations": len({f.path.split("/")[0] for f in m.files})} and info["pool"]["generations"] == 2
+    assert info["block_size"] and info["block_size"] > 0
+    tensors = {t["name"]: t for t in shardckpt.inspect(tmp_path / "step-2").tensors}
+    for name, t in tensors.items():  # raw: each tensor's own chunks only, not the other rows of shared files
+        assert t["codecs"] == ["raw"] and t["stored_bytes"] == t["bytes"], name
+    assert info["stored_bytes"] == sum(t["bytes"] for t in tensors.values())
+    from shardckpt.cli.main import main
+
+    assert main(["inspect", str(tmp_path / "step-2")]) == 0
+    out = capsys.readouterr().out
+    assert "pooled (incremental)" in out and "?" not in out and "per 0 B block" not in out

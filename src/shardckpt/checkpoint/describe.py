@@ -12,11 +12,12 @@ from shardckpt.dist.group import LOCAL
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.format.codecs import RAW
 from shardckpt.format.dtypes import dtype_name
-from shardckpt.format.manifest import COMPRESSED_VERSION, FORMAT_NAME, MANIFEST_NAME
+from shardckpt.format.manifest import COMPRESSED_VERSION, FORMAT_NAME, MANIFEST_NAME, chunks_of
 from shardckpt.format.tree import TensorRef, leaves, path_name
 from shardckpt.formats.api import CheckpointReader
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.native import NativeReader
+from shardckpt.formats.native.pool import files_view, pool_storage
 from shardckpt.formats.native.reader import read_index
 from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage, where
 
@@ -68,16 +69,21 @@ def describe(place: str | os.PathLike | Storage) -> dict:
     pinned = open_checkpoint(place, process_group=LOCAL, verify=False)
     if not isinstance(pinned.reader, NativeReader):  # what a reader lists; shardckpt's own says more
         return describe_reader(pinned.reader, where(place), pinned.storage)
-    storage, manifest = pinned.storage, pinned.reader.manifest
+    manifest = pinned.reader.manifest
+    storage = files_view(pinned.storage, manifest)  # a pooled (v5) checkpoint's files are its pool's
     block_size, stored = None, _StoredForm(manifest.version)
+    # A pool file's index also lists other checkpoints' chunks: count only those this manifest places there.
+    placed = _placed(manifest) if manifest.pool is not None else None
     if manifest.version >= 2 and manifest.files:
         # Format v3 may compress: every index says how each chunk is stored. Before v3 all are raw.
         files = range(len(manifest.files)) if manifest.version >= COMPRESSED_VERSION else [0]
         with ThreadPoolExecutor(DEFAULT_IO_THREADS) as pool:
-            for records in pool.map(lambda f: _index_or_none(storage, manifest, f), files):
+            for f, records in zip(files, pool.map(lambda f: _index_or_none(storage, manifest, f), files)):
                 if records is None:
                     stored.damaged = True
                     continue
+                if placed is not None:
+                    records = {key: rec for key, rec in records.items() if key in placed[f]}
                 block_size = block_size or next((r.block_size for r in records.values()), None)
                 stored.add(records)
     tensors = [{"name": t.name, "dtype": dtype_name(t.dtype, t.name), "shape": list(t.shape), "bytes": t.nbytes,
@@ -93,11 +99,31 @@ def describe(place: str | os.PathLike | Storage) -> dict:
         "world_size": manifest.world_size,
         "state_dict_type": manifest.metadata.get("state_dict_type"),
         "total_bytes": manifest.total_bytes,
-        "stored_bytes": sum(f.size for f in manifest.files),  # the data files, alignment padding included
+        "stored_bytes": _stored_bytes(manifest, stored),
         "files": len(manifest.files),
         "metadata": manifest.metadata,
         "tensors": tensors,
+        "pool": None if manifest.pool is None else {
+            "path": where(pool_storage(pinned.storage)), "id": manifest.pool["id"],
+            "generations": len({f.path.split("/", 1)[0] for f in manifest.files})},
     }
+
+
+def _placed(manifest) -> dict[int, set]:
+    """Per file of ``manifest``, the (tensor, chunk) rows it places there."""
+    placed: dict[int, set] = {f: set() for f in range(len(manifest.files))}
+    for entry in manifest.tensors.values():
+        for i, _, f in chunks_of(entry):
+            placed[f].add((entry.name, i))
+    return placed
+
+
+def _stored_bytes(manifest, stored: _StoredForm) -> int | None:
+    """The data files' bytes (alignment padding included); a pooled checkpoint's: its own chunks' stored bytes in
+    the pool's shared files (None if an index could not be read)."""
+    if manifest.pool is None:
+        return sum(f.size for f in manifest.files)
+    return None if stored.damaged else sum(stored.bytes.values())
 
 
 def _index_or_none(storage: Storage, manifest, f: int) -> dict | None:
