@@ -496,3 +496,40 @@ def test_a_call_after_a_successful_save_does_not_wait_for_the_other_ranks(tmp_pa
     blocked = run_ranks(2, _blocked_after_a_late_peer, str(tmp_path), timeout=60)
     assert blocked[0] < 0.5, blocked
     assert torch.equal(shardckpt.load_full(str(tmp_path / "b"))["w"], torch.ones(4))
+
+
+class _TwoArgError(Exception):
+    """Pickles, but does not unpickle (its __init__ takes other arguments than its args), like many libraries'."""
+
+    def __init__(self, what, code):
+        super().__init__(f"{what} (code {code})")
+
+
+def _an_error_that_does_not_travel(root: str) -> list[str]:
+    rank = dist.get_rank()
+    sd = {f"t{i}": torch.arange(4000, dtype=torch.float32) + i for i in range(4)}
+
+    def progress(done, total):
+        if rank == 1:
+            raise _TwoArgError("quota exceeded", 7)
+
+    seen = []
+    for kind in ("sync", "async"):
+        try:
+            if kind == "sync":
+                shardckpt.save(sd, os.path.join(root, "sync"), progress=progress)
+            else:
+                shardckpt.async_save(sd, os.path.join(root, "async"), progress=progress).wait(30)
+            seen.append(f"{kind}: saved")
+        except shardckpt.CheckpointError as e:
+            seen.append(f"{kind}: {e}".split("\n")[0])
+    shardckpt.async_save(sd, os.path.join(root, "after")).wait(30)
+    return seen
+
+
+def test_an_error_that_does_not_unpickle_fails_every_rank_without_a_hang(tmp_path):
+    seen = run_ranks(2, _an_error_that_does_not_travel, str(tmp_path), timeout=90)
+    for kind, got in zip(("sync", "async"), zip(*seen)):
+        assert all(g.startswith(f"{kind}: _TwoArgError: quota exceeded (code 7)") for g in got), got
+    assert not os.path.exists(tmp_path / "sync" / "manifest.json") and not os.path.exists(tmp_path / "async" / "manifest.json")
+    assert torch.equal(shardckpt.load_full(str(tmp_path / "after"))["t1"], torch.arange(4000, dtype=torch.float32) + 1)

@@ -74,6 +74,18 @@ def test_retention_keep_last_and_keep_every(tmp_path):
     assert pool_files(tmp_path) == named  # the save's tidy-up swept what the removed steps alone named
 
 
+def test_retention_and_latest_leave_a_checkpoint_whose_name_has_no_step(tmp_path):
+    sd = state()
+    shardckpt.save(sd, tmp_path / "step-1", incremental=True, incremental_unit=UNIT)
+    shardckpt.save(sd, tmp_path / "export-fp16", incremental=True, incremental_unit=UNIT)  # not step 16
+    states = saves(tmp_path, (2, 3, 4), keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["export-fp16", "shardckpt-pool", "step-3", "step-4"]
+    assert shardckpt.latest_checkpoint(tmp_path) == str(tmp_path / "step-4")
+    for step in (3, 4):
+        assert_bits(shardckpt.load_full(tmp_path / f"step-{step}"), states[step])
+    assert verify(tmp_path / "export-fp16").ok
+
+
 def test_retention_needs_incremental(tmp_path):
     with pytest.raises(BadArgumentError, match="incremental"):
         shardckpt.save(state(), tmp_path / "step-1", keep_last=2)
@@ -137,3 +149,25 @@ def test_inspect_of_a_pooled_step_reads_its_indexes_in_the_pool(tmp_path, capsys
     assert main(["inspect", str(tmp_path / "step-2")]) == 0
     out = capsys.readouterr().out
     assert "pooled (incremental)" in out and "?" not in out and "per 0 B block" not in out
+
+
+def test_gc_of_a_run_says_nothing_of_a_step_removed_while_it_ran(tmp_path, monkeypatch):
+    import warnings
+
+    from shardckpt.checkpoint import gc as gc_module
+    from shardckpt.errors import CorruptCheckpointError
+
+    saves(tmp_path, (1, 2, 3))
+    real = gc_module.collect
+
+    def racing(storage, *args, **kwargs):  # rm step-2 lands between the listing and the read of its manifest
+        if storage.root.endswith("step-2"):
+            shardckpt.rm(tmp_path / "step-2")
+            raise CorruptCheckpointError(f"{storage.url('manifest.json')}: file missing or unreadable")
+        return real(storage, *args, **kwargs)
+
+    monkeypatch.setattr(gc_module, "collect", racing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shardckpt.gc(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["shardckpt-pool", "step-1", "step-3"]

@@ -139,7 +139,8 @@ def collect_run(run_dir: str | os.PathLike | Storage, *, dry_run: bool = False,
         try:
             gone = collect(child, dry_run, min_age_s)
         except CheckpointError as e:  # its manifest does not parse: nothing there is known to be debris
-            warnings.warn(f"{name}: kept as it is ({e})", stacklevel=2)
+            if child.exists(MANIFEST_NAME):  # (else removed meanwhile, by rm: nothing to say)
+                warnings.warn(f"{name}: kept as it is ({e})", stacklevel=2)
             continue
         removed += [f"{name}/{g}" for g in gone]
         if not (gone or STEP_NAME.search(name)) or not isinstance(storage, LocalStorage):

@@ -10,13 +10,15 @@ from shardckpt.io.navigate import child
 from shardckpt.io import LocalStorage, Storage, is_named, open_storage, opened_by_name, where
 from shardckpt.storage_options import Options
 
-_STEP = re.compile(r"step[-_]?(\d+)", re.IGNORECASE)
-_NUMBER = re.compile(r"\d+")
+_STEP = re.compile(r"step[-_=]?(\d+)", re.IGNORECASE)
+_NUMBER = re.compile(r"(?<![A-Za-z\d])\d+(?![A-Za-z\d])")  # a number of its own: not fp16, v2, ws3
 
 
 def step_of(name: str) -> int | None:
     """The step a checkpoint's directory name gives: the number after ``step`` (``step-1000``,
-    ``global_step500``, ``step_000120-ws3``), else the last number in it (``ckpt-300``), else None."""
+    ``global_step500``, ``step_000120-ws3``, ``epoch=1-step=500``), else the last number standing on its own in it
+    (``ckpt-300``, ``checkpoint_500``; not the 16 of ``export-fp16``, which has no step), else None. Retention and
+    ``latest`` go by it: a name with no step is never taken for one."""
     found = _STEP.findall(name) or _NUMBER.findall(name)
     return int(found[-1]) if found else None
 
