@@ -8,7 +8,8 @@ import sys
 from shardckpt.api.results import LatestResult
 
 EPILOG = """which: the directory directly under RUN_DIR with the highest step in its name (step-1000,
-global_step500, ckpt-300) that holds a committed checkpoint; one an interrupted save left is skipped.
+global_step500, ckpt-300; a name with no number of its own, such as export-fp16, has none) that holds a committed
+checkpoint; one an interrupted save left is skipped.
 
 examples:
   shardckpt latest runs/example
