@@ -34,7 +34,14 @@ def show(result: VerifyResult, args: argparse.Namespace) -> None:
             return
         for line in lines:
             print(f"BAD {line}", file=sys.stderr)
-        print(f"FAILED {result.path}: {len(lines)} problem(s) in {result.tensors} tensors", file=sys.stderr)
+        bad = [c["name"] for c in result.checkpoints if not c["ok"]]
+        print(f"FAILED {result.path}: {len(lines)} problem(s) in {result.tensors} tensors" +
+              (f" ({len(bad)} of {len(result.checkpoints)} checkpoints: {', '.join(bad)})" if result.kind == "run"
+               else ""), file=sys.stderr)
+        return
+    if result.kind == "run":
+        print(f"OK {result.path}: {len(result.checkpoints)} checkpoints, {result.tensors} tensors, {result.chunks} "
+              f"chunks, {format_bytes(result.tensor_bytes)} read (each chunk of the pool once)")
         return
     if result.kind == "export":
         against = "" if result.against is None else f", every value equal to {result.against}'s"

@@ -12,6 +12,7 @@ import torch
 import shardckpt
 from shardckpt import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.checkpoint.verify import verify
+from shardckpt.errors import BadArgumentError
 from shardckpt.format.manifest import seal
 from tests.checkpoint.test_incremental import manifest
 
@@ -37,14 +38,20 @@ def base_file(root) -> tuple[str, int]:
     return str(root / "shardckpt-pool" / m.files[f].path), row[2]
 
 
-def test_a_flipped_byte_in_a_shared_chunk_is_reported_for_every_step_using_it(tmp_path):
-    pooled_run(tmp_path)
-    path, offset = base_file(tmp_path)
+def flip_a_base_byte(root) -> str:
+    """Flip one bit of base's first chunk, which steps 1-3 share; returns its pool file."""
+    path, offset = base_file(root)
     with open(path, "r+b") as f:
         f.seek(offset + 100)
         byte = f.read(1)
         f.seek(offset + 100)
         f.write(bytes([byte[0] ^ 0x01]))
+    return path
+
+
+def test_a_flipped_byte_in_a_shared_chunk_is_reported_for_every_step_using_it(tmp_path):
+    pooled_run(tmp_path)
+    path = flip_a_base_byte(tmp_path)
     for step in ("step-1", "step-2", "step-3"):
         report = verify(tmp_path / step)
         assert not report.ok, step
@@ -55,6 +62,34 @@ def test_a_flipped_byte_in_a_shared_chunk_is_reported_for_every_step_using_it(tm
     target = {"lora": torch.zeros(64)}
     shardckpt.load(target, tmp_path / "step-3", strict=False)  # what does not read the damaged chunk still loads
     assert target["lora"][0] == 3
+
+
+def test_verify_pool_reads_each_shared_chunk_once_and_reports_it_for_every_step(tmp_path, capsys):
+    pooled_run(tmp_path)
+    alone = [verify(tmp_path / s) for s in ("step-1", "step-2", "step-3", "alone")]
+    run = shardckpt.verify(tmp_path, pool=True)
+    assert run.ok and run.kind == "run" and [c["name"] for c in run.checkpoints] == ["step-1", "step-2", "step-3",
+                                                                                     "alone"]
+    assert run.tensors == sum(r.tensors for r in alone) and run.chunks == sum(r.chunks for r in alone)
+    base = 65_536 * 4
+    # base is read once for the three steps (and once for "alone", which is not pooled); lora once per step
+    assert run.tensor_bytes == 2 * base + 4 * 64 * 4 < sum(r.bytes_checked for r in alone)
+    flip_a_base_byte(tmp_path)
+    run = shardckpt.verify(tmp_path, pool=True)
+    assert not run.ok
+    assert [c["ok"] for c in run.checkpoints] == [False, False, False, True]
+    for step in ("step-1", "step-2", "step-3"):  # the same problems as each step's own verify, named by the step
+        assert {(p.tensor, p.file, f"{step}: {p.message}") for p in verify(tmp_path / step).problems} == \
+            {(p.tensor, p.file, p.message) for p in run.problems if p.message.startswith(f"{step}: ")}
+    from shardckpt.cli.main import main
+
+    assert main(["verify", str(tmp_path), "--pool"]) == 1
+    assert "3 of 4 checkpoints: step-1, step-2, step-3" in capsys.readouterr().err
+    with pytest.raises(BadArgumentError, match="checks a run directory"):
+        shardckpt.verify(tmp_path / "step-1", pool=True)
+    (tmp_path / "step-2" / "manifest.json").write_bytes(b"{damaged")  # a step that cannot be read: said, by name
+    run = shardckpt.verify(tmp_path, pool=True)
+    assert any(p.message.startswith("step-2: ") and "manifest" in p.message for p in run.problems)
 
 
 def test_a_damaged_pool_index_truncated_or_missing_file(tmp_path):

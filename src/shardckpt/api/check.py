@@ -13,7 +13,7 @@ from shardckpt.offline.spec import DiffSpec
 from shardckpt.options import STORAGE, Opt, bounded_int, prefixes, takes
 from shardckpt.offline.rename import read_rename_map
 from shardckpt.api.transform import PathLike, Progress
-from shardckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+from shardckpt.errors import (BadArgumentError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                               IncompatibleCheckpointError)
 from shardckpt.storage_options import Options
 
@@ -31,6 +31,8 @@ def verify(
                                            parse=read_rename_map)] = None,
     threads: Annotated[int | None, Opt("parallel reads (default: shardckpt.io's, 4)",
                                        parse=bounded_int(1, 256))] = None,
+    pool: Annotated[bool, Opt("PATH is a run directory: check every committed checkpoint below it, each chunk of "
+                              "its pool read once (a damaged shared chunk is reported for every step naming it)")] = False,
     storage_options: Annotated[Options | None, STORAGE] = None,
     progress: Progress | None = None,
 ) -> VerifyResult:
@@ -46,6 +48,8 @@ def verify(
 
     start = time.monotonic()
     place = open_storage(path, storage_options)
+    if pool:
+        return VerifyResult(**{**_verify_run(place, threads), "seconds": time.monotonic() - start})
     other = foreign_format(place)
     if against is not None or (other is not None and other.startswith("safetensors")):
         source = None if against is None else open_storage(against, storage_options)
@@ -74,6 +78,31 @@ def _verify_checkpoint(path: PathLike | Storage, storage: Storage, threads: int 
                                                                   for p in report.problems),
                 version=report.version, manifest_checksum=report.manifest_checksum, chunks=report.chunks,
                 sharing=report.sharing)
+
+
+def _verify_run(run: Storage, threads: int | None) -> dict:
+    """Every committed checkpoint below run directory ``run``, its pool's chunks read once (``verify_run``)."""
+    from shardckpt.checkpoint.verify import verify_run
+    from shardckpt.format.manifest import MANIFEST_NAME
+
+    if run.exists(MANIFEST_NAME):
+        raise BadArgumentError(f"{where(run)}: a checkpoint; pool=True checks a run directory, every "
+                               "checkpoint below it (verify the checkpoint without it)")
+    found = verify_run(run, **({} if threads is None else {"io_threads": threads}))
+    if not found:
+        raise CheckpointNotFoundError(f"{where(run)}: no committed shardckpt checkpoint below it to verify")
+    problems, steps, tensors, chunks, read = [], [], 0, 0, 0
+    for name, report in found:
+        if isinstance(report, CheckpointError):  # its manifest (or its pool) could not be read
+            problems.append(Problem(f"{name}: {report}"))
+            steps.append({"name": name, "ok": False, "problems": 1, "tensors": 0, "chunks": 0})
+            continue
+        problems += [Problem(f"{name}: {p.message}", p.tensor, p.file) for p in report.problems]
+        steps.append({"name": name, "ok": report.ok, "problems": len(report.problems), "tensors": report.tensors,
+                      "chunks": report.chunks})
+        tensors, chunks, read = tensors + report.tensors, chunks + report.chunks, read + report.bytes_checked
+    return dict(path=where(run), ok=not problems, kind="run", tensors=tensors, tensor_bytes=read,
+                problems=tuple(problems), chunks=chunks, checkpoints=tuple(steps))
 
 
 def _verify_export(place: Storage, against: Storage | None, only, strip_prefix, rename_map) -> dict:

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from shardckpt.errors import CorruptCheckpointError
+from shardckpt.errors import CheckpointError, CorruptCheckpointError
 from shardckpt.regions import contiguous_runs
 from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage
 from shardckpt.format.checksum import SegmentedCRC, combine_block_crcs, runs_crc_term
@@ -126,12 +126,14 @@ def _sharing(storage: Storage, manifest: Manifest) -> dict | None:
 
 
 def verify(place: str | os.PathLike | Storage, *, io_threads: int = DEFAULT_IO_THREADS,
-           progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+           progress: Callable[[int, int], None] | None = None, scanned: dict | None = None) -> VerifyReport:
     """Check everything about the checkpoint at ``place`` (a local path, or the place opened: ``shardckpt.verify``
     opens it with the caller's options); problems are collected, not raised.
 
     Raises ``CheckpointNotFoundError`` if there is no checkpoint, ``CorruptCheckpointError`` if the
-    manifest itself is damaged. ``progress(done_bytes, total_bytes)`` is called as data is read.
+    manifest itself is damaged. ``progress(done_bytes, total_bytes)`` is called as data is read. ``scanned``: what
+    the checks of a pooled checkpoint's chunks found, kept across the checkpoints of one pool (``verify_run``): a
+    chunk row of a pool file is the same bytes for every checkpoint that names it, so it is read once.
     """
     storage = open_storage(place)
     manifest = read_manifest(storage)
@@ -171,10 +173,16 @@ def verify(place: str | os.PathLike | Storage, *, io_threads: int = DEFAULT_IO_T
         if problem:
             report.problems.append(Problem(entry.name, file, f"chunk {i} {problem}"))
             return entry.name, None
-        try:
-            problems, term = _scan_chunk(storage, manifest.files[f].path, rec, entry, region, tick, "")
-        except CorruptCheckpointError as e:  # a frame that does not decode
-            problems, term = [str(e).strip().removesuffix("; run `shardckpt verify`")], None
+        key = (manifest.files[f].path, entry.name, i, entry.dtype, entry.shape, region, rec)
+        found = scanned.get(key) if scanned is not None and manifest.pool is not None else None
+        if found is None:
+            try:
+                found = _scan_chunk(storage, manifest.files[f].path, rec, entry, region, tick, "")
+            except CorruptCheckpointError as e:  # a frame that does not decode
+                found = [str(e).strip().removesuffix("; run `shardckpt verify`")], None
+            if scanned is not None and manifest.pool is not None:
+                scanned[key] = found
+        problems, term = found
         report.problems.extend(Problem(entry.name, file, f"chunk {i} {p}") for p in problems)
         return entry.name, term
 
@@ -189,3 +197,26 @@ def verify(place: str | os.PathLike | Storage, *, io_threads: int = DEFAULT_IO_T
             report.problems.append(Problem(name, None, f"tensor checksum {term:08x} differs from the manifest's "
                                                        f"{entry.crc32c:08x}"))
     return report
+
+
+def verify_run(run: Storage, *, io_threads: int = DEFAULT_IO_THREADS) -> list[tuple[str, VerifyReport | CheckpointError]]:
+    """``verify`` of every committed shardckpt checkpoint directly below run directory ``run``, by step, each chunk of
+    their pool read once (a damaged shared chunk is reported for every checkpoint that names it); for each, its
+    report, or the error that stopped its check (a damaged manifest, a missing pool)."""
+    from shardckpt.checkpoint.runs import COMMITTED, UNREADABLE, list_checkpoints
+    from shardckpt.format.manifest import FORMAT_NAME
+    from shardckpt.io.navigate import child
+
+    scanned: dict = {}
+    out: list[tuple[str, VerifyReport | CheckpointError]] = []
+    for entry in list_checkpoints(run).checkpoints:
+        if entry.state == UNREADABLE:  # a manifest that does not parse: a damaged checkpoint, not none
+            out.append((entry.name, CorruptCheckpointError(entry.detail)))
+            continue
+        if entry.state != COMMITTED or entry.format != FORMAT_NAME:
+            continue
+        try:
+            out.append((entry.name, verify(child(run, entry.name), io_threads=io_threads, scanned=scanned)))
+        except CheckpointError as e:
+            out.append((entry.name, e))
+    return out
