@@ -13,7 +13,9 @@ from shardckpt.checkpoint.latest import step_of
 @pytest.mark.parametrize("name, step", [("step-1000", 1000), ("global_step500", 500), ("step_000120-ws3", 120),
                                         ("ckpt-300", 300), ("Step7", 7), ("v2-step-10", 10), ("final", None),
                                         ("export-fp16", None), ("model_v2", None), ("checkpoint_500", 500),
-                                        ("epoch=1-step=500", 500), ("hf-bf16-300", 300), ("ws3", None)])
+                                        ("epoch=1-step=500", 500), ("hf-bf16-300", 300), ("ws3", None),
+                                        ("step1k", None), ("step1.5k", None), ("step-10k", None), ("step-2e3", None),
+                                        ("step-0x1f", None), ("step-100.5", None), ("step500", 500)])
 def test_step_of_a_name(name, step):
     assert step_of(name) == step
 

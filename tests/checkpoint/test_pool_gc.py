@@ -111,7 +111,7 @@ def test_ls_shows_the_pool_and_what_gc_would_remove_from_it(tmp_path, capsys):
     size = sum(os.path.getsize(tmp_path / "shardckpt-pool" / f) for f in files)
     pool = shardckpt.ls(tmp_path).pool
     assert pool == {"path": str(tmp_path / "shardckpt-pool"), "generations": 3, "files": len(files), "bytes": size,
-                    "unnamed_files": 0, "unnamed_bytes": 0}
+                    "unnamed_files": 0, "unnamed_bytes": 0, "problem": None}
     shardckpt.rm(tmp_path / "step-2")
     pool = shardckpt.ls(tmp_path).pool
     doomed = shardckpt.gc(tmp_path, dry_run=True).removed
@@ -171,3 +171,64 @@ def test_gc_of_a_run_says_nothing_of_a_step_removed_while_it_ran(tmp_path, monke
         warnings.simplefilter("error")
         shardckpt.gc(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["shardckpt-pool", "step-1", "step-3"]
+
+
+@pytest.mark.parametrize("damage", ["first byte", "empty"])
+def test_a_manifest_damaged_at_its_first_byte_stops_the_collectors(tmp_path, damage):
+    states = saves(tmp_path, (1, 2, 3))
+    path = tmp_path / "step-3" / "manifest.json"
+    original = path.read_bytes()
+    path.write_bytes(b"" if damage == "empty" else bytes([original[0] ^ 0x01]) + original[1:])
+    before = pool_files(tmp_path)
+    assert shardckpt.ls(tmp_path).pool["unnamed_files"] is None  # unknown, never a guess
+    with pytest.raises(CheckpointError, match="step-3"):
+        shardckpt.gc(tmp_path)
+    sd = state()
+    shardckpt.save(sd, tmp_path / "step-4", incremental=True, incremental_unit=UNIT)  # its tidy-up sweeps nothing
+    assert before <= pool_files(tmp_path)
+    path.write_bytes(original)
+    assert_bits(shardckpt.load_full(tmp_path / "step-3"), states[3])
+    assert verify(tmp_path / "step-3").ok
+
+
+def test_rm_succeeds_when_a_concurrent_gc_removed_the_emptied_directory(tmp_path, monkeypatch):
+    import shutil
+
+    from shardckpt.checkpoint import pool_gc
+
+    saves(tmp_path, (1, 2))
+    real = pool_gc.remove_file
+
+    def then_gc(storage, path):  # gc of the run lands right after the manifest went: the directory is removed
+        real(storage, path)
+        shutil.rmtree(storage.url(""), ignore_errors=True)
+
+    monkeypatch.setattr(pool_gc, "remove_file", then_gc)
+    shardckpt.rm(tmp_path / "step-1")
+    assert not (tmp_path / "step-1").exists() and verify(tmp_path / "step-2").ok
+
+
+def test_a_damaged_pool_json_is_said_by_ls_and_verify_pool(tmp_path, capsys):
+    saves(tmp_path, (1, 2))
+    (tmp_path / "shardckpt-pool" / "pool.json").write_bytes(b"{damaged")
+    listing = shardckpt.ls(tmp_path)
+    assert [c["name"] for c in listing.checkpoints] == ["step-1", "step-2"] and "pool.json" in listing.pool["problem"]
+    run = shardckpt.verify(tmp_path, pool=True)
+    assert not run.ok and [c["ok"] for c in run.checkpoints] == [False, False]
+    assert all("pool" in p.message for p in run.problems)
+    from shardckpt.cli.main import main
+
+    assert main(["ls", str(tmp_path)]) == 0 and "is damaged" in capsys.readouterr().out
+
+
+def test_inspect_leaves_unknown_only_the_tensors_of_a_damaged_index(tmp_path):
+    sd = {f"t{i}": torch.zeros(4096) + i for i in range(6)}
+    shardckpt.save(sd, tmp_path / "c", compress="zstd", files_per_rank=2)
+    m = manifest(tmp_path / "c")
+    assert len(m.files) == 2
+    (tmp_path / "c" / m.files[1].index_path).write_bytes(b"{damaged")
+    tensors = {t["name"]: t for t in shardckpt.inspect(tmp_path / "c").tensors}
+    for name, entry in m.tensors.items():
+        unknown = 1 in entry.chunks.files_used()
+        assert (tensors[name]["stored_bytes"] is None) == unknown, name
+    assert any(t["stored_bytes"] is not None for t in tensors.values())

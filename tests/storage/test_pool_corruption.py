@@ -146,3 +146,23 @@ def test_a_pool_field_in_an_older_version_is_refused(tmp_path):
                                                                              "id": "0" * 32}))
     with pytest.raises(CorruptCheckpointError, match="needs format v5"):
         shardckpt.load_full(tmp_path / "alone")
+
+
+def test_verify_pool_checks_the_runs_below_a_run_too(tmp_path):
+    pooled_run(tmp_path / "sub")
+    shardckpt.save({"w": torch.ones(3)}, tmp_path / "step-1")
+    run = shardckpt.verify(tmp_path, pool=True)
+    assert run.ok and [c["name"] for c in run.checkpoints] == ["step-1", "sub/step-1", "sub/step-2", "sub/step-3",
+                                                               "sub/alone"]
+    flip_a_base_byte(tmp_path / "sub")
+    run = shardckpt.verify(tmp_path, pool=True)
+    assert [c["ok"] for c in run.checkpoints] == [True, False, False, False, True]
+
+
+def test_a_tensor_in_a_missing_file_is_not_checked_and_has_no_checksum_to_differ(tmp_path):
+    pooled_run(tmp_path)
+    path, _ = base_file(tmp_path)
+    os.unlink(path)
+    problems = verify(tmp_path / "step-2").problems
+    assert any(p.tensor == "base" and "not checked" in p.message for p in problems)
+    assert not any("tensor checksum" in p.message for p in problems)

@@ -264,7 +264,8 @@ class LsResult(Result):
     :ivar summary: one line: ``"3 checkpoints below (2 committed, 1 incomplete); the latest committed is ..."``.
     :ivar pool: the run's chunk pool (incremental saves), or None: ``path``, ``generations``, ``files``, ``bytes``,
         and ``unnamed_files`` / ``unnamed_bytes``, those no committed checkpoint names (``gc`` of the run removes
-        them; None if a manifest could not be read).
+        them; None if a manifest could not be read); ``problem``: why ``pool.json`` could not be read (then the
+        counts are 0 and None), else None.
     """
 
     path: str

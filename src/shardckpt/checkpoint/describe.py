@@ -80,7 +80,7 @@ def describe(place: str | os.PathLike | Storage) -> dict:
         with ThreadPoolExecutor(DEFAULT_IO_THREADS) as pool:
             for f, records in zip(files, pool.map(lambda f: _index_or_none(storage, manifest, f), files)):
                 if records is None:
-                    stored.damaged = True
+                    stored.damaged.add(f)
                     continue
                 if placed is not None:
                     records = {key: rec for key, rec in records.items() if key in placed[f]}
@@ -142,7 +142,7 @@ class _StoredForm:
         self.version = version
         self.bytes: dict[str, int] = {}
         self.codecs: dict[str, set[str]] = {}
-        self.damaged = False  # some index could not be read: stored sizes unknown
+        self.damaged: set[int] = set()  # the files whose index could not be read: their tensors' stored form unknown
 
     def add(self, records: dict) -> None:
         for (name, _), rec in records.items():
@@ -152,7 +152,7 @@ class _StoredForm:
     def of(self, entry) -> dict:
         if self.version < COMPRESSED_VERSION:  # every chunk raw: stored as its bytes
             return {"stored_bytes": entry.nbytes, "codecs": [RAW] if len(entry.chunks) else []}
-        if self.damaged:
+        if entry.chunks.files_used() & self.damaged:
             return {"stored_bytes": None, "codecs": None}
         return {"stored_bytes": self.bytes.get(entry.name, 0), "codecs": sorted(self.codecs.get(entry.name, ()))}
 

@@ -10,8 +10,8 @@ from shardckpt.io.navigate import child
 from shardckpt.io import LocalStorage, Storage, is_named, open_storage, opened_by_name, where
 from shardckpt.storage_options import Options
 
-_STEP = re.compile(r"step[-_=]?(\d+)", re.IGNORECASE)
-_NUMBER = re.compile(r"(?<![A-Za-z\d])\d+(?![A-Za-z\d])")  # a number of its own: not fp16, v2, ws3
+_STEP = re.compile(r"step[-_=]?(\d+)(?![A-Za-z\d.])", re.IGNORECASE)  # not step1k, step1.5k, step-2e3
+_NUMBER = re.compile(r"(?<![A-Za-z\d.])\d+(?![A-Za-z\d.])")  # a number of its own: not fp16, v2, ws3, 1.5
 
 
 def step_of(name: str) -> int | None:

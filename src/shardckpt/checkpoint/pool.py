@@ -79,7 +79,7 @@ def pool_checkpoints(run: Storage, pool_id: str, skip: str = "", strict: bool = 
                 raise
             continue  # no manifest: not a checkpoint (or removed meanwhile)
         try:
-            manifest = _parse_child(data, run.url(path))
+            manifest = _parse_child(data, run.url(path), strict)
         except CheckpointError:
             if strict:
                 raise
@@ -89,8 +89,10 @@ def pool_checkpoints(run: Storage, pool_id: str, skip: str = "", strict: bool = 
     return sorted(found, key=lambda c: (step_of(c.name) is None, step_of(c.name) or 0, c.name))
 
 
-def _parse_child(data: bytes, where: str) -> Manifest | None:
-    if not data.startswith(b"{"):
+def _parse_child(data: bytes, where: str, strict: bool) -> Manifest | None:
+    """A child's manifest; a ``manifest.json`` that is not a JSON object is another tool's, or a damaged one: a
+    collector (``strict``) cannot tell which, so it is an error there (what it names is unknown)."""
+    if not data.startswith(b"{") and not strict:
         return None
     return parse_manifest(data, where)
 
@@ -160,12 +162,16 @@ class PoolUsage:
     bytes: int
     unnamed_files: int | None
     unnamed_bytes: int | None
+    problem: str | None = None  # pool.json could not be read: the rest is unknown (verify names what it breaks)
 
 
 def pool_usage(run: Storage) -> PoolUsage | None:
     """The pool of run directory ``run``, if it has one (one listing of the pool, and the run's manifests)."""
     pool = child(run, POOL_DIR)
-    info = read_pool_info(pool)
+    try:
+        info = read_pool_info(pool)
+    except CheckpointError as e:
+        return PoolUsage(where(pool), 0, 0, 0, None, None, problem=str(e))
     if info is None:
         return None
     sizes = {p: n for p, n in file_sizes(pool).items() if p.startswith("data-") and p.count("/") == 1}

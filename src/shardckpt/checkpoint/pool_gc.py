@@ -119,7 +119,10 @@ def remove_checkpoint(run: Storage, name: str) -> None:
     step = child(run, name)
     remove_file(step, MANIFEST_NAME)
     if isinstance(step, LocalStorage):
-        step.sync_dir("")
+        try:
+            step.sync_dir("")
+        except FileNotFoundError:  # a concurrent gc of the run removed the emptied directory: removed all the same
+            return
     run.remove_dir(name)
 
 

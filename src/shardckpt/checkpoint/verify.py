@@ -142,11 +142,12 @@ def verify(place: str | os.PathLike | Storage, *, io_threads: int = DEFAULT_IO_T
     storage = files_view(storage, manifest)  # a pooled (v5) checkpoint's files are its pool's
     sized = _sized_files(storage, manifest, report)
     expected: dict[int, set] = {f: set() for f in range(len(manifest.files))}
-    jobs = []
+    jobs, unchecked = [], set()
     for entry in manifest.tensors.values():
         if not entry.chunks.files_used() <= sized:
             # Its file's problem is reported; skipping also bounds the loop below by bytes that exist.
             report.problems.append(Problem(entry.name, None, "not checked: a data file holding it is damaged"))
+            unchecked.add(entry.name)
             continue
         for i, region, f in chunks_of(entry):
             expected[f].add((entry.name, i))
@@ -186,7 +187,7 @@ def verify(place: str | os.PathLike | Storage, *, io_threads: int = DEFAULT_IO_T
         report.problems.extend(Problem(entry.name, file, f"chunk {i} {p}") for p in problems)
         return entry.name, term
 
-    terms: dict[str, int | None] = {name: 0 for name in manifest.tensors}
+    terms: dict[str, int | None] = {name: None if name in unchecked else 0 for name in manifest.tensors}
     with ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="shardckpt-verify") as pool:
         for name, term in pool.map(check, jobs):
             terms[name] = None if term is None or terms[name] is None else terms[name] ^ term
@@ -200,16 +201,20 @@ def verify(place: str | os.PathLike | Storage, *, io_threads: int = DEFAULT_IO_T
 
 
 def verify_run(run: Storage, *, io_threads: int = DEFAULT_IO_THREADS) -> list[tuple[str, VerifyReport | CheckpointError]]:
-    """``verify`` of every committed shardckpt checkpoint directly below run directory ``run``, by step, each chunk of
-    their pool read once (a damaged shared chunk is reported for every checkpoint that names it); for each, its
+    """``verify`` of every committed shardckpt checkpoint below run directory ``run`` (directly, and in the runs below
+    it), by step, each chunk of their pool read once (a damaged shared chunk is reported for every checkpoint that names it); for each, its
     report, or the error that stopped its check (a damaged manifest, a missing pool)."""
-    from shardckpt.checkpoint.runs import COMMITTED, UNREADABLE, list_checkpoints
+    from shardckpt.checkpoint.runs import COMMITTED, RUN_DIR, UNREADABLE, list_checkpoints
     from shardckpt.format.manifest import FORMAT_NAME
     from shardckpt.io.navigate import child
 
     scanned: dict = {}
     out: list[tuple[str, VerifyReport | CheckpointError]] = []
     for entry in list_checkpoints(run).checkpoints:
+        if entry.state == RUN_DIR:  # a run of its own below (its own pool): its checkpoints too, named through it
+            out += [(f"{entry.name}/{name}", found) for name, found in verify_run(child(run, entry.name),
+                                                                                   io_threads=io_threads)]
+            continue
         if entry.state == UNREADABLE:  # a manifest that does not parse: a damaged checkpoint, not none
             out.append((entry.name, CorruptCheckpointError(entry.detail)))
             continue
