@@ -37,7 +37,7 @@ def show(result: LsResult, args: argparse.Namespace) -> None:
 def _pool_line(pool: dict) -> str:
     """The chunk pool the steps share (their "files" count shared data once per step)."""
     if pool.get("problem"):
-        return f"pool: {pool['path']} is damaged ({pool['problem']}); `shardckpt verify RUN_DIR --pool` says which steps"
+        return f"pool: {pool['path']} is damaged ({pool['problem']}); `shardckpt verify RUN_DIR` says which steps"
     line = (f"pool: {format_bytes(pool['bytes'])} in {pool['files']} files, {pool['generations']} generation"
             f"{'s' if pool['generations'] != 1 else ''} (the steps' files are shared here)")
     if pool["unnamed_files"] is None:

@@ -213,7 +213,7 @@ def test_a_damaged_pool_json_is_said_by_ls_and_verify_pool(tmp_path, capsys):
     (tmp_path / "shardckpt-pool" / "pool.json").write_bytes(b"{damaged")
     listing = shardckpt.ls(tmp_path)
     assert [c["name"] for c in listing.checkpoints] == ["step-1", "step-2"] and "pool.json" in listing.pool["problem"]
-    run = shardckpt.verify(tmp_path, pool=True)
+    run = shardckpt.verify(tmp_path)
     assert not run.ok and [c["ok"] for c in run.checkpoints] == [False, False]
     assert all("pool" in p.message for p in run.problems)
     from shardckpt.cli.main import main

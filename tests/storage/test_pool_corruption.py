@@ -12,7 +12,6 @@ import torch
 import shardckpt
 from shardckpt import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.checkpoint.verify import verify
-from shardckpt.errors import BadArgumentError
 from shardckpt.format.manifest import seal
 from tests.checkpoint.test_incremental import manifest
 
@@ -64,10 +63,10 @@ def test_a_flipped_byte_in_a_shared_chunk_is_reported_for_every_step_using_it(tm
     assert target["lora"][0] == 3
 
 
-def test_verify_pool_reads_each_shared_chunk_once_and_reports_it_for_every_step(tmp_path, capsys):
+def test_verify_of_a_run_reads_each_shared_chunk_once_and_reports_it_for_every_step(tmp_path, capsys):
     pooled_run(tmp_path)
     alone = [verify(tmp_path / s) for s in ("step-1", "step-2", "step-3", "alone")]
-    run = shardckpt.verify(tmp_path, pool=True)
+    run = shardckpt.verify(tmp_path)
     assert run.ok and run.kind == "run" and [c["name"] for c in run.checkpoints] == ["step-1", "step-2", "step-3",
                                                                                      "alone"]
     assert run.tensors == sum(r.tensors for r in alone) and run.chunks == sum(r.chunks for r in alone)
@@ -75,7 +74,7 @@ def test_verify_pool_reads_each_shared_chunk_once_and_reports_it_for_every_step(
     # base is read once for the three steps (and once for "alone", which is not pooled); lora once per step
     assert run.tensor_bytes == 2 * base + 4 * 64 * 4 < sum(r.bytes_checked for r in alone)
     flip_a_base_byte(tmp_path)
-    run = shardckpt.verify(tmp_path, pool=True)
+    run = shardckpt.verify(tmp_path)
     assert not run.ok
     assert [c["ok"] for c in run.checkpoints] == [False, False, False, True]
     for step in ("step-1", "step-2", "step-3"):  # the same problems as each step's own verify, named by the step
@@ -83,12 +82,11 @@ def test_verify_pool_reads_each_shared_chunk_once_and_reports_it_for_every_step(
             {(p.tensor, p.file, p.message) for p in run.problems if p.message.startswith(f"{step}: ")}
     from shardckpt.cli.main import main
 
-    assert main(["verify", str(tmp_path), "--pool"]) == 1
+    assert main(["verify", str(tmp_path)]) == 1
     assert "3 of 4 checkpoints: step-1, step-2, step-3" in capsys.readouterr().err
-    with pytest.raises(BadArgumentError, match="checks a run directory"):
-        shardckpt.verify(tmp_path / "step-1", pool=True)
+    assert shardckpt.verify(tmp_path / "step-1").kind == "checkpoint"
     (tmp_path / "step-2" / "manifest.json").write_bytes(b"{damaged")  # a step that cannot be read: said, by name
-    run = shardckpt.verify(tmp_path, pool=True)
+    run = shardckpt.verify(tmp_path)
     assert any(p.message.startswith("step-2: ") and "manifest" in p.message for p in run.problems)
 
 
@@ -148,14 +146,14 @@ def test_a_pool_field_in_an_older_version_is_refused(tmp_path):
         shardckpt.load_full(tmp_path / "alone")
 
 
-def test_verify_pool_checks_the_runs_below_a_run_too(tmp_path):
+def test_verify_of_a_run_checks_the_runs_below_a_run_too(tmp_path):
     pooled_run(tmp_path / "sub")
     shardckpt.save({"w": torch.ones(3)}, tmp_path / "step-1")
-    run = shardckpt.verify(tmp_path, pool=True)
+    run = shardckpt.verify(tmp_path)
     assert run.ok and [c["name"] for c in run.checkpoints] == ["step-1", "sub/step-1", "sub/step-2", "sub/step-3",
                                                                "sub/alone"]
     flip_a_base_byte(tmp_path / "sub")
-    run = shardckpt.verify(tmp_path, pool=True)
+    run = shardckpt.verify(tmp_path)
     assert [c["ok"] for c in run.checkpoints] == [True, False, False, False, True]
 
 

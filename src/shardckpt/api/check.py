@@ -13,7 +13,7 @@ from shardckpt.offline.spec import DiffSpec
 from shardckpt.options import STORAGE, Opt, bounded_int, prefixes, takes
 from shardckpt.offline.rename import read_rename_map
 from shardckpt.api.transform import PathLike, Progress
-from shardckpt.errors import (BadArgumentError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+from shardckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                               IncompatibleCheckpointError)
 from shardckpt.storage_options import Options
 
@@ -21,7 +21,7 @@ WITH_AGAINST = "with --against: what export was given"
 
 
 def verify(
-    path: Annotated[PathLike, Opt("checkpoint directory or fsspec URL")],
+    path: Annotated[PathLike, Opt("checkpoint directory, run directory (every checkpoint below it) or fsspec URL")],
     *,
     against: Annotated[PathLike | None, Opt("PATH is an export: compare its every value with SRC's",
                                             metavar="SRC")] = None,
@@ -31,13 +31,12 @@ def verify(
                                            parse=read_rename_map)] = None,
     threads: Annotated[int | None, Opt("parallel reads (default: shardckpt.io's, 4)",
                                        parse=bounded_int(1, 256))] = None,
-    pool: Annotated[bool, Opt("PATH is a run directory: check every committed checkpoint below it, each chunk of "
-                              "its pool read once (a damaged shared chunk is reported for every step naming it)")] = False,
     storage_options: Annotated[Options | None, STORAGE] = None,
     progress: Progress | None = None,
 ) -> VerifyResult:
     """Check that the checkpoint at ``path`` is complete and uncorrupted (every byte against its checksums),
-    or, for a safetensors export, its structure and with ``against`` its every value against the source's;
+    or, for a safetensors export, its structure and with ``against`` its every value against the source's, or, for
+    a run directory, every checkpoint below it (each chunk of a run's pool read once);
     the same as ``shardckpt verify PATH``. Problems are collected in the result (``ok`` False), not raised;
     a path that holds no checkpoint, or another format, raises a ``CheckpointError``.
 
@@ -48,7 +47,7 @@ def verify(
 
     start = time.monotonic()
     place = open_storage(path, storage_options)
-    if pool:
+    if against is None and _is_run_dir(place):
         return VerifyResult(**{**_verify_run(place, threads), "seconds": time.monotonic() - start})
     other = foreign_format(place)
     if against is not None or (other is not None and other.startswith("safetensors")):
@@ -80,14 +79,17 @@ def _verify_checkpoint(path: PathLike | Storage, storage: Storage, threads: int 
                 sharing=report.sharing)
 
 
+def _is_run_dir(place: Storage) -> bool:
+    """No checkpoint itself, checkpoints below it (``runs.run_dir_error``: only a place opened by path or URL)."""
+    from shardckpt.checkpoint.runs import run_dir_error
+
+    return run_dir_error(place) is not None
+
+
 def _verify_run(run: Storage, threads: int | None) -> dict:
     """Every committed checkpoint below run directory ``run``, its pool's chunks read once (``verify_run``)."""
     from shardckpt.checkpoint.verify import verify_run
-    from shardckpt.format.manifest import MANIFEST_NAME
 
-    if run.exists(MANIFEST_NAME):
-        raise BadArgumentError(f"{where(run)}: a checkpoint; pool=True checks a run directory, every "
-                               "checkpoint below it (verify the checkpoint without it)")
     found = verify_run(run, **({} if threads is None else {"io_threads": threads}))
     if not found:
         raise CheckpointNotFoundError(f"{where(run)}: no committed shardckpt checkpoint below it to verify")

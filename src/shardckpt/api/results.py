@@ -114,7 +114,7 @@ class VerifyResult(Result):
     :ivar path: what was checked.
     :ivar ok: no problem found (and, for an export with ``against``, no difference from the source).
     :ivar kind: ``"checkpoint"`` (a shardckpt checkpoint, by its checksums), ``"export"`` (safetensors) or ``"run"``
-        (every checkpoint below a run directory, ``pool=True``).
+        (every checkpoint below a run directory).
     :ivar tensors: the tensors checked.
     :ivar tensor_bytes: the tensor bytes checked (a checkpoint: every byte read; an export: as its headers say).
     :ivar problems: what is wrong, each naming its tensor and file.
@@ -127,7 +127,7 @@ class VerifyResult(Result):
     :ivar sharing: a pooled (format v5) checkpoint's: ``total_bytes``, ``own_bytes`` (written by its own save),
         ``shared_bytes``, and ``shared``: per generation it reads, ``written_by`` (the step, or None if removed),
         ``bytes`` and ``also_used_by`` (the other steps that read them).
-    :ivar checkpoints: a run directory's (``kind`` ``"run"``, ``pool=True``): per committed checkpoint below it,
+    :ivar checkpoints: a run directory's (``kind`` ``"run"``): per committed checkpoint below it,
         ``name``, ``ok``, ``problems`` (how many; each is in ``problems``, prefixed with its name), ``tensors``,
         ``chunks``; ``tensor_bytes`` is then the bytes read, each chunk of the pool once.
     :ivar seconds: how long it took.
