@@ -211,12 +211,21 @@ def test_a_lease_is_renewed_while_its_save_runs(s3_bucket, monkeypatch):
     server, bucket = s3_bucket
     options = server.options()
     pool = open_storage(f"s3://{bucket}/pool", options)
-    monkeypatch.setattr(pool_leases, "LEASE_T_S", 1.2)  # renewed every 0.3 s
+    monkeypatch.setattr(pool_leases, "LEASE_T_S", 2.0)  # renewed every 0.5 s
+    puts = []
+    real_put = pool.put_atomic
+
+    def counted(path, data, exclusive=False):
+        real_put(path, data, exclusive)
+        puts.append(path)
+    pool.put_atomic = counted  # each PUT of the lease: the first, then its renewals
     lease = SaveLease(pool, "00000000000000dd", "step-1", [])
     try:
-        time.sleep(1.0)
-        lease.check_fresh()  # renewed meanwhile
-        assert pool_leases.read_leases(pool)[0].age_s < 0.9
+        deadline = time.monotonic() + 30  # (no timing assumption: a loaded machine only delays the renewals)
+        while len(puts) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert puts == ["leases/00000000000000dd.json"] * len(puts) and len(puts) >= 3  # renewed, twice at least
+        assert [(x.generation, x.target) for x in pool_leases.read_leases(pool)] == [("00000000000000dd", "step-1")]
     finally:
         lease.release()
     assert pool.list_files("leases") == []
