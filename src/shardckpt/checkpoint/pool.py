@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardckpt.checkpoint.latest import child_dirs, step_of
+from shardckpt.checkpoint.reachability import ManifestRefs, is_pool_file
 from shardckpt.errors import BadArgumentError, CheckpointError, CorruptCheckpointError
 from shardckpt.format.chunk_identity import ChunkKey, StoredChunk
 from shardckpt.format.dtypes import itemsize
@@ -101,6 +102,11 @@ def referenced_files(manifests: list[Manifest]) -> set[str]:
     return {p for m in manifests for f in m.files for p in (f.path, f.index_path)}
 
 
+def manifest_refs(name: str, manifest: Manifest) -> ManifestRefs:
+    """Pooled checkpoint ``name`` as collection sees it (``reachability``): its generation and the pool files it names."""
+    return ManifestRefs(name, manifest.generation, frozenset(referenced_files([manifest])))
+
+
 @dataclass(frozen=True)
 class Candidate:
     """What a save compares one of its units against: the parent's row under the same key, and its file."""
@@ -174,7 +180,7 @@ def pool_usage(run: Storage) -> PoolUsage | None:
         return PoolUsage(where(pool), 0, 0, 0, None, None, problem=str(e))
     if info is None:
         return None
-    sizes = {p: n for p, n in file_sizes(pool).items() if p.startswith("data-") and p.count("/") == 1}
+    sizes = {p: n for p, n in file_sizes(pool).items() if is_pool_file(p)}
     try:
         named = referenced_files([c.manifest for c in pool_checkpoints(run, info.id)])
         unnamed = [n for p, n in sizes.items() if p not in named]
@@ -208,10 +214,7 @@ def sharing_of(step: Storage, manifest: Manifest) -> Any:
     """``verify``'s sharing report of pooled checkpoint ``manifest`` at ``step``: its tensor bytes, those its own save
     wrote, and per generation it reads from, the checkpoint that wrote them and the others that read them
     (``reachability.sharing``, over the run directory's committed checkpoints of the same pool)."""
-    from shardckpt.checkpoint.reachability import ManifestRefs, sharing
-
-    def refs(name: str, m: Manifest) -> ManifestRefs:
-        return ManifestRefs(name, m.generation, frozenset(p for f in m.files for p in (f.path, f.index_path)))
+    from shardckpt.checkpoint.reachability import sharing
 
     name = step.root.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
     others = pool_checkpoints(run_storage(step), manifest.pool["id"], skip=name, strict=False)
@@ -221,7 +224,7 @@ def sharing_of(step: Storage, manifest: Manifest) -> Any:
         for _, region, f in chunks_of(entry):
             path = manifest.files[f].path
             by_file[path] = by_file.get(path, 0) + region.numel * size
-    return sharing(refs(name, manifest), [refs(c.name, c.manifest) for c in others], by_file)
+    return sharing(manifest_refs(name, manifest), [manifest_refs(c.name, c.manifest) for c in others], by_file)
 
 
 def sharing_json(report: Any) -> dict:

@@ -23,9 +23,8 @@ from typing import Any
 
 from shardckpt.checkpoint.gc import GENERATION_DIR
 from shardckpt.checkpoint.latest import child_dirs, latest_checkpoint, step_of
-from shardckpt.checkpoint.pool import pool_checkpoints, referenced_files, run_storage
+from shardckpt.checkpoint.pool import manifest_refs, pool_checkpoints, referenced_files, run_storage
 from shardckpt.checkpoint.pool_leases import LEASE_T_S, remove_file, sweep_object_store
-from shardckpt.checkpoint.reachability import ManifestRefs
 from shardckpt.checkpoint.retention import Retention, steps_to_remove
 from shardckpt.errors import CheckpointError, CheckpointNotFoundError
 from shardckpt.format.manifest import MANIFEST_NAME, POOL_DIR, parse_manifest
@@ -46,8 +45,7 @@ def sweep_pool(run: Storage, dry_run: bool = False, min_age_s: float | None = No
         return []
     if not isinstance(pool, LocalStorage):
         def manifests() -> list[ManifestRefs]:
-            return [ManifestRefs(c.name, c.manifest.generation, frozenset(referenced_files([c.manifest])))
-                    for c in pool_checkpoints(run, info.id)]
+            return [manifest_refs(c.name, c.manifest) for c in pool_checkpoints(run, info.id)]
 
         fresh_s = LEASE_T_S if min_age_s is None else min_age_s
         return [f"{POOL_DIR}/{p}" for p in sweep_object_store(pool, manifests, fresh_s, dry_run)]

@@ -28,9 +28,9 @@ import uuid
 from typing import Iterable
 
 from shardckpt.checkpoint.reachability import (
-    Lease, PoolEntry, SweepMarker, generation_of, redundant_leases, stale_leases, sweep_candidates, sweep_deletions,
+    Lease, PoolEntry, SweepMarker, is_pool_file, redundant_leases, stale_leases, sweep_candidates, sweep_deletions,
 )
-from shardckpt.errors import CheckpointError, CorruptCheckpointError
+from shardckpt.errors import CheckpointError
 from shardckpt.io import LocalStorage, Storage
 
 log = logging.getLogger("shardckpt")
@@ -149,7 +149,7 @@ def sweep_object_store(pool: Storage, list_manifests, fresh_s: float, dry_run: b
         for lease in gone:
             remove_file(pool, f"{LEASES_DIR}/{lease.generation}.json")
     leases = [lease for lease in leases if lease not in gone]
-    entries = [PoolEntry(path, age) for path, (_, age) in pool.listing("").items() if _is_pool_file(path)]
+    entries = [PoolEntry(path, age) for path, (_, age) in pool.listing("").items() if is_pool_file(path)]
     candidates = sweep_candidates(entries, manifests, leases, fresh_s)
     if dry_run or not candidates:
         return sorted(candidates)
@@ -172,11 +172,3 @@ def sweep_object_store(pool: Storage, list_manifests, fresh_s: float, dry_run: b
         remove_file(pool, marker)
     return removed
 
-
-def _is_pool_file(path: str) -> bool:
-    """``data-<generation>/<name>`` (not ``pool.json``, a lease or a marker)."""
-    try:
-        generation_of(path)
-    except CorruptCheckpointError:
-        return False
-    return True

@@ -22,6 +22,11 @@ from shardckpt.errors import CorruptCheckpointError
 _POOL_FILE = re.compile(r"^data-([0-9a-f]{1,64})/[A-Za-z0-9_.-]+$")
 
 
+def is_pool_file(path: str) -> bool:
+    """``data-<generation>/<name>`` (not ``pool.json``, a lease or a sweep marker)."""
+    return _POOL_FILE.match(path) is not None
+
+
 def generation_of(path: str) -> str:
     """The generation that wrote pool file ``data-<generation>/<name>``."""
     match = _POOL_FILE.match(path)

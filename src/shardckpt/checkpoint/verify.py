@@ -202,8 +202,8 @@ def verify(place: str | os.PathLike | Storage, *, io_threads: int = DEFAULT_IO_T
 
 def verify_run(run: Storage, *, io_threads: int = DEFAULT_IO_THREADS) -> list[tuple[str, VerifyReport | CheckpointError]]:
     """``verify`` of every committed shardckpt checkpoint below run directory ``run`` (directly, and in the runs below
-    it), by step, each chunk of their pool read once (a damaged shared chunk is reported for every checkpoint that names it); for each, its
-    report, or the error that stopped its check (a damaged manifest, a missing pool)."""
+    it), by step, each chunk of their pool read once (a damaged shared chunk is reported for every checkpoint that
+    names it); for each, its report, or the error that stopped its check (a damaged manifest, a missing pool)."""
     from shardckpt.checkpoint.runs import COMMITTED, RUN_DIR, UNREADABLE, list_checkpoints
     from shardckpt.format.manifest import FORMAT_NAME
     from shardckpt.io.navigate import child

@@ -85,7 +85,9 @@ def attempt(rank: int, fn: Callable[[], T]) -> T | Failure:
         return fn()
     except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
         try:
-            pickle.loads(pickle.dumps(e))
+            pickle.dumps(e)
+            rebuild, args = e.__reduce__()[:2]
+            rebuild(*args)  # what unpickling it on another rank does
         except Exception:  # noqa: BLE001 - one that does not travel (unpicklable, or not rebuilt: an __init__ of
             # other arguments) goes as its text: a rank failing to unpickle it would leave the others in a collective
             e = CheckpointError(f"{type(e).__name__}: {e}")
