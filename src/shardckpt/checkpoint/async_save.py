@@ -53,6 +53,7 @@ from shardckpt.checkpoint.save import Planned, SaveOptions, persist, persist_any
 from shardckpt.checkpoint.stage import StagingBuffers, stage
 from shardckpt.dist.group import (LOCAL, Failure, Group, agreed, attempt, before_destroy, destroys, resolve_group,
                                   side_group)
+from shardckpt.gc_pause import gc_paused
 from shardckpt.errors import CheckpointError
 from shardckpt.io import Storage, is_named, where
 
@@ -102,6 +103,7 @@ class AsyncSaver:
         self._lock = threading.Lock()
         _live.add(self)
 
+    @gc_paused  # the caller's window only: the background writing runs with the collector on
     def save(self, state_dict: dict, path: str | os.PathLike | Storage, *, progress: ProgressCallback | None = None,
              **options: Any) -> SaveHandle:
         """``shardckpt.save``'s options; returns once the state is staged (collective, like ``save``).

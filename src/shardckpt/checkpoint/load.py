@@ -22,6 +22,7 @@ from shardckpt.checkpoint.progress import ProgressCallback
 from shardckpt.dist.group import LOCAL
 from shardckpt.formats.api import CheckpointReader, ReadRequest
 from shardckpt.formats.local_view import by_parameter_unless_local
+from shardckpt.gc_pause import gc_paused
 from shardckpt.io import DEFAULT_IO_THREADS, Storage
 from shardckpt.storage_options import Options
 
@@ -29,6 +30,7 @@ from shardckpt.storage_options import Options
 ReaderView = Callable[[CheckpointReader, Any], CheckpointReader]
 
 
+@gc_paused
 def load(state_dict: dict, path: str | os.PathLike | Storage, *, process_group: Any = None, strict: bool = True,
          verify_checksums: bool = True, io_threads: int = DEFAULT_IO_THREADS,
          storage_options: Options | None = None, progress: ProgressCallback | None = None) -> None:
@@ -73,6 +75,7 @@ def load_pieces(path: str | os.PathLike | Storage, build: Callable[[CheckpointRe
     return read_planned(pinned, lambda reader: Plan(reader, build(reader), lambda: reader))
 
 
+@gc_paused
 def load_full(path: str | os.PathLike | Storage, keys: Iterable[str] | None = None, *, verify_checksums: bool = True,
               io_threads: int = DEFAULT_IO_THREADS, storage_options: Options | None = None,
               progress: ProgressCallback | None = None) -> dict:

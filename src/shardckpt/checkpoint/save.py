@@ -44,6 +44,7 @@ from shardckpt.format.codecs import Compression
 from shardckpt.format.manifest import MANIFEST_NAME, check_tree, refuse_pool_dir, version_for
 from shardckpt.format.tree import decode
 from shardckpt.io import Storage, lifecycle, open_storage
+from shardckpt.gc_pause import gc_paused
 from shardckpt.options import takes
 from shardckpt.storage_options import Options
 
@@ -70,6 +71,7 @@ class SaveOptions:
 
 
 @takes(SaveOptions, process_group=None, progress=None)
+@gc_paused
 def save(state_dict: dict, path: str | os.PathLike | Storage, *, process_group: Any = None,
          progress: ProgressCallback | None = None, **options: Any) -> None:
     """Save a (nested) state dict as a checkpoint at ``path`` (a local path, an fsspec URL, or a ``Storage``).

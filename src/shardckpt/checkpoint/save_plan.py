@@ -1,6 +1,7 @@
 """Deciding, on rank 0, who writes which chunk (pure: no I/O, no collectives)."""
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -120,14 +121,17 @@ def plan_placed(tensors: dict[str, TensorPlan], replicated: set[str], world: int
         for rank, region in zip(plan.writers, plan.regions):
             load[rank] += region.numel * size
     # Replicated tensors are stored once; spread them over ranks, biggest first, so ranks write in parallel.
-    for name in sorted(replicated, key=lambda n: (-_nbytes(tensors[n]), n)):
+    sizes = {name: _nbytes(plan) for name, plan in tensors.items()}
+    least = [(n, r) for r, n in enumerate(load)]  # a heap: the least loaded rank first (then the lowest)
+    heapq.heapify(least)
+    for name in sorted(replicated, key=lambda n: (-sizes[n], n)):
         plan = tensors[name]
         if math.prod(plan.shape):
-            rank = min(range(world), key=lambda r: (load[r], r))
+            n, rank = least[0]
             plan.regions.append(full_region(plan.shape))
             plan.writers.append(rank)
-            load[rank] += _nbytes(plan)
-    _assign_slots(tensors, files_per_rank)
+            heapq.heapreplace(least, (n + sizes[name], rank))
+    _assign_slots(tensors, files_per_rank, sizes)
     tasks: list[list[WriteTask]] = [[] for _ in range(world)]
     for name, plan in tensors.items():
         for chunk, rank in enumerate(plan.writers):
@@ -135,14 +139,16 @@ def plan_placed(tensors: dict[str, TensorPlan], replicated: set[str], world: int
     return SavePlan(generation, tensors, tasks, files_per_rank, compression)
 
 
-def _assign_slots(tensors: dict[str, TensorPlan], files_per_rank: int) -> None:
-    """Spread tensors over each rank's data files by total bytes, biggest first. A tensor keeps one slot on
-    every rank, so chunk i's file stays ``first + i * files_per_rank`` (compact in the manifest)."""
-    load = [0] * files_per_rank
-    for name in sorted(tensors, key=lambda n: (-_nbytes(tensors[n]), n)):
-        slot = min(range(files_per_rank), key=lambda k: (load[k], k))
+def _assign_slots(tensors: dict[str, TensorPlan], files_per_rank: int, sizes: dict[str, int] | None = None) -> None:
+    """Spread tensors over each rank's data files by total bytes (``sizes``, by name), biggest first. A tensor keeps
+    one slot on every rank, so chunk i's file stays ``first + i * files_per_rank`` (compact in the manifest)."""
+    if sizes is None:
+        sizes = {name: _nbytes(plan) for name, plan in tensors.items()}
+    least = [(0, k) for k in range(files_per_rank)]  # a heap, as for the ranks above
+    for name in sorted(tensors, key=lambda n: (-sizes[n], n)):
+        n, slot = least[0]
         tensors[name].slot = slot
-        load[slot] += _nbytes(tensors[name])
+        heapq.heapreplace(least, (n + sizes[name], slot))
 
 
 def _check_shards(name: str, regions: list[Region], shape: tuple[int, ...]) -> None:

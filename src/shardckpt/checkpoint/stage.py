@@ -227,6 +227,8 @@ def host_tensor(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, bool
     """``t``'s values as a contiguous CPU tensor without conj/neg bits, and whether it shares ``t``'s memory.
 
     Copied only when ``t`` is on a device, not contiguous, lazily conjugated/negated, or ``copy`` is set."""
+    if t.is_cpu and not copy and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        return t.detach(), t.numel() > 0  # the common case, without the general path's calls (many small tensors)
     t = t.detach()
     if t.device.type != "cpu":
         out = torch.empty(t.shape, dtype=t.dtype, device="cpu")

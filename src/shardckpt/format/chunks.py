@@ -107,6 +107,9 @@ def region_to_json(region: Region) -> dict:
 def compact_chunks(regions: Sequence[Region], files: Sequence[int], shape: Sequence[int]) -> Chunks:
     """The most compact description of a tiling (regions sorted by their first element)."""
     numel = math.prod(shape)
+    if len(regions) == 1 and type(regions[0]) is FlatRange and regions[0].start == 0 and regions[0].stop == numel \
+            and numel:  # a whole tensor in one chunk (most tensors of a save): what the general path returns
+        return RegularChunks(numel, 1, (files[0], 1), True)
     flat = [canonical(r, shape) for r in regions]
     if flat and all(isinstance(r, FlatRange) for r in flat):
         size = flat[0].numel

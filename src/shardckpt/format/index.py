@@ -72,9 +72,9 @@ def index_to_bytes(records: dict[tuple[str, int], ChunkRecord], version: int, bl
     """The index of one data file; every record's blocks are ``block_size`` bytes (the last may be shorter)."""
     if version < 3 and any(r.frames for r in records.values()):
         raise ValueError("compressed chunks need format version 3")
-    rows = [[name, i, r.offset, r.length, r.crc32c, r.codec, list(r.blocks)] + ([list(r.frames)] if version >= 3 else [])
-            + ([r.digest.hex() if r.digest is not None else None] if version >= 5 else [])
-            for (name, i), r in records.items()]
+    width = ROW_WIDTH[version]  # a row's fields, cut to the version's (tuples are JSON arrays)
+    rows = [(name, i, r.offset, r.length, r.crc32c, r.codec, r.blocks, r.frames,
+             r.digest.hex() if r.digest is not None else None)[:width] for (name, i), r in records.items()]
     return json.dumps({"format": INDEX_FORMAT_NAME, "version": version, "block_size": block_size, "chunks": rows},
                       separators=(",", ":")).encode()
 

@@ -63,7 +63,7 @@ class TensorRef:
 
 
 def path_name(path: Path) -> str:
-    return ".".join(str(k) for k in path)
+    return ".".join(map(str, path))
 
 
 def _children(obj: Any) -> Iterator[tuple[Any, Any]] | None:

@@ -56,6 +56,7 @@ from shardckpt.offline.dcp_output import DcpOutput
 from shardckpt.offline.resume import unused_generation
 from shardckpt.offline.spec import ConvertSpec
 from shardckpt.formats.local_view import logical_view
+from shardckpt.gc_pause import gc_paused
 
 __all__ = ["convert", "run", "open_source", "ConvertReport"]
 
@@ -70,6 +71,7 @@ class ConvertReport:
     kept_bytes: int = 0  # bytes of output a killed run had written, checked and kept (this process's)
 
 
+@gc_paused
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Callable[[int, int], None] | None = None,
             spread_over: Any = None, **options: Any) -> ConvertReport:
     """Convert the checkpoint at ``src`` (any readable format) into a shardckpt checkpoint at ``dst``: ``run`` of

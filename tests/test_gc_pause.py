@@ -1,0 +1,68 @@
+"""The cyclic collector is paused while a save or load runs, and given back as it was, across nesting and threads."""
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+import shardckpt
+from shardckpt.gc_pause import gc_paused
+
+
+@pytest.fixture(autouse=True)
+def _collector_on():
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    (gc.enable if was else gc.disable)()
+
+
+def test_paused_inside_and_enabled_after_even_on_error():
+    seen = []
+
+    @gc_paused
+    def fails():
+        seen.append(gc.isenabled())
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError):
+        fails()
+    assert seen == [False] and gc.isenabled()
+
+
+def test_a_collector_the_caller_disabled_stays_disabled():
+    gc.disable()
+    gc_paused(lambda: None)()
+    assert not gc.isenabled()
+
+
+def test_overlapping_pauses_from_two_threads_end_with_the_last():
+    entered, release_first, release_second = threading.Barrier(3), threading.Event(), threading.Event()
+
+    @gc_paused
+    def hold(until: threading.Event):
+        entered.wait()
+        until.wait(10)
+
+    first = threading.Thread(target=hold, args=(release_first,))
+    second = threading.Thread(target=hold, args=(release_second,))
+    first.start(), second.start()
+    entered.wait()
+    release_first.set()
+    first.join()
+    assert not gc.isenabled()  # the second pause still runs
+    release_second.set()
+    second.join()
+    assert gc.isenabled()
+
+
+def test_save_and_load_run_paused_and_give_the_collector_back(tmp_path):
+    during = []
+    state = {"w": torch.arange(10.0), "nested": {"b": torch.ones(3, dtype=torch.bfloat16)}}
+    shardckpt.save(state, tmp_path / "c", progress=lambda done, total: during.append(gc.isenabled()))
+    assert during and not any(during) and gc.isenabled()
+    loaded = shardckpt.load_full(tmp_path / "c")
+    assert gc.isenabled()
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["nested"]["b"], state["nested"]["b"])
