@@ -180,3 +180,37 @@ def test_the_manifest_fast_path_gives_what_the_general_path_gives(tmp_path, monk
     fast = parse_manifest(data, "m")
     monkeypatch.setattr(manifest, "_fast_regular", lambda *a: None)
     assert parse_manifest(data, "m").tensors == fast.tensors
+
+
+def _twins_doc(tmp_path) -> dict:
+    """Two entries of one form (dtype, shape, placement), 'v' first: 'w' is checked through 'v''s form."""
+    path = str(tmp_path / "twins")
+    shardckpt.save({"v": torch.ones(4, 2), "w": torch.zeros(4, 2)}, path, files_per_rank=1)
+    with open(os.path.join(path, "manifest.json"), "rb") as f:
+        data = f.read()
+    doc = json.loads(b"{" + data[len(b'{"crc32c":"00000000",'):])
+    v, w = doc["tensors"]["v"], doc["tensors"]["w"]
+    assert (v["dtype"], v["shape"], v["chunks"]) == (w["dtype"], w["shape"], w["chunks"]) and v["crc32c"] != w["crc32c"]
+    return doc
+
+
+@pytest.mark.parametrize("change", [
+    lambda t: t.update(crc32c=-1), lambda t: t.update(crc32c=1 << 32), lambda t: t.update(crc32c=True),
+    lambda t: t.update(crc32c=1.0), lambda t: t.update(crc32c="1"), lambda t: t.update(shape=[4.0, 2]),
+    lambda t: t.update(shape=[True, 8]), lambda t: t["chunks"].update(size=8.0),
+    lambda t: t["chunks"]["files"].update(step=True), lambda t: t.update(dtype="float33"),
+])
+def test_an_entry_of_a_form_already_checked_is_still_refused_when_it_differs(tmp_path, change):
+    doc = _twins_doc(tmp_path)
+    change(doc["tensors"]["w"])
+    with pytest.raises(CorruptCheckpointError, match="tensor 'w'"):
+        parse_manifest(seal(json.dumps(doc, separators=(",", ":")).encode()), "m")
+
+
+def test_entries_checked_once_per_form_are_those_checked_one_by_one(tmp_path, monkeypatch):
+    from shardckpt.format import manifest
+
+    data = seal(json.dumps(_twins_doc(tmp_path), separators=(",", ":")).encode())
+    shared = parse_manifest(data, "m").tensors
+    monkeypatch.setattr(manifest, "_regular_form", lambda obj: None)
+    assert parse_manifest(data, "m").tensors == shared and shared["v"].crc32c != shared["w"].crc32c

@@ -194,8 +194,8 @@ def _manifest_from_doc(doc: dict, version: int, where: str) -> Manifest:
     if not isinstance(tensors_doc, dict):
         raise CorruptCheckpointError(f"{where}: 'tensors' must be an object")
     stored = sum(f.size for f in files)
-    tensors = {name: _tensor_from_json(name, t, files, stored, version, f"{where} tensor {name!r}")
-               for name, t in tensors_doc.items()}
+    checked = _Checked(files, stored, version)
+    tensors = {name: checked.entry(name, t, where) for name, t in tensors_doc.items()}
     if not isinstance(doc.get("tree"), dict):
         raise CorruptCheckpointError(f"{where}: 'tree' must be an object (a state dict)")
     tree = decode(doc["tree"], where, per_rank=version >= PER_RANK_VERSION)
@@ -302,6 +302,41 @@ def _fast_regular(name: str, obj: Any, n_files: int) -> TensorEntry | None:
     if count and not 0 <= first + (count - 1) * step < n_files:
         return None
     return TensorEntry(name, dtype, tuple(shape), crc, RegularChunks(size, count, (first, step), True))
+
+
+class _Checked:
+    """The tensor entries of one manifest, each checked once per distinct form: the many entries of a checkpoint of
+    many small tensors that differ only in name and checksum (same dtype, shape and chunk placement, all integers)
+    share one check of their form and claims."""
+
+    def __init__(self, files: list[FileEntry], stored: int, version: int):
+        self.files, self.stored, self.version = files, stored, version
+        self.forms: dict[tuple, TensorEntry] = {}
+
+    def entry(self, name: str, obj: Any, where: str) -> TensorEntry:
+        form = _regular_form(obj) if self.version >= 2 else None
+        known = self.forms.get(form) if form is not None else None
+        if known is not None and _is_int(obj["crc32c"], 0, 0xFFFFFFFF):
+            return TensorEntry(name, known.dtype, known.shape, obj["crc32c"], known.chunks)
+        entry = _tensor_from_json(name, obj, self.files, self.stored, self.version, f"{where} tensor {name!r}")
+        if form is not None:
+            self.forms[form] = entry
+        return entry
+
+
+def _regular_form(obj: Any) -> tuple | None:
+    """An entry's form (dtype, chunk placement, shape) if its every number is an int (a bool or float never
+    shares a form with an int), else None."""
+    if type(obj) is not dict or obj.keys() != _TENSOR_FIELDS:
+        return None
+    chunks, shape = obj["chunks"], obj["shape"]
+    if type(chunks) is not dict or chunks.keys() != _REGULAR_FIELDS or type(shape) is not list:
+        return None
+    placed = chunks["files"]
+    if type(placed) is not dict or placed.keys() != _AFFINE_FIELDS or type(obj["dtype"]) is not str:
+        return None
+    form = (chunks["size"], chunks["count"], placed["first"], placed["step"], *shape)
+    return (obj["dtype"], *form) if all(type(v) is int for v in form) else None
 
 
 def _tensor_from_json(name: str, obj: Any, files: list[FileEntry], stored: int, version: int,
