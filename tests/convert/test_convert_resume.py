@@ -279,15 +279,14 @@ def test_values_that_do_not_check_against_the_source_are_never_committed(tmp_pat
     is not its source's fails the conversion, naming it, and nothing is committed."""
     src, dst = tmp_path / "src", tmp_path / "dst"
     shardckpt.save(_state(), src)
-    real = streams.ReadOnDemand._slices
+    for kind in (streams.ReadOnDemand, streams.FileRuns):  # slices streamed, and small chunks read in runs
+        def wrong(self, what, *args, real=kind._slices):
+            for part in real(self, what, *args):
+                if what.name == "model.layer2.weight":
+                    part.view(-1)[0] += 1
+                yield part
 
-    def wrong(self, output, region, block, first):
-        for part in real(self, output, region, block, first):
-            if output.name == "model.layer2.weight":
-                part.view(-1)[0] += 1
-            yield part
-
-    monkeypatch.setattr(streams.ReadOnDemand, "_slices", wrong)
+        monkeypatch.setattr(kind, "_slices", wrong)
     with pytest.raises(shardckpt.CorruptCheckpointError, match=r"model\.layer2\.weight.*not the source's"):
         convert(src, dst, world_size=3)
     assert not os.path.exists(dst / "manifest.json") and not [d for d in os.listdir(dst) if d.startswith("data-")]

@@ -32,7 +32,7 @@ from shardckpt.offline.convert_plan import ConversionPlan
 from shardckpt.offline.memory import SliceBuffers, buffer_budget, read_reserve
 from shardckpt.offline.rank_files import RankFiles
 from shardckpt.offline.resume import journal_dir
-from shardckpt.offline.streams import Output, ReadOnDemand, largest_slice
+from shardckpt.offline.streams import RUN_BYTES, Output, ReadOnDemand, largest_slice
 
 
 def write_file(files: RankFiles, slot: int, data_path: str, index_path: str,
@@ -65,7 +65,8 @@ class ConvertedChunks(OutputWriter):
         tick = Progress(sum(self.chunks.tasks.bytes(r) for r in mine), self.progress)
         tick.begin()
         budget = buffer_budget(plan.spec.memory_limit, "convert", read_reserve(plan.what.base, files_per_rank))
-        buffers = SliceBuffers.within(budget, files_per_rank, largest_slice(plan.what.outputs))
+        # (at least a run's bytes: small chunks are read in runs, offline.streams.FileRuns)
+        buffers = SliceBuffers.within(budget, files_per_rank, max(largest_slice(plan.what.outputs), RUN_BYTES))
         by_name = {o.name: o for o in plan.what.outputs}
         ranks = {r: RankFiles(self.storage, self.chunks, ReadOnDemand(plan.what.reader, by_name, functools.partial(
             plan.place, rank=r), tick, buffers), buffers.take, tick, plan.version) for r in mine}

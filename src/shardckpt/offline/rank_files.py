@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
 
 from shardckpt.checkpoint.save_plan import SavePlan, WriteTask
-from shardckpt.checkpoint.writer import FileProgress, Followed, StreamedPiece, write_data_file
+from shardckpt.checkpoint.writer import FileProgress, Followed, write_data_file
+from shardckpt.offline.streams import FileRuns, ReadOnDemand
 from shardckpt.offline.kept import kept_bytes, kept_chunk_terms, kept_progress
 from shardckpt.offline.resume import (
     Claim, FileJournal, file_digest, finished_entry, go_on_writing, journal_dir, read_claim,
@@ -29,7 +30,7 @@ class RankFiles:
     slice buffer of at least ``n`` bytes (to read back what is kept); ``tick(n)``: ``n`` more bytes are done;
     ``version``: the output's format version (``format.manifest.version_for``)."""
 
-    def __init__(self, storage: Storage, plan: SavePlan, pieces: Mapping[str, StreamedPiece], take: TakeBuffer,
+    def __init__(self, storage: Storage, plan: SavePlan, pieces: ReadOnDemand, take: TakeBuffer,
                  tick: Callable[[int], None], version: int):
         self.storage, self.plan, self.pieces, self.take, self.tick = storage, plan, pieces, take, tick
         self.version = version  # the output's format version, which the indexes carry
@@ -59,8 +60,12 @@ class RankFiles:
         self._kept(progress, whole=False)
         journal = FileJournal(self.storage, journal_path, digest, self.version, isinstance(self.storage, LocalStorage))
         journal.begin(progress)
-        entry, terms = write_data_file(self.storage, data_path, index_path, tasks, self.pieces, self.plan.compression,
-                                       version=self.version, followed=Followed(progress, writer, journal))
+        runs = FileRuns(self.pieces, [t.name for t in tasks])
+        try:
+            entry, terms = write_data_file(self.storage, data_path, index_path, tasks, runs, self.plan.compression,
+                                           version=self.version, followed=Followed(progress, writer, journal))
+        finally:
+            runs.close()
         journal.finish(progress)
         return entry, terms
 

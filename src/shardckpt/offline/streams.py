@@ -3,6 +3,8 @@
 ``StreamedPiece``s every output writer takes: shardckpt chunks (``convert``), DCP chunks and safetensors files."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -15,6 +17,9 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
 from shardckpt.offline.memory import ALIGN, SliceBuffers
 from shardckpt.regions import FlatRange, Region
+
+RUN_CHUNK_BYTES = 64 << 10  # a chunk at most this big is read with the small chunks after it (``FileRuns``)
+RUN_BYTES = 4 << 20  # what a run reads at most: the slice buffers are at least this big when any chunk is small
 
 
 @dataclass(frozen=True)
@@ -64,10 +69,15 @@ class ReadOnDemand(Mapping[str, StreamedPiece]):
 
     def __getitem__(self, name: str) -> StreamedPiece:
         output = self.outputs[name]
+        region = self.region(output)
+        return StreamedPiece(name, output.dtype, output.shape, region, functools.partial(self._slices, output, region))
+
+    def region(self, output: Output) -> FlatRange:
+        """The region of ``output`` this piece is."""
         region = FlatRange(0, output.numel) if self.place is None else self.place(output)[0]
         if not isinstance(region, FlatRange):  # every placement convert makes is one run of the tensor
-            raise AssertionError(f"{name!r}: output region {region} is not a flat range")
-        return StreamedPiece(name, output.dtype, output.shape, region, functools.partial(self._slices, output, region))
+            raise AssertionError(f"{output.name!r}: output region {region} is not a flat range")
+        return region
 
     def stream(self, output: Output, region: FlatRange) -> Iterator[torch.Tensor]:
         """``region`` of ``output`` in as few slices as the buffers hold (``offline.dcp_output``'s chunks: one)."""
@@ -101,3 +111,74 @@ class ReadOnDemand(Mapping[str, StreamedPiece]):
 
     def __len__(self) -> int:
         return len(self.outputs)
+
+
+class FileRuns(Mapping[str, StreamedPiece]):
+    """The pieces of one data file (``pieces``' own), its small chunks read in runs: a chunk of at most
+    ``RUN_CHUNK_BYTES`` (not cast, written from its start) is read together with the small chunks after it in the
+    file's order (``names``), as many as one slice buffer holds, in one ``reader.read`` (which coalesces reads of
+    neighbouring chunks and checks each chunk's CRC), then each is written from its view in that buffer. One read
+    call per tensor cost a conversion of many small tensors most of its time. The buffer is held until a chunk
+    outside the run is asked for, or ``close``: the file's writer asks for its chunks one at a time, in order."""
+
+    def __init__(self, pieces: ReadOnDemand, names: list[str]):
+        self.pieces, self.names = pieces, names
+        self.position = {name: i for i, name in enumerate(names)}
+        self.run: dict[str, torch.Tensor] = {}
+        self.held = contextlib.ExitStack()
+
+    def __getitem__(self, name: str) -> StreamedPiece:
+        piece = self.pieces[name]
+        return dataclasses.replace(piece, slices=functools.partial(self._slices, piece))
+
+    def _slices(self, piece: StreamedPiece, block: int, first: int) -> Iterator[torch.Tensor]:
+        if first == 0 and self._small(piece.name):
+            if piece.name not in self.run:
+                self._read_run(piece.name)
+            part = self.run.pop(piece.name)
+            self.pieces.tick(part.nbytes)
+            yield part
+            return
+        self.close()  # the buffer goes back before the slices below take one
+        yield from piece.slices(block, first)
+
+    def _small(self, name: str) -> bool:
+        output = self.pieces.outputs[name]
+        if output.dtype != output.source_dtype or name not in self.position:
+            return False
+        region = self.pieces.region(output)
+        return 0 < region.numel * itemsize(output.dtype) <= min(RUN_CHUNK_BYTES, self.pieces.buffers.nbytes)
+
+    def _read_run(self, name: str) -> None:
+        self.close()
+        placed, size = {}, 0
+        for later in self.names[self.position[name]:]:
+            if later in placed or not self._small(later):
+                break
+            output = self.pieces.outputs[later]
+            nbytes = self.pieces.region(output).numel * itemsize(output.dtype)
+            at = -(-size // ALIGN) * ALIGN  # each view starts aligned for its dtype
+            if at + nbytes > self.pieces.buffers.nbytes:
+                break
+            placed[later] = at
+            size = at + nbytes
+        buffer = self.held.enter_context(self.pieces.buffers.take(size))
+        requests = []
+        for later, at in placed.items():
+            output = self.pieces.outputs[later]
+            region = self.pieces.region(output)
+            part = buffer[at:at + region.numel * itemsize(output.dtype)].view(output.dtype)
+            requests.append(ReadRequest(output.source.name, region, part))
+            self.run[later] = part
+        self.pieces.reader.read(requests)
+
+    def close(self) -> None:
+        """Give the run's buffer back (what is left of the run is read again if asked for)."""
+        self.run.clear()
+        self.held.close()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.pieces)
+
+    def __len__(self) -> int:
+        return len(self.pieces)
