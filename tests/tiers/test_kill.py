@@ -71,20 +71,28 @@ def _complete_steps(dirs: list[str], persistent: str, corrupt: set[tuple[int, st
     out = {}
     steps = {n for d in dirs if os.path.isdir(d) for n in os.listdir(d) if n.startswith("step-")}
     for name in steps:
-        step = int(name[5:])
-        manifests = [os.path.join(d, name, "manifest.json") for d in dirs]
-        found = [m for m in manifests if os.path.exists(m)]
-        if not found:
-            continue
-        manifest = parse_manifest(open(found[0], "rb").read(), found[0])
-        if all(any(os.path.exists(os.path.join(d, name, f.path)) and (step, d) not in corrupt and
-                   os.path.getsize(os.path.join(d, name, f.path)) == f.size for d in dirs) for f in manifest.files):
-            out[step] = "fast"
+        if _whole_in(dirs, name, corrupt):
+            out[int(name[5:])] = "fast"
     if os.path.isdir(persistent):
         for name in os.listdir(persistent):
             if os.path.exists(os.path.join(persistent, name, "manifest.json")):
                 out.setdefault(int(name[5:]), "tier2")
     return out
+
+
+def _whole_in(dirs: list[str], name: str, corrupt: set[tuple[int, str]]) -> bool:
+    """Step directory ``name`` whole across ``dirs``; False if tier 0's retention removes it while it is looked at
+    (the training runs meanwhile)."""
+    step = int(name[5:])
+    found = [m for m in (os.path.join(d, name, "manifest.json") for d in dirs) if os.path.exists(m)]
+    try:
+        if not found:
+            return False
+        manifest = parse_manifest(open(found[0], "rb").read(), found[0])
+        return all(any(os.path.exists(os.path.join(d, name, f.path)) and (step, d) not in corrupt and
+                       os.path.getsize(os.path.join(d, name, f.path)) == f.size for d in dirs) for f in manifest.files)
+    except FileNotFoundError:
+        return False
 
 
 def _tier0(base: str, node: int) -> str:
