@@ -66,3 +66,59 @@ def test_save_and_load_run_paused_and_give_the_collector_back(tmp_path):
     loaded = shardckpt.load_full(tmp_path / "c")
     assert gc.isenabled()
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["nested"]["b"], state["nested"]["b"])
+
+
+def test_an_interrupted_pause_is_healed_by_the_next_one(monkeypatch):
+    """A KeyboardInterrupt just after the collector was turned off, before the pause counted itself: the next
+    pause's end turns it back on."""
+    from shardckpt import gc_pause
+
+    real_disable = gc.disable
+
+    def disable_then_interrupt():
+        real_disable()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gc_pause.gc, "disable", disable_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        gc_paused(lambda: None)()
+    monkeypatch.setattr(gc_pause.gc, "disable", real_disable)
+    gc_paused(lambda: None)()
+    assert gc.isenabled()
+
+
+def test_a_child_forked_during_a_pause_has_its_collector_back():
+    import os
+
+    inside = threading.Event()
+    release = threading.Event()
+
+    @gc_paused
+    def hold():
+        inside.set()
+        release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    inside.wait(10)
+    try:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report and leave at once
+            os.write(write, b"1" if gc.isenabled() else b"0")
+            os._exit(0)
+        os.close(write)
+        child_enabled = os.read(read, 1)
+        os.waitpid(pid, 0)
+    finally:
+        release.set()
+        holder.join()
+    assert child_enabled == b"1" and gc.isenabled()
+
+
+def test_convert_runs_paused(tmp_path):
+    during = []
+    shardckpt.save({"w": torch.arange(6.0)}, tmp_path / "a")
+    shardckpt.convert(tmp_path / "a", tmp_path / "b", world_size=2,
+                      progress=lambda done, total: during.append(gc.isenabled()))
+    assert during and not any(during) and gc.isenabled()

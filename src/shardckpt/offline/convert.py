@@ -71,7 +71,6 @@ class ConvertReport:
     kept_bytes: int = 0  # bytes of output a killed run had written, checked and kept (this process's)
 
 
-@gc_paused
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Callable[[int, int], None] | None = None,
             spread_over: Any = None, **options: Any) -> ConvertReport:
     """Convert the checkpoint at ``src`` (any readable format) into a shardckpt checkpoint at ``dst``: ``run`` of
@@ -79,6 +78,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Callabl
     return run(ConvertSpec(src, dst, **options), progress, spread_over)
 
 
+@gc_paused  # what the API, the command and each worker call
 def run(spec: ConvertSpec, progress: Callable[[int, int], None] | None = None,
         spread_over: Any = None) -> ConvertReport:
     """The conversion ``spec`` asks for, written by this process, or shared with the ranks of ``spread_over`` (a
