@@ -185,8 +185,8 @@ def _write_chunk(sink: _Sink, piece: Piece, compression: Compression | None) -> 
     block = BLOCK_SIZE  # read at call time: tests shrink it to get many blocks from small tensors
     progress = sink.progress
     kept = len(progress.blocks) * block
-    if compression is None and not kept and isinstance(piece, LocalPiece) and 0 < piece.data.nbytes <= block \
-            and piece.data.is_cpu:
+    if compression is None and not kept and isinstance(piece, LocalPiece) and \
+            0 < piece.data.nbytes <= min(block, SMALL_WRITE) and piece.data.is_cpu:
         return _write_one_block(sink, piece, block)
     if isinstance(piece, StreamedPiece):
         raw, dtype, slices = None, piece.dtype, piece.slices(block, kept // piece.dtype.itemsize)
@@ -220,8 +220,8 @@ def _write_chunk(sink: _Sink, piece: Piece, compression: Compression | None) -> 
 
 
 def _write_one_block(sink: _Sink, piece: LocalPiece, block: int) -> tuple[ChunkRecord, int]:
-    """``_write_chunk`` of a staged raw chunk of one block (most small tensors), without its general machinery:
-    the same bytes, CRC, record and term, a few microseconds per chunk."""
+    """``_write_chunk`` of a small staged raw chunk of one block (the chunks the writes gather), without its general
+    machinery: the same bytes, CRC, record and term, a few microseconds per chunk."""
     raw = _staged_bytes(piece)
     data = memoryview(raw.numpy())
     crc = crc32c(data)

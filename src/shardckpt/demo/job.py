@@ -264,10 +264,10 @@ class _Run:
         while time.monotonic() < deadline:
             if ready():
                 return
-            for event in self.tail.new():
-                self.take([event])
-                if until is not None and until(event):
-                    return
+            events = self.tail.new()
+            self.take(events)  # the whole batch: an event after the one ``until`` waits for is kept, not dropped
+            if until is not None and any(until(e) for e in events):
+                return
             if self.ranks.check():
                 self.take(self.tail.new())
                 if until is None:
