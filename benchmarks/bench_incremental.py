@@ -120,11 +120,20 @@ def _timed(fn) -> float:
     return max(times)
 
 
+def _summed(value: int) -> int:
+    import torch.distributed as dist
+
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return sum(values)
+
+
 def _method(method: str, sd: dict, dt: dict, path: str, unit: int) -> dict:
     """One save by ``method``: its wall time, and for async ones the blocked time."""
     import torch.distributed.checkpoint as dcp
 
     import shardckpt
+    from shardckpt.checkpoint.async_save import saver_for
 
     out = {}
     if method in ("full", "incremental"):
@@ -135,6 +144,7 @@ def _method(method: str, sd: dict, dt: dict, path: str, unit: int) -> dict:
         out["blocked_s"] = _timed(lambda: handle.append(shardckpt.async_save(
             sd, path, incremental=method == "async incr", incremental_unit=unit)))
         out["save_s"] = out["blocked_s"] + _timed(lambda: handle[0].wait())
+        out["staging_bytes"] = _summed(saver_for(None).staging_bytes)
     else:
         out["save_s"] = _timed(lambda: dcp.save(dt, checkpoint_id=path))
     return out
@@ -196,13 +206,14 @@ def run(workload: str, gib: float, unit: int, saves: int, methods: tuple) -> dic
 def summary(name: str, found: dict) -> dict:
     rows = {}
     for method, saves in found["results"].items():
-        rows[method] = {k: median([s[k] for s in saves if k in s]) for k in ("save_s", "blocked_s", "bytes", "load_s")
-                        if any(k in s for s in saves)}
+        rows[method] = {k: median([s[k] for s in saves if k in s])
+                        for k in ("save_s", "blocked_s", "staging_bytes", "bytes", "load_s") if any(k in s for s in saves)}
     print(f"\n{name}: {found['total_bytes'] / 2**20:.0f} MiB of state")
-    print(f"  {'method':16s} {'bytes/save':>12s} {'save s':>8s} {'blocked s':>10s} {'load s':>8s}")
+    print(f"  {'method':16s} {'bytes/save':>12s} {'save s':>8s} {'blocked s':>10s} {'staged':>10s} {'load s':>8s}")
     for method, r in rows.items():
         print(f"  {method:16s} {r['bytes'] / 2**20:10.1f}Mi {r['save_s']:8.3f} "
-              f"{r.get('blocked_s', float('nan')):10.3f} {r.get('load_s', float('nan')):8.3f}")
+              f"{r.get('blocked_s', float('nan')):10.3f} {r.get('staging_bytes', float('nan')) / 2**20:8.1f}Mi "
+              f"{r.get('load_s', float('nan')):8.3f}")
     return rows
 
 

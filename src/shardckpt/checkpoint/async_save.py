@@ -31,7 +31,8 @@ group freed during finalization aborts the process).
 Value semantics: the checkpoint holds the values at the moment ``async_save`` returned. CPU tensors are
 copied before it returns; CUDA tensors are copied to pinned buffers on a side stream that the current
 stream then waits for (so the next kernels cannot change them first), and the background waits for the
-copies before writing. A kill during the background part leaves the previous checkpoint as it was: the
+copies before writing. An incremental save copies only the CPU tensors it cannot prove unchanged since its last
+one (``checkpoint.window_hash``: hashed in the call). A kill during the background part leaves the previous checkpoint as it was: the
 commit protocol of ``save`` applies unchanged.
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ from typing import Any
 from shardckpt.checkpoint.progress import ProgressCallback
 from shardckpt.checkpoint.save import Planned, SaveOptions, persist, persist_any, plan
 from shardckpt.checkpoint.stage import StagingBuffers, stage
+from shardckpt.checkpoint.window_hash import WindowDigests, WindowHasher
 from shardckpt.dist.group import (LOCAL, Failure, Group, agreed, attempt, before_destroy, destroys, resolve_group,
                                   side_group)
 from shardckpt.gc_pause import gc_paused
@@ -100,6 +102,8 @@ class AsyncSaver:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="shardckpt-async-save")
         self._last: SaveHandle | None = None
         self._planned: Planned | None = None
+        self._window: WindowDigests | None = None  # this rank's digests of the last committed incremental save
+        self._pending: WindowDigests | None = None  # the same of the save in flight, once it wrote
         self._lock = threading.Lock()
         _live.add(self)
 
@@ -116,7 +120,12 @@ class AsyncSaver:
                                       "(or a new AsyncSaver) on the new one")
             self._finish_previous()
             pg = self.side.pg if self.side.pg is not None else LOCAL
-            staged = stage(state_dict, process_group=pg, metadata=given.metadata, buffers=self.buffers)
+            run = where(path).rstrip("/").rsplit("/", 1)[0]
+            window = WindowHasher(self._window_for(given, run)) if given.incremental else None
+            staged = stage(state_dict, process_group=pg, metadata=given.metadata, buffers=self.buffers,
+                           skip=window.skip if window is not None else None)
+            if window is not None:
+                staged = dataclasses.replace(staged, prehashed=window.prehashed())
 
             def write() -> None:
                 # A failure to land the copies (CUDA) travels like a staging error: plan raises it on every rank.
@@ -127,8 +136,9 @@ class AsyncSaver:
                                files_per_rank=given.files_per_rank, storage_options=given.storage_options,
                                compress=given.compress, reuse=self._planned)
                 self._planned = planned
-                if given.incremental:
-                    persist_any(ready, planned, given, progress)
+                if window is not None:
+                    done = persist_any(ready, planned, given, progress)
+                    self._pending = window.committed(done.key, given.incremental_unit, run, done.units)
                 else:
                     persist(ready, planned, progress=progress)
 
@@ -149,11 +159,19 @@ class AsyncSaver:
         seen = last.observed
         error = last._future.exception()  # an interrupt here keeps _last: the next call waits again
         self._last = None
+        self._window, self._pending = (self._pending if error is None else None), None
         if error is None:
             return
         if any(self.side.all_gather(not seen)):
             last.observed = True
             raise error
+
+    def _window_for(self, given: SaveOptions, run: str) -> WindowDigests | None:
+        """The last committed incremental save's digests, if this save may compare against them."""
+        window = self._window
+        if window is None or window.unit_bytes != given.incremental_unit or window.run != run:
+            return None
+        return window
 
     def wait(self) -> None:
         """Wait for the save in flight, if any, and raise its error (this rank only; not collective)."""

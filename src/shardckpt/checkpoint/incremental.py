@@ -50,6 +50,7 @@ from shardckpt.format.manifest import MANIFEST_NAME, POOLED_VERSION, FileEntry, 
 from shardckpt.format.pool import PoolInfo
 from shardckpt.formats.native.pool import pool_storage
 from shardckpt.io import LocalStorage, Storage, lifecycle
+from shardckpt.regions import flat_bounds
 
 log = logging.getLogger("shardckpt")
 
@@ -118,9 +119,18 @@ class PooledShare:
     written_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class UnitDigests:
+    """This rank's units of a committed save: by tensor name, each unit's element bounds and digest under ``key``."""
+
+    key: bytes
+    units: dict[str, dict[tuple[int, int], bytes]]
+
+
 def persist_incremental(staged: Any, planned: Any, options: IncrementalOptions, incremental: Any,
-                        progress: ProgressCallback | None = None) -> None:
-    """Save step 3 of 3 for ``incremental=``: see the module docstring. Collective over ``planned.group``."""
+                        progress: ProgressCallback | None = None) -> UnitDigests:
+    """Save step 3 of 3 for ``incremental=``: see the module docstring. Collective over ``planned.group``. Returns
+    this rank's units' digests (for ``async_save``'s next window)."""
     group = planned.group
     whole = attempt(0, lambda: _setup(planned, options, incremental)) if group.is_coordinator else None
     per_rank = None
@@ -129,12 +139,14 @@ def persist_incremental(staged: Any, planned: Any, options: IncrementalOptions, 
     mine = group.scatter(per_rank)
     try:
         raise_failures([mine])
-        persist(_Incremental(planned, staged, mine, whole, progress), group)
+        writer = _Incremental(planned, staged, mine, whole, progress)
+        persist(writer, group)
     finally:
         if group.is_coordinator and isinstance(whole, _Whole):
             release_all(whole.holds)
     if group.is_coordinator:  # committed: retention and the pool's sweep, never failing the save
         tidy_after_save(planned.storage, whole.info.id, options.retention)
+    return UnitDigests(mine.key, writer.units)
 
 
 def _setup(planned: Any, options: IncrementalOptions, incremental: Any) -> _Whole:
@@ -217,9 +229,11 @@ class _Incremental(OutputWriter):
                  progress: ProgressCallback | None):
         self.planned, self.staged, self.setup, self.whole, self.progress = planned, staged, setup, whole, progress
         self.holds: list = []
+        self.units: dict = {}  # this rank's unit digests, once written
 
     def write(self) -> PooledShare | None:
-        return _write_units(self.planned, self.staged, self.setup, self.holds, self.progress)
+        share, self.units = _write_units(self.planned, self.staged, self.setup, self.holds, self.progress)
+        return share
 
     def commit(self, shares: list) -> None:
         _commit_pooled(self.planned, self.whole, shares, self.staged)
@@ -238,8 +252,46 @@ def _hashed(setup: _RankSetup, pieces: list[UnitPiece]) -> list[bytes]:
         return list(threads.map(one, pieces))
 
 
-def _reusable(unit: UnitTask, setup: _RankSetup, piece: UnitPiece, digest: bytes) -> bool:
-    if unit.candidate is None:
+def _digests(setup: _RankSetup, staged: Any, pieces: list[UnitPiece]) -> list[bytes | None]:
+    """Each unit's digest under the pool key: hashed now from the staged bytes, or, for a piece left unstaged
+    (``checkpoint.window_hash``), the one taken in the blocked window (None if it was taken under another key)."""
+    window = staged.prehashed
+    if window is None:
+        return _hashed(setup, pieces)
+    out: list[bytes | None] = [None] * len(pieces)
+    now = [i for i, p in enumerate(pieces) if p.name not in window.digests]
+    for i, digest in zip(now, _hashed(setup, [pieces[i] for i in now])):
+        out[i] = digest
+    if window.key == setup.key:
+        for i, piece in enumerate(pieces):
+            if piece.name in window.digests:
+                out[i] = _window_digest(window, piece)
+    return out
+
+
+def _window_digest(window: Any, piece: UnitPiece) -> bytes:
+    digest = window.digests[piece.name].get(flat_bounds(piece.region, piece.shape))
+    if digest is None:  # window_hash keeps only pieces that the previous save cut as this one does
+        raise CheckpointError(f"tensor {piece.name!r} was hashed in async_save's window in other units than this "
+                              "save writes; nothing was committed; the next save copies it")
+    return digest
+
+
+def _recopied(setup: _RankSetup, window: Any, piece: UnitPiece) -> tuple[UnitPiece, bytes]:
+    """A unit left unstaged that cannot be referenced: a private copy of the caller's tensor, and its digest under
+    the pool key, if the copy holds the value of the instant async_save returned (its window digest)."""
+    data = piece.data.clone()
+    copy = dataclasses.replace(piece, data=data)
+    raw = unit_bytes_of(copy).numpy()
+    if chunk_hash(window.key, raw) != _window_digest(window, piece):
+        raise CheckpointError(f"tensor {piece.name!r} changed after async_save returned, and its unchanged bytes "
+                              "could not be referenced (a collector or another save replaced the previous step's "
+                              "data); nothing was committed; the next save copies it")
+    return copy, chunk_hash(setup.key, raw)
+
+
+def _reusable(unit: UnitTask, setup: _RankSetup, piece: UnitPiece, digest: bytes | None) -> bool:
+    if unit.candidate is None or digest is None:
         return False
     new = NewChunk(ChunkKey(unit.task.name, unit.task.chunk), setup.pool_id, piece.data.nbytes,
                    piece.data.dtype.itemsize, digest)
@@ -247,28 +299,33 @@ def _reusable(unit: UnitTask, setup: _RankSetup, piece: UnitPiece, digest: bytes
 
 
 def _write_units(planned: Any, staged: Any, setup: _RankSetup, holds: list,
-                 progress: ProgressCallback | None) -> PooledShare | None:
-    """This rank's units: each referenced if its candidate's digest is its own, else written into the pool."""
+                 progress: ProgressCallback | None) -> tuple[PooledShare | None, dict]:
+    """This rank's units: each referenced if its candidate's digest is its own, else written into the pool. Also
+    each unit's digest, by tensor name and bounds (what the next ``async_save``'s window compares)."""
     if not setup.tasks:
         if progress is not None:
             progress(0, 0)
-        return None
+        return None, {}
     pool = pool_storage(planned.storage)
     holds.extend(hold_generations(pool, {setup.generation}))
     pieces = [unit_piece(staged.pieces[u.task.name], u.region) for u in setup.tasks]
-    refs, terms, to_write = {}, {}, []
-    for unit, piece, digest in zip(setup.tasks, pieces, _hashed(setup, pieces)):
+    refs, terms, to_write, units = {}, {}, [], {}
+    for unit, piece, digest in zip(setup.tasks, pieces, _digests(setup, staged, pieces)):
+        name = unit.task.name
         if _reusable(unit, setup, piece, digest):
-            name = unit.task.name
             refs[(name, unit.task.chunk)] = unit.candidate.file.path
             term = chunk_crc_term(piece, piece.data.dtype.itemsize, unit.candidate.crc32c, unit_bytes_of(piece))
             terms[name] = terms.get(name, 0) ^ term
         else:
-            to_write.append((unit.task, dataclasses.replace(piece, digest=digest, hash_key=setup.key)))
+            if staged.prehashed is not None and name in staged.prehashed.digests:
+                piece, digest = _recopied(setup, staged.prehashed, piece)
+            piece = dataclasses.replace(piece, digest=digest, hash_key=setup.key)
+            to_write.append((unit.task, piece))
+        units.setdefault(name, {})[flat_bounds(piece.region, piece.shape)] = digest
     files, placed, written_terms, written = _write_slots(pool, planned, setup, to_write, progress)
     for name, term in written_terms.items():
         terms[name] = terms.get(name, 0) ^ term
-    return PooledShare(files, placed, refs, terms, written)
+    return PooledShare(files, placed, refs, terms, written), units
 
 
 def _check_unmoved(written: list, digests: dict) -> None:

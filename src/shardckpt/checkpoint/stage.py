@@ -35,7 +35,7 @@ import copy as copy_module
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -59,7 +59,8 @@ class Staged:
     tensor leaf. ``tree``: the encoded tree, each ``PerRank`` as a marker (``checkpoint.agree``).
     ``per_rank``: by name, this rank's ``PerRank`` values, encoded. ``aliased``: the names whose buffer is a
     view of the caller's tensor (empty with ``copy=True``). ``failure``: this rank's staging error, raised on
-    every rank by ``plan``.
+    every rank by ``plan``. ``prehashed``: an incremental ``async_save``'s pieces left unstaged, and their
+    digests (``checkpoint.window_hash``).
     """
 
     rank: int
@@ -70,6 +71,7 @@ class Staged:
     aliased: frozenset[str]
     failure: Failure | None = None
     per_rank: dict[str, Any] = dataclasses.field(default_factory=dict)
+    prehashed: Any = None
 
     def buffer(self, name: str) -> torch.Tensor:
         """The bytes that will be written for ``name``: a flat uint8 view of its staged tensor (no copy)."""
@@ -82,7 +84,8 @@ class Staged:
 
 
 def stage(state_dict: dict, *, process_group: Any = None, metadata: dict | None = None,
-          copy: bool = False, buffers: StagingBuffers | None = None) -> Staged:
+          copy: bool = False, buffers: StagingBuffers | None = None,
+          skip: Callable[[LocalPiece], bool] | None = None) -> Staged:
     """Stage this rank's part of ``state_dict`` on the host (save step 1 of 3; local, no collectives).
 
     ``process_group`` only tells this rank its place (``PerRank`` values are stored as this rank's); it must be
@@ -90,11 +93,12 @@ def stage(state_dict: dict, *, process_group: Any = None, metadata: dict | None 
     ``copy``: also copy CPU tensors that could be shared (contiguous ones), so that the caller may modify them
     before ``persist`` returns. ``buffers``: copy every piece into these reused host buffers instead (a snapshot,
     like ``copy``, without allocating when shapes repeat; CUDA pieces are copied asynchronously: call
-    ``buffers.synchronize()`` before ``persist``). Errors are returned in ``Staged.failure`` (``plan``
-    raises them on every rank).
+    ``buffers.synchronize()`` before ``persist``). ``skip(piece)``: true leaves that piece unstaged, its data the
+    caller's tensor (``checkpoint.window_hash``: proven unchanged). Errors are returned in ``Staged.failure``
+    (``plan`` raises them on every rank).
     """
     group = resolve_group(process_group)
-    staged = attempt(group.rank, lambda: _stage(state_dict, group.rank, metadata, copy, buffers))
+    staged = attempt(group.rank, lambda: _stage(state_dict, group.rank, metadata, copy, buffers, skip))
     if isinstance(staged, Failure):
         return Staged(group.rank, {}, [], None, None, frozenset(), staged)
     return staged
@@ -113,7 +117,7 @@ def checked_metadata(metadata: dict | None, where: str) -> dict | None:
 
 
 def _stage(state_dict: dict, rank: int, metadata: dict | None, copy: bool,
-           buffers: StagingBuffers | None) -> Staged:
+           buffers: StagingBuffers | None, skip: Callable[[LocalPiece], bool] | None = None) -> Staged:
     check_savable_depth(state_dict)
     check_unique_names(state_dict, rank)
     pieces = local_pieces(state_dict, rank)
@@ -134,7 +138,9 @@ def _stage(state_dict: dict, rank: int, metadata: dict | None, copy: bool,
     for piece in pieces:
         if not piece.owner:  # a replica another rank stores: never written from here
             continue
-        if buffers is None and not copy and keeps_on_device(piece.data, piece.region, piece.shape):
+        if skip is not None and skip(piece):
+            data, shares = piece.data.detach(), True
+        elif buffers is None and not copy and keeps_on_device(piece.data, piece.region, piece.shape):
             data, shares = piece.data.detach(), True
             on_device.add(data.device)
         else:
