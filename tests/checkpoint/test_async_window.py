@@ -42,22 +42,26 @@ def saver():
 
 
 def test_unchanged_pieces_are_not_staged_and_every_step_holds_its_instant(saver, tmp_path):
-    sd, want = state(), []
-    for step in range(4):
+    sd, want, copied, held = state(), [], [], []
+    for step in range(5):
         handle = save(saver, sd, tmp_path / f"step-{step}")
         want.append(snapshot(sd))
+        copied.append(saver.buffers.copied_bytes)
         sd["lora"].add_(1)  # bumped: copied in every window
         if step == 1:
             sd["base"].data[0, 0] += 1  # after the window, no bump: the next window's hash sees it
         handle.wait()
-        if step in (0, 2):  # 0: nothing to compare against yet; 2: the window's hash found base changed
-            assert saver.staging_bytes >= sd["base"].nbytes
-        else:
-            assert saver.staging_bytes == sd["lora"].nbytes  # base, emb, mask, the 0-d: hashed, equal, not staged
-    for step in range(4):
+        held.append(saver.staging_bytes)
+    base, lora = sd["base"].nbytes, sd["lora"].nbytes
+    # 0: nothing to compare against yet; 2: the window's hash found base changed; else base, emb, mask and the 0-d
+    # were hashed, equal, and not copied
+    assert [c >= base for c in copied] == [True, False, True, False, False]
+    assert copied[1] == copied[3] == copied[4] == lora
+    assert held[4] == lora and held[3] > base  # a buffer is freed after two saves without it, kept after one
+    for step in range(5):
         assert_bits(shardckpt.load_full(tmp_path / f"step-{step}"), want[step])
         assert shardckpt.verify(tmp_path / f"step-{step}").ok
-    assert new_bytes(tmp_path / "step-3") == sd["lora"].nbytes  # nothing unchanged written again
+    assert new_bytes(tmp_path / "step-4") == lora  # nothing unchanged written again
 
 
 @pytest.mark.parametrize("write", ["data", "numpy", "storage", "unsafe_preserve"])
@@ -111,7 +115,7 @@ def test_unreferencable_bytes_are_copied_from_the_caller_when_unchanged(saver, t
     want = snapshot(sd)
     go = _hold_background(monkeypatch)
     handle = save(saver, sd, tmp_path / "step-2")
-    assert saver.staging_bytes < sd["base"].nbytes  # hashed in the window, left unstaged
+    assert saver.buffers.copied_bytes < sd["base"].nbytes  # hashed in the window, left unstaged
     go.set()
     handle.wait()
     assert_bits(shardckpt.load_full(tmp_path / "step-2"), want)
@@ -135,19 +139,68 @@ def test_a_change_after_the_window_to_unreferencable_bytes_fails_the_save(saver,
     monkeypatch.undo()
     want = snapshot(sd)
     save(saver, sd, tmp_path / "step-3").wait()
-    assert saver.staging_bytes >= sd["base"].nbytes  # the digests were forgotten: all staged
+    assert saver.buffers.copied_bytes >= sd["base"].nbytes  # the digests were forgotten: all staged
     assert_bits(shardckpt.load_full(tmp_path / "step-3"), want)
+
+
+def test_overwriting_one_step_references_its_own_rows(saver, tmp_path):
+    """A "last" checkpoint overwritten at every save: the window compared against that step's rows, so the save
+    references them (found by review: it used to skip the step being overwritten, and failed once the caller
+    changed a tensor after the call)."""
+    sd = state()
+    for _ in range(2):
+        save(saver, sd, tmp_path / "last", overwrite=True).wait()
+    want = snapshot(sd)
+    handle = save(saver, sd, tmp_path / "last", overwrite=True)
+    sd["base"].add_(1.0)  # an ordinary update after the call returned
+    handle.wait()
+    assert_bits(shardckpt.load_full(tmp_path / "last"), want)
+    assert new_bytes(tmp_path / "last") == 0  # nothing changed at the instant: everything referenced
+
+
+def test_a_checkpoint_without_a_step_number_does_not_take_the_parent_s_place(saver, tmp_path):
+    """``best`` sorts after every step; the window compared against the last save, which stays the parent."""
+    sd = state()
+    save(saver, sd, tmp_path / "best").wait()
+    for step in range(1, 5):
+        if step % 2 == 0:
+            sd["lora"].add_(1)
+        want = snapshot(sd)
+        handle = save(saver, sd, tmp_path / f"step-{step}")
+        sd["base"].add_(1.0) if step == 3 else None  # bumped after the call: must not fail the save
+        handle.wait()
+        assert_bits(shardckpt.load_full(tmp_path / f"step-{step}"), want)
+
+
+def test_the_callers_storage_stays_resizable(saver, tmp_path):
+    """The window reads the caller's tensors in place without handing them to numpy, which would pin their
+    storage's size (code that frees storage with resize_(0) after a checkpoint)."""
+    sd = state()
+    for step in range(3):
+        save(saver, sd, tmp_path / f"step-{step}").wait()
+    sd["base"].untyped_storage().resize_(0)
+
+
+def test_a_tensor_changing_every_other_save_keeps_its_buffer(saver, tmp_path):
+    sd = state()
+    save(saver, sd, tmp_path / "step-0").wait()
+    allocations = saver.buffers.allocations
+    for step in range(1, 7):
+        if step % 2:
+            sd["base"].data.add_(1)  # no bump: the window's hash sees it
+        save(saver, sd, tmp_path / f"step-{step}").wait()
+    assert saver.buffers.allocations == allocations
 
 
 def test_another_run_or_unit_compares_nothing(saver, tmp_path):
     sd = state()
     save(saver, sd, tmp_path / "a" / "step-0").wait()
     save(saver, sd, tmp_path / "b" / "step-0").wait()
-    assert saver.staging_bytes >= sd["base"].nbytes
+    assert saver.buffers.copied_bytes >= sd["base"].nbytes
     save(saver, sd, tmp_path / "b" / "step-1").wait()
-    assert saver.staging_bytes < sd["base"].nbytes
+    assert saver.buffers.copied_bytes < sd["base"].nbytes
     saver.save(sd, tmp_path / "b" / "step-2", incremental=True, incremental_unit=2 * UNIT).wait()
-    assert saver.staging_bytes >= sd["base"].nbytes
+    assert saver.buffers.copied_bytes >= sd["base"].nbytes
     want = snapshot(sd)
     for path in ("a/step-0", "b/step-0", "b/step-1", "b/step-2"):
         assert_bits(shardckpt.load_full(tmp_path / path), want)
@@ -172,7 +225,7 @@ def test_a_failed_save_forgets_the_digests(saver, tmp_path):
     save(saver, sd, tmp_path / "step-0").wait()
     save(saver, sd, tmp_path / "step-0").exception()  # exists: fails in the background
     save(saver, sd, tmp_path / "step-1").wait()
-    assert saver.staging_bytes >= sd["base"].nbytes
+    assert saver.buffers.copied_bytes >= sd["base"].nbytes
 
 
 def _sharded_async(root: str) -> None:
@@ -191,7 +244,7 @@ def _sharded_async(root: str) -> None:
     try:
         for step in range(3):
             handle = saver.save(sd, os.path.join(root, f"step-{step}"), incremental=True, incremental_unit=16 << 10)
-            staged.append(saver.staging_bytes)
+            staged.append(saver.buffers.copied_bytes)
             sd["lora"].add_(1)
             if step == 1:
                 local.data[0] = -1.0  # after the window, no bump: step 1 holds the value before; step 2's window sees it
@@ -231,7 +284,7 @@ def _recorded(t: torch.Tensor, key: bytes, cuts: list[tuple[int, int]]):
     raw = t.contiguous().view(-1).view(torch.uint8).numpy()
     size = t.element_size()
     units = {(a, b): chunk_hash(key, raw[a * size:b * size]) for a, b in cuts}
-    return WindowDigests(key, UNIT, "run", {"t": Recorded(version_hint(t), units)})
+    return WindowDigests(key, UNIT, "run", "step-1", {"t": Recorded(version_hint(t), units)})
 
 
 def test_the_window_hashes_only_what_the_last_save_cut_whole_and_did_not_bump():

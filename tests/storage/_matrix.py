@@ -295,7 +295,8 @@ class Cases:
         self._fresh_events()
         what = EVENTS[event]
         spec = bnd.Spec(self.events, at=k, action=what.action, worker=worker, kill_at=kill_at,
-                        gc={"path": self.dst, "storage_options": self.where.options},
+                        gc={"path": self.where.root if self.w.gc_run else self.dst,
+                            "storage_options": self.where.options},
                         writer2=self.w.call(self.sources, what.second, self.dst, self.where.options, second=True),
                         server=self.server.address)
         killing = event == "kill" or kill_at is not None

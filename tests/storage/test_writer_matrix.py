@@ -53,6 +53,16 @@ def async_save_version(root: str, version: str, dst: str, options: dict | None) 
     shardckpt.async_save(state(version), dst, overwrite=True, storage_options=options).wait()
 
 
+def pooled_state(version: str) -> dict:
+    """``state`` and a frozen tensor that every version shares: an incremental save references it."""
+    return {**state(version), "frozen": torch.arange(3000, dtype=torch.float32)}
+
+
+def save_incremental_version(root: str, version: str, dst: str, options: dict | None) -> None:
+    shardckpt.save(pooled_state(version), dst, overwrite=True, storage_options=options, incremental=True,
+                   incremental_unit=4096)
+
+
 def convert_version(root: str, version: str, dst: str, options: dict | None, workers: int = 1) -> None:
     shardckpt.convert(os.path.join(root, f"src-{version}"), dst, world_size=2, overwrite=True,
                       dst_storage_options=options, workers=workers)  # workers > 1: the local processes' front door
@@ -85,6 +95,7 @@ class Writer:
     second: dict | None = None  # the second writer's kwargs, where not the same (convert --workers: one process)
     events: tuple[str, ...] = ("gc", "writer2", "kill")  # of _matrix.EVENTS
     identical_twins: bool = False  # two runs of one command write the same bytes (a source with identity)
+    gc_run: bool = False  # gc the run directory (the pool's sweep) instead of the output's path
 
     def call(self, root: str, version: str, dst: str, options: dict | None, second: bool = False) -> dict:
         kwargs = self.second if second and self.second is not None else self.kwargs
@@ -96,6 +107,7 @@ EXPORTS = ("gc", "writer2", "twin", "writer2-kill", "kill")
 WRITERS = {w.name: w for w in [
     Writer("save", "save_version", {}, "old", True),
     Writer("async_save", "async_save_version", {}, "old", True),
+    Writer("save incremental", "save_incremental_version", {}, "old", True, gc_run=True),
     Writer("convert", "convert_version", {}, "old", True, events=CONVERTS, identical_twins=True),
     Writer("convert --workers", "convert_version", {"workers": 2}, "old", True, workers=True, second={},
            events=CONVERTS, identical_twins=True),

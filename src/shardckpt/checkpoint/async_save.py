@@ -52,7 +52,7 @@ from typing import Any
 from shardckpt.checkpoint.progress import ProgressCallback
 from shardckpt.checkpoint.save import Planned, SaveOptions, persist, persist_any, plan
 from shardckpt.checkpoint.stage import StagingBuffers, stage
-from shardckpt.checkpoint.window_hash import WindowDigests, WindowHasher
+from shardckpt.checkpoint.window_hash import WindowDigests, WindowHasher, split_step
 from shardckpt.dist.group import (LOCAL, Failure, Group, agreed, attempt, before_destroy, destroys, resolve_group,
                                   side_group)
 from shardckpt.gc_pause import gc_paused
@@ -120,7 +120,7 @@ class AsyncSaver:
                                       "(or a new AsyncSaver) on the new one")
             self._finish_previous()
             pg = self.side.pg if self.side.pg is not None else LOCAL
-            run = where(path).rstrip("/").rsplit("/", 1)[0]
+            run = split_step(where(path))[0]
             window = WindowHasher(self._window_for(given, run)) if given.incremental else None
             staged = stage(state_dict, process_group=pg, metadata=given.metadata, buffers=self.buffers,
                            skip=window.skip if window is not None else None)
@@ -137,8 +137,8 @@ class AsyncSaver:
                                compress=given.compress, reuse=self._planned)
                 self._planned = planned
                 if window is not None:
-                    done = persist_any(ready, planned, given, progress)
-                    self._pending = window.committed(done.key, given.incremental_unit, run, done.units)
+                    done = persist_any(ready, planned, given, progress, parent=window.parent)
+                    self._pending = window.committed(done.key, given.incremental_unit, where(path), done.units)
                 else:
                     persist(ready, planned, progress=progress)
 

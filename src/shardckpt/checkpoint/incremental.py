@@ -66,6 +66,7 @@ class IncrementalOptions:
     max_generations: int = MAX_GENERATIONS
     keep_last: int | None = None
     keep_every: int | None = None
+    parent: str | None = None  # the checkpoint of the run to reference, if committed in this pool (async_save's last)
 
     @property
     def retention(self) -> Retention | None:
@@ -169,8 +170,12 @@ def _hold_and_pick(whole: _Whole, planned: Any, options: IncrementalOptions) -> 
     storage, pool = planned.storage, whole.pool
     whole.holds.extend(hold_generations(pool, {planned.generation}))
     target = storage.root.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
-    parents = pool_checkpoints(run_storage(storage), whole.info.id, skip=target, strict=False)
-    parent = parents[-1].manifest if parents else None
+    # The step being overwritten may be the parent only when asked for (async_save's window compared against it):
+    # its files are held like any parent's, and named by the new manifest.
+    skip = "" if options.parent == target else target
+    parents = pool_checkpoints(run_storage(storage), whole.info.id, skip=skip, strict=False)
+    chosen = [p for p in parents if p.name == options.parent] or parents[-1:]
+    parent = chosen[0].manifest if chosen else None
     doomed: frozenset[str] | None = frozenset()
     if not isinstance(pool, LocalStorage):  # no locks (pool_leases)
         whole.lease = SaveLease(pool, planned.generation, target, referenced_files([parent]) if parent else ())

@@ -103,12 +103,14 @@ def save(state_dict: dict, path: str | os.PathLike | Storage, *, process_group: 
     persist_any(staged, planned, given, progress)
 
 
-def persist_any(staged: Staged, planned: Planned, given: SaveOptions, progress: ProgressCallback | None) -> Any:
-    """``persist``, or with ``incremental`` its pooled form (``checkpoint.incremental``: then this rank's
-    ``UnitDigests`` are returned; else None)."""
+def persist_any(staged: Staged, planned: Planned, given: SaveOptions, progress: ProgressCallback | None,
+                parent: str | None = None) -> Any:
+    """``persist``, or with ``incremental`` its pooled form (``checkpoint.incremental``, which prefers ``parent``, a
+    checkpoint of the run directory, as the one to reference; this rank's ``UnitDigests`` are returned; else None)."""
     if given.incremental:
         from shardckpt.checkpoint.incremental import IncrementalOptions, persist_incremental  # (it imports this)
-        options = IncrementalOptions(given.incremental_unit, keep_last=given.keep_last, keep_every=given.keep_every)
+        options = IncrementalOptions(given.incremental_unit, keep_last=given.keep_last, keep_every=given.keep_every,
+                                     parent=parent)
         return persist_incremental(staged, planned, options, given.incremental, progress)
     if given.keep_last is not None or given.keep_every is not None:
         raise BadArgumentError("keep_last and keep_every apply to incremental saves (incremental=True); remove "

@@ -161,7 +161,8 @@ class StagingBuffers:
     """Host buffers reused from one staging to the next (async saves of a training state).
 
     One buffer per tensor name, reallocated only when its dtype or shape changes; a buffer whose name was
-    not staged last time is freed. CUDA tensors go to pinned buffers, copied on a side stream per device
+    not staged in the last two stagings is freed (one skip keeps it: an incremental save leaves unstaged a tensor
+    that did not change, and one that changes every other save then reuses its buffer). CUDA tensors go to pinned buffers, copied on a side stream per device
     that first waits for the work already queued on the current stream; the current stream then waits for
     the copies, so that later in-place updates on it cannot overtake them, and the CPU does not wait at
     all (the GPU's current stream does, for the length of the copies). Work on other streams is not
@@ -173,6 +174,7 @@ class StagingBuffers:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._used: set[str] = set()
+        self._idle: set[str] = set()  # not staged last time: freed if not staged this time either
         self._streams: dict[torch.device, Any] = {}
         self._events: list = []
         self.allocations = 0  # buffers allocated so far (a steady state allocates none)
@@ -181,6 +183,11 @@ class StagingBuffers:
     def nbytes(self) -> int:
         """Host memory held now."""
         return sum(b.nbytes for b in self._buffers.values())
+
+    @property
+    def copied_bytes(self) -> int:
+        """Bytes the last staging copied in."""
+        return sum(self._buffers[name].nbytes for name in self._used if name in self._buffers)
 
     def begin(self) -> None:
         self._used.clear()
@@ -216,8 +223,10 @@ class StagingBuffers:
         current.wait_stream(stream)
 
     def end(self) -> None:
-        for name in set(self._buffers) - self._used:
+        unused = set(self._buffers) - self._used
+        for name in unused & self._idle:
             del self._buffers[name]
+        self._idle = unused - self._idle
 
     def synchronize(self) -> None:
         for event in self._events:

@@ -18,17 +18,19 @@ the digests do (3.2: many writes do not bump it).
 """
 from __future__ import annotations
 
+import ctypes
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from shardckpt.checkpoint.collect import LocalPiece
 from shardckpt.format.content_hash import chunk_hash
 from shardckpt.regions import flat_bounds
-from shardckpt.tensor_views import as_bytes
 
 Bounds = tuple[int, int]  # a unit's global row-major element range [lo, hi)
+INLINE_BYTES = 4 << 20  # a piece this small is hashed in the caller's thread (threads cost more than they save)
 
 
 def version_hint(t: torch.Tensor) -> tuple:
@@ -47,12 +49,14 @@ class Recorded:
 
 @dataclass(frozen=True)
 class WindowDigests:
-    """This rank's digests of its last committed incremental save, under the pool key ``key``, for saves into
-    the same run directory (``run``) with the same ``unit_bytes``."""
+    """This rank's digests of its last committed incremental save, ``step`` of run directory ``run``, under the
+    pool key ``key``, for saves into the same run directory with the same ``unit_bytes``. The save that uses them
+    asks for ``step`` as its parent: the rows the digests were taken from."""
 
     key: bytes
     unit_bytes: int
     run: str
+    step: str
     pieces: dict[str, Recorded]
 
 
@@ -67,11 +71,18 @@ class Prehashed:
 @dataclass
 class WindowHasher:
     """One save's window: ``skip(piece)`` hashes a piece that may be unchanged and says whether to leave it
-    unstaged; every CPU piece's version hint is kept (``hints``) for the next save."""
+    unstaged; every CPU piece's version hint is kept (``hints``) for the next save. ``prehashed()`` ends the
+    window (its hashing threads)."""
 
     previous: WindowDigests | None
     hints: dict[str, tuple] = field(default_factory=dict)
     digests: dict[str, dict[Bounds, bytes]] = field(default_factory=dict)
+    _pool: ThreadPoolExecutor | None = None
+
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max(2, torch.get_num_threads()), thread_name_prefix="shardckpt-window")
+        return self._pool
 
     def skip(self, piece: LocalPiece) -> bool:
         t = piece.data
@@ -81,20 +92,36 @@ class WindowHasher:
         recorded = self.previous.pieces.get(piece.name) if self.previous is not None else None
         if recorded is None or recorded.hint != hint or not _tiles(recorded.units, piece):
             return False
-        digests = _hash_units(self.previous.key, t, flat_bounds(piece.region, piece.shape)[0], recorded.units)
+        start = flat_bounds(piece.region, piece.shape)[0]
+        digests = _hash_units(self.previous.key, t, start, recorded.units, self._threads)
         if digests is None:
             return False
         self.digests[piece.name] = digests
         return True
 
     def prehashed(self) -> Prehashed | None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         return Prehashed(self.previous.key, self.digests) if self.digests else None
 
-    def committed(self, key: bytes, unit_bytes: int, run: str, units: dict[str, dict[Bounds, bytes]]) -> WindowDigests:
-        """The digests for the next save, once this one committed: ``units``, this rank's units as the background
-        wrote or referenced them, of the pieces whose hint was taken here."""
+    @property
+    def parent(self) -> str | None:
+        """The checkpoint the background should reference (the one the window compared against), if any."""
+        return self.previous.step if self.previous is not None else None
+
+    def committed(self, key: bytes, unit_bytes: int, path: str, units: dict[str, dict[Bounds, bytes]]) -> WindowDigests:
+        """The digests for the next save, once this one (at ``path``) committed: ``units``, this rank's units as the
+        background wrote or referenced them, of the pieces whose hint was taken here."""
         pieces = {name: Recorded(self.hints[name], by) for name, by in units.items() if name in self.hints}
-        return WindowDigests(key, unit_bytes, run, pieces)
+        run, step = split_step(path)
+        return WindowDigests(key, unit_bytes, run, step, pieces)
+
+
+def split_step(path: str) -> tuple[str, str]:
+    """A checkpoint's path as (its run directory, its name there)."""
+    run, _, step = path.rstrip("/").rpartition("/")
+    return run, step
 
 
 def _tiles(units: dict[Bounds, bytes], piece: LocalPiece) -> bool:
@@ -110,28 +137,31 @@ def _tiles(units: dict[Bounds, bytes], piece: LocalPiece) -> bool:
     return at == hi
 
 
-def _hash_units(key: bytes, t: torch.Tensor, start: int, units: dict[Bounds, bytes]) -> dict[Bounds, bytes] | None:
+def host_memory(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, read in place through its address: unlike ``.numpy()``, this does not mark
+    the caller's storage as not resizable (code that frees storage with ``resize_(0)`` keeps working)."""
+    return memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B")
+
+
+def _hash_units(key: bytes, t: torch.Tensor, start: int, units: dict[Bounds, bytes],
+                threads: Callable[[], ThreadPoolExecutor]) -> dict[Bounds, bytes] | None:
     """Each unit's digest, or None at the first that differs from ``units`` (the units not begun are not hashed:
     a piece written without a bump is then copied after as little hashing as the threads allow)."""
-    raw, size = as_bytes(t).numpy(), t.element_size()
+    raw, size = host_memory(t), t.element_size()
 
     def one(bounds: Bounds) -> bytes:
         return chunk_hash(key, raw[(bounds[0] - start) * size:(bounds[1] - start) * size])
 
     order = list(units)
-    if len(order) <= 1:
-        digests = {b: one(b) for b in order}
-        return digests if digests == units else None
-    with ThreadPoolExecutor(_threads(), thread_name_prefix="shardckpt-window-hash") as threads:
-        futures = [threads.submit(one, b) for b in order]
-        for bounds, future in zip(order, futures):
-            if future.result() != units[bounds]:
-                for f in futures:
-                    f.cancel()
+    if len(order) <= 1 or t.nbytes <= INLINE_BYTES:
+        for bounds in order:
+            if one(bounds) != units[bounds]:
                 return None
-    return dict(zip(order, (f.result() for f in futures)))
-
-
-def _threads() -> int:
-    """As many as torch's own copies use (they are what the hash replaces), at least two."""
-    return max(2, torch.get_num_threads())
+        return dict(units)
+    futures = [threads().submit(one, b) for b in order]
+    for bounds, future in zip(order, futures):
+        if future.result() != units[bounds]:
+            for f in futures:
+                f.cancel()
+            return None
+    return dict(units)
