@@ -17,8 +17,12 @@ their files, the index placing every tensor and naming every file, its total_siz
 every value is compared with the source as export reads it (the same --only/--strip-prefix), bit for
 bit after the export's cast.
 
+--deep, for incremental (pooled) checkpoints: also hash every pooled chunk with the pool's key and compare
+the digest its index row records (what the next incremental save compares against; a load never needs it).
+
 examples:
   shardckpt verify /ckpt/step-1000
+  shardckpt verify /ckpt/run --deep
   shardckpt verify s3://bucket/run/step-1000 --quiet && echo sound
   shardckpt verify ./hf-out --against /ckpt/step-1000
 """
@@ -39,9 +43,10 @@ def show(result: VerifyResult, args: argparse.Namespace) -> None:
               (f" ({len(bad)} of {len(result.checkpoints)} checkpoints: {', '.join(bad)})" if result.kind == "run"
                else ""), file=sys.stderr)
         return
+    deep = f", {result.digests_checked} content digests recomputed" if result.digests_checked else ""
     if result.kind == "run":
         print(f"OK {result.path}: {len(result.checkpoints)} checkpoints, {result.tensors} tensors, {result.chunks} "
-              f"chunks, {format_bytes(result.tensor_bytes)} read (each chunk of the pool once)")
+              f"chunks, {format_bytes(result.tensor_bytes)} read (each chunk of the pool once){deep}")
         return
     if result.kind == "export":
         against = "" if result.against is None else f", every value equal to {result.against}'s"
@@ -51,7 +56,7 @@ def show(result: VerifyResult, args: argparse.Namespace) -> None:
     manifest = ("manifest checksum OK" if result.manifest_checksum else
                 f"format v{result.version}: its manifest has no checksum, not checked")
     print(f"OK {result.path}: {result.tensors} tensors, {result.chunks} chunks, "
-          f"{format_bytes(result.tensor_bytes)} of tensor data checked, {manifest}")
+          f"{format_bytes(result.tensor_bytes)} of tensor data checked, {manifest}{deep}")
     if result.sharing is not None:
         print(sharing_line(result.sharing))
 

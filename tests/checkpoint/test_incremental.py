@@ -235,3 +235,38 @@ def test_verify_reports_shared_bytes_and_with_which_steps(tmp_path):
     assert sharing["shared_bytes"] + sharing["own_bytes"] == sharing["total_bytes"]
     result = shardckpt.verify(tmp_path / "step-3")
     assert result.ok and result.sharing == sharing
+
+
+def test_verify_deep_recomputes_every_pooled_digest(tmp_path, monkeypatch):
+    """A digest the writer got wrong (bytes and CRCs sound) is invisible to loads and to verify, and would only cost
+    dedup; --deep hashes every pooled chunk with the pool's key and names the rows that disagree."""
+    from shardckpt.checkpoint import incremental, writer
+    from shardckpt.format.content_hash import ChunkHasher
+
+    class Wrong(ChunkHasher):
+        def digest(self) -> bytes:
+            good = super().digest()
+            return bytes([good[0] ^ 1]) + good[1:]
+
+    sd = state()
+    save(sd, tmp_path / "step-1")
+    sound = shardckpt.verify(tmp_path / "step-1", deep=True)
+    assert sound.ok and sound.digests_checked == sound.chunks  # every chunk of a pooled step has its digest
+    sd["model"]["lora"].add_(1)
+    with monkeypatch.context() as m:
+        m.setattr(writer, "ChunkHasher", Wrong)  # a writer bug: every digest it writes is off by one bit
+        m.setattr(incremental, "_check_unmoved", lambda *a: None)
+        save(sd, tmp_path / "step-2")
+    assert shardckpt.verify(tmp_path / "step-2").ok  # the bytes and their CRCs are sound
+    deep = shardckpt.verify(tmp_path / "step-2", deep=True)
+    assert not deep.ok and any("model.lora" == p.tensor and "hash to" in p.message for p in deep.problems)
+    assert not any(p.tensor == "model.base" for p in deep.problems)  # referenced from step-1: its digests are right
+    run = shardckpt.verify(tmp_path, deep=True)
+    assert not run.ok and {c["name"]: c["ok"] for c in run.checkpoints} == {"step-1": True, "step-2": False}
+    assert run.digests_checked == sound.digests_checked + deep.digests_checked
+    standalone = tmp_path / "plain"
+    shardckpt.save(sd, standalone)
+    plain = shardckpt.verify(standalone, deep=True)
+    assert plain.ok and plain.digests_checked == 0
+    with pytest.raises(BadArgumentError, match="deep"):
+        shardckpt.verify(standalone, against=tmp_path / "step-1", deep=True)

@@ -4,6 +4,7 @@ called); this module is their signature and their result."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Annotated, Sequence
 
 from shardckpt.api.results import DiffResult, Difference, InspectResult, Problem, VerifyResult
@@ -13,61 +14,77 @@ from shardckpt.offline.spec import DiffSpec
 from shardckpt.options import STORAGE, Opt, bounded_int, prefixes, takes
 from shardckpt.offline.rename import read_rename_map
 from shardckpt.api.transform import PathLike, Progress
-from shardckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+from shardckpt.errors import (BadArgumentError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                               IncompatibleCheckpointError)
 from shardckpt.storage_options import Options
 
 WITH_AGAINST = "with --against: what export was given"
 
 
-def verify(
-    path: Annotated[PathLike, Opt("checkpoint directory, run directory (every checkpoint below it) or fsspec URL")],
-    *,
+@dataclass(frozen=True)
+class VerifySpec:
+    """``shardckpt.verify``'s arguments (``shardckpt verify PATH``)."""
+
+    path: Annotated[PathLike, Opt("checkpoint directory, run directory (every checkpoint below it) or fsspec URL")]
     against: Annotated[PathLike | None, Opt("PATH is an export: compare its every value with SRC's",
-                                            metavar="SRC")] = None,
-    only: Annotated[Sequence[str] | None, prefixes(WITH_AGAINST)] = None,
-    strip_prefix: Annotated[str | None, Opt(WITH_AGAINST, metavar="P")] = None,
+                                            metavar="SRC")] = None
+    only: Annotated[Sequence[str] | None, prefixes(WITH_AGAINST)] = None
+    strip_prefix: Annotated[str | None, Opt(WITH_AGAINST, metavar="P")] = None
     rename_map: Annotated[dict | None, Opt(WITH_AGAINST + " (a JSON file; in Python the dict)", metavar="FILE",
-                                           parse=read_rename_map)] = None,
+                                           parse=read_rename_map)] = None
     threads: Annotated[int | None, Opt("parallel reads (default: shardckpt.io's, 4)",
-                                       parse=bounded_int(1, 256))] = None,
-    storage_options: Annotated[Options | None, STORAGE] = None,
-    progress: Progress | None = None,
-) -> VerifyResult:
+                                       parse=bounded_int(1, 256))] = None
+    deep: Annotated[bool, Opt("also recompute each pooled chunk's content digest (incremental checkpoints; "
+                              "needs blake3)")] = False
+    storage_options: Annotated[Options | None, STORAGE] = None
+
+
+@takes(VerifySpec, progress=None)
+def verify(path: PathLike, *, progress: Progress | None = None, **options) -> VerifyResult:
     """Check that the checkpoint at ``path`` is complete and uncorrupted (every byte against its checksums),
     or, for a safetensors export, its structure and with ``against`` its every value against the source's, or, for
-    a run directory, every checkpoint below it (each chunk of a run's pool read once);
+    a run directory, every checkpoint below it (each chunk of a run's pool read once); ``deep`` also hashes each
+    pooled chunk with its pool's key and compares the digest its index records (``digests_checked`` counts them);
     the same as ``shardckpt verify PATH``. Problems are collected in the result (``ok`` False), not raised;
     a path that holds no checkpoint, or another format, raises a ``CheckpointError``.
 
     >>> shardckpt.verify("runs/a/step-1000").ok  # doctest: +SKIP
     True
     """
+    spec = VerifySpec(path, **options)
+    return _verify(spec, progress)
+
+
+def _verify(spec: VerifySpec, progress: Progress | None) -> VerifyResult:
     from shardckpt.checkpoint.describe import foreign_format
 
     start = time.monotonic()
-    place = open_storage(path, storage_options)
-    if against is None and _is_run_dir(place):
-        return VerifyResult(**{**_verify_run(place, threads), "seconds": time.monotonic() - start})
+    place = open_storage(spec.path, spec.storage_options)
+    if spec.deep and spec.against is not None:
+        raise BadArgumentError("deep checks a shardckpt checkpoint's content digests; it does not apply to an export "
+                               "checked against its source")
+    if spec.against is None and _is_run_dir(place):
+        return VerifyResult(**{**_verify_run(place, spec.threads, spec.deep), "seconds": time.monotonic() - start})
     other = foreign_format(place)
-    if against is not None or (other is not None and other.startswith("safetensors")):
-        source = None if against is None else open_storage(against, storage_options)
-        result = _verify_export(place, source, only, strip_prefix, rename_map)
+    if spec.against is not None or (other is not None and other.startswith("safetensors")):
+        source = None if spec.against is None else open_storage(spec.against, spec.storage_options)
+        result = _verify_export(place, source, spec.only, spec.strip_prefix, spec.rename_map)
     elif other is not None:
-        raise IncompatibleCheckpointError(f"{where(path)}: {other}, not a shardckpt checkpoint; verify checks "
+        raise IncompatibleCheckpointError(f"{where(spec.path)}: {other}, not a shardckpt checkpoint; verify checks "
                                           "shardckpt "
                                           "checkpoints against the checksums they store (inspect lists this one)")
     else:
-        result = _verify_checkpoint(path, place, threads, progress)
+        result = _verify_checkpoint(spec.path, place, spec.threads, progress, spec.deep)
     return VerifyResult(**{**result, "seconds": time.monotonic() - start})
 
 
-def _verify_checkpoint(path: PathLike | Storage, storage: Storage, threads: int | None, progress) -> dict:
+def _verify_checkpoint(path: PathLike | Storage, storage: Storage, threads: int | None, progress,
+                       deep: bool = False) -> dict:
     """``path``'s checkpoint, opened once (``storage``), checked byte by byte."""
     from shardckpt.checkpoint.verify import verify as run_verify
 
     try:
-        report = run_verify(storage, progress=progress,
+        report = run_verify(storage, progress=progress, deep=deep,
                             **({} if threads is None else {"io_threads": threads}))
     except CorruptCheckpointError as e:  # the manifest itself: nothing else can be checked
         return dict(path=where(path), ok=False, kind="checkpoint", tensors=0, tensor_bytes=0,
@@ -76,7 +93,7 @@ def _verify_checkpoint(path: PathLike | Storage, storage: Storage, threads: int 
                 tensor_bytes=report.bytes_checked, problems=tuple(Problem(p.message, p.tensor, p.file)
                                                                   for p in report.problems),
                 version=report.version, manifest_checksum=report.manifest_checksum, chunks=report.chunks,
-                sharing=report.sharing)
+                sharing=report.sharing, digests_checked=report.digests_checked)
 
 
 def _is_run_dir(place: Storage) -> bool:
@@ -86,14 +103,14 @@ def _is_run_dir(place: Storage) -> bool:
     return run_dir_error(place) is not None
 
 
-def _verify_run(run: Storage, threads: int | None) -> dict:
+def _verify_run(run: Storage, threads: int | None, deep: bool = False) -> dict:
     """Every committed checkpoint below run directory ``run``, its pool's chunks read once (``verify_run``)."""
     from shardckpt.checkpoint.verify import verify_run
 
-    found = verify_run(run, **({} if threads is None else {"io_threads": threads}))
+    found = verify_run(run, deep=deep, **({} if threads is None else {"io_threads": threads}))
     if not found:
         raise CheckpointNotFoundError(f"{where(run)}: no committed shardckpt checkpoint below it to verify")
-    problems, steps, tensors, chunks, read = [], [], 0, 0, 0
+    problems, steps, tensors, chunks, read, digests = [], [], 0, 0, 0, 0
     for name, report in found:
         if isinstance(report, CheckpointError):  # its manifest (or its pool) could not be read
             problems.append(Problem(f"{name}: {report}"))
@@ -103,8 +120,9 @@ def _verify_run(run: Storage, threads: int | None) -> dict:
         steps.append({"name": name, "ok": report.ok, "problems": len(report.problems), "tensors": report.tensors,
                       "chunks": report.chunks})
         tensors, chunks, read = tensors + report.tensors, chunks + report.chunks, read + report.bytes_checked
+        digests += report.digests_checked
     return dict(path=where(run), ok=not problems, kind="run", tensors=tensors, tensor_bytes=read,
-                problems=tuple(problems), chunks=chunks, checkpoints=tuple(steps))
+                problems=tuple(problems), chunks=chunks, checkpoints=tuple(steps), digests_checked=digests)
 
 
 def _verify_export(place: Storage, against: Storage | None, only, strip_prefix, rename_map) -> dict:

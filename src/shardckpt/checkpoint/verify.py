@@ -5,7 +5,10 @@ tensor exactly once (parse_manifest); every data file exists with the recorded s
 over chunks, so a hostile chunk count is bounded by real bytes); every index matches its recorded size
 and CRC and lists exactly the chunks the manifest expects; every checksum block of every chunk matches
 its CRC32C (a failure names the block's byte range); the blocks combine to the chunk's CRC; and the
-per-tensor checksum, recombined from the bytes read, matches the manifest.
+per-tensor checksum, recombined from the bytes read, matches the manifest. With ``deep``, a pooled (v5)
+checkpoint's chunks are also hashed with the pool's key and compared with the digest their index row records
+(what an incremental save compares against: a wrong digest is a writer's bug that no read would notice; needs
+``blake3``).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from shardckpt.errors import CheckpointError, CorruptCheckpointError
 from shardckpt.regions import contiguous_runs
 from shardckpt.io import DEFAULT_IO_THREADS, Storage, open_storage
 from shardckpt.format.checksum import SegmentedCRC, combine_block_crcs, runs_crc_term
+from shardckpt.format.content_hash import ChunkHasher
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.index import ChunkRecord
 from shardckpt.format.manifest import Manifest, TensorEntry, chunks_of
@@ -52,6 +56,7 @@ class VerifyReport:
     manifest_checksum: bool = False  # False: format v1, whose manifest has no checksum to check
     problems: list[Problem] = field(default_factory=list)
     sharing: dict | None = None  # a pooled (v5) checkpoint's: checkpoint.pool.sharing_json
+    digests_checked: int = 0  # deep: the chunks whose content digest was recomputed
 
     @property
     def ok(self) -> bool:
@@ -64,9 +69,10 @@ def _block_lengths(rec: ChunkRecord) -> Iterator[int]:
 
 
 def _scan_chunk(storage: Storage, path: str, rec: ChunkRecord, entry: TensorEntry, region,
-                tick: Callable[[int], None], where: str) -> tuple[list[str], int | None]:
+                tick: Callable[[int], None], key: bytes | None = None) -> tuple[list[str], int | None]:
     """Problems found in one chunk's bytes, and (if none) its term of the tensor checksum. A compressed
-    chunk is decoded (a frame that does not decode raises ``CorruptCheckpointError``)."""
+    chunk is decoded (a frame that does not decode raises ``CorruptCheckpointError``). ``key``: also hash the bytes
+    and compare with the row's digest."""
     size = itemsize(entry.dtype)
     runs = list(contiguous_runs(region, entry.shape))
     blocks = SegmentedCRC(_block_lengths(rec))
@@ -75,15 +81,22 @@ def _scan_chunk(storage: Storage, path: str, rec: ChunkRecord, entry: TensorEntr
     # Compressed chunks are read in whole frames; raw ones READ_SIZE at a time, whatever their block size.
     step = max(READ_SIZE // rec.block_size, 1) * rec.block_size if rec.frames else READ_SIZE
     buf = np.empty(min(step, rec.length), np.uint8)
-    chunk = StoredChunk(storage, path, rec, size, False, where)
+    chunk = StoredChunk(storage, path, rec, size, False, "")
+    hasher = ChunkHasher(key) if key is not None and rec.digest is not None else None
     for lo in range(0, rec.length, step):
         view = buf[:min(step, rec.length - lo)]
         read_span(chunk, lo, lo + len(view), [view])
         blocks.feed(view)
         if run_crcs is not None:
             run_crcs.feed(view)
+        if hasher is not None:
+            hasher.update(view)
         tick(len(view))
     problems = [block_problem(rec, k, got) for k, (want, got) in enumerate(zip(rec.blocks, blocks.crcs)) if want != got]
+    if hasher is not None and not problems and hasher.digest() != rec.digest:
+        problems.append(f"its bytes hash to {hasher.digest().hex()} under the pool's key, its index row records "
+                        f"{rec.digest.hex()} (a writer's error: loads are unaffected, but an incremental save would "
+                        "compare against a wrong digest)")
     if problems:
         return problems, None
     crc = combine_block_crcs(blocks.crcs, rec.length, rec.block_size)
@@ -125,18 +138,34 @@ def _sharing(storage: Storage, manifest: Manifest) -> dict | None:
     return sharing_json(sharing_of(storage, manifest))
 
 
+def _pool_key(storage: Storage, manifest: Manifest) -> bytes | None:
+    """The key a pooled checkpoint's digests are under (``verify(deep=True)``)."""
+    if manifest.pool is None:
+        return None
+    from shardckpt.format.content_hash import chunk_key
+    from shardckpt.formats.native.pool import pool_storage, read_pool_info
+
+    info = read_pool_info(pool_storage(storage))
+    if info is None:
+        raise CorruptCheckpointError(f"{storage.url('')}: its pool has no pool.json")
+    return chunk_key(info.secret)
+
+
 def verify(place: str | os.PathLike | Storage, *, io_threads: int = DEFAULT_IO_THREADS,
-           progress: Callable[[int, int], None] | None = None, scanned: dict | None = None) -> VerifyReport:
+           progress: Callable[[int, int], None] | None = None, scanned: dict | None = None,
+           deep: bool = False) -> VerifyReport:
     """Check everything about the checkpoint at ``place`` (a local path, or the place opened: ``shardckpt.verify``
     opens it with the caller's options); problems are collected, not raised.
 
     Raises ``CheckpointNotFoundError`` if there is no checkpoint, ``CorruptCheckpointError`` if the
     manifest itself is damaged. ``progress(done_bytes, total_bytes)`` is called as data is read. ``scanned``: what
     the checks of a pooled checkpoint's chunks found, kept across the checkpoints of one pool (``verify_run``): a
-    chunk row of a pool file is the same bytes for every checkpoint that names it, so it is read once.
+    chunk row of a pool file is the same bytes for every checkpoint that names it, so it is read once. ``deep``: see
+    the module docstring.
     """
     storage = open_storage(place)
     manifest = read_manifest(storage)
+    digest_key = _pool_key(storage, manifest) if deep else None
     report = VerifyReport(tensors=len(manifest.tensors), version=manifest.version,
                           manifest_checksum=manifest.checksummed, sharing=_sharing(storage, manifest))
     storage = files_view(storage, manifest)  # a pooled (v5) checkpoint's files are its pool's
@@ -178,13 +207,16 @@ def verify(place: str | os.PathLike | Storage, *, io_threads: int = DEFAULT_IO_T
         found = scanned.get(key) if scanned is not None and manifest.pool is not None else None
         if found is None:
             try:
-                found = _scan_chunk(storage, manifest.files[f].path, rec, entry, region, tick, "")
+                found = _scan_chunk(storage, manifest.files[f].path, rec, entry, region, tick, digest_key)
             except CorruptCheckpointError as e:  # a frame that does not decode
                 found = [str(e).strip().removesuffix("; run `shardckpt verify`")], None
             if scanned is not None and manifest.pool is not None:
                 scanned[key] = found
         problems, term = found
         report.problems.extend(Problem(entry.name, file, f"chunk {i} {p}") for p in problems)
+        if digest_key is not None and rec.digest is not None:
+            with lock:
+                report.digests_checked += 1
         return entry.name, term
 
     terms: dict[str, int | None] = {name: None if name in unchecked else 0 for name in manifest.tensors}
@@ -192,15 +224,22 @@ def verify(place: str | os.PathLike | Storage, *, io_threads: int = DEFAULT_IO_T
         for name, term in pool.map(check, jobs):
             terms[name] = None if term is None or terms[name] is None else terms[name] ^ term
     report.chunks, report.bytes_checked = len(jobs), done[0]
+    _check_terms(manifest, terms, report)
+    return report
+
+
+def _check_terms(manifest: Manifest, terms: dict[str, int | None], report: VerifyReport) -> None:
+    """Each tensor's checksum, recombined from its chunks' terms (None: not all could be read), against the
+    manifest's."""
     for name, term in terms.items():
         entry = manifest.tensors[name]
         if term is not None and term != entry.crc32c:
             report.problems.append(Problem(name, None, f"tensor checksum {term:08x} differs from the manifest's "
                                                        f"{entry.crc32c:08x}"))
-    return report
 
 
-def verify_run(run: Storage, *, io_threads: int = DEFAULT_IO_THREADS) -> list[tuple[str, VerifyReport | CheckpointError]]:
+def verify_run(run: Storage, *, io_threads: int = DEFAULT_IO_THREADS,
+               deep: bool = False) -> list[tuple[str, VerifyReport | CheckpointError]]:
     """``verify`` of every committed shardckpt checkpoint below run directory ``run`` (directly, and in the runs below
     it), by step, each chunk of their pool read once (a damaged shared chunk is reported for every checkpoint that
     names it); for each, its report, or the error that stopped its check (a damaged manifest, a missing pool)."""
@@ -212,8 +251,8 @@ def verify_run(run: Storage, *, io_threads: int = DEFAULT_IO_THREADS) -> list[tu
     out: list[tuple[str, VerifyReport | CheckpointError]] = []
     for entry in list_checkpoints(run).checkpoints:
         if entry.state == RUN_DIR:  # a run of its own below (its own pool): its checkpoints too, named through it
-            out += [(f"{entry.name}/{name}", found) for name, found in verify_run(child(run, entry.name),
-                                                                                   io_threads=io_threads)]
+            below = verify_run(child(run, entry.name), io_threads=io_threads, deep=deep)
+            out += [(f"{entry.name}/{name}", found) for name, found in below]
             continue
         if entry.state == UNREADABLE:  # a manifest that does not parse: a damaged checkpoint, not none
             out.append((entry.name, CorruptCheckpointError(entry.detail)))
@@ -221,7 +260,7 @@ def verify_run(run: Storage, *, io_threads: int = DEFAULT_IO_THREADS) -> list[tu
         if entry.state != COMMITTED or entry.format != FORMAT_NAME:
             continue
         try:
-            out.append((entry.name, verify(child(run, entry.name), io_threads=io_threads, scanned=scanned)))
+            out.append((entry.name, verify(child(run, entry.name), io_threads=io_threads, scanned=scanned, deep=deep)))
         except CheckpointError as e:
             out.append((entry.name, e))
     return out
