@@ -89,13 +89,19 @@ def read_span(chunk: StoredChunk, start: int, stop: int, parts: list[np.ndarray]
             storage.read_into(path, pos, memoryview(part))
             pos += part.nbytes
     if verify:
-        b = rec.block_size
-        crcs = SegmentedCRC(min(b, stop - lo) for lo in range(start, stop, b))
-        for part in parts:
-            crcs.feed(part)
-        for k, got in enumerate(crcs.crcs, start // b):
-            if got != rec.blocks[k]:
-                raise CorruptCheckpointError(f"{where} {block_problem(rec, k, got)}; run `shardckpt verify`")
+        check_raw_blocks(rec, start, stop, parts, where)
+
+
+def check_raw_blocks(rec: ChunkRecord, start: int, stop: int, parts: list[np.ndarray], where: str) -> None:
+    """Raise ``CorruptCheckpointError`` unless ``parts`` (logical bytes ``[start, stop)`` of raw chunk ``rec``, whole
+    blocks) match the blocks' CRCs."""
+    b = rec.block_size
+    crcs = SegmentedCRC(min(b, stop - lo) for lo in range(start, stop, b))
+    for part in parts:
+        crcs.feed(part)
+    for k, got in enumerate(crcs.crcs, start // b):
+        if got != rec.blocks[k]:
+            raise CorruptCheckpointError(f"{where} {block_problem(rec, k, got)}; run `shardckpt verify`")
 
 
 def _read_frames(chunk: StoredChunk, start: int, stop: int, out: _Parts) -> None:
