@@ -45,7 +45,7 @@ def test_units_are_read_in_runs_bit_for_bit(tmp_path, monkeypatch):
     sd = pooled(tmp_path)
     calls = count_reads(monkeypatch)
     target = {k: torch.empty_like(v) for k, v in sd.items()}
-    shardckpt.load(target, tmp_path / "step-1", io_threads=1)  # tasks of a quarter of the bytes: runs of units
+    shardckpt.load(target, tmp_path / "step-1", io_threads=1)  # tasks of half the bytes: runs of units
     for k in sd:
         assert torch.equal(target[k], sd[k]), k
     units = sum(len(e.chunks) for e in manifest(tmp_path / "step-1").tensors.values())

@@ -40,7 +40,7 @@ STREAM_FRACTION = 0.5  # an object-store file is streamed whole when at least th
 SMALL_CHUNK = 256 << 10  # chunks up to this size are read in runs (``small_spans``), not one ranged read each
 SPAN_BYTES = 8 << 20  # the most bytes one run reads
 SPAN_GAP = 64 << 10  # the most unneeded bytes a run reads between two of its chunks
-BATCH_BYTES = 32 << 20  # the most bytes of consecutive chunks one task reads (``_batches``)
+BATCH_BYTES = 64 << 20  # the most bytes of consecutive chunks one task reads (``_batches``)
 
 
 def check_data_file(storage: Storage, file: FileEntry) -> None:
@@ -250,11 +250,11 @@ def _execute(storage: Storage, manifest: Manifest, reads: list[ChunkRead], index
 
 def _batches(reads: list[ChunkRead], records: list[ChunkRecord], which: list[int], io_threads: int) -> list[list[int]]:
     """The reads of ``which`` as tasks, biggest first (so that the tail is short): consecutive chunks of one file
-    together, up to ``BATCH_BYTES`` (at most a quarter of each thread's share), so that an incremental checkpoint's
+    together, up to ``BATCH_BYTES`` (at most half of each thread's share), so that an incremental checkpoint's
     4 MiB units cost a thread pool no more handoffs than a standalone checkpoint's whole tensors."""
     size = {i: reads[i].hi - reads[i].lo for i in which}
     bytes_of = {i: size[i] * itemsize(reads[i].entry.dtype) for i in which}
-    limit = min(BATCH_BYTES, sum(bytes_of.values()) // max(1, 4 * io_threads))
+    limit = min(BATCH_BYTES, sum(bytes_of.values()) // max(1, 2 * io_threads))
     batches: list[list[int]] = []
     total = 0
     for i in sorted(which, key=lambda i: (reads[i].file, records[i].offset)):
