@@ -308,3 +308,30 @@ def test_the_window_hashes_only_what_the_last_save_cut_whole_and_did_not_bump():
     column = grid[:, 1:3].contiguous()  # a box of 4 row runs: never left unstaged
     assert not WindowHasher(_recorded(column, key, [(0, 8)])).skip(_piece(column, Box((0, 1), (4, 2)), (4, 5)))
     assert not WindowHasher(_recorded(grid, key, [(0, 20)])).skip(_piece(grid.t()))  # not contiguous
+
+
+@pytest.mark.parametrize("make", [lambda: torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (5,)),
+                                  lambda: torch.empty(5, device="meta"),
+                                  lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])],
+                         ids=["sparse", "meta", "nested"])
+@pytest.mark.parametrize("how", ["save", "async_save", "async_save incremental"])
+def test_a_tensor_without_dense_data_is_refused_by_name(tmp_path, make, how):
+    """Found by review: these raised torch's own RuntimeError / NotImplementedError from the copy."""
+    from shardckpt.errors import UnsupportedValueError
+
+    sd = {"ok": torch.ones(3), "odd": make()}
+    with pytest.raises(UnsupportedValueError, match="'odd'"):
+        if how == "save":
+            shardckpt.save(sd, tmp_path / "x")
+        else:
+            shardckpt.async_save(sd, tmp_path / "x", incremental=how.endswith("incremental")).wait()
+    assert not (tmp_path / "x" / "manifest.json").exists()
+
+
+def test_the_default_saver_closed_by_its_user_is_replaced(tmp_path):
+    from shardckpt.checkpoint.async_save import saver_for
+
+    shardckpt.async_save({"w": torch.ones(4)}, tmp_path / "a").wait()
+    saver_for().close()
+    shardckpt.async_save({"w": torch.ones(4)}, tmp_path / "b").wait()  # raised "process group was destroyed"
+    assert torch.equal(shardckpt.load_full(tmp_path / "b")["w"], torch.ones(4))

@@ -299,10 +299,10 @@ if hasattr(os, "register_at_fork"):
 
 def saver_for(process_group: Any = None, background_group: Any = None) -> AsyncSaver:
     """The ``AsyncSaver`` of ``process_group`` (default: the default group), created on first use (see
-    ``AsyncSaver`` for what creating one needs)."""
+    ``AsyncSaver`` for what creating one needs; one its user closed is replaced)."""
     key = id(resolve_group(process_group).pg)
     with _savers_lock:
-        if key not in _savers:
+        if key not in _savers or _savers[key].side is None:
             _savers[key] = AsyncSaver(process_group, background_group)
         return _savers[key]
 

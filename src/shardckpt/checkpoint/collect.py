@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -91,16 +91,22 @@ def to_piece(path: Path, value: Any) -> LocalPiece:
     raise UnsupportedValueError(f"{name!r} is not a tensor")
 
 
-def local_pieces(state_dict: Any, rank: int = 0) -> list[LocalPiece]:
+def local_pieces(state_dict: Any, rank: int = 0,
+                 check: Callable[[str, torch.Tensor], None] | None = None) -> list[LocalPiece]:
     """Every tensor leaf of ``state_dict``, in traversal order; a tensor of this rank's ``PerRank`` value is a
-    piece only this rank holds, named with the rank (``rng.1``)."""
+    piece only this rank holds, named with the rank (``rng.1``). ``check(name, tensor)`` sees each leaf first."""
     if not isinstance(state_dict, dict):
         raise UnsupportedValueError(f"a state dict must be a dict, got {type(state_dict).__name__}")
     out = []
     for path, v in leaves(state_dict, is_saved_leaf):
         if isinstance(v, PerRank):
-            out += [_own_piece(p, t) for p, t in per_rank_leaves(path, v, rank) if is_tensor_like(t)]
+            own = [(p, t) for p, t in per_rank_leaves(path, v, rank) if is_tensor_like(t)]
+            for p, t in own if check is not None else ():
+                check(path_name(p), t)
+            out += [_own_piece(p, t) for p, t in own]
         elif is_tensor_like(v):
+            if check is not None and isinstance(v, torch.Tensor):
+                check(path_name(path), v)
             out.append(to_piece(path, v))
     return out
 

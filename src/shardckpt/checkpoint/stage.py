@@ -120,7 +120,7 @@ def _stage(state_dict: dict, rank: int, metadata: dict | None, copy: bool,
            buffers: StagingBuffers | None, skip: Callable[[LocalPiece], bool] | None = None) -> Staged:
     check_savable_depth(state_dict)
     check_unique_names(state_dict, rank)
-    pieces = local_pieces(state_dict, rank)
+    pieces = local_pieces(state_dict, rank, check_storable)
     infos = [PieceInfo.of(p) for p in pieces]
     parts: dict[str, Any] = {}
 
@@ -254,6 +254,17 @@ def host_tensor(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, bool
     if shares and copy:
         out, shares = out.clone(memory_format=torch.contiguous_format), False
     return out, shares
+
+
+def check_storable(name: str, t: torch.Tensor) -> None:
+    """Refuse (``UnsupportedValueError``) a tensor with no dense data to store: sparse, nested, on the meta device."""
+    if t.is_nested or t.layout != torch.strided:
+        kind = "a nested tensor" if t.is_nested else f"{t.layout} (not dense)"
+        raise UnsupportedValueError(f"tensor {name!r} is {kind}; shardckpt stores dense tensors: save its dense form "
+                                    "(t.to_dense()) or its parts (indices, values) as tensors of their own")
+    if t.device.type == "meta":
+        raise UnsupportedValueError(f"tensor {name!r} is on the meta device: it has no data to save (materialize "
+                                    "the module first, e.g. to_empty(device=...) and initialize or load it)")
 
 
 def check_unique_names(state_dict: dict, rank: int = 0) -> None:
