@@ -69,7 +69,7 @@ _count = 0
 _rank: int | None = None  # this process's worker rank (convert --workers), None elsewhere
 _commit_lock_held = False  # this process holds an export's commit lock (hold_dir(wait=True))
 _originals: list[tuple[Any, str, Any]] = []
-_blocked: Callable[[], None] | None = None  # the SecondWriter's "I am about to wait for the lock"
+_blocked: Callable[..., None] | None = None  # the SecondWriter's "I am about to wait for the lock"
 
 
 def _log(line: str) -> None:
@@ -200,6 +200,25 @@ def _wrap_first_write(cls, name: str) -> None:
     setattr(cls, name, first)
 
 
+def _held_exclusively(url: str) -> bool:
+    """Whether another holder has directory ``url`` locked exclusively (a shared ``flock`` would wait)."""
+    import fcntl
+
+    try:
+        fd = os.open(url, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def _wrap_hold_dir(cls) -> None:
     real = cls.hold_dir
 
@@ -207,6 +226,8 @@ def _wrap_hold_dir(cls) -> None:
         global _commit_lock_held
         if wait and _blocked is not None:
             _blocked()  # the writer under test holds it: this second writer waits now
+        elif not exclusive and _blocked is not None and _held_exclusively(self.url(path)):
+            _blocked(True)  # a shared hold waits for the writer under test's collector (its tidy-up's sweep)
         _local.in_hold_dir = True
         try:
             hold = real(self, path, exclusive, wait) if wait else real(self, path, exclusive)
@@ -389,8 +410,8 @@ def _serve(address: str, ready) -> None:
         install(Spec(events_path, role="B"))
         told = []
 
-        def blocked() -> None:
-            if lock_held and not told:
+        def blocked(shared: bool = False) -> None:
+            if (lock_held or shared) and not told:
                 told.append(1)
                 try:
                     conn.send("blocked")

@@ -63,6 +63,11 @@ def save_incremental_version(root: str, version: str, dst: str, options: dict | 
                    incremental_unit=4096)
 
 
+def async_save_incremental_version(root: str, version: str, dst: str, options: dict | None) -> None:
+    shardckpt.async_save(pooled_state(version), dst, overwrite=True, storage_options=options, incremental=True,
+                         incremental_unit=4096).wait()
+
+
 def convert_version(root: str, version: str, dst: str, options: dict | None, workers: int = 1) -> None:
     shardckpt.convert(os.path.join(root, f"src-{version}"), dst, world_size=2, overwrite=True,
                       dst_storage_options=options, workers=workers)  # workers > 1: the local processes' front door
@@ -108,6 +113,7 @@ WRITERS = {w.name: w for w in [
     Writer("save", "save_version", {}, "old", True),
     Writer("async_save", "async_save_version", {}, "old", True),
     Writer("save incremental", "save_incremental_version", {}, "old", True, gc_run=True),
+    Writer("async_save incremental", "async_save_incremental_version", {}, "old", True, gc_run=True),
     Writer("convert", "convert_version", {}, "old", True, events=CONVERTS, identical_twins=True),
     Writer("convert --workers", "convert_version", {"workers": 2}, "old", True, workers=True, second={},
            events=CONVERTS, identical_twins=True),
