@@ -43,7 +43,8 @@ def show(result: VerifyResult, args: argparse.Namespace) -> None:
               (f" ({len(bad)} of {len(result.checkpoints)} checkpoints: {', '.join(bad)})" if result.kind == "run"
                else ""), file=sys.stderr)
         return
-    deep = f", {result.digests_checked} content digests recomputed" if result.digests_checked else ""
+    deep = f", content digests of {result.digests_checked} pooled chunks checked" if result.digests_checked else \
+        (", --deep: not pooled, no content digests to check" if getattr(args, "deep", False) else "")
     if result.kind == "run":
         print(f"OK {result.path}: {len(result.checkpoints)} checkpoints, {result.tensors} tensors, {result.chunks} "
               f"chunks, {format_bytes(result.tensor_bytes)} read (each chunk of the pool once){deep}")

@@ -270,3 +270,31 @@ def test_verify_deep_recomputes_every_pooled_digest(tmp_path, monkeypatch):
     assert plain.ok and plain.digests_checked == 0
     with pytest.raises(BadArgumentError, match="deep"):
         shardckpt.verify(standalone, against=tmp_path / "step-1", deep=True)
+
+
+def test_verify_deep_without_blake3_or_on_what_it_cannot_check(tmp_path, monkeypatch):
+    """Found by review: a run's steps were each reported damaged when blake3 was missing, a missing pool.json was
+    reported as corruption instead of the missing pool, and --deep on an export was silently ignored."""
+    from shardckpt.format import content_hash
+    from shardckpt.format.content_hash import HashUnavailableError
+
+    sd = state()
+    save(sd, tmp_path / "run" / "step-1")
+    with monkeypatch.context() as m:
+        def missing():
+            raise HashUnavailableError("no blake3")
+
+        m.setattr(content_hash, "_blake3", missing)
+        for path in (tmp_path / "run", tmp_path / "run" / "step-1"):
+            with pytest.raises(HashUnavailableError, match="verify --deep"):
+                shardckpt.verify(path, deep=True)
+        assert shardckpt.verify(tmp_path / "run").ok  # a plain verify needs no hash
+    os.rename(tmp_path / "run" / POOL_DIR / "pool.json", tmp_path / "pool.json")
+    with pytest.raises(CheckpointNotFoundError, match="pool beside it, which is missing"):
+        shardckpt.verify(tmp_path / "run" / "step-1", deep=True)
+    from safetensors.torch import save_file
+
+    os.makedirs(tmp_path / "st")
+    save_file({"w": torch.ones(3)}, str(tmp_path / "st" / "model.safetensors"))
+    with pytest.raises(BadArgumentError, match="deep"):
+        shardckpt.verify(tmp_path / "st", deep=True)

@@ -112,3 +112,21 @@ def test_a_bool_unit_holding_another_byte_is_refused(tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(CorruptCheckpointError, match="'flags' chunk 1 holds a bool byte other than 0 or 1"):
         shardckpt.load({k: torch.empty_like(v) for k, v in sd.items()}, tmp_path / "step-1", io_threads=1)
+
+
+def test_destinations_in_two_storages_that_start_at_one_address(tmp_path):
+    """Found by review: numpy-backed targets whose storages are different objects starting at the same address
+    looked like one storage; the run's read was clipped to the first one's size and the second target's bytes
+    never read (stale values with verify_checksums=False)."""
+    import numpy as np
+
+    n = 1 << 18  # 1 MiB each: two units of 512 KiB
+    sd = {k: torch.randn(n, generator=torch.Generator().manual_seed(i)) for i, k in enumerate("abcd")}
+    shardckpt.save(sd, tmp_path / "step-1", incremental=True, incremental_unit=UNIT)
+    for verify in (True, False):
+        memory = np.full(2 * n, 7.0, dtype=np.float32)
+        target = {"a": torch.from_numpy(memory[:n]), "c": torch.from_numpy(memory)[n:], "b": torch.empty(n),
+                  "d": torch.empty(n)}
+        assert target["a"].untyped_storage().data_ptr() == target["c"].untyped_storage().data_ptr()
+        shardckpt.load(target, tmp_path / "step-1", io_threads=1, verify_checksums=verify)
+        assert all(torch.equal(target[k], sd[k]) for k in sd)

@@ -66,6 +66,9 @@ def _verify(spec: VerifySpec, progress: Progress | None) -> VerifyResult:
     if spec.against is None and _is_run_dir(place):
         return VerifyResult(**{**_verify_run(place, spec.threads, spec.deep), "seconds": time.monotonic() - start})
     other = foreign_format(place)
+    if spec.deep and other is not None:
+        raise BadArgumentError(f"{where(spec.path)}: {other}; deep checks a shardckpt checkpoint's content digests "
+                               "(incremental checkpoints)")
     if spec.against is not None or (other is not None and other.startswith("safetensors")):
         source = None if spec.against is None else open_storage(spec.against, spec.storage_options)
         result = _verify_export(place, source, spec.only, spec.strip_prefix, spec.rename_map)

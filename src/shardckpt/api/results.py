@@ -130,8 +130,8 @@ class VerifyResult(Result):
     :ivar checkpoints: a run directory's (``kind`` ``"run"``): per committed checkpoint below it,
         ``name``, ``ok``, ``problems`` (how many; each is in ``problems``, prefixed with its name), ``tensors``,
         ``chunks``; ``tensor_bytes`` is then the bytes read, each chunk of the pool once.
-    :ivar digests_checked: with ``deep``: the pooled chunks whose content digest was recomputed and compared (a run
-        directory's: counted per checkpoint).
+    :ivar digests_checked: with ``deep``: the pooled chunks whose content digest was compared with their bytes (a run
+        directory's: counted per checkpoint, a shared chunk hashed once).
     :ivar seconds: how long it took.
     """
 

@@ -138,16 +138,29 @@ def _sharing(storage: Storage, manifest: Manifest) -> dict | None:
     return sharing_json(sharing_of(storage, manifest))
 
 
-def _pool_key(storage: Storage, manifest: Manifest) -> bytes | None:
-    """The key a pooled checkpoint's digests are under (``verify(deep=True)``)."""
+def deep_hash_available() -> None:
+    """Raise ``HashUnavailableError`` (typed, before anything is checked) if ``verify(deep=True)`` cannot hash."""
+    from shardckpt.format.content_hash import HashUnavailableError, chunk_key
+
+    try:
+        chunk_key(bytes(32))
+    except HashUnavailableError as e:
+        raise HashUnavailableError("verify --deep hashes pooled chunks with BLAKE3: pip install "
+                                   "'shardckpt[incremental]' (or blake3); a plain verify does not need it") from e
+
+
+def _pool_key(step: Storage, manifest: Manifest) -> bytes | None:
+    """The key a pooled checkpoint's digests are under (``verify(deep=True)``), once its pool was opened and checked
+    (``files_view``)."""
     if manifest.pool is None:
         return None
+    deep_hash_available()
     from shardckpt.format.content_hash import chunk_key
     from shardckpt.formats.native.pool import pool_storage, read_pool_info
 
-    info = read_pool_info(pool_storage(storage))
+    info = read_pool_info(pool_storage(step))
     if info is None:
-        raise CorruptCheckpointError(f"{storage.url('')}: its pool has no pool.json")
+        raise CorruptCheckpointError(f"{step.url('')}: its pool has no pool.json")
     return chunk_key(info.secret)
 
 
@@ -163,12 +176,12 @@ def verify(place: str | os.PathLike | Storage, *, io_threads: int = DEFAULT_IO_T
     chunk row of a pool file is the same bytes for every checkpoint that names it, so it is read once. ``deep``: see
     the module docstring.
     """
-    storage = open_storage(place)
-    manifest = read_manifest(storage)
-    digest_key = _pool_key(storage, manifest) if deep else None
+    step = open_storage(place)
+    manifest = read_manifest(step)
     report = VerifyReport(tensors=len(manifest.tensors), version=manifest.version,
-                          manifest_checksum=manifest.checksummed, sharing=_sharing(storage, manifest))
-    storage = files_view(storage, manifest)  # a pooled (v5) checkpoint's files are its pool's
+                          manifest_checksum=manifest.checksummed, sharing=_sharing(step, manifest))
+    storage = files_view(step, manifest)  # a pooled (v5) checkpoint's files are its pool's
+    digest_key = _pool_key(step, manifest) if deep else None
     sized = _sized_files(storage, manifest, report)
     expected: dict[int, set] = {f: set() for f in range(len(manifest.files))}
     jobs, unchecked = [], set()
@@ -247,6 +260,8 @@ def verify_run(run: Storage, *, io_threads: int = DEFAULT_IO_THREADS,
     from shardckpt.format.manifest import FORMAT_NAME
     from shardckpt.io.navigate import child
 
+    if deep:
+        deep_hash_available()  # an environment's problem, not every step's
     scanned: dict = {}
     out: list[tuple[str, VerifyReport | CheckpointError]] = []
     for entry in list_checkpoints(run).checkpoints:

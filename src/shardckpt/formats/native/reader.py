@@ -307,7 +307,12 @@ def _read_run(storage: Storage, manifest: Manifest, reads: list[ChunkRead], reco
     first = run[0][1]
     memory = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())
     at = first.data_ptr() - first.untyped_storage().data_ptr()
-    span = memory[at:at + sum(d.nbytes for _, d in run)]
+    total = sum(d.nbytes for _, d in run)
+    span = memory[at:at + total]
+    if span.numel() != total:  # the next destinations are past the first one's storage (another storage that
+        for i, _ in run:       # starts at the same address): one read each
+            execute_read(storage, manifest, reads[i], records[i], verify)
+        return
     storage.read_into(manifest.files[reads[run[0][0]].file].path, records[run[0][0]].offset, memoryview(span.numpy()))
     for i, dest in run:
         read, rec = reads[i], records[i]
