@@ -15,6 +15,7 @@ import shardckpt
 from shardckpt import ShardedTensor
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format.manifest import parse_manifest, seal
+from shardckpt.formats.detect import open_reader
 from shardckpt.formats.native import reader
 from tests._dist import run_ranks
 
@@ -214,3 +215,51 @@ def test_entries_checked_once_per_form_are_those_checked_one_by_one(tmp_path, mo
     shared = parse_manifest(data, "m").tensors
     monkeypatch.setattr(manifest, "_regular_form", lambda obj: None)
     assert parse_manifest(data, "m").tensors == shared and shared["v"].crc32c != shared["w"].crc32c
+
+
+def _flat_parts(sd: dict, parts: int) -> tuple[list, dict]:
+    """Requests for ``parts`` flat runs (uneven, some empty) of every tensor with elements, and their buffers."""
+    from shardckpt.formats.api import ReadRequest
+    from shardckpt.regions import FlatRange
+
+    requests, got = [], {}
+    for k, v in sd.items():
+        n = v.numel()
+        cuts = [min(n, n * i // parts + i % 2) for i in range(1, parts)]
+        bounds = sorted({0, n, *cuts})
+        for lo, hi in zip(bounds, bounds[1:]):
+            if lo < hi:
+                got[k, lo] = torch.empty(hi - lo, dtype=v.dtype)
+                requests.append(ReadRequest(k, FlatRange(lo, hi), got[k, lo]))
+    return requests, got
+
+
+def test_flat_runs_of_small_chunks_are_read_from_the_run_bit_for_bit(tmp_path, counted_runs, monkeypatch):
+    # convert's reshard reads flat runs of each small source chunk: served from the run's buffer, not chunk by chunk
+    sd = many_small(300)
+    path = str(tmp_path / "ck")
+    shardckpt.save(sd, path)
+    general = []
+    original = reader.execute_read
+    monkeypatch.setattr(reader, "execute_read", lambda *a, **k: (general.append(a[2].entry.name), original(*a, **k)))
+    requests, got = _flat_parts(sd, 3)
+    open_reader(path).read(requests)
+    for (k, lo), t in got.items():
+        assert torch.equal(t, sd[k].reshape(-1)[lo:lo + t.numel()]), (k, lo)
+    assert counted_runs["chunks"] > 200
+    assert set(general) <= {"layers.big"} | {k for k, v in sd.items() if v.dtype == torch.bool}
+
+
+def test_a_corrupt_byte_anywhere_in_a_small_chunk_fails_a_read_of_any_run_of_it(tmp_path):
+    sd = many_small(200)
+    path = str(tmp_path / "ck")
+    shardckpt.save(sd, path)
+    victim = "layers.12.experts.6.w"  # (5, 7) int64; the byte flipped is in its middle, the run read is its start
+    _flip_byte_of(path, victim)
+    requests, got = _flat_parts({victim: sd[victim], "layers.12.experts.5.w": sd["layers.12.experts.5.w"]}, 3)
+    with pytest.raises(CorruptCheckpointError, match=rf"tensor '{victim}' chunk 0 fails its checksum"):
+        open_reader(path).read([r for r in requests if r.tensor == victim][:1])
+    neighbour = [r for r in requests if r.tensor != victim]
+    open_reader(path).read(neighbour)  # the chunk before it in the same run is intact
+    for r in neighbour:
+        assert torch.equal(r.dest, sd[r.tensor].reshape(-1)[r.region.start:r.region.stop])

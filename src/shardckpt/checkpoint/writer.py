@@ -187,7 +187,10 @@ def _write_chunk(sink: _Sink, piece: Piece, compression: Compression | None) -> 
     kept = len(progress.blocks) * block
     if compression is None and not kept and isinstance(piece, LocalPiece) and \
             0 < piece.data.nbytes <= min(block, SMALL_WRITE) and piece.data.is_cpu:
-        return _write_one_block(sink, piece, block)
+        return _write_one_block(sink, piece, _staged_bytes(piece), piece.data.dtype.itemsize, block)
+    if compression is None and not kept and isinstance(piece, StreamedPiece) and \
+            0 < piece.region.numel * piece.dtype.itemsize <= min(block, SMALL_WRITE):
+        return _write_streamed_block(sink, piece, block)
     if isinstance(piece, StreamedPiece):
         raw, dtype, slices = None, piece.dtype, piece.slices(block, kept // piece.dtype.itemsize)
     elif piece.data.device.type != "cpu":  # kept on its device by a synchronous save (``checkpoint.device_slices``)
@@ -219,10 +222,10 @@ def _write_chunk(sink: _Sink, piece: Piece, compression: Compression | None) -> 
     return record, _crc_term(piece, dtype.itemsize, crc, raw)
 
 
-def _write_one_block(sink: _Sink, piece: LocalPiece, block: int) -> tuple[ChunkRecord, int]:
-    """``_write_chunk`` of a small staged raw chunk of one block (the chunks the writes gather), without its general
-    machinery: the same bytes, CRC, record and term, a few microseconds per chunk."""
-    raw = _staged_bytes(piece)
+def _write_one_block(sink: _Sink, piece: Piece, raw: torch.Tensor, itemsize: int, block: int
+                     ) -> tuple[ChunkRecord, int]:
+    """``_write_chunk`` of a small raw chunk of one block, its bytes ``raw`` (the chunks the writes gather), without
+    its general machinery: the same bytes, CRC, record and term, a few microseconds per chunk."""
     data = memoryview(raw.numpy())
     crc = crc32c(data)
     if sink.hasher is not None:
@@ -234,7 +237,20 @@ def _write_one_block(sink: _Sink, piece: LocalPiece, block: int) -> tuple[ChunkR
     sink.journal(progress)
     sink.tick(len(data))
     record = ChunkRecord(progress.offset, len(data), crc, RAW, block, (crc,), ())
-    return record, _crc_term(piece, piece.data.dtype.itemsize, crc, raw)
+    return record, _crc_term(piece, itemsize, crc, raw)
+
+
+def _write_streamed_block(sink: _Sink, piece: StreamedPiece, block: int) -> tuple[ChunkRecord, int]:
+    """``_write_one_block`` of a streamed chunk of one block: its one slice (``convert``'s small chunks)."""
+    nbytes = piece.region.numel * piece.dtype.itemsize
+    slices = piece.slices(block, 0)
+    try:
+        raw = as_bytes(next(slices, torch.empty(0, dtype=piece.dtype)))
+        if raw.numel() != nbytes:
+            raise ValueError(f"{piece.name!r}: its first slice holds {raw.numel()} bytes, not its {nbytes}")
+        return _write_one_block(sink, piece, raw, piece.dtype.itemsize, block)
+    finally:
+        getattr(slices, "close", lambda: None)()  # the slice's buffer goes back once its bytes are written
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ in one file are read in runs, one ranged read each (``small_spans``), then check
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ from typing import Iterable
 import torch
 
 from shardckpt.errors import CorruptCheckpointError
-from shardckpt.regions import StridedView, strided_view
+from shardckpt.regions import FlatRange, StridedView, strided_view
 from shardckpt.io import Storage, lifecycle
 from shardckpt.format.checksum import crc32c
 from shardckpt.format.codecs import ZSTD_PLANES
@@ -383,6 +384,7 @@ class _Window:
 
     def __init__(self, storage: Storage, path: str, start: int, buf: memoryview):
         self.storage, self.path, self.start, self.buf = storage, path, start, buf
+        self.address = 0  # of ``buf``'s first byte, where set (``_read_small``: its small chunks copied from it)
 
     def url(self, path: str) -> str:
         return self.storage.url(path)
@@ -400,27 +402,43 @@ def _read_small(storage: Storage, manifest: Manifest, reads: list[ChunkRead], re
     path = manifest.files[reads[span[0]].file].path
     start = records[span[0]].offset
     stop = max(records[i].offset + records[i].stored_length for i in span)
-    buf = memoryview(bytearray(stop - start))
+    data = bytearray(stop - start)
+    buf = memoryview(data)
     storage.read_into(path, start, buf)
     window = _Window(storage, path, start, buf)
+    window.address = ctypes.addressof(ctypes.c_char.from_buffer(data)) if data else 0
     for i in span:
-        if not _copy_whole_chunk(window, reads[i], records[i], verify):
+        if not _copy_small_chunk(window, reads[i], records[i], verify):
             execute_read(window, manifest, reads[i], records[i], verify)
 
 
-def _copy_whole_chunk(window: _Window, read: ChunkRead, rec: ChunkRecord, verify: bool) -> bool:
-    """The common case of a small chunk, without ``execute_read``'s general machinery: a whole raw one-block
-    chunk that fills one CPU target of its dtype exactly. False: not that case, or its checksum fails (then
-    ``execute_read`` reads it again and reports the failing block as always)."""
-    if rec.frames or len(rec.blocks) != 1 or len(read.copies) != 1 or read.lo != 0 or \
-            read.hi != read.region.numel or read.entry.dtype == torch.bool:
+def _copy_small_chunk(window: _Window, read: ChunkRead, rec: ChunkRecord, verify: bool) -> bool:
+    """The common cases of a small chunk, without ``execute_read``'s general machinery: a raw one-block chunk
+    whose every copy fills one CPU target of its dtype exactly with elements in the chunk's order: the whole
+    chunk, or (a reshard of a flat chunk: ``convert``) a run of it. False: not such a case, or its block's
+    checksum fails (then ``execute_read`` reads it again and reports the failing block as always)."""
+    if rec.frames or len(rec.blocks) != 1 or read.entry.dtype == torch.bool:
         return False
-    piece, target = read.copies[0]
-    dest = target.flat
-    if target.region != read.region or piece != read.region or dest.device.type != "cpu" or \
-            dest.dtype != read.entry.dtype or not dest.is_contiguous() or dest.is_conj() or dest.is_neg():
+    size = itemsize(read.entry.dtype)
+    spans = [_span_in_chunk(read, piece, target.region, target.flat) for piece, target in read.copies]
+    if None in spans:
         return False
-    out = memoryview(as_bytes(dest).numpy())
-    lo = rec.offset - window.start
-    out[:] = window.buf[lo:lo + rec.length]
-    return not verify or crc32c(out) == rec.blocks[0]
+    at = rec.offset - window.start
+    if verify and crc32c(window.buf[at:at + rec.length]) != rec.blocks[0]:
+        return False
+    for (lo, hi), (_, target) in zip(spans, read.copies):  # (checked above: a plain CPU target of these bytes)
+        ctypes.memmove(target.flat.data_ptr(), window.address + at + lo * size, (hi - lo) * size)
+    return True
+
+
+def _span_in_chunk(read: ChunkRead, piece, region, dest: torch.Tensor) -> tuple[int, int] | None:
+    """Elements ``[lo, hi)`` of the read's chunk that ``piece`` is, in the chunk's (stored) order, where the piece is
+    the whole of ``region``, its CPU target ``dest`` plain and of the stored dtype; else None."""
+    if region != piece or dest.device.type != "cpu" or dest.dtype != read.entry.dtype or \
+            dest.numel() != piece.numel or not dest.is_contiguous() or dest.is_conj() or dest.is_neg():
+        return None
+    if piece == read.region:
+        return 0, piece.numel
+    if isinstance(piece, FlatRange) and isinstance(read.region, FlatRange):
+        return piece.start - read.region.start, piece.stop - read.region.start
+    return None
