@@ -8,10 +8,12 @@ transformer-shaped state (``bench_async_save.shapes``), each rank a dim-0 quarte
    ``async_save`` (``shardckpt.async_save`` to disk) and ``dcp`` (``torch.distributed.checkpoint.async_save``
    to disk). For ``tiers`` also the seconds until the tier-0 commit, the replicas, the tier-2 commit.
 2. **Recovery** (fresh processes each, as torchrun restarts them; seconds from ``CheckpointManager`` start to
-   ``restore`` returning, max over ranks): ``tier0`` (nothing lost), ``node-lost ws4`` (node b's tier 0 deleted,
-   a replacement node b reads b's files from a's replicas over the peer server), ``node-lost ws2`` (node a alone,
-   resharded 4 -> 2), ``tier2 disk cold`` (tier 0 gone everywhere, page cache dropped), and ``s3`` (the same
-   checkpoint saved to moto on 127.0.0.1 and loaded by ``shardckpt.load`` at ws 4).
+   ``restore`` returning, max over ranks, median of ``--repeats``): ``tier0`` (nothing lost), ``node-lost ws4``
+   (node b's tier 0 deleted, a replacement node b reads b's files from a's replicas over the peer server),
+   ``node-lost ws2`` (node a alone, resharded 4 -> 2), ``tier2 disk cold`` (tier 0 gone everywhere, page cache
+   dropped; at ws 4, and at ws 2 as the shrunk job's peer), and ``s3`` (the same checkpoint saved to moto on
+   127.0.0.1, or the S3 endpoint given with ``--endpoint``, e.g. radosgw, and loaded by ``shardckpt.load`` at
+   ws 4).
 3. **Bytes moved per save**: tier 0, replicas pulled, uploaded; against ``async_save``'s bytes to disk.
 
     python benchmarks/bench_tiers.py            # ~1 GiB, 3 saves per method, 1 repeat
@@ -26,6 +28,7 @@ import shutil
 import sys
 import tempfile
 import time
+from urllib.parse import urlsplit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,7 +60,8 @@ def _state(rank: int, world: int, sizes: dict, seed: int = 0) -> dict:
     return {"model": out, "step": 0}
 
 
-def _save_job(rank: int, world: int, sizes: dict, root: dict, saves: int, out: str, order: tuple) -> None:
+def _save_job(rank: int, world: int, sizes: dict, root: dict, saves: int, out: str, order: tuple,
+              first_step: int) -> None:
     import torch.distributed as dist
 
     import shardckpt
@@ -79,7 +83,7 @@ def _save_job(rank: int, world: int, sizes: dict, root: dict, saves: int, out: s
                 for k, v in local.items():
                     buffers[k].copy_(v)
             elif method == "tiers":
-                handle = ckpt.save(i + 1, state)
+                handle = ckpt.save(first_step + i, state)  # a new step each repeat: tier 2 keeps steps
             elif method == "async_save":
                 handle = shardckpt.async_save(state, os.path.join(root["disk"], f"disk-{i}"), overwrite=True)
             else:
@@ -151,8 +155,10 @@ def _restore_job(rank: int, world: int, sizes: dict, root: dict, out: str, how: 
         run_id = "fresh" if how == "tier2" else "bench"
         with CheckpointManager(_config(root, rank, world, run_id)) as ckpt:
             restored = ckpt.restore(state)
+            dt = time.perf_counter() - t  # (the manager's close, a training job's end, is not recovery)
             tiers = restored.tiers
-    dt = time.perf_counter() - t
+    if how == "s3":
+        dt = time.perf_counter() - t
     times = [None] * world
     dist.all_gather_object(times, dt)
     if rank == 0:
@@ -167,22 +173,32 @@ def _s3_copy(rank: int, world: int, sizes: dict, s3: dict) -> None:
     shardckpt.save(state, s3["url"], storage_options=s3["options"], overwrite=True)
 
 
-def recovery(sizes: dict, root: dict, s3: dict | None) -> dict:
+def recovery(sizes: dict, root: dict, s3: dict | None, repeats: int) -> dict:
+    """Each case ``repeats`` times (medians), node b's tier 0 put back as the saves left it before each."""
     out, res = os.path.join(root["disk"], "restore.json"), {}
+    node_b, kept = os.path.join(root["shm"], "node-b"), os.path.join(root["shm"], "node-b-kept")
+    shutil.copytree(node_b, kept)
+    os.sync()  # the save phase's gigabytes written back now, not while a recovery is timed
 
-    def timed(name: str, world: int, how: str) -> None:
-        drop_caches() if how == "tier2" else None
-        spawn_gloo(world, _restore_job, sizes, root, out, how, s3)
-        with open(out) as f:
-            res[name] = json.load(f)
-        print(f"  recovery {name:16s} {res[name]['seconds']:7.2f} s  {res[name]['tiers']}", file=sys.stderr)
+    def timed(name: str, world: int, how: str, lose_b: bool = False) -> None:
+        runs = []
+        for _ in range(repeats):
+            shutil.rmtree(node_b, ignore_errors=True)
+            None if lose_b else shutil.copytree(kept, node_b)
+            drop_caches() if how == "tier2" else None
+            spawn_gloo(world, _restore_job, sizes, root, out, how, s3)
+            with open(out) as f:
+                runs.append(json.load(f))
+        res[name] = {"seconds": median([r["seconds"] for r in runs]), "runs": [r["seconds"] for r in runs],
+                     "tiers": runs[-1]["tiers"]}
+        print(f"  recovery {name:20s} {res[name]['seconds']:7.2f} s  {res[name]['runs']}  {res[name]['tiers']}",
+              file=sys.stderr)
 
     timed("tier0", 4, "tiers")
-    shutil.rmtree(os.path.join(root["shm"], "node-b"))
-    timed("node-lost ws4", 4, "tiers")
-    shutil.rmtree(os.path.join(root["shm"], "node-b"))
-    timed("node-lost ws2", 2, "tiers")
+    timed("node-lost ws4", 4, "tiers", lose_b=True)
+    timed("node-lost ws2", 2, "tiers", lose_b=True)
     timed("tier2 disk cold", 4, "tier2")
+    timed("tier2 disk cold ws2", 2, "tier2")  # the shrunk job's peer: the same two ranks, from disk
     if s3 is not None:
         spawn_gloo(4, _s3_copy, sizes, s3)
         timed("s3", 4, "s3")
@@ -197,6 +213,10 @@ def main() -> int:
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--endpoint", help="an S3 endpoint on 127.0.0.1 for the S3 row (default: start moto_server), "
+                    "e.g. radosgw from tests/storage/radosgw.sh")
+    ap.add_argument("--key", default="k")
+    ap.add_argument("--secret", default="s")
     args = ap.parse_args()
     if args.quick:
         args.gib = 0.125
@@ -210,15 +230,20 @@ def main() -> int:
         runs = []
         for r in range(args.repeats):
             out = os.path.join(disk, "saves.json")
-            spawn_gloo(4, _save_job, sizes, root, args.saves, out, METHODS[r % 4:] + METHODS[:r % 4])
+            order = METHODS[r % 4:] + METHODS[:r % 4]
+            spawn_gloo(4, _save_job, sizes, root, args.saves, out, order, 1 + r * args.saves)
             with open(out) as f:
                 runs.append(json.load(f))
         s3 = None
         if not args.no_s3:
-            moto, endpoint = _start_moto(wait_s=60)  # a shared machine: moto may take a while
-            s3 = {"url": "s3://bench/tiers", "options": {"endpoint_url": endpoint, "key": "k", "secret": "s"}}
+            endpoint = args.endpoint
+            if endpoint is None:
+                moto, endpoint = _start_moto(wait_s=60)  # a shared machine: moto may take a while
+            assert urlsplit(endpoint).hostname == "127.0.0.1", "only 127.0.0.1 may be contacted"
+            s3 = {"url": f"s3://bench-{os.getpid()}/tiers",
+                  "options": {"endpoint_url": endpoint, "key": args.key, "secret": args.secret}}
             _make_bucket(s3)
-        rec = recovery(sizes, root, s3)
+        rec = recovery(sizes, root, s3, args.repeats)
         return report(total, runs, rec, args)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
@@ -230,8 +255,8 @@ def main() -> int:
 def _make_bucket(s3: dict) -> None:
     import s3fs
 
-    fs = s3fs.S3FileSystem(endpoint_url=s3["options"]["endpoint_url"], key="k", secret="s")
-    fs.mkdir("bench")
+    fs = s3fs.S3FileSystem(**s3["options"])
+    fs.mkdir(s3["url"].split("/")[2])
 
 
 def report(total: int, runs: list, rec: dict, args) -> int:
@@ -254,9 +279,13 @@ def report(total: int, runs: list, rec: dict, args) -> int:
           f"persisted {lane_s['persisted']:.2f} s")
     print(f"bytes per save: tier 0 {moved['tier0_bytes'] / 2**20:.0f} MiB, replicas {moved['replica_bytes'] / 2**20:.0f}"
           f" MiB, uploaded {moved['uploaded_bytes'] / 2**20:.0f} MiB; async_save to disk {total / 2**20:.0f} MiB")
-    fast = max(rec["tier0"]["seconds"], rec["node-lost ws4"]["seconds"])
-    for name, r in rec.items():
-        print(f"recovery {name:16s} {r['seconds']:7.2f} s  ({r['seconds'] / fast:.1f}x the slower fast-tier case)")
+    for name in ("tier0", "node-lost ws4", "node-lost ws2"):
+        disk = rec["tier2 disk cold ws2" if name.endswith("ws2") else "tier2 disk cold"]["seconds"]
+        vs_s3 = f", {rec['s3']['seconds'] / rec[name]['seconds']:.1f}x faster than S3" if "s3" in rec else ""
+        print(f"recovery {name:14s} {rec[name]['seconds']:6.2f} s: {disk / rec[name]['seconds']:.1f}x faster than "
+              f"tier 2 on disk (cold, same world size){vs_s3}")
+    for name in [n for n in rec if n.startswith("tier2") or n == "s3"]:
+        print(f"recovery {name:14s} {rec[name]['seconds']:6.2f} s")
     return 0
 
 

@@ -72,3 +72,17 @@ def test_room_counts_memory_on_a_tmpfs_only(tmp_path):
     if os.path.isdir("/dev/shm"):
         shm = local.measure("/dev/shm")
         assert shm.mem_available is not None and shm.mem_available > 0
+
+
+def test_a_server_closes_promptly(tmp_path):
+    # every manager's close stops its node's server: socketserver's default poll held each close up to 0.5 s
+    import time
+
+    closes = []
+    for _ in range(5):
+        server = PeerServer(str(tmp_path), "tok")
+        time.sleep(0.05)
+        t = time.perf_counter()
+        server.close()
+        closes.append(time.perf_counter() - t)
+    assert sorted(closes)[2] < 0.25, closes

@@ -99,7 +99,9 @@ class PeerServer:
         self._server = _Server((host, port), _Handler)
         self._server.root, self._server.token = root, token
         self.address = (host, self._server.server_address[1])
-        self._thread = threading.Thread(target=self._server.serve_forever, name="shardckpt-peer-server", daemon=True)
+        # polled every 50 ms for ``close`` (socketserver's default 0.5 s held every manager's close that long)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="shardckpt-peer-server",
+                                        daemon=True)
         self._thread.start()
 
     def close(self) -> None:
