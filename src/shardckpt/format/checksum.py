@@ -47,13 +47,19 @@ def crc32c_shift(crc: int, nbytes: int) -> int:
     """``crc`` as if ``nbytes`` more bytes followed, minus their own contribution (x^(8n) mod P)."""
     if not crc or not nbytes:  # zero stays zero; no shift is the identity (many small chunks take this path)
         return crc
+    return _multmodp(_x8n(nbytes), crc)
+
+
+@functools.lru_cache(maxsize=4096)  # a tensor's chunks (and a model's many alike tensors) repeat their shifts
+def _x8n(nbytes: int) -> int:
+    """x^(8 * nbytes) mod P."""
     k, p = 3, 1 << 31  # x^0; bytes are 2^3 bits
     while nbytes:
         if nbytes & 1:
             p = _multmodp(_X2N[k & 31], p)
         nbytes >>= 1
         k += 1
-    return _multmodp(p, crc)
+    return p
 
 
 def shift_table(nbytes: int) -> list[list[int]]:

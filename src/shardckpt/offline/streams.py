@@ -66,6 +66,7 @@ class ReadOnDemand(Mapping[str, StreamedPiece]):
                  buffers: SliceBuffers, slice_bytes: int | None = None):
         self.reader, self.outputs, self.place, self.tick, self.buffers = reader, outputs, place, tick, buffers
         self.slice_bytes = slice_bytes
+        self._regions: dict[str, FlatRange] = {}  # asked for several times per piece (``FileRuns``)
 
     def __getitem__(self, name: str) -> StreamedPiece:
         output = self.outputs[name]
@@ -74,9 +75,12 @@ class ReadOnDemand(Mapping[str, StreamedPiece]):
 
     def region(self, output: Output) -> FlatRange:
         """The region of ``output`` this piece is."""
-        region = FlatRange(0, output.numel) if self.place is None else self.place(output)[0]
-        if not isinstance(region, FlatRange):  # every placement convert makes is one run of the tensor
-            raise AssertionError(f"{output.name!r}: output region {region} is not a flat range")
+        region = self._regions.get(output.name)
+        if region is None:
+            region = FlatRange(0, output.numel) if self.place is None else self.place(output)[0]
+            if not isinstance(region, FlatRange):  # every placement convert makes is one run of the tensor
+                raise AssertionError(f"{output.name!r}: output region {region} is not a flat range")
+            self._regions[output.name] = region
         return region
 
     def stream(self, output: Output, region: FlatRange) -> Iterator[torch.Tensor]:
