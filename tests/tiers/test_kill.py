@@ -140,6 +140,8 @@ def test_node_lost_and_a_corrupt_replica(tmp_path):
     node0 = _tier0(base, 0)
     newest = max(_complete_steps([node0], os.path.join(base, "persistent")))  # whole on node 0: its replicas
     step_dir = os.path.join(node0, f"step-{newest:09d}")
+    if not os.path.exists(os.path.join(step_dir, "manifest.json")):  # whole in tier 2 only (node 0 had trimmed it)
+        step_dir = os.path.join(base, "persistent", f"step-{newest:09d}")
     manifest = parse_manifest(open(os.path.join(step_dir, "manifest.json"), "rb").read(), step_dir)
     replica = next(f for f in manifest.files if "rank-00003" in f.path)  # node 1's file, a replica on node 0
     if not os.path.exists(os.path.join(step_dir, replica.path)):  # only in tier 2: flip it there
