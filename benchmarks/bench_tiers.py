@@ -151,14 +151,12 @@ def _restore_job(rank: int, world: int, sizes: dict, root: dict, out: str, how: 
     tiers = {}
     if how == "s3":
         shardckpt.load(state, s3["url"], storage_options=s3["options"])
+        dt = time.perf_counter() - t
     else:
         run_id = "fresh" if how == "tier2" else "bench"
         with CheckpointManager(_config(root, rank, world, run_id)) as ckpt:
-            restored = ckpt.restore(state)
+            tiers = ckpt.restore(state).tiers
             dt = time.perf_counter() - t  # (the manager's close, a training job's end, is not recovery)
-            tiers = restored.tiers
-    if how == "s3":
-        dt = time.perf_counter() - t
     times = [None] * world
     dist.all_gather_object(times, dt)
     if rank == 0:

@@ -380,11 +380,13 @@ def small_spans(reads: list[ChunkRead], records: list[ChunkRecord], which: list[
 
 
 class _Window:
-    """Bytes ``[start, start + len(buf))`` of one data file, read once, served to ``read_span`` as a storage."""
+    """Bytes ``[start, start + len(data))`` of one data file, read once into ``data``, served to ``read_span`` as a
+    storage; ``address``: where its first byte is (small chunks are copied from there)."""
 
-    def __init__(self, storage: Storage, path: str, start: int, buf: memoryview):
-        self.storage, self.path, self.start, self.buf = storage, path, start, buf
-        self.address = 0  # of ``buf``'s first byte, where set (``_read_small``: its small chunks copied from it)
+    def __init__(self, storage: Storage, path: str, start: int, data: bytearray):
+        self.storage, self.path, self.start, self.buf = storage, path, start, memoryview(data)
+        storage.read_into(path, start, self.buf)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(data)) if data else 0
 
     def url(self, path: str) -> str:
         return self.storage.url(path)
@@ -402,11 +404,7 @@ def _read_small(storage: Storage, manifest: Manifest, reads: list[ChunkRead], re
     path = manifest.files[reads[span[0]].file].path
     start = records[span[0]].offset
     stop = max(records[i].offset + records[i].stored_length for i in span)
-    data = bytearray(stop - start)
-    buf = memoryview(data)
-    storage.read_into(path, start, buf)
-    window = _Window(storage, path, start, buf)
-    window.address = ctypes.addressof(ctypes.c_char.from_buffer(data)) if data else 0
+    window = _Window(storage, path, start, bytearray(stop - start))
     for i in span:
         if not _copy_small_chunk(window, reads[i], records[i], verify):
             execute_read(window, manifest, reads[i], records[i], verify)
