@@ -263,3 +263,25 @@ def test_a_corrupt_byte_anywhere_in_a_small_chunk_fails_a_read_of_any_run_of_it(
     open_reader(path).read(neighbour)  # the chunk before it in the same run is intact
     for r in neighbour:
         assert torch.equal(r.dest, sd[r.tensor].reshape(-1)[r.region.start:r.region.stop])
+
+
+@pytest.mark.parametrize("keep", [0, 16])  # storage bytes left: none (data_ptr 0), or fewer than the elements need
+@pytest.mark.parametrize("part", [False, True])
+def test_a_destination_whose_storage_was_shrunk_is_refused_before_any_read(tmp_path, keep, part):
+    # from helper-20: the run's direct copy wrote past such a storage (a crash, or the heap corrupted)
+    from shardckpt.formats.api import ReadRequest
+    from shardckpt.regions import FlatRange
+
+    sd = {f"t{i}": torch.arange(1000, dtype=torch.float32) + i for i in range(4)}
+    path = str(tmp_path / "ck")
+    shardckpt.save(sd, path)
+    n = 500 if part else 1000
+    dest = torch.zeros(n)
+    dest.untyped_storage().resize_(keep)
+    others = [ReadRequest(k, FlatRange(0, n), torch.empty(n)) for k in ("t0", "t2", "t3")]
+    with pytest.raises(ValueError, match=r"destination for 't1': its storage holds"):
+        open_reader(path).read(others[:1] + [ReadRequest("t1", FlatRange(0, n), dest)] + others[1:])
+    target = {"t1": torch.zeros(1000)}
+    target["t1"].untyped_storage().resize_(keep)
+    with pytest.raises(ValueError, match=r"'t1': its storage holds"):
+        shardckpt.load(target, path, strict=False)

@@ -2,7 +2,8 @@
 
 An unknown tensor or a region outside
 the tensor is an ``IncompatibleCheckpointError`` (the checkpoint does not hold what was asked for); a
-destination that is not contiguous or has the wrong number of elements is the caller's ``ValueError``.
+destination that is not contiguous, has the wrong number of elements or a storage too small for them is the
+caller's ``ValueError``.
 A reader checks every request of a ``read`` call (``check_requests``) before it reads a single byte. The one
 checked request, ``CheckedRequest``, is what every reader plans its reads from (shardckpt's own too).
 """
@@ -45,7 +46,19 @@ def check_request(infos: Mapping[str, TensorInfo], request: ReadRequest, where: 
     if dest.numel() != request.region.numel or not dest.is_contiguous():
         raise ValueError(f"destination for {request.tensor!r} must be contiguous with {request.region.numel} "
                          "elements")
+    _check_storage(dest, request.tensor)
     return CheckedRequest(info, canonical(request.region, info.shape), dest.detach().reshape(-1))
+
+
+def _check_storage(dest: torch.Tensor, name: str) -> None:
+    """A destination's storage holds its elements: one resized below them after the tensor was made
+    (``untyped_storage().resize_``) would be written past its end (readers copy into its memory directly)."""
+    if dest.numel() and dest.device.type != "meta":
+        need = (dest.storage_offset() + dest.numel()) * dest.element_size()
+        have = dest.untyped_storage().nbytes()
+        if have < need:
+            raise ValueError(f"destination for {name!r}: its storage holds {have} bytes, its elements need {need} "
+                             "(resized after the tensor was made?)")
 
 
 def check_requests(infos: Mapping[str, TensorInfo], requests: Sequence[ReadRequest],
