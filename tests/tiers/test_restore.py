@@ -175,6 +175,20 @@ def test_a_corrupt_only_copy_falls_back_to_tier_2_then_to_an_older_step():
     assert r.bytes_by() == {(OWN, True): 5, (PERSISTED, False): 7}
 
 
+def test_what_a_restore_reports_is_what_was_read_not_every_route():
+    step = Candidate(0, 10, "01", 1)
+    files = StepFiles((5, 7), ("a", "b"))
+    holdings = {"a": {step: {0, 1}}, "b": {step: {1}}}  # a holds b's replica; b lost its copy of a's file
+    r = route(step, files, holdings, set(), {"a": {0, 1}, "b": {0, 1}})
+    assert r.slowest_tier() == REPLICA and r.fetches == (("a", "b", 0),)
+    same_world = r.restricted({"a": {0}, "b": {1}})  # each node read only its own ranks' file
+    assert same_world.bytes_by() == {(OWN, True): 12} and same_world.slowest_tier() == OWN
+    assert same_world.fetches == ()
+    b_needs_a = r.restricted({"a": {0}, "b": {0, 1}})
+    assert b_needs_a.bytes_by() == {(OWN, True): 12, (OWN, False): 5} and b_needs_a.fetches == (("a", "b", 0),)
+    assert r.restricted({}).slowest_tier() is None and r.restricted({}).bytes_by() == {}
+
+
 def test_of_two_saves_of_one_step_the_one_in_the_fast_tiers_wins():
     fast, slow = Candidate(0, 50, "ff", 9), Candidate(0, 50, "00", 1)  # tier 2 written apart (another generation)
     files = StepFiles((10, 10), ("a", "b"))

@@ -170,6 +170,14 @@ class Routing:
                 out[key] = out.get(key, 0) + self.sizes[read.file]
         return out
 
+    def restricted(self, read: Mapping[str, AbstractSet[int]]) -> Routing:
+        """The routing of only the files each node did read (``read``: node -> file indexes): every node is routed
+        every file, but a load reads only those its ranks' plans need."""
+        reads = {node: {i: r for i, r in by_file.items() if i in read.get(node, ())}
+                 for node, by_file in self.reads.items()}
+        fetches = tuple(f for f in self.fetches if f[2] in read.get(f[1], ()))
+        return Routing(self.candidate, reads, fetches, self.sizes)
+
     def slowest_tier(self) -> int | None:
         """The highest tier any node reads from (what the demo marks a resume with); None when nothing is read."""
         return max((r.tier for reads in self.reads.values() for r in reads.values()), default=None)

@@ -33,9 +33,10 @@ class RestoreError(CheckpointError):
 
 @dataclass(frozen=True)
 class Restored:
-    """What ``restore`` restored: the step and its epoch, bytes read by tier (``"tier0"``: this node's own files,
-    ``"tier1"``: replicas, on this node or a peer's, ``"tier2"``), the slowest tier read from, the copies
-    excluded as corrupt, the seconds it took and the saved manifest's metadata."""
+    """What ``restore`` restored: the step and its epoch, the sizes of the files the job read, by tier (a file
+    once per node that read from it; ``"tier0"``: a node's own files, ``"tier1"``: replicas, on this node or a
+    peer's, ``"tier2"``), the slowest tier read from (the same on every rank), the copies excluded as corrupt, the
+    seconds it took and the saved manifest's metadata."""
 
     step: int
     epoch: int
@@ -139,11 +140,16 @@ def restore(group: Group, source: Source, facts: Facts, load: Callable[[Storage]
         failed = isinstance(outcome, Failure)
         corrupt = failed and isinstance(outcome.error, CorruptCheckpointError)
         bad = _bad_copies(source, chosen, manifest, routing.reads[source.node], tiered, places) if corrupt else set()
-        every = group.all_gather((failed, bad, outcome if failed and not corrupt else None))
-        raise_failures([o for _, _, o in every if o is not None])
-        if not any(f for f, _, _ in every):
-            return _restored(chosen, manifest, routing, time.perf_counter() - started, excluded, tiered)
-        new = set().union(*(b for _, b, _ in every))
+        read = (source.node, _files_read(manifest, tiered))
+        every = group.all_gather((failed, bad, outcome if failed and not corrupt else None, read))
+        raise_failures([o for _, _, o, _ in every if o is not None])
+        if not any(f for f, _, _, _ in every):
+            by_node: dict[str, set[int]] = {}
+            for _, _, _, (node, files_read) in every:
+                by_node.setdefault(node, set()).update(files_read)
+            return _restored(chosen, manifest, routing.restricted(by_node), time.perf_counter() - started, excluded,
+                             tiered)
+        new = set().union(*(b for _, b, _, _ in every))
         if not new:
             raise RestoreError(f"step {chosen.step}: the load failed its checksums, but every copy read checks out "
                                f"on a second read ({outcome.error if failed else 'on another rank'})")
@@ -161,6 +167,10 @@ def _places(source: Source, facts: Facts, step: int, manifest: Manifest, reads) 
             by_holder[holder] = source.storage(holder, facts, step)
         places[f.path] = places[f.index_path] = by_holder[holder]
     return places
+
+
+def _files_read(manifest: Manifest, tiered: TieredStorage) -> set[int]:
+    return {i for i, f in enumerate(manifest.files) if f.path in tiered.touched or f.index_path in tiered.touched}
 
 
 def _bad_copies(source: Source, chosen: Candidate, manifest: Manifest, reads, tiered: TieredStorage,
