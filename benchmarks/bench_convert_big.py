@@ -28,7 +28,6 @@ import argparse
 import functools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time

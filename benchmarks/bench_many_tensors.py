@@ -182,7 +182,7 @@ def report(res: dict, n: int) -> list[tuple[str, float, bool]]:
     print(f"{n} tensors; medians (s), loadavg {res['loadavg']}")
     for kind in ("save", "load", "async", "convert"):
         print(f"  {kind:8s} " + "  ".join(f"{m} {v:.3f}" for m, v in med[kind].items()))
-        print(f"   (cpu)   " + "  ".join(f"{m} {v:.3f}" for m, v in med["cpu " + kind].items()))
+        print("   (cpu)   " + "  ".join(f"{m} {v:.3f}" for m, v in med["cpu " + kind].items()))
     us = 1e6 / n
     print(f"  per tensor (us): save {s['shardckpt'] * us:.0f}, load_full {ld['shardckpt_full'] * us:.0f}, "
           f"load {ld['shardckpt_into'] * us:.0f}, async blocked {a['shardckpt'] * us:.0f}, "

@@ -10,7 +10,6 @@ import json
 import time
 
 import pytest
-import torch
 
 import shardckpt
 from shardckpt.checkpoint import pool_leases

@@ -25,6 +25,7 @@ from shardckpt.checkpoint.gc import GENERATION_DIR
 from shardckpt.checkpoint.latest import child_dirs, latest_checkpoint, step_of
 from shardckpt.checkpoint.pool import manifest_refs, pool_checkpoints, referenced_files, run_storage
 from shardckpt.checkpoint.pool_leases import LEASE_T_S, remove_file, sweep_object_store
+from shardckpt.checkpoint.reachability import ManifestRefs
 from shardckpt.checkpoint.retention import Retention, steps_to_remove
 from shardckpt.errors import CheckpointError, CheckpointNotFoundError
 from shardckpt.format.manifest import MANIFEST_NAME, POOL_DIR, parse_manifest
