@@ -285,3 +285,15 @@ def test_a_destination_whose_storage_was_shrunk_is_refused_before_any_read(tmp_p
     target["t1"].untyped_storage().resize_(keep)
     with pytest.raises(ValueError, match=r"'t1': its storage holds"):
         shardckpt.load(target, path, strict=False)
+
+
+@pytest.mark.parametrize("shape", [(6,), (0,), ()])
+def test_a_meta_destination_is_refused_not_left_unfilled(tmp_path, shape):
+    # from helper-19: a load into meta targets filled nothing and raised nothing
+    sd = {"a": torch.ones(6), "b": torch.full(shape, 2.0)}
+    path = str(tmp_path / "ck")
+    shardckpt.save(sd, path)
+    target = {"a": torch.zeros(6), "b": torch.empty(shape, device="meta")}
+    with pytest.raises(ValueError, match=r"'b' is on the meta device"):
+        shardckpt.load(target, path)
+    assert torch.equal(shardckpt.load_full(path)["b"], sd["b"])  # load_full makes its own tensors
