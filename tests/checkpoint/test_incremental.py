@@ -174,6 +174,16 @@ def test_a_pool_elsewhere_is_refused(tmp_path):
     assert manifest(tmp_path / "run" / "step-1").pool is not None
 
 
+@pytest.mark.parametrize("bad", [{"incremental": True, "incremental_unit": 1024},
+                                 {"incremental": True, "keep_last": 0}, {"keep_last": 2}])
+def test_async_save_refuses_bad_incremental_options_in_its_call(tmp_path, bad):
+    # from helper-22: they were raised by wait(), or by the next call when the caller did not wait
+    with pytest.raises(BadArgumentError):
+        shardckpt.async_save(state(), tmp_path / "step-1", **bad)
+    shardckpt.async_save(state(), tmp_path / "step-2", incremental=True, incremental_unit=UNIT).wait()  # unharmed
+    assert not (tmp_path / "step-1").exists() and manifest(tmp_path / "step-2").pool is not None
+
+
 def test_compressed_incremental_saves(tmp_path):
     sd = state()
     save(sd, tmp_path / "step-1", compress="zstd")

@@ -2,6 +2,7 @@
 step names; ``rm`` and retention never break another step."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -52,6 +53,29 @@ def test_removing_the_step_that_wrote_the_base_keeps_the_base(tmp_path):
     assert_bits(shardckpt.load_full(tmp_path / "step-2"), states[2])
     sharing = verify(tmp_path / "step-2").sharing
     assert sharing["shared"][0]["written_by"] is None  # "a removed step's data"
+
+
+@pytest.mark.parametrize("how", ["lost", "replaced"])
+def test_a_lost_or_replaced_pool_json_never_lets_a_save_or_gc_remove_a_committed_steps_files(tmp_path, how):
+    # from helper-22: the next save made a new pool (a new id) and its sweep, like gc, counted only the manifests of
+    # the new id, so it deleted the files step 1's committed manifest names
+    states = saves(tmp_path, (1,))
+    pool_json = tmp_path / "shardckpt-pool" / "pool.json"
+    old = pool_json.read_bytes()
+    os.remove(pool_json)
+    if how == "replaced":
+        pool_json.write_text(json.dumps({**json.loads(old), "id": "0" * 32}, separators=(",", ":")))
+    states.update(saves(tmp_path, (2, 3), keep_last=1))  # step 2 (of the new pool) removed by retention
+    assert not (tmp_path / "step-2").exists() and (tmp_path / "step-1").exists()
+    shardckpt.gc(tmp_path)
+    assert_bits(shardckpt.load_full(tmp_path / "step-3"), states[3])
+    pool_json.write_bytes(old)  # step 1 loads once its pool.json is back: its files were kept
+    assert_bits(shardckpt.load_full(tmp_path / "step-1"), states[1])
+    assert verify(tmp_path / "step-1").ok
+    shardckpt.rm(tmp_path / "step-1")  # once no manifest names them, step 1's files go
+    named = {p for f in manifest(tmp_path / "step-3").files for p in (f.path, f.index_path)}
+    shardckpt.gc(tmp_path)
+    assert pool_files(tmp_path) == named
 
 
 def test_rm_refuses_the_latest_without_force_and_a_missing_checkpoint(tmp_path):

@@ -50,7 +50,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from shardckpt.checkpoint.progress import ProgressCallback
-from shardckpt.checkpoint.save import Planned, SaveOptions, persist, persist_any, plan
+from shardckpt.checkpoint.save import Planned, SaveOptions, incremental_options, persist, persist_any, plan
 from shardckpt.checkpoint.stage import StagingBuffers, stage
 from shardckpt.checkpoint.window_hash import WindowDigests, WindowHasher, split_step
 from shardckpt.dist.group import (LOCAL, Failure, Group, agreed, attempt, before_destroy, destroys, resolve_group,
@@ -114,6 +114,7 @@ class AsyncSaver:
         ``progress`` is called from the background threads as the staged bytes are written."""
         path = os.fspath(path) if is_named(path) else path  # a Storage is the place itself
         given = SaveOptions(**options)
+        incremental_options(given)  # bad options raise here, not from wait() or the next call
         with self._lock:
             if self.side is None:
                 raise CheckpointError("this AsyncSaver's process group was destroyed; use shardckpt.async_save "

@@ -64,8 +64,11 @@ class PooledCheckpoint:
     manifest: Manifest
 
 
-def pool_checkpoints(run: Storage, pool_id: str, skip: str = "", strict: bool = True) -> list[PooledCheckpoint]:
-    """The committed checkpoints of the run directory pooled in pool ``pool_id``, by step (then name). With
+def pool_checkpoints(run: Storage, pool_id: str | None, skip: str = "",
+                     strict: bool = True) -> list[PooledCheckpoint]:
+    """The committed checkpoints of the run directory pooled in pool ``pool_id`` (None: in any pool; what collection
+    counts, as a ``pool.json`` lost or replaced leaves committed checkpoints of another id naming files in
+    ``shardckpt-pool/``), by step (then name). With
     ``strict`` (collectors), a manifest that cannot be read is an error: what it names is unknown, so nothing may be
     collected; without (a save choosing its parent), it is skipped."""
     found = []
@@ -85,7 +88,7 @@ def pool_checkpoints(run: Storage, pool_id: str, skip: str = "", strict: bool = 
             if strict:
                 raise
             continue
-        if manifest is not None and manifest.pool is not None and manifest.pool["id"] == pool_id:
+        if manifest is not None and manifest.pool is not None and pool_id in (None, manifest.pool["id"]):
             found.append(PooledCheckpoint(name, manifest))
     return sorted(found, key=lambda c: (step_of(c.name) is None, step_of(c.name) or 0, c.name))
 
@@ -182,7 +185,7 @@ def pool_usage(run: Storage) -> PoolUsage | None:
         return None
     sizes = {p: n for p, n in file_sizes(pool).items() if is_pool_file(p)}
     try:
-        named = referenced_files([c.manifest for c in pool_checkpoints(run, info.id)])
+        named = referenced_files([c.manifest for c in pool_checkpoints(run, None)])
         unnamed = [n for p, n in sizes.items() if p not in named]
         unnamed_files, unnamed_bytes = len(unnamed), sum(unnamed)
     except CheckpointError:  # a manifest that does not parse: what it names is unknown

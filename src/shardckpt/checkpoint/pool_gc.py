@@ -46,7 +46,7 @@ def sweep_pool(run: Storage, dry_run: bool = False, min_age_s: float | None = No
         return []
     if not isinstance(pool, LocalStorage):
         def manifests() -> list[ManifestRefs]:
-            return [manifest_refs(c.name, c.manifest) for c in pool_checkpoints(run, info.id)]
+            return [manifest_refs(c.name, c.manifest) for c in pool_checkpoints(run, None)]
 
         fresh_s = LEASE_T_S if min_age_s is None else min_age_s
         return [f"{POOL_DIR}/{p}" for p in sweep_object_store(pool, manifests, fresh_s, dry_run)]
@@ -58,7 +58,7 @@ def sweep_pool(run: Storage, dry_run: bool = False, min_age_s: float | None = No
                     locked.append((name, lifecycle(pool).hold_dir(name, exclusive=True)))
                 except CheckpointError:
                     continue  # a live save holds it
-        named = referenced_files([c.manifest for c in pool_checkpoints(run, info.id)])  # after the locks
+        named = referenced_files([c.manifest for c in pool_checkpoints(run, None)])  # after the locks
         return _delete_unnamed(pool, [name for name, _ in locked], named, dry_run)
     finally:
         for _, hold in locked:

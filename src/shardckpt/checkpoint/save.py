@@ -107,15 +107,24 @@ def persist_any(staged: Staged, planned: Planned, given: SaveOptions, progress: 
                 parent: str | None = None) -> Any:
     """``persist``, or with ``incremental`` its pooled form (``checkpoint.incremental``, which prefers ``parent``, a
     checkpoint of the run directory, as the one to reference; this rank's ``UnitDigests`` are returned; else None)."""
-    if given.incremental:
-        from shardckpt.checkpoint.incremental import IncrementalOptions, persist_incremental  # (it imports this)
-        options = IncrementalOptions(given.incremental_unit, keep_last=given.keep_last, keep_every=given.keep_every,
-                                     parent=parent)
+    options = incremental_options(given, parent)
+    if options is not None:
+        from shardckpt.checkpoint.incremental import persist_incremental  # (it imports this)
         return persist_incremental(staged, planned, options, given.incremental, progress)
+    persist(staged, planned, progress=progress)
+    return None
+
+
+def incremental_options(given: SaveOptions, parent: str | None = None) -> Any:
+    """The ``IncrementalOptions`` of an incremental save (None for another); raises ``BadArgumentError`` for bad
+    ones, which ``async_save`` checks in its call, not in the background."""
+    if given.incremental:
+        from shardckpt.checkpoint.incremental import IncrementalOptions  # (it imports this)
+        return IncrementalOptions(given.incremental_unit, keep_last=given.keep_last, keep_every=given.keep_every,
+                                  parent=parent)
     if given.keep_last is not None or given.keep_every is not None:
         raise BadArgumentError("keep_last and keep_every apply to incremental saves (incremental=True); remove "
                                "other checkpoints with shardckpt.rm")
-    persist(staged, planned, progress=progress)
     return None
 
 
