@@ -8,7 +8,8 @@ transformer-shaped state (``bench_async_save.shapes``), each rank a dim-0 quarte
    ``async_save`` (``shardckpt.async_save`` to disk) and ``dcp`` (``torch.distributed.checkpoint.async_save``
    to disk). For ``tiers`` also the seconds until the tier-0 commit, the replicas, the tier-2 commit.
 2. **Recovery** (fresh processes each, as torchrun restarts them; seconds from ``CheckpointManager`` start to
-   ``restore`` returning, max over ranks, median of ``--repeats``): ``tier0`` (nothing lost), ``node-lost ws4``
+   ``restore`` returning, max over ranks, median of ``--repeats``; ``start_s``: of which the manager's start):
+   ``tier0`` (nothing lost), ``node-lost ws4``
    (node b's tier 0 deleted, a replacement node b reads b's files from a's replicas over the peer server),
    ``node-lost ws2`` (node a alone, resharded 4 -> 2), ``tier2 disk cold`` (tier 0 gone everywhere, page cache
    dropped; at ws 4, and at ws 2 as the shrunk job's peer), and ``s3`` (the same checkpoint saved to moto on
@@ -18,6 +19,7 @@ transformer-shaped state (``bench_async_save.shapes``), each rank a dim-0 quarte
 
     python benchmarks/bench_tiers.py            # ~1 GiB, 3 saves per method, 1 repeat
     python benchmarks/bench_tiers.py --quick    # ~128 MiB
+    python benchmarks/bench_tiers.py --recovery-only --saves 1 --repeats 5 --no-s3   # recovery alone, ~2 min
 """
 from __future__ import annotations
 
@@ -148,20 +150,23 @@ def _restore_job(rank: int, world: int, sizes: dict, root: dict, out: str, how: 
     state = _state(rank, world, sizes, seed=7)
     dist.barrier()
     t = time.perf_counter()
-    tiers = {}
+    tiers, started = {}, None
     if how == "s3":
         shardckpt.load(state, s3["url"], storage_options=s3["options"])
         dt = time.perf_counter() - t
     else:
         run_id = "fresh" if how == "tier2" else "bench"
         with CheckpointManager(_config(root, rank, world, run_id)) as ckpt:
+            started = time.perf_counter() - t  # the manager's start: its groups, its peer server
             tiers = ckpt.restore(state).tiers
             dt = time.perf_counter() - t  # (the manager's close, a training job's end, is not recovery)
     times = [None] * world
-    dist.all_gather_object(times, dt)
+    dist.all_gather_object(times, (dt, started))
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"seconds": max(times), "tiers": tiers}, f)
+            starts = [s for _, s in times if s is not None]
+            json.dump({"seconds": max(d for d, _ in times), "start_s": max(starts) if starts else None,
+                       "tiers": tiers}, f)
 
 
 def _s3_copy(rank: int, world: int, sizes: dict, s3: dict) -> None:
@@ -187,8 +192,9 @@ def recovery(sizes: dict, root: dict, s3: dict | None, repeats: int) -> dict:
             spawn_gloo(world, _restore_job, sizes, root, out, how, s3)
             with open(out) as f:
                 runs.append(json.load(f))
+        starts = [r["start_s"] for r in runs if r["start_s"] is not None]
         res[name] = {"seconds": median([r["seconds"] for r in runs]), "runs": [r["seconds"] for r in runs],
-                     "tiers": runs[-1]["tiers"]}
+                     "start_s": median(starts) if starts else None, "tiers": runs[-1]["tiers"]}
         print(f"  recovery {name:20s} {res[name]['seconds']:7.2f} s  {res[name]['runs']}  {res[name]['tiers']}",
               file=sys.stderr)
 
@@ -210,6 +216,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--recovery-only", action="store_true", help="save with the tiers only, then time recovery")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--endpoint", help="an S3 endpoint on 127.0.0.1 for the S3 row (default: start moto_server), "
                     "e.g. radosgw from tests/storage/radosgw.sh")
@@ -226,9 +233,9 @@ def main() -> int:
     root, moto = {"shm": shm, "disk": disk}, None
     try:
         runs = []
-        for r in range(args.repeats):
+        for r in range(1 if args.recovery_only else args.repeats):
             out = os.path.join(disk, "saves.json")
-            order = METHODS[r % 4:] + METHODS[:r % 4]
+            order = ("tiers",) if args.recovery_only else METHODS[r % 4:] + METHODS[:r % 4]
             spawn_gloo(4, _save_job, sizes, root, args.saves, out, order, 1 + r * args.saves)
             with open(out) as f:
                 runs.append(json.load(f))
@@ -258,16 +265,28 @@ def _make_bucket(s3: dict) -> None:
 
 
 def report(total: int, runs: list, rec: dict, args) -> int:
+    result = {"bytes": total, "recovery": rec, "load": loadavg()}
+    if not args.recovery_only:
+        result.update(report_saves(total, runs))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    for name in ("tier0", "node-lost ws4", "node-lost ws2"):
+        disk = rec["tier2 disk cold ws2" if name.endswith("ws2") else "tier2 disk cold"]["seconds"]
+        vs_s3 = f", {rec['s3']['seconds'] / rec[name]['seconds']:.1f}x faster than S3" if "s3" in rec else ""
+        print(f"recovery {name:14s} {rec[name]['seconds']:6.2f} s: {disk / rec[name]['seconds']:.1f}x faster than "
+              f"tier 2 on disk (cold, same world size){vs_s3}")
+    for name in [n for n in rec if n.startswith("tier2") or n == "s3"]:
+        print(f"recovery {name:14s} {rec[name]['seconds']:6.2f} s")
+    return 0
+
+
+def report_saves(total: int, runs: list) -> dict:
     steady = {m: median([t for r in runs for t in r["blocked"][m][1:]]) for m in METHODS}
     first = {m: median([r["blocked"][m][0] for r in runs]) for m in METHODS}
     lanes = [l for r in runs for rank in r["ranks"] for l in rank["lanes"] if l]
     lane_s = {k: median([lane[k] for lane in lanes]) for k in ("committed", "replicated", "persisted")}
     moved = {k: sum(rank["moved"].get(k, 0) for rank in runs[-1]["ranks"]) for k in
              ("tier0_bytes", "replica_bytes", "uploaded_bytes")}
-    result = {"bytes": total, "first_s": first, "steady_s": steady, "lanes_s": lane_s, "moved": moved,
-              "recovery": rec, "load": loadavg()}
-    if args.json:
-        print(json.dumps(result, indent=2))
     print("blocked time per save (max over ranks; first call / steady state):")
     for m in METHODS:
         print(f"  {m:10s} {first[m] * 1e3:8.1f} ms  {steady[m] * 1e3:8.1f} ms")
@@ -277,14 +296,7 @@ def report(total: int, runs: list, rec: dict, args) -> int:
           f"persisted {lane_s['persisted']:.2f} s")
     print(f"bytes per save: tier 0 {moved['tier0_bytes'] / 2**20:.0f} MiB, replicas {moved['replica_bytes'] / 2**20:.0f}"
           f" MiB, uploaded {moved['uploaded_bytes'] / 2**20:.0f} MiB; async_save to disk {total / 2**20:.0f} MiB")
-    for name in ("tier0", "node-lost ws4", "node-lost ws2"):
-        disk = rec["tier2 disk cold ws2" if name.endswith("ws2") else "tier2 disk cold"]["seconds"]
-        vs_s3 = f", {rec['s3']['seconds'] / rec[name]['seconds']:.1f}x faster than S3" if "s3" in rec else ""
-        print(f"recovery {name:14s} {rec[name]['seconds']:6.2f} s: {disk / rec[name]['seconds']:.1f}x faster than "
-              f"tier 2 on disk (cold, same world size){vs_s3}")
-    for name in [n for n in rec if n.startswith("tier2") or n == "s3"]:
-        print(f"recovery {name:14s} {rec[name]['seconds']:6.2f} s")
-    return 0
+    return {"first_s": first, "steady_s": steady, "lanes_s": lane_s, "moved": moved}
 
 
 if __name__ == "__main__":

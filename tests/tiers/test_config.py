@@ -35,6 +35,8 @@ def test_defaults_and_schedules():
     ({"node_id": ""}, "node_id"),
     ({"peer_port": 70000}, "peer_port"),
     ({"peer_timeout_s": 0}, "peer_timeout_s"),
+    ({"peer_timeout_s": float("inf")}, "peer_timeout_s"),  # helper-21: an OverflowError at the first peer read
+    ({"node_id": "<persistent>"}, "reserved"),  # tier 2's name where a node's is expected
     ({"peer_host": ""}, "peer_host"),
     ({"keep_local_on_close": "no"}, "keep_local_on_close"),
 ])

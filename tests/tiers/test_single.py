@@ -62,3 +62,52 @@ def test_world_of_one_save_upload_retention_restore(tmp_path):
     with CheckpointManager(config) as ckpt:
         restored = ckpt.restore(state)
     assert restored.step == 4 and torch.equal(state["w"], torch.arange(4096.0) + 4) and restored.slowest_tier == "tier2"
+
+
+def test_a_step_with_no_room_in_tier_0_that_is_due_goes_to_tier_2_directly(tmp_path):
+    # helper-21: such a step was neither in tier 0 nor in tier 2 (design 5: the durable schedule never depends on
+    # tier 0's room)
+    config = TierConfig(local_dir=str(tmp_path / "t0"), run_id="r", node_id="n", min_free=1, local_budget=1000,
+                        persistent_dir=str(tmp_path / "t2"), persistent_every=2, peer_host="127.0.0.1")
+    with CheckpointManager(config) as ckpt:
+        saves = [ckpt.save(step, {"w": torch.arange(4096, dtype=torch.float32) + step, "step": step})
+                 for step in (1, 2, 3)]
+        ckpt.wait()
+        got = [(h.committed.result(), h.persisted.result()) for h in saves]
+        status = ckpt.status()
+    assert got == [(False, None), (False, True), (False, None)]  # only step 2 is due in tier 2
+    assert status["skipped"] == [1, 2, 3] and status["failed"] == {} and status["tier0_bytes"] == 0
+    assert sorted(os.listdir(tmp_path / "t2")) == ["step-000000002"]
+    state = {"w": torch.zeros(4096), "step": 0}
+    with CheckpointManager(config) as ckpt:
+        restored = ckpt.restore(state)
+    assert restored.step == 2 and state["step"] == 2 and torch.equal(state["w"], torch.arange(4096.0) + 2)
+    assert restored.slowest_tier == "tier2"
+
+
+def test_a_manager_left_by_an_exception_keeps_tier_0_for_the_restart(tmp_path):
+    # helper-21: __exit__ closed it as normally, removing tier 0 (with no tier 2, every checkpoint)
+    config = TierConfig(local_dir=str(tmp_path / "t0"), run_id="r", node_id="n", min_free=1, peer_host="127.0.0.1")
+    with pytest.raises(RuntimeError, match="loss is NaN"):
+        with CheckpointManager(config) as ckpt:
+            ckpt.save(3, {"w": torch.arange(4096, dtype=torch.float32) + 3, "step": 3})
+            ckpt.wait()
+            raise RuntimeError("loss is NaN")
+    state = {"w": torch.zeros(4096), "step": 0}
+    with CheckpointManager(config) as ckpt:
+        restored = ckpt.restore(state)
+        assert ckpt.status()["tier0_bytes"] > 4096 * 4
+    assert restored.step == 3 and torch.equal(state["w"], torch.arange(4096.0) + 3)
+    assert not os.path.exists(tmp_path / "t0" / "r")  # a normal close removes it (keep_local_on_close=False)
+
+
+def test_a_close_whose_last_upload_failed_keeps_tier_0(tmp_path):
+    # helper-21 (from reading): close removed tier 0 in its finally, even when the upload it was to wait for failed
+    (tmp_path / "t2").write_text("a file where tier 2's directory should be")
+    config = TierConfig(local_dir=str(tmp_path / "t0"), run_id="r", node_id="n", min_free=1, peer_host="127.0.0.1",
+                        persistent_dir=str(tmp_path / "t2"), persistent_every=2)
+    with pytest.raises(Exception) as failed:
+        with CheckpointManager(config) as ckpt:
+            ckpt.save(2, {"w": torch.arange(4096, dtype=torch.float32) + 2, "step": 2})
+    assert not isinstance(failed.value, AssertionError)
+    assert os.path.exists(tmp_path / "t0" / "r" / "step-000000002" / "manifest.json")  # the only copy

@@ -14,6 +14,8 @@ from shardckpt.storage_options import StorageOptions
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 ON_FULL = ("skip", "raise")
+MAX_TIMEOUT_S = 1e9  # a socket's timeout is a C time_t in microseconds: infinity overflows it
+RESERVED_NODE = "<persistent>"  # tiers.peers.PERSISTENT: the name of tier 2 where a node's is expected
 VERIFY = ("as-read", "before-choosing")
 
 
@@ -103,14 +105,17 @@ class TierConfig:
         if not isinstance(self.peer_port, int) or isinstance(self.peer_port, bool) or not 0 <= self.peer_port <= 65535:
             raise TierConfigError(f"peer_port {self.peer_port!r}: expected an int in 0..65535")
         if not isinstance(self.peer_timeout_s, (int, float)) or isinstance(self.peer_timeout_s, bool) or \
-                not self.peer_timeout_s > 0:
-            raise TierConfigError(f"peer_timeout_s {self.peer_timeout_s!r}: expected a number of seconds > 0")
+                not 0 < self.peer_timeout_s < MAX_TIMEOUT_S:
+            raise TierConfigError(f"peer_timeout_s {self.peer_timeout_s!r}: expected a number of seconds > 0 and "
+                                  f"< {MAX_TIMEOUT_S:.0f} (a socket timeout)")
         if not isinstance(self.keep_local_on_close, bool):
             raise TierConfigError(f"keep_local_on_close {self.keep_local_on_close!r}: expected True or False")
         for name in ("node_id", "failure_domain", "peer_host"):
             value = getattr(self, name)
             if value is not None:
                 _text(name, value)
+        if self.node_id == RESERVED_NODE:
+            raise TierConfigError(f"node_id {self.node_id!r}: reserved (it names tier 2 where a node is expected)")
 
     def persistent_storage(self, name: str = ""):
         """Tier 2 (``persistent_dir``), or its child directory ``name``, opened with ``persistent_options``."""

@@ -183,6 +183,19 @@ def persist_step(lanes: Lanes, step: int, data: bytes, source: Storage | None = 
         lanes.state.moved["uploaded_bytes"] = sent
 
 
+def persist_staged(lanes: Lanes, step: int, staged: Staged) -> None:
+    """Lane W, for a step due in tier 2 that tier 0 had no room for (``on_full="skip"``): written to tier 2 from
+    the staging buffers, as ``async_save`` would, so that the durable schedule never depends on tier 0's room.
+    Committed exclusively, as an upload is; then ``persistent_keep_last`` applies. Collective over lane W."""
+    group = lanes.write_group
+    storage = lanes.config.persistent_storage(local.step_dir(step))
+    persist(staged, plan(staged, storage, process_group=group.pg, overwrite=False))
+    done = attempt(0, lambda: _trim_tier2(lanes)) if group.is_coordinator else None
+    raise_failures([group.broadcast(done if isinstance(done, Failure) else None)])
+    with lanes.state.lock:
+        lanes.state.moved = {"tier0_bytes": 0, "uploaded_bytes": staged.nbytes}
+
+
 def _commit_tier2(lanes: Lanes, step: int, data: bytes) -> None:
     storage = lanes.config.persistent_storage(local.step_dir(step))
     try:
@@ -194,6 +207,10 @@ def _commit_tier2(lanes: Lanes, step: int, data: bytes) -> None:
                 f"{storage.url(MANIFEST_NAME)}: tier 2 already holds another checkpoint of step {step} (another run "
                 "sharing persistent_dir, or one from before a restore that fell back past it); this step's upload "
                 "is dropped, the checkpoint there is kept") from None
+    _trim_tier2(lanes)
+
+
+def _trim_tier2(lanes: Lanes) -> None:
     keep = lanes.config.persistent_keep_last
     if keep is not None:
         for old in _tier2_by_age(lanes.config)[:-keep]:

@@ -14,6 +14,7 @@ replication is logged, the step stays unreplicated and training goes on."""
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import shutil
 import sys
@@ -30,7 +31,7 @@ from shardckpt.errors import BadArgumentError, CheckpointError
 from shardckpt.io import Storage
 from shardckpt.tiers import local, restore_io
 from shardckpt.tiers.config import TierConfig, TierConfigError
-from shardckpt.tiers.lanes import Lanes, NodeState, persist_step, replicate, trim_node, write_step
+from shardckpt.tiers.lanes import Lanes, NodeState, persist_staged, persist_step, replicate, trim_node, write_step
 from shardckpt.tiers.peer import PeerServer, default_peer_host
 from shardckpt.tiers.restore import next_epoch
 from shardckpt.tiers.topology import join
@@ -81,6 +82,8 @@ class CheckpointManager:
         self._rp = ThreadPoolExecutor(1, thread_name_prefix="shardckpt-tier12")
         self._last: TierSave | None = None
         self._errors: list[BaseException] = []
+        self._skipped: list[int] = []  # steps tier 0 had no room for (on_full="skip")
+        self._failed: dict[int, str] = {}  # steps whose tier-0 write or tier-2 write failed: the error
         self._closed = False
         self._last_step: int | None = None  # saved or restored: a step saved again must come after it
         _live.add(self)
@@ -116,20 +119,37 @@ class CheckpointManager:
             try:
                 data = write_step(self.lanes, step, epoch, staged)
             except BaseException as e:
+                self._failed[step] = repr(e)
                 handle.committed.set_exception(e)
                 handle.replicated.set_result(None)
                 handle.persisted.set_result(None)
                 raise
             handle.committed.set_result(data is not None)
             if data is None:
+                self._skipped.append(step)
                 handle.replicated.set_result(None)
-                handle.persisted.set_result(None)
+                self._persist_skipped(step, staged, handle)
                 return
             self._rp.submit(self._replicate_and_upload, step, data, handle)
 
         self._last, self._last_step = handle, step  # staged: this step is taken (a failed one may be retried)
         self._last_future = self._w.submit(background)
         return handle
+
+    def _persist_skipped(self, step: int, staged: Any, handle: TierSave) -> None:
+        """Lane W, a step skipped for want of room in tier 0: when due for tier 2, written there from the staging
+        buffers (a failure raises on every rank at the next call, as a failed upload does)."""
+        if not self.config.persists(step):
+            handle.persisted.set_result(None)
+            return
+        try:
+            persist_staged(self.lanes, step, staged)
+        except BaseException as e:
+            self._failed[step] = repr(e)
+            handle.persisted.set_exception(e)
+            raise
+        handle.persisted.set_result(True)
+        log.warning("shardckpt tiers: step %d had no room in tier 0; written to tier 2 directly", step)
 
     def _replicate_and_upload(self, step: int, data: bytes, handle: TierSave) -> None:
         """Lane RP for one committed step. Latest wins: when every rank has committed a newer step already, this
@@ -149,6 +169,7 @@ class CheckpointManager:
                     handle.persisted.set_result(True)
                 except BaseException as e:
                     self._errors.append(e)
+                    self._failed[step] = repr(e)
                     handle.persisted.set_exception(e)
             else:
                 handle.persisted.set_result(None)
@@ -223,27 +244,39 @@ class CheckpointManager:
     # -- the end ------------------------------------------------------------------------------------------------
 
     def status(self) -> dict:
+        """This rank's view: its node, the steps in its tier 0 and their bytes, the replicated (``safe``) and pinned
+        ones, the bytes the last save moved, the epoch, the steps skipped for want of room and those that failed
+        (step -> error; a failed replication is only logged)."""
         state = self.lanes.state
         with state.lock:
-            return {"node": self.lanes.topo.node, "steps": local.steps_here(state.root), "safe": sorted(state.safe),
-                    "pinned": sorted(state.pinned), "moved": dict(state.moved), "epoch": self.epoch}
+            steps = local.steps_here(state.root)
+            return {"node": self.lanes.topo.node, "steps": steps, "safe": sorted(state.safe),
+                    "pinned": sorted(state.pinned), "moved": dict(state.moved), "epoch": self.epoch,
+                    "tier0_bytes": sum(local.dir_bytes(os.path.join(state.root, local.step_dir(s))) for s in steps),
+                    "skipped": list(self._skipped), "failed": dict(self._failed)}
 
     def close(self) -> None:
         """Finish every lane (the last due step reaches tier 2), raise a failure on every rank, stop the peer
-        server and, unless ``keep_local_on_close``, remove this run's tier 0 (collective)."""
+        server and, unless ``keep_local_on_close``, remove this run's tier 0 (collective). Tier 0 stays when a
+        lane failed (its steps may be the only copies) and when the manager is left by an exception."""
+        self._close(keep_local=self.config.keep_local_on_close)
+
+    def _close(self, keep_local: bool) -> None:
         if self._closed:
             return
         self._closed = True
+        finished = False
         try:
             self.wait()
             self._finish_previous()
+            finished = True
         finally:
             self._w.shutdown(wait=True)
             self._rp.shutdown(wait=True)
             self._write.all_gather(None)  # no peer reads from another node's server after this
             if self._server is not None:
                 self._server.close()
-                if not self.config.keep_local_on_close:
+                if finished and not keep_local:
                     shutil.rmtree(self.lanes.state.root, ignore_errors=True)
             self.lanes.buffers.release()
 
@@ -253,9 +286,9 @@ class CheckpointManager:
     def __exit__(self, *exc: Any) -> None:
         if exc[0] is None:
             self.close()
-        else:
+        else:  # a crash: tier 0 holds what the restart restores (torchrun restarts every worker)
             try:
-                self.close()
+                self._close(keep_local=True)
             except Exception:  # noqa: BLE001 - the error that left the block is the one to see
                 log.exception("shardckpt tiers: closing after an error failed")
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from shardckpt.tiers.config import TierConfigError
+from shardckpt.tiers.config import RESERVED_NODE, TierConfigError
 
-PERSISTENT = "<persistent>"  # the tier-2 store, where a holder's name is expected; no node may be named so
+PERSISTENT = RESERVED_NODE  # the tier-2 store, where a holder's name is expected; no node may be named so
 
 
 def ring_order(nodes: Iterable[str], domain_of: Mapping[str, str] | None = None) -> tuple[str, ...]:
