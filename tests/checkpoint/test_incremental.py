@@ -175,9 +175,10 @@ def test_a_pool_elsewhere_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [{"incremental": True, "incremental_unit": 1024},
-                                 {"incremental": True, "keep_last": 0}, {"keep_last": 2}])
+                                 {"incremental": True, "keep_last": 0}, {"keep_last": 2}, "elsewhere"])
 def test_async_save_refuses_bad_incremental_options_in_its_call(tmp_path, bad):
     # from helper-22: they were raised by wait(), or by the next call when the caller did not wait
+    bad = {"incremental": str(tmp_path / "elsewhere")} if bad == "elsewhere" else bad  # not the step's parent
     with pytest.raises(BadArgumentError):
         shardckpt.async_save(state(), tmp_path / "step-1", **bad)
     shardckpt.async_save(state(), tmp_path / "step-2", incremental=True, incremental_unit=UNIT).wait()  # unharmed

@@ -119,3 +119,28 @@ def test_a_leader_that_cannot_serve_fails_every_rank(tmp_path):
         port = busy.getsockname()[1]
         got = run_ranks(2, _open_with_busy_leader_port, str(tmp_path), port, timeout=60)
     assert all(f"127.0.0.1:{port}" in g for g in got), got
+
+
+def _one_rank_raises(base: str) -> str:
+    import torch.distributed as dist
+
+    from shardckpt.tiers import CheckpointManager
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = _train.config_for(base, rank, keep_local_on_close=False, persistent_dir=None)
+    try:
+        with CheckpointManager(config) as ckpt:
+            ckpt.save(1, _train.state_for(rank, world, torch.zeros(_train.ROWS, _train.COLS), 1))
+            ckpt.wait()
+            if rank == 1:  # not the node's leader, which alone removes tier 0 and leaves normally
+                raise RuntimeError("evaluation failed on rank 1")
+    except RuntimeError as e:
+        return str(e)
+    return "ok"
+
+
+def test_one_rank_leaving_by_an_exception_keeps_its_nodes_tier_0(tmp_path):
+    # helper-23: the keep was decided per rank, so the leader's normal exit removed the node's only copy
+    base = str(tmp_path)
+    assert run_ranks(2, _one_rank_raises, base, timeout=180) == ["ok", "evaluation failed on rank 1"]
+    assert os.path.exists(os.path.join(base, "node-0", "run", "step-000000001", "manifest.json"))

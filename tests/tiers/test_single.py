@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import pytest
 import torch
 
 from shardckpt.checkpoint.stage import StagingBuffers, stage
+from shardckpt.errors import CheckpointExistsError
 from shardckpt.dist.group import LOCAL, resolve_group
 from shardckpt.tiers import CheckpointManager, TierConfig
 from shardckpt.tiers.budget import TierFullError
@@ -34,12 +36,14 @@ def test_a_step_that_does_not_fit_is_skipped_with_a_message_or_refused(tmp_path,
     with caplog.at_level(logging.WARNING, logger="shardckpt.tiers"):
         assert write_step(lanes, 1, 0, _staged(lanes, 1)) is None
     assert "tier 0 has no room for this step" in caplog.text and "local_budget" in caplog.text
+    # helper-23: a skipped step stayed the node's newest, so lane RP left the newest committed one unreplicated
+    assert 1 not in lanes.state.epochs and 1 not in lanes.state.pinned and lanes.state.newest == -1
     assert not os.path.exists(os.path.join(lanes.state.root, "step-000000001", "manifest.json"))
     lanes = _lanes(tmp_path, local_budget=1000, on_full="raise")
     with pytest.raises(TierFullError, match="raise local_budget"):
         write_step(lanes, 1, 0, _staged(lanes, 1))
     lanes = _lanes(tmp_path, local_budget="1MiB")
-    assert write_step(lanes, 1, 0, _staged(lanes, 1)) is not None
+    assert write_step(lanes, 1, 0, _staged(lanes, 1)) is not None and lanes.state.newest == 1
     assert os.path.exists(os.path.join(lanes.state.root, "step-000000001", "manifest.json"))
 
 
@@ -111,3 +115,23 @@ def test_a_close_whose_last_upload_failed_keeps_tier_0(tmp_path):
             ckpt.save(2, {"w": torch.arange(4096, dtype=torch.float32) + 2, "step": 2})
     assert not isinstance(failed.value, AssertionError)
     assert os.path.exists(tmp_path / "t0" / "r" / "step-000000002" / "manifest.json")  # the only copy
+
+
+def test_a_failed_upload_keeps_tier_0_until_a_later_step_reaches_tier_2(tmp_path):
+    # helper-23: the failure, raised at the next save and caught there, was forgotten, and close removed tier 0
+    t2 = dict(persistent_dir=str(tmp_path / "t2"), persistent_every=2, peer_host="127.0.0.1", min_free=1)
+    with CheckpointManager(TierConfig(local_dir=str(tmp_path / "a"), run_id="a", node_id="n", **t2)) as ckpt:
+        ckpt.save(2, {"w": torch.zeros(4096), "step": 2})  # another run's step 2 in the shared tier 2
+    config = TierConfig(local_dir=str(tmp_path / "b"), run_id="b", node_id="n", **t2)
+    for last in (3, 4):
+        with CheckpointManager(config) as ckpt:
+            ckpt.save(2, {"w": torch.arange(4096.0), "step": 2})
+            ckpt.wait()
+            with pytest.raises(CheckpointExistsError):
+                ckpt.save(3, {"w": torch.arange(4096.0) + 3, "step": 3})  # step 2's upload failed
+            ckpt.save(3, {"w": torch.arange(4096.0) + 3, "step": 3})
+            if last == 4:
+                ckpt.save(4, {"w": torch.arange(4096.0) + 4, "step": 4})  # due: tier 2 holds this run's newest
+        kept = os.path.exists(tmp_path / "b" / "b")
+        assert kept == (last == 3), last
+        shutil.rmtree(tmp_path / "b", ignore_errors=True)

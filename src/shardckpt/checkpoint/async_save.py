@@ -114,7 +114,7 @@ class AsyncSaver:
         ``progress`` is called from the background threads as the staged bytes are written."""
         path = os.fspath(path) if is_named(path) else path  # a Storage is the place itself
         given = SaveOptions(**options)
-        incremental_options(given)  # bad options raise here, not from wait() or the next call
+        incremental_options(given, path=path)  # bad options raise here, not from wait() or the next call
         with self._lock:
             if self.side is None:
                 raise CheckpointError("this AsyncSaver's process group was destroyed; use shardckpt.async_save "

@@ -115,9 +115,12 @@ def persist_any(staged: Staged, planned: Planned, given: SaveOptions, progress: 
     return None
 
 
-def incremental_options(given: SaveOptions, parent: str | None = None) -> Any:
+def incremental_options(given: SaveOptions, parent: str | None = None, path: Any = None) -> Any:
     """The ``IncrementalOptions`` of an incremental save (None for another); raises ``BadArgumentError`` for bad
-    ones, which ``async_save`` checks in its call, not in the background."""
+    ones, which ``async_save`` checks in its call, not in the background (with ``path``, the pool's place too)."""
+    if given.incremental and path is not None and given.incremental is not True:
+        from shardckpt.checkpoint.pool import check_pool_argument  # (it imports this)
+        check_pool_argument(given.incremental, open_storage(path, given.storage_options))
     if given.incremental:
         from shardckpt.checkpoint.incremental import IncrementalOptions  # (it imports this)
         return IncrementalOptions(given.incremental_unit, keep_last=given.keep_last, keep_every=given.keep_every,

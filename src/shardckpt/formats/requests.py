@@ -46,7 +46,7 @@ def check_request(infos: Mapping[str, TensorInfo], request: ReadRequest, where: 
     if dest.numel() != request.region.numel or not dest.is_contiguous():
         raise ValueError(f"destination for {request.tensor!r} must be contiguous with {request.region.numel} "
                          "elements")
-    if dest.device.type == "meta":
+    if dest.device.type == "meta" and dest.numel():  # (an empty one has nothing to fill, as before)
         raise ValueError(f"destination for {request.tensor!r} is on the meta device: it has no memory to load into "
                          "(materialize it first, e.g. module.to_empty(device=...), or use load_full)")
     _check_storage(dest, request.tensor)
@@ -56,7 +56,7 @@ def check_request(infos: Mapping[str, TensorInfo], request: ReadRequest, where: 
 def _check_storage(dest: torch.Tensor, name: str) -> None:
     """A destination's storage holds its elements: one resized below them after the tensor was made
     (``untyped_storage().resize_``) would be written past its end (readers copy into its memory directly)."""
-    if dest.numel():
+    if dest.numel() and dest.device.type != "meta":
         need = (dest.storage_offset() + dest.numel()) * dest.element_size()
         have = dest.untyped_storage().nbytes()
         if have < need:

@@ -39,6 +39,7 @@ class NodeState:
     pinned: set[int] = field(default_factory=set)
     safe: set[int] = field(default_factory=set)
     epochs: dict[int, int] = field(default_factory=dict)
+    newest: int = -1  # the newest step committed in tier 0 (latest wins: lane RP leaves older ones unreplicated)
     moved: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -69,7 +70,9 @@ def write_step(lanes: Lanes, step: int, epoch: int, staged: Staged) -> bytes | N
         lanes.state.epochs[step] = epoch
     try:
         if not _room_agreed(lanes, step, staged):
-            lanes.state.pinned.discard(step)
+            with lanes.state.lock:
+                lanes.state.pinned.discard(step)
+                lanes.state.epochs.pop(step, None)  # never here: no step to order a trim by, or to defer to
             return None
         storage = local.node_storage(lanes.state.root, step)
         planned = plan(staged, storage, process_group=group.pg, overwrite=True, reuse=lanes.planned)
@@ -85,6 +88,7 @@ def write_step(lanes: Lanes, step: int, epoch: int, staged: Staged) -> bytes | N
     raise_failures(group.all_gather(done if isinstance(done, Failure) else None))
     with lanes.state.lock:
         lanes.state.moved = {"tier0_bytes": staged.nbytes}
+        lanes.state.newest = max(lanes.state.newest, step)
     return data
 
 

@@ -148,15 +148,21 @@ class CheckpointManager:
             self._failed[step] = repr(e)
             handle.persisted.set_exception(e)
             raise
+        self._persisted(step)
         handle.persisted.set_result(True)
         log.warning("shardckpt tiers: step %d had no room in tier 0; written to tier 2 directly", step)
+
+    def _persisted(self, step: int) -> None:
+        """``step`` is in tier 2: the failures of older steps no longer leave tier 0 the only copy of the newest."""
+        for older in [s for s in list(self._failed) if s < step]:
+            self._failed.pop(older, None)
 
     def _replicate_and_upload(self, step: int, data: bytes, handle: TierSave) -> None:
         """Lane RP for one committed step. Latest wins: when every rank has committed a newer step already, this
         one is not replicated (the newer one will be), nor uploaded if a newer due step is committed too."""
         try:
-            with self.lanes.state.lock:
-                newest = max(self.lanes.state.epochs)
+            with self.lanes.state.lock:  # committed ones only: a step in flight may yet be skipped for room
+                newest = self.lanes.state.newest
             newest = min(self._copy.all_gather(newest))
             has_peers = any(self.lanes.topo.peers.values()) and newest == step
             handle.replicated.set_result(replicate(self.lanes, step, data) if has_peers else None)
@@ -166,6 +172,7 @@ class CheckpointManager:
             elif self.config.persists(step):
                 try:
                     persist_step(self.lanes, step, data)
+                    self._persisted(step)
                     handle.persisted.set_result(True)
                 except BaseException as e:
                     self._errors.append(e)
@@ -273,10 +280,12 @@ class CheckpointManager:
         finally:
             self._w.shutdown(wait=True)
             self._rp.shutdown(wait=True)
-            self._write.all_gather(None)  # no peer reads from another node's server after this
+            # Agreed (and no peer reads from another node's server after this): a rank that leaves by an exception,
+            # or saw a failure no later tier-2 step made good, keeps every node's tier 0, not only its own leader's.
+            keep = any(self._write.all_gather(keep_local or not finished or bool(self._failed)))
             if self._server is not None:
                 self._server.close()
-                if finished and not keep_local:
+                if not keep:
                     shutil.rmtree(self.lanes.state.root, ignore_errors=True)
             self.lanes.buffers.release()
 
