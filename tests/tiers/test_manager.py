@@ -144,3 +144,58 @@ def test_one_rank_leaving_by_an_exception_keeps_its_nodes_tier_0(tmp_path):
     base = str(tmp_path)
     assert run_ranks(2, _one_rank_raises, base, timeout=180) == ["ok", "evaluation failed on rank 1"]
     assert os.path.exists(os.path.join(base, "node-0", "run", "step-000000001", "manifest.json"))
+
+
+def _restore_mid_run_then_save(base: str) -> dict:
+    import glob
+
+    import torch.distributed as dist
+
+    from shardckpt.tiers import CheckpointManager
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = _train.config_for(base, 2 * rank, persistent_dir=None, keep_last=5)  # one rank per node
+    w = torch.zeros(_train.ROWS, _train.COLS)
+    with CheckpointManager(config) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, _train.state_for(rank, world, w + step, step))
+        ckpt.wait()
+        dist.barrier()
+        if rank == 0:  # every copy of steps 3 and 4 corrupt: the restore falls back to step 2
+            for path in glob.glob(os.path.join(base, "node-*", "run", "step-00000000[34]", "*", "*.bin")):
+                if not os.path.getsize(path):
+                    continue
+                with open(path, "r+b") as f:
+                    f.seek(-1, os.SEEK_END)
+                    last = f.read(1)
+                    f.seek(-1, os.SEEK_END)
+                    f.write(bytes([last[0] ^ 0xFF]))
+        dist.barrier()
+        restored = ckpt.restore(_train.state_for(rank, world, w, 0)).step
+        handle = ckpt.save(3, _train.state_for(rank, world, w + 30, 3))  # the new timeline's step 3
+        ckpt.wait()
+        return {"restored": restored, "replicated": handle.replicated.result(), "safe": ckpt.status()["safe"]}
+
+
+def test_a_restore_mid_run_resets_which_step_is_newest(tmp_path):
+    # helper-24: after a restore that fell back, the abandoned step 4 stayed the newest, so the new step 3 was never
+    # replicated (and counted as safe); after a node loss an older step was restored
+    base = str(tmp_path)
+    got = run_ranks(2, _restore_mid_run_then_save, base, timeout=180)
+    assert all(g["restored"] == 2 and g["replicated"] is True and 4 not in g["safe"] for g in got), got
+    shutil.rmtree(os.path.join(base, "node-1"))  # node 1 lost
+    again = run_ranks(2, _restore_one_rank_per_node, base, timeout=180)
+    assert again == [(3, True), (3, True)], again
+
+
+def _restore_one_rank_per_node(base: str) -> tuple:
+    import torch.distributed as dist
+
+    from shardckpt.tiers import CheckpointManager
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = _train.state_for(rank, world)
+    with CheckpointManager(_train.config_for(base, 2 * rank, persistent_dir=None, keep_last=5)) as ckpt:
+        restored = ckpt.restore(state)
+    lo, n = _train.rows(rank, world)
+    return restored.step, torch.equal(state["w"].local, torch.full((n, _train.COLS), 30.0))

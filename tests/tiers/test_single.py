@@ -135,3 +135,21 @@ def test_a_failed_upload_keeps_tier_0_until_a_later_step_reaches_tier_2(tmp_path
         kept = os.path.exists(tmp_path / "b" / "b")
         assert kept == (last == 3), last
         shutil.rmtree(tmp_path / "b", ignore_errors=True)
+
+
+def test_a_due_step_is_uploaded_when_the_next_saved_step_skips_due_numbers(tmp_path):
+    # helper-24 (from reading): latest wins counted due step *numbers* after it (4 here) that were never saved
+    import threading
+
+    config = TierConfig(local_dir=str(tmp_path / "t0"), run_id="r", node_id="n", min_free=1, peer_host="127.0.0.1",
+                        persistent_dir=str(tmp_path / "t2"), persistent_every=2)
+    held = threading.Event()
+    with CheckpointManager(config) as ckpt:
+        ckpt._rp.submit(held.wait)  # lane RP takes step 2 only once step 5 is committed: deterministic
+        first = ckpt.save(2, {"w": torch.arange(4096.0) + 2, "step": 2})
+        ckpt.save(5, {"w": torch.arange(4096.0) + 5, "step": 5})
+        ckpt._last_future.result()
+        held.set()
+        ckpt.wait()
+        assert first.persisted.result() is True
+    assert sorted(os.listdir(tmp_path / "t2")) == ["step-000000002"]

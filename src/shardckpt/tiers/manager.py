@@ -162,11 +162,12 @@ class CheckpointManager:
         one is not replicated (the newer one will be), nor uploaded if a newer due step is committed too."""
         try:
             with self.lanes.state.lock:  # committed ones only: a step in flight may yet be skipped for room
-                newest = self.lanes.state.newest
+                newest, saved = self.lanes.state.newest, set(self.lanes.state.epochs)
             newest = min(self._copy.all_gather(newest))
             has_peers = any(self.lanes.topo.peers.values()) and newest == step
             handle.replicated.set_result(replicate(self.lanes, step, data) if has_peers else None)
-            due_later = any(self.config.persists(s) for s in range(step + 1, newest + 1))
+            # a newer step saved and due (not a due step number never saved: steps may skip numbers)
+            due_later = any(self.config.persists(s) for s in saved if step < s <= newest)
             if self.config.persists(step) and due_later:
                 handle.persisted.set_result(None)
             elif self.config.persists(step):
@@ -243,17 +244,25 @@ class CheckpointManager:
         self.epoch = restore_io.after_restore(topo.leader, topo.node, self.lanes.state.root, facts,
                                               restored.candidate if restored else None)
         with self.lanes.state.lock:  # the epochs of the steps kept here, for the budget's and the trim's order
+            state, last = self.lanes.state, restored.step if restored is not None else -1
+            # a restore in a manager that saved: the abandoned timeline's newer steps are gone from tier 0 (above),
+            # and must not count as the newest committed or replicated one (latest wins, the trim's "safe")
+            for step in [s for s in state.epochs if s > last]:
+                del state.epochs[step]
+            state.safe = {s for s in state.safe if s <= last}
+            state.newest = last
             for candidate in facts.holdings.get(topo.node, {}):
                 if restored is None or candidate <= restored.candidate:
-                    self.lanes.state.epochs.setdefault(candidate.step, candidate.epoch)
+                    state.epochs.setdefault(candidate.step, candidate.epoch)
         return restored
 
     # -- the end ------------------------------------------------------------------------------------------------
 
     def status(self) -> dict:
         """This rank's view: its node, the steps in its tier 0 and their bytes, the replicated (``safe``) and pinned
-        ones, the bytes the last save moved, the epoch, the steps skipped for want of room and those that failed
-        (step -> error; a failed replication is only logged)."""
+        ones, the bytes the last save moved, the epoch, the steps skipped for want of room and those whose tier-0
+        or tier-2 write failed with no later step in tier 2 since (step -> error; a failed replication is only
+        logged)."""
         state = self.lanes.state
         with state.lock:
             steps = local.steps_here(state.root)
