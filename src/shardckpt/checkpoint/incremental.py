@@ -28,10 +28,11 @@ from typing import Any
 from shardckpt._version import __version__
 from shardckpt.checkpoint.commit import _remove_quietly, data_dir
 from shardckpt.checkpoint.gc import collect
+from shardckpt.checkpoint.memory_digests import WRITTEN, remembering
 from shardckpt.checkpoint.persist import OutputWriter, persist, write_files
 from shardckpt.checkpoint.pool import (
-    POOL_PATH, Candidate, check_pool_argument, hold_generations, open_pool, parent_table, pool_checkpoints,
-    referenced_files, release_all, run_storage,
+    POOL_PATH, Candidate, check_pool_argument, hold_generations, open_pool, parent_table, parsed_by_bytes,
+    pool_checkpoints, referenced_files, release_all, run_storage,
 )
 from shardckpt.checkpoint.pool_gc import tidy_after_save
 from shardckpt.checkpoint.pool_leases import SaveLease, read_markers
@@ -247,25 +248,35 @@ class _Incremental(OutputWriter):
         release_all(self.holds)
 
 
-def _hashed(setup: _RankSetup, pieces: list[UnitPiece]) -> list[bytes]:
+def _hashed(setup: _RankSetup, pieces: list[UnitPiece], memory: Any) -> list[bytes | None]:
+    """Each unit's digest: remembered from an earlier save where the write tracker proves the caller's memory
+    unwritten since (``checkpoint.memory_digests``); None for a unit it saw written (written again, its digest
+    the writer's: hashing it first would only find it changed); else hashed now."""
     def one(piece: UnitPiece) -> bytes:
         return chunk_hash(setup.key, unit_bytes_of(piece).numpy())
 
-    if len(pieces) <= 1:
-        return [one(p) for p in pieces]
-    with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="shardckpt-hash") as threads:
-        return list(threads.map(one, pieces))
+    out = [memory.recall(p) for p in pieces]
+    now = [i for i, digest in enumerate(out) if digest is None]
+    if len(now) <= 1:
+        hashed = [one(pieces[i]) for i in now]
+    else:
+        with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="shardckpt-hash") as threads:
+            hashed = list(threads.map(one, [pieces[i] for i in now]))
+    for i, digest in zip(now, hashed):
+        out[i] = digest
+    return [None if digest is WRITTEN else digest for digest in out]
 
 
-def _digests(setup: _RankSetup, staged: Any, pieces: list[UnitPiece]) -> list[bytes | None]:
-    """Each unit's digest under the pool key: hashed now from the staged bytes, or, for a piece left unstaged
-    (``checkpoint.window_hash``), the one taken in the blocked window (None if it was taken under another key)."""
+def _digests(setup: _RankSetup, staged: Any, pieces: list[UnitPiece], memory: Any) -> list[bytes | None]:
+    """Each unit's digest under the pool key: hashed now from the staged bytes (or known, above), or, for a piece
+    left unstaged (``checkpoint.window_hash``), the one taken in the blocked window (None if it was taken under
+    another key)."""
     window = staged.prehashed
     if window is None:
-        return _hashed(setup, pieces)
+        return _hashed(setup, pieces, memory)
     out: list[bytes | None] = [None] * len(pieces)
     now = [i for i, p in enumerate(pieces) if p.name not in window.digests]
-    for i, digest in zip(now, _hashed(setup, [pieces[i] for i in now])):
+    for i, digest in zip(now, _hashed(setup, [pieces[i] for i in now], memory)):
         out[i] = digest
     if window.key == setup.key:
         for i, piece in enumerate(pieces):
@@ -314,31 +325,40 @@ def _write_units(planned: Any, staged: Any, setup: _RankSetup, holds: list,
     pool = pool_storage(planned.storage)
     holds.extend(hold_generations(pool, {setup.generation}))
     pieces = [unit_piece(staged.pieces[u.task.name], u.region) for u in setup.tasks]
-    refs, terms, to_write, units = {}, {}, [], {}
-    for unit, piece, digest in zip(setup.tasks, pieces, _digests(setup, staged, pieces)):
-        name = unit.task.name
-        if _reusable(unit, setup, piece, digest):
-            refs[(name, unit.task.chunk)] = unit.candidate.file.path
-            term = chunk_crc_term(piece, piece.data.dtype.itemsize, unit.candidate.crc32c, unit_bytes_of(piece))
-            terms[name] = terms.get(name, 0) ^ term
-        else:
-            if staged.prehashed is not None and name in staged.prehashed.digests:
-                piece, digest = _recopied(setup, staged.prehashed, piece)
-            piece = dataclasses.replace(piece, digest=digest, hash_key=setup.key)
-            to_write.append((unit.task, piece))
-        units.setdefault(name, {})[flat_bounds(piece.region, piece.shape)] = digest
-    files, placed, written_terms, written = _write_slots(pool, planned, setup, to_write, progress)
+    refs, terms, to_write = {}, {}, []
+    with remembering(setup.key, staged) as memory:
+        digests = _digests(setup, staged, pieces, memory)
+        for i, (unit, piece, digest) in enumerate(zip(setup.tasks, pieces, digests)):
+            name = unit.task.name
+            if _reusable(unit, setup, piece, digest):
+                refs[(name, unit.task.chunk)] = unit.candidate.file.path
+                term = chunk_crc_term(piece, piece.data.dtype.itemsize, unit.candidate.crc32c, unit_bytes_of(piece))
+                terms[name] = terms.get(name, 0) ^ term
+            else:
+                if staged.prehashed is not None and name in staged.prehashed.digests:
+                    piece, digest = _recopied(setup, staged.prehashed, piece)
+                pieces[i] = dataclasses.replace(piece, digest=digest, hash_key=setup.key)
+                to_write.append((unit.task, pieces[i]))
+        files, placed, written_terms, written, stored = _write_slots(pool, planned, setup, to_write, progress)
+        _check_unmoved(to_write, stored, memory)
+        digests = [stored[(u.task.name, u.task.chunk)] if d is None else d for u, d in zip(setup.tasks, digests)]
+        memory.learn(pieces, digests)
     for name, term in written_terms.items():
         terms[name] = terms.get(name, 0) ^ term
+    units: dict = {}
+    for piece, digest in zip(pieces, digests):
+        units.setdefault(piece.name, {})[flat_bounds(piece.region, piece.shape)] = digest
     return PooledShare(files, placed, refs, terms, written), units
 
 
-def _check_unmoved(written: list, digests: dict) -> None:
-    """Each unit written holds the bytes hashed when the save chose to write it. The writer hashes what it writes
+def _check_unmoved(written: list, digests: dict, memory: Any) -> None:
+    """Each unit written holds the bytes hashed when the save chose to write it (or, for one it chose to write
+    unhashed, bytes the write tracker saw unwritten since this save began). The writer hashes what it writes
     (the pool's digest is always of the stored bytes); a difference means the caller's tensor changed while a
     synchronous save wrote it in place: raise, and nothing is committed."""
     for task, piece in written:
-        if digests.get((task.name, task.chunk)) != piece.digest:
+        same = memory.unmoved(piece) if piece.digest is None else digests.get((task.name, task.chunk)) == piece.digest
+        if not same:
             raise CheckpointError(f"tensor {task.name!r} changed while it was being saved (the bytes written are not "
                                   "those hashed when the save chose to write them: another thread or stream wrote "
                                   "to it); nothing was committed. Save a state that does not change meanwhile, or "
@@ -346,7 +366,7 @@ def _check_unmoved(written: list, digests: dict) -> None:
 
 
 def _write_slots(pool: Storage, planned: Any, setup: _RankSetup, to_write: list,
-                 progress: ProgressCallback | None) -> tuple[list[FileEntry], dict, dict, int]:
+                 progress: ProgressCallback | None) -> tuple[list[FileEntry], dict, dict, int, dict]:
     """The units to write, into one pool file per slot that has any (``rank-<r>-<slot>.bin``), in parallel."""
     by_slot: dict[int, list] = {}
     for task, piece in to_write:
@@ -365,13 +385,12 @@ def _write_slots(pool: Storage, planned: Any, setup: _RankSetup, to_write: list,
                                planned.compression, version=POOLED_VERSION, followed=Followed(tick=tick, digests=digests))
 
     written = write_files(slots, write, planned.files_per_rank)
-    _check_unmoved(to_write, digests)
     placed = {(t.name, t.chunk): k for k, slot in enumerate(slots) for t, _ in by_slot[slot]}
     terms: dict[str, int] = {}
     for _, file_terms in written:
         for name, term in file_terms.items():
             terms[name] = terms.get(name, 0) ^ term
-    return [entry for entry, _ in written], placed, terms, total
+    return [entry for entry, _ in written], placed, terms, total, digests
 
 
 def _commit_pooled(planned: Any, whole: _Whole, shares: list, staged: Any) -> None:
@@ -419,8 +438,9 @@ def _tensor_entry(name: str, tp: Any, shares: list, first: dict, at: dict) -> Te
 def _put_manifest(storage: Storage, pool: Storage, data: bytes, planned: Any) -> None:
     """Commit: checked as a load would read it, then written atomically (exclusively unless ``overwrite``); then a
     replaced non-pooled checkpoint's own data, and the step directory's debris, removed."""
-    try:
-        parse_manifest(data, storage.url(MANIFEST_NAME))
+    try:  # kept parsed: the next save's listing of the run parses it again (``pool._parsed``)
+        where = storage.url(MANIFEST_NAME)
+        parsed_by_bytes.get(("manifest", where), data, lambda: parse_manifest(data, where))
     except CorruptCheckpointError as e:
         _remove_quietly(pool, data_dir(planned.generation))
         raise CheckpointError(f"cannot save: the checkpoint would not load ({e}); nothing was committed") from None

@@ -9,8 +9,10 @@ parent table a save compares its chunks against.
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from shardckpt.checkpoint.latest import child_dirs, step_of
 from shardckpt.checkpoint.reachability import ManifestRefs, is_pool_file
@@ -98,7 +100,39 @@ def _parse_child(data: bytes, where: str, strict: bool) -> Manifest | None:
     collector (``strict``) cannot tell which, so it is an error there (what it names is unknown)."""
     if not data.startswith(b"{") and not strict:
         return None
-    return parse_manifest(data, where)
+    return parsed_by_bytes.get(("manifest", where), data, lambda: parse_manifest(data, where))
+
+
+class _ParsedByBytes:
+    """Files parsed before, by location and exact bytes: every save of a run lists all its pooled steps twice (its
+    parent, its tidy-up) and reads its parent's indexes, and parsing is the cost (read only: callers never change
+    what they get). A replaced file has other bytes and is parsed again. Bounded by the bytes kept."""
+
+    LIMIT = 32 << 20
+
+    def __init__(self) -> None:
+        self._by: OrderedDict[tuple, Any] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, where: tuple, data: bytes, parse: Callable[[], Any]) -> Any:
+        key = (where, data)
+        with self._lock:
+            if key in self._by:
+                self._by.move_to_end(key)
+                return self._by[key]
+        parsed = parse()
+        with self._lock:
+            if key not in self._by and len(data) <= self.LIMIT // 4:
+                self._by[key] = parsed
+                self._bytes += len(data)
+                while self._bytes > self.LIMIT:
+                    (_, old), _ = self._by.popitem(last=False)
+                    self._bytes -= len(old)
+        return parsed
+
+
+parsed_by_bytes = _ParsedByBytes()
 
 
 def referenced_files(manifests: list[Manifest]) -> set[str]:
@@ -126,7 +160,7 @@ def parent_table(pool: Storage, parent: Manifest) -> dict[tuple[str, int], Candi
     indexes = {}
     for f, entry in enumerate(parent.files):
         try:
-            indexes[f] = read_index(pool, entry, parent.version)
+            indexes[f] = read_index(pool, entry, parent.version, parsed_by_bytes.get)
         except CorruptCheckpointError:  # gone (a collector removed it before the hold) or damaged: not referenced
             indexes[f] = {}
     table = {}

@@ -14,7 +14,8 @@ nothing, and the saver forgets its digests, so that the next save stages everyth
 
 The version counter only decides whether hashing is worth it: a piece whose counter (or storage, offset, dtype,
 shape, strides) moved is copied at once, as it has most likely changed. It never decides that a piece is unchanged:
-the digests do (3.2: many writes do not bump it).
+the digests do (3.2: many writes do not bump it), or, for a unit whose pages the kernel saw unwritten since that
+save's window read them (``checkpoint.write_tracker``), the digest recorded then, without reading the unit.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Callable
 import torch
 
 from shardckpt.checkpoint.collect import LocalPiece
+from shardckpt.checkpoint.write_tracker import Mark, WriteTracker, write_tracker
 from shardckpt.format.content_hash import chunk_hash
 from shardckpt.regions import flat_bounds
 
@@ -41,10 +43,12 @@ def version_hint(t: torch.Tensor) -> tuple:
 
 @dataclass(frozen=True)
 class Recorded:
-    """One piece at a committed save: its version hint in that save's window, and its units' digests."""
+    """One piece at a committed save: its version hint in that save's window, its units' digests, and the write
+    tracker's mark taken in that window before anything read the piece (None: not tracked)."""
 
     hint: tuple
     units: dict[Bounds, bytes]
+    mark: Mark | None = None
 
 
 @dataclass(frozen=True)
@@ -71,13 +75,19 @@ class Prehashed:
 @dataclass
 class WindowHasher:
     """One save's window: ``skip(piece)`` hashes a piece that may be unchanged and says whether to leave it
-    unstaged; every CPU piece's version hint is kept (``hints``) for the next save. ``prehashed()`` ends the
-    window (its hashing threads)."""
+    unstaged; every CPU piece's version hint and write-tracker mark are kept (``hints``, ``marks``) for the next
+    save. ``prehashed()`` ends the window (its hashing threads)."""
 
     previous: WindowDigests | None
     hints: dict[str, tuple] = field(default_factory=dict)
+    marks: dict[str, Mark | None] = field(default_factory=dict)
     digests: dict[str, dict[Bounds, bytes]] = field(default_factory=dict)
     _pool: ThreadPoolExecutor | None = None
+    _tracker: WriteTracker | None = field(default_factory=write_tracker)
+
+    def __post_init__(self) -> None:
+        if self._tracker is not None:
+            self._tracker.begin()
 
     def _threads(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -89,11 +99,18 @@ class WindowHasher:
         if not t.is_cpu or not t.is_contiguous() or t.is_conj() or t.is_neg() or t.numel() == 0:
             return False
         hint = self.hints[piece.name] = version_hint(t)
+        # before the piece is hashed or staged: what this window reads of it holds its value at the mark
+        self.marks[piece.name] = self._tracker.protect(t) if self._tracker is not None else None
         recorded = self.previous.pieces.get(piece.name) if self.previous is not None else None
         if recorded is None or recorded.hint != hint or not _tiles(recorded.units, piece):
             return False
-        start = flat_bounds(piece.region, piece.shape)[0]
-        digests = _hash_units(self.previous.key, t, start, recorded.units, self._threads)
+        start, size = flat_bounds(piece.region, piece.shape)[0], t.element_size()
+
+        def unwritten(bounds: Bounds) -> bool:
+            return self._tracker is not None and self._tracker.unwritten(
+                recorded.mark, t, (bounds[0] - start) * size, (bounds[1] - start) * size)
+
+        digests = _hash_units(self.previous.key, t, start, recorded.units, self._threads, unwritten)
         if digests is None:
             return False
         self.digests[piece.name] = digests
@@ -113,7 +130,8 @@ class WindowHasher:
     def committed(self, key: bytes, unit_bytes: int, path: str, units: dict[str, dict[Bounds, bytes]]) -> WindowDigests:
         """The digests for the next save, once this one (at ``path``) committed: ``units``, this rank's units as the
         background wrote or referenced them, of the pieces whose hint was taken here."""
-        pieces = {name: Recorded(self.hints[name], by) for name, by in units.items() if name in self.hints}
+        pieces = {name: Recorded(self.hints[name], by, self.marks.get(name)) for name, by in units.items()
+                  if name in self.hints}
         run, step = split_step(path)
         return WindowDigests(key, unit_bytes, run, step, pieces)
 
@@ -144,15 +162,17 @@ def host_memory(t: torch.Tensor) -> memoryview:
 
 
 def _hash_units(key: bytes, t: torch.Tensor, start: int, units: dict[Bounds, bytes],
-                threads: Callable[[], ThreadPoolExecutor]) -> dict[Bounds, bytes] | None:
+                threads: Callable[[], ThreadPoolExecutor],
+                unwritten: Callable[[Bounds], bool]) -> dict[Bounds, bytes] | None:
     """Each unit's digest, or None at the first that differs from ``units`` (the units not begun are not hashed:
-    a piece written without a bump is then copied after as little hashing as the threads allow)."""
+    a piece written without a bump is then copied after as little hashing as the threads allow). A unit the
+    write tracker saw unwritten since its digest was taken is not read."""
     raw, size = host_memory(t), t.element_size()
 
     def one(bounds: Bounds) -> bytes:
         return chunk_hash(key, raw[(bounds[0] - start) * size:(bounds[1] - start) * size])
 
-    order = list(units)
+    order = [b for b in units if not unwritten(b)]
     if len(order) <= 1 or t.nbytes <= INLINE_BYTES:
         for bounds in order:
             if one(bounds) != units[bounds]:

@@ -16,7 +16,7 @@ import ctypes
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -52,14 +52,17 @@ def check_data_file(storage: Storage, file: FileEntry) -> None:
                                      f"{file.size}")
 
 
-def read_index(storage: Storage, file: FileEntry, version: int) -> Index:
-    """A data file's chunk index, checked against the size and CRC the manifest recorded for it."""
+def read_index(storage: Storage, file: FileEntry, version: int, memo: Callable | None = None) -> Index:
+    """A data file's chunk index, checked against the size and CRC the manifest recorded for it. ``memo(where,
+    data, parse)``, if given, may answer with an earlier parse of the same bytes (read only)."""
     check_data_file(storage, file)
     url = storage.url(file.index_path)
     data = storage.read_bytes(file.index_path)
     if len(data) != file.index_size or crc32c(data) != file.index_crc32c:
         raise CorruptCheckpointError(f"{url}: chunk index is damaged (size or checksum differs from the manifest)")
-    return parse_index(data, version, file.size, url)
+    if memo is None:
+        return parse_index(data, version, file.size, url)
+    return memo(("index", url, version, file.size), data, lambda: parse_index(data, version, file.size, url))
 
 
 class Indexes:

@@ -1,0 +1,212 @@
+"""The write tracker (checkpoint.write_tracker): "unwritten since the mark" must never be said of bytes that changed,
+whoever changed them; and it must be said of bytes nobody touched (else incremental saves read the frozen base)."""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from shardckpt.checkpoint import write_tracker as wt
+from shardckpt.checkpoint.page_writes import PAGE
+
+N = (4 << 20) // 4  # 4 MiB of float32: many pages, above MIN_BYTES
+
+
+def randn(n: int) -> torch.Tensor:
+    """``n`` random floats on pages of their own: in the heap, the allocator writes the pages at a tensor's edges
+    (which the tracker rightly reports), and the tests here count pages exactly."""
+    big = torch.randn(n + 2 * PAGE // 4)
+    at = (-big.data_ptr() % PAGE) // 4
+    return big[at:at + n]
+
+
+@pytest.fixture
+def tracker():
+    t = wt.write_tracker()
+    if t is None:
+        pytest.skip("this kernel does not record page writes for us (userfaultfd async write-protect, Linux 6.7+)")
+    return t
+
+
+def marked(tracker, t):
+    tracker.begin()
+    mark = tracker.protect(t)
+    assert mark is not None
+    return mark
+
+
+def whole(tracker, mark, t) -> bool:
+    return tracker.unwritten(mark, t, 0, t.nbytes)
+
+
+def test_untouched_bytes_are_proven_unwritten_across_epochs(tracker):
+    t = randn(N)
+    mark = marked(tracker, t)
+    for _ in range(3):
+        tracker.begin()
+        assert whole(tracker, mark, t)
+    _ = t.sum()  # reads do not count
+    tracker.begin()
+    assert whole(tracker, mark, t)
+
+
+def _torch_add(t):
+    t[12345] += 1
+
+
+def _numpy(t):
+    t.numpy()[777_777] = 5.0
+
+
+def _memset(t):
+    ctypes.memset(t.data_ptr() + 3 * PAGE + 5, 0xAB, 1)
+
+
+def _data_alias(t):
+    t.data[1_000_000].fill_(3.0)
+
+
+def _kernel_read_into(t):
+    r, w = os.pipe()
+    os.write(w, b"\x01" * 16)
+    os.close(w)
+    os.readv(r, [memoryview(t.numpy()).cast("B")[40_000:40_016]])
+    os.close(r)
+
+
+def _other_thread(t):
+    th = threading.Thread(target=lambda: t.numpy().__setitem__(500_000, 9.0))
+    th.start()
+    th.join()
+
+
+def _same_value(t):
+    t.numpy()[42] = t.numpy()[42]  # a write of the same value still counts: the tracker sees writes, not values
+
+
+@pytest.mark.parametrize("write", [_torch_add, _numpy, _memset, _data_alias, _kernel_read_into, _other_thread,
+                                   _same_value])
+def test_every_kind_of_write_is_seen(tracker, write):
+    t = randn(N)
+    mark = marked(tracker, t)
+    write(t)
+    tracker.begin()
+    assert not whole(tracker, mark, t)
+    tracker.begin()
+    assert not whole(tracker, mark, t)  # stamped for good: a later epoch does not forget it
+
+
+def test_a_write_dirties_only_the_pages_it_touched(tracker):
+    t = randn(N)
+    mark = marked(tracker, t)
+    at = 1 << 20  # byte offset of the write
+    ctypes.memset(t.data_ptr() + at, 1, 1)
+    tracker.begin()
+    assert not tracker.unwritten(mark, t, at - 64, at + 64)
+    assert tracker.unwritten(mark, t, 0, at // 2)
+    assert tracker.unwritten(mark, t, at + 2 * PAGE, t.nbytes)
+
+
+def test_a_new_mark_starts_clean_after_a_write(tracker):
+    t = randn(N)
+    old = marked(tracker, t)
+    t.numpy()[0] = 1.0
+    tracker.begin()
+    new = tracker.protect(t)
+    tracker.begin()
+    assert whole(tracker, new, t) and not whole(tracker, old, t)
+
+
+def test_a_freed_storage_is_never_proven_even_at_the_same_address(tracker):
+    t = randn(N)
+    mark = marked(tracker, t)
+    address = t.data_ptr()
+    del t
+    u = torch.zeros(N)  # often the same address (glibc reuses the mapping's place)
+    tracker.begin()
+    assert not whole(tracker, mark, u)
+    if u.data_ptr() == address:  # the storage's identity, not the address, decides
+        assert not tracker.unwritten(mark, u, 0, PAGE)
+
+
+def test_another_storage_or_range_outside_the_mark_is_not_proven(tracker):
+    a, b = randn(N), randn(N)
+    mark = marked(tracker, a)
+    tracker.begin()
+    assert not whole(tracker, mark, b)
+    assert not tracker.unwritten(mark, a, 0, a.nbytes + 1)
+    assert not tracker.unwritten(mark, a, 10, 10)
+    assert not tracker.unwritten(None, a, 0, 16)
+
+
+def test_memory_others_can_write_is_not_tracked(tracker, tmp_path):
+    shared = randn(N).share_memory_()
+    assert tracker.protect(shared) is None
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"\0" * (N * 4))
+    with open(path, "r+b") as f:
+        m = mmap.mmap(f.fileno(), N * 4, flags=mmap.MAP_PRIVATE)  # private, but the file shows through
+        t = torch.frombuffer(m, dtype=torch.float32)
+        assert tracker.protect(t) is None
+        del t
+        m.close()
+
+
+def test_small_strided_and_device_less_tensors_are_not_tracked(tracker):
+    assert tracker.protect(torch.randn(1000)) is None
+    assert tracker.protect(torch.randn(2048, 1024).t()) is None
+    assert tracker.protect(torch.empty(0)) is None
+
+
+def test_views_sharing_pages_each_see_the_others_writes(tracker):
+    base = randn(2 * N)
+    left, right = base[:N + 100], base[N + 100:]  # a page holds the end of one and the start of the other
+    ml, mr = marked(tracker, left), tracker.protect(right)
+    ctypes.memset(right.data_ptr(), 7, 4)  # the shared page, through the right view
+    tracker.begin()
+    assert not whole(tracker, ml, left) and not whole(tracker, mr, right)
+    assert tracker.unwritten(ml, left, 0, N * 4 - 2 * PAGE)
+
+
+def test_a_forked_child_starts_its_own_tracker(tracker):
+    t = randn(N)
+    mark = marked(tracker, t)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        ok = 0
+        try:
+            child = wt.write_tracker()
+            child_t = randn(N)
+            child_mark = marked(child, child_t) if child is not None else None
+            child_t.numpy()[3] = 1.0
+            child.begin()
+            ok = int(child is not tracker and not whole(child, child_mark, child_t))
+        finally:
+            os.write(w, bytes([ok]))
+            os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"\x01"
+    os.close(r)
+    os.waitpid(pid, 0)
+    tracker.begin()
+    assert whole(tracker, mark, t)  # the child's writes were its own copies
+
+
+def test_off_by_environment(monkeypatch):
+    monkeypatch.setenv(wt.ENV, "0")
+    assert wt.write_tracker() is None
+
+
+def test_a_numpy_view_of_the_same_memory_is_covered(tracker):
+    t = randn(N)
+    mark = marked(tracker, t)
+    arr = np.frombuffer((ctypes.c_char * t.nbytes).from_address(t.data_ptr()), dtype=np.float32)
+    arr[-1] = 0.5
+    tracker.begin()
+    assert not tracker.unwritten(mark, t, t.nbytes - 4, t.nbytes)
