@@ -56,20 +56,29 @@ def _span(address: int, nbytes: int) -> tuple[int, int]:
     return address // PAGE * PAGE, -(-(address + nbytes) // PAGE) * PAGE
 
 
-def _private_anonymous(lo: int, hi: int) -> bool:
-    """Whether every byte of ``[lo, hi)`` lies in private anonymous mappings (no other mapping of the same pages)."""
-    at = lo
+def _mappings() -> list[tuple[int, int, bool]]:
+    """This process's mappings, by address: (start, end, private and anonymous)."""
+    out = []
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split(maxsplit=5)
             start, end = (int(x, 16) for x in fields[0].split("-"))
-            if end <= at or start >= hi:
-                continue
-            if start > at or fields[1][3] != "p" or fields[4] != "0":
-                return False
-            at = end
-            if at >= hi:
-                return True
+            out.append((start, end, fields[1][3] == "p" and fields[4] == "0"))
+    return out
+
+
+def _private_anonymous(mappings: list[tuple[int, int, bool]], lo: int, hi: int) -> bool:
+    """Whether every byte of ``[lo, hi)`` lies in private anonymous mappings (no other mapping of the same pages:
+    not shared memory, not a file, which would show through a private mapping's unwritten pages)."""
+    at = lo
+    for start, end, private in mappings[max(bisect.bisect_right(mappings, (lo, 1 << 64)) - 1, 0):]:
+        if end <= at:
+            continue
+        if start > at or not private:
+            return False
+        at = end
+        if at >= hi:
+            return True
     return False
 
 
@@ -79,10 +88,12 @@ class WriteTracker:
         self._lock = threading.Lock()
         self._epoch = 0
         self._regions: list[_Region] = []  # disjoint, sorted by lo
+        self._mappings: list[tuple[int, int, bool]] | None = None  # read once per epoch (per save), when needed
 
     def begin(self) -> None:
         with self._lock:
             self._epoch += 1
+            self._mappings = None
             self._regions = [r for r in self._regions if self._refresh(r)]
 
     def _refresh(self, region: _Region) -> bool:
@@ -130,8 +141,17 @@ class WriteTracker:
                 out.append(region)
         return out
 
+    def _checked(self, lo: int, hi: int) -> bool:
+        """Private anonymous memory, by this epoch's reading of the mappings (read again if they miss the range).
+        A tensor a save protects existed when the save began, and its memory stays mapped as it was while it lives,
+        so an earlier reading that covers it describes it."""
+        if self._mappings is not None and _private_anonymous(self._mappings, lo, hi):
+            return True
+        self._mappings = _mappings()
+        return _private_anonymous(self._mappings, lo, hi)
+
     def _add(self, lo: int, hi: int, storage: torch.UntypedStorage) -> bool:
-        if not _private_anonymous(lo, hi) or not self._pages.register(lo, hi):
+        if not self._checked(lo, hi) or not self._pages.register(lo, hi):
             return False
         if self._pages.collect(lo, hi) is None:  # protects every page (the first collect reports them all)
             self._pages.unregister(lo, hi)
