@@ -134,3 +134,39 @@ def test_a_replaced_tensor_at_the_same_place_is_read(tmp_path, hash_calls):
     shardckpt.save(sd, tmp_path / "step-2", incremental=True, incremental_unit=UNIT)
     assert hash_calls.count(UNIT) == BASE * 4 // UNIT
     assert_bits(shardckpt.load_full(tmp_path / "step-2")["base"], torch.zeros(BASE))
+
+
+@pytest.mark.parametrize("saver", ["save", "async"])
+def test_a_tensor_sharing_its_edge_pages_is_proven_and_its_edge_writes_are_saved(tmp_path, hash_calls, saver):
+    """A heap-like tensor (its first and last pages shared with other bytes, which others write): not read while
+    unchanged, and a write to its bytes on a shared page is saved."""
+    import mmap
+
+    m = mmap.mmap(-1, BASE * 4 + 2 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = torch.frombuffer(memoryview(m)[100:100 + BASE * 4], dtype=torch.float32)
+    base.copy_(torch.randn(BASE))
+    sd = {"base": base}
+    async_saver = shardckpt.AsyncSaver() if saver == "async" else None
+
+    def save(step):
+        if async_saver is None:
+            shardckpt.save(sd, tmp_path / f"step-{step}", incremental=True, incremental_unit=UNIT)
+        else:
+            async_saver.save(sd, tmp_path / f"step-{step}", incremental=True, incremental_unit=UNIT).wait()
+
+    try:
+        save(1)
+        save(2)
+        m[0:64] = b"\x05" * 64  # the neighbour's bytes on base's first page
+        hash_calls.clear()
+        save(3)
+        assert hash_calls == [] and new_bytes(tmp_path / "step-3") == 0
+        base[-1] = 123.0  # base's own bytes on its shared last page
+        want = base.clone()
+        save(4)
+        assert new_bytes(tmp_path / "step-4") == UNIT
+        assert_bits(shardckpt.load_full(tmp_path / "step-4")["base"], want)
+    finally:
+        if async_saver is not None:
+            async_saver.close()
+        del sd, base

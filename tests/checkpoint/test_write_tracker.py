@@ -210,3 +210,57 @@ def test_a_numpy_view_of_the_same_memory_is_covered(tracker):
     arr[-1] = 0.5
     tracker.begin()
     assert not tracker.unwritten(mark, t, t.nbytes - 4, t.nbytes)
+
+
+def _off_page(nbytes: int, offset: int = 100):
+    """A float tensor whose storage starts ``offset`` bytes into a page (as a heap allocation does): its first and
+    last pages also hold bytes that are not the storage's (here: the mapping's others)."""
+    m = mmap.mmap(-1, nbytes + 2 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(memoryview(m)[offset:offset + nbytes], dtype=torch.float32)
+    t.copy_(torch.randn(nbytes // 4))
+    return m, t
+
+
+def test_a_neighbour_writing_a_shared_page_does_not_hide_or_fake_a_change(tracker):
+    m, t = _off_page(N * 4)
+    mark = marked(tracker, t)
+    assert mark.edges and sum(len(b) for _, b in mark.edges) < 2 * PAGE
+    m[0:50] = b"\x07" * 50  # the neighbour's bytes on t's first page
+    m[100 + N * 4 + 10] = 1  # and on its last page
+    tracker.begin()
+    assert whole(tracker, mark, t)  # t's own bytes there are as they were
+    t[0] = t[0] + 1  # t's bytes on the shared first page
+    tracker.begin()
+    assert not tracker.unwritten(mark, t, 0, 4)
+    assert tracker.unwritten(mark, t, 2 * PAGE, t.nbytes)  # the rest is untouched
+    t[-1] = t[-1] + 1
+    assert not tracker.unwritten(mark, t, t.nbytes - 4, t.nbytes)
+    del t
+
+
+def test_edge_bytes_that_changed_before_the_save_finished_are_not_trusted(tracker):
+    m, t = _off_page(N * 4)
+    mark = marked(tracker, t)
+    before = t[0].item()
+    t[0] = before + 1  # while the save reads t: the digest may hold either value
+    confirmed = tracker.confirmed(mark, t)
+    assert confirmed.edges is None
+    t[0] = before  # restored: the bytes match the mark's, but the mark is no longer trusted for them
+    tracker.begin()
+    assert not tracker.unwritten(confirmed, t, 0, 4)
+    assert not tracker.unwritten(confirmed, t, t.nbytes - 4, t.nbytes)  # the other edge: not trusted either
+    assert tracker.unwritten(confirmed, t, 2 * PAGE, t.nbytes - 2 * PAGE)
+    assert tracker.confirmed(marked(tracker, t), t).edges  # unchanged edges are kept
+    del t
+
+
+def test_written_own_pages_ignores_the_shared_ones(tracker):
+    m, t = _off_page(N * 4)
+    mark = marked(tracker, t)
+    m[0:8] = b"\x01" * 8
+    tracker.begin()
+    assert not tracker.written_own_pages(mark, t, 0, t.nbytes)
+    t[N // 2] = 0.0
+    tracker.begin()
+    assert tracker.written_own_pages(mark, t, 0, t.nbytes)
+    del t

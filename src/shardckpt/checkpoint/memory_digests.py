@@ -10,7 +10,6 @@ as for a digest hashed now. A save that fails forgets what it was told (the next
 """
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -19,7 +18,6 @@ from typing import Any, Iterator
 
 import torch
 
-from shardckpt.checkpoint.page_writes import PAGE
 from shardckpt.checkpoint.units import UnitPiece
 from shardckpt.checkpoint.window_hash import version_hint
 from shardckpt.checkpoint.write_tracker import Mark, WriteTracker, write_tracker
@@ -49,7 +47,7 @@ class _Memory:
         self._tracker, self._staged, self._previous = tracker, staged, previous
         self._marks: dict[str, tuple[tuple, Mark | None]] = {}
         self._ended = False
-        self._edges: dict[tuple[str, Span], list[tuple[int, int, bytes]]] = {}  # a WRITTEN unit's shared-page bytes
+        self._written: set[tuple[str, Span]] = set()  # units recall answered WRITTEN
         self.learned: dict[str, _Piece] = {}
 
     def _base(self, unit: UnitPiece) -> torch.Tensor | None:
@@ -82,58 +80,37 @@ class _Memory:
             return old.digests[span]
         same_memory = old.hint[:-1] == hint[:-1] and not old.mark.storage.expired() and \
             old.mark.cdata == mark.cdata  # the same view of the same storage: only the version may differ
-        if not same_memory:
-            return None
-        inner, edges = _split(base, span)
         # Only a write seen on the unit's own pages says "written": pages shared with other memory are written by
         # others too, and a moved version counter is the whole tensor's (one row of an embedding changed).
-        if inner is None or self._tracker.unwritten(old.mark, base, *inner):
+        if not same_memory or not self._tracker.written_own_pages(old.mark, base, *span):
             return None
-        self._edges[(unit.name, span)] = [(a, b, _read(base, a, b)) for a, b in edges]
+        self._written.add((unit.name, span))
         return WRITTEN
 
     def unmoved(self, unit: UnitPiece) -> bool:
-        """Whether a unit written unhashed was not written by anyone while this save read it: its own pages
-        unwritten since the mark, its bytes on pages shared with other memory as they were before."""
+        """Whether a unit written unhashed was not written by anyone while this save read it."""
         base = self._base(unit)
-        mark = self._marks.get(unit.name, (None, None))[1] if base is not None else None
         span = _span(base, unit.data) if base is not None else None
-        if mark is None or (unit.name, span) not in self._edges:
+        if (unit.name, span) not in self._written:
             return False
         if not self._ended:
             self._tracker.begin()  # stamps what was written since the marks
             self._ended = True
-        inner, _ = _split(base, span)
-        return (inner is None or self._tracker.unwritten(mark, base, *inner)) and \
-            all(_read(base, a, b) == before for a, b, before in self._edges[(unit.name, span)])
+        return self._tracker.unwritten(self._marks[unit.name][1], base, *span)
 
     def learn(self, units: list[UnitPiece], digests: list[bytes | None]) -> None:
+        """Keep each unit's digest, once the save read all it needed (the marks' edge bytes confirmed)."""
+        confirmed: dict[str, Mark | None] = {}
         for unit, digest in zip(units, digests):
             base = self._base(unit)
             if base is None or digest is None:
                 continue
             hint, mark = self._marked(unit.name, base)
-            if mark is not None:
-                self.learned.setdefault(unit.name, _Piece(hint, mark, {})).digests[_span(base, unit.data)] = digest
-
-
-def _split(base: torch.Tensor, span: Span) -> tuple[Span | None, list[Span]]:
-    """``span`` (offsets from ``base``'s data pointer) as its part on pages that hold only the storage's bytes
-    (None if none) and the parts on pages shared with the allocator's or other objects' memory (at most a page
-    each side)."""
-    storage = base.untyped_storage()
-    start, end = storage.data_ptr() - base.data_ptr(), storage.data_ptr() + storage.nbytes() - base.data_ptr()
-    own_lo, own_hi = -(-(base.data_ptr() + start) // PAGE) * PAGE - base.data_ptr(), \
-        (base.data_ptr() + end) // PAGE * PAGE - base.data_ptr()
-    lo, hi = span
-    inner = (max(lo, own_lo), min(hi, own_hi))
-    if inner[0] >= inner[1]:
-        return None, [span]
-    return inner, [e for e in ((lo, inner[0]), (inner[1], hi)) if e[0] < e[1]]
-
-
-def _read(base: torch.Tensor, lo: int, hi: int) -> bytes:
-    return ctypes.string_at(base.data_ptr() + lo, hi - lo)
+            if unit.name not in confirmed:
+                confirmed[unit.name] = self._tracker.confirmed(mark, base)
+            if confirmed[unit.name] is not None:
+                piece = self.learned.setdefault(unit.name, _Piece(hint, confirmed[unit.name], {}))
+                piece.digests[_span(base, unit.data)] = digest
 
 
 def _span(base: torch.Tensor, view: torch.Tensor) -> Span:

@@ -84,6 +84,7 @@ class WindowHasher:
     digests: dict[str, dict[Bounds, bytes]] = field(default_factory=dict)
     _pool: ThreadPoolExecutor | None = None
     _tracker: WriteTracker | None = field(default_factory=write_tracker)
+    _read: dict[str, torch.Tensor] = field(default_factory=dict)  # the pieces marked, until the window ends
 
     def __post_init__(self) -> None:
         if self._tracker is not None:
@@ -101,6 +102,7 @@ class WindowHasher:
         hint = self.hints[piece.name] = version_hint(t)
         # before the piece is hashed or staged: what this window reads of it holds its value at the mark
         self.marks[piece.name] = self._tracker.protect(t) if self._tracker is not None else None
+        self._read[piece.name] = t
         recorded = self.previous.pieces.get(piece.name) if self.previous is not None else None
         if recorded is None or recorded.hint != hint or not _tiles(recorded.units, piece):
             return False
@@ -120,6 +122,9 @@ class WindowHasher:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        for name, t in self._read.items():  # every piece is staged or hashed by now
+            self.marks[name] = WriteTracker.confirmed(self.marks[name], t)
+        self._read.clear()
         return Prehashed(self.previous.key, self.digests) if self.digests else None
 
     @property

@@ -8,7 +8,9 @@ value at the mark. ``unwritten(mark, t, lo, hi)`` later says that bytes ``[lo, h
 data pointer) still hold that value: the same storage, alive all along (its memory never freed and reused), every
 page under the range tracked all along, and none stamped after the mark's epoch. A write after the mark is stamped
 with a later epoch at the next ``begin()``; a write before it was read with the bytes. Each answer errs only towards
-"written".
+"written". The first and last pages of an allocation in the heap also hold the allocator's and other objects' bytes,
+which others write all the time: ``t``'s bytes there (under a page each side) are kept in the mark and compared
+instead (``confirmed(mark, t)`` once the save has read ``t``: kept only if they did not change meanwhile).
 
 What the kernel does not see, this cannot: memory another process or a device writes through its own mapping.
 So only private anonymous memory is tracked (not shared memory, not a file mapping), never pinned memory (devices
@@ -18,6 +20,8 @@ through any route, bumps that).
 from __future__ import annotations
 
 import bisect
+import ctypes
+import dataclasses
 import os
 import threading
 from dataclasses import dataclass
@@ -32,16 +36,40 @@ MIN_BYTES = 256 << 10  # smaller tensors are hashed (tracking one costs about wh
 ENV = "SHARDCKPT_WRITE_TRACKING"  # "0" turns tracking off (every unit is hashed)
 
 
+Edges = tuple  # ((address, bytes), ...): a tensor's bytes on pages it shares with other memory
+
+
 @dataclass(frozen=True)
 class Mark:
     """The epoch of ``t``'s protection, its storage (a weak reference: a storage freed and its memory reused fails
-    the check), and the bytes it covered."""
+    the check), the bytes it covered, and its bytes on pages shared with other memory, as read then (None once they
+    were seen to change before the save had read the rest: ``confirmed``)."""
 
     epoch: int
     storage: StorageWeakRef
     cdata: int
     address: int
     nbytes: int
+    edges: Edges | None = None
+
+
+def own_pages(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses ``[lo, hi)`` of the whole pages that hold only bytes of ``t``'s storage (possibly empty). The
+    pages around them hold the allocator's or other objects' bytes too, which others write: those pages' bytes of
+    ``t`` (under a page each side) are compared, not tracked."""
+    storage = t.untyped_storage()
+    return -(-storage.data_ptr() // PAGE) * PAGE, (storage.data_ptr() + storage.nbytes()) // PAGE * PAGE
+
+
+def _outside(lo: int, hi: int, own: tuple[int, int]) -> list[tuple[int, int]]:
+    """The parts of ``[lo, hi)`` (addresses) outside ``own``."""
+    parts = [(lo, min(hi, own[0])), (max(lo, own[1]), hi)] if own[0] < own[1] else [(lo, hi)]
+    return [(a, b) for a, b in parts if a < b]
+
+
+def _read_edges(t: torch.Tensor) -> Edges:
+    return tuple((a, ctypes.string_at(a, b - a)) for a, b in _outside(t.data_ptr(), t.data_ptr() + t.nbytes,
+                                                                        own_pages(t)))
 
 
 @dataclass
@@ -119,7 +147,16 @@ class WriteTracker:
             for start, end in self._gaps(lo, hi):
                 if not self._add(start, end, storage):
                     return None
-            return Mark(self._epoch, StorageWeakRef(storage), storage._cdata, t.data_ptr(), t.nbytes)
+            epoch = self._epoch
+        return Mark(epoch, StorageWeakRef(storage), storage._cdata, t.data_ptr(), t.nbytes, _read_edges(t))
+
+    @staticmethod
+    def confirmed(mark: Mark | None, t: torch.Tensor) -> Mark | None:
+        """``mark``, once the save read what it needed of ``t``: its edge bytes kept only if they did not change
+        meanwhile (else a digest taken in between may hold other edge bytes than the mark)."""
+        if mark is None or mark.edges is None or _read_edges(t) == mark.edges:
+            return mark
+        return dataclasses.replace(mark, edges=None)
 
     def _gaps(self, lo: int, hi: int) -> list[tuple[int, int]]:
         gaps, at = [], lo
@@ -161,23 +198,49 @@ class WriteTracker:
         return True
 
     def unwritten(self, mark: Mark | None, t: torch.Tensor, lo: int, hi: int) -> bool:
-        """Whether bytes ``[lo, hi)`` of ``t`` (from its data pointer) hold the value they had at ``mark``."""
+        """Whether bytes ``[lo, hi)`` of ``t`` (from its data pointer) hold the value they had at ``mark``: on the
+        storage's own pages, none stamped after the mark; on pages shared with other memory, the same bytes."""
         if mark is None or mark.storage.expired() or not t.is_cpu or t.untyped_storage()._cdata != mark.cdata:
             return False
         address = t.data_ptr()
         if not (mark.address <= address + lo and address + hi <= mark.address + mark.nbytes and lo < hi):
             return False
-        start, end = _span(address + lo, hi - lo)
+        own = own_pages(t)
+        inner = (max(address + lo, own[0]), min(address + hi, own[1]))
+        if inner[0] < inner[1] and not self._unstamped(mark.epoch, *_span(inner[0], inner[1] - inner[0])):
+            return False
+        return all(_same_bytes(mark.edges, a, b) for a, b in _outside(address + lo, address + hi, own))
+
+    def written_own_pages(self, mark: Mark | None, t: torch.Tensor, lo: int, hi: int) -> bool:
+        """Whether some of the storage's own pages under bytes ``[lo, hi)`` of ``t`` were stamped after ``mark``
+        (seen written: not merely a neighbour's write on a shared page)."""
+        own = own_pages(t)
+        inner = (max(t.data_ptr() + lo, own[0]), min(t.data_ptr() + hi, own[1]))
+        return mark is not None and inner[0] < inner[1] and \
+            not self._unstamped(mark.epoch, *_span(inner[0], inner[1] - inner[0]))
+
+    def _unstamped(self, epoch: int, lo: int, hi: int) -> bool:
+        """Every page of ``[lo, hi)`` (page-aligned: a partial page would be left out) tracked all along and none
+        stamped after ``epoch``."""
+        assert lo % PAGE == 0 and hi % PAGE == 0, (lo, hi)
         with self._lock:
-            at = start
-            for region in self._overlapping(start, end):
+            at = lo
+            for region in self._overlapping(lo, hi):
                 if region.lo > at:
                     return False
-                stop = min(region.hi, end)
-                if region.stamps[(at - region.lo) // PAGE:(stop - region.lo) // PAGE].max() > mark.epoch:
+                stop = min(region.hi, hi)
+                if region.stamps[(at - region.lo) // PAGE:(stop - region.lo) // PAGE].max() > epoch:
                     return False
                 at = stop
-            return at == end
+            return at == hi
+
+
+def _same_bytes(edges: Edges | None, lo: int, hi: int) -> bool:
+    """Whether ``[lo, hi)`` lies in one of ``edges`` and holds the same bytes now."""
+    for at, before in edges or ():
+        if at <= lo and hi <= at + len(before):
+            return ctypes.string_at(lo, hi - lo) == before[lo - at:hi - at]
+    return False
 
 
 def _trackable(t: torch.Tensor) -> bool:
