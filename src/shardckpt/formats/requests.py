@@ -56,7 +56,7 @@ def check_request(infos: Mapping[str, TensorInfo], request: ReadRequest, where: 
 def _check_storage(dest: torch.Tensor, name: str) -> None:
     """A destination's storage holds its elements: one resized below them after the tensor was made
     (``untyped_storage().resize_``) would be written past its end (readers copy into its memory directly)."""
-    if dest.numel() and dest.device.type != "meta":
+    if dest.numel():  # (a meta destination with elements was refused above)
         need = (dest.storage_offset() + dest.numel()) * dest.element_size()
         have = dest.untyped_storage().nbytes()
         if have < need:

@@ -154,7 +154,7 @@ class CheckpointManager:
 
     def _persisted(self, step: int) -> None:
         """``step`` is in tier 2: the failures of older steps no longer leave tier 0 the only copy of the newest."""
-        for older in [s for s in list(self._failed) if s < step]:
+        for older in [s for s in self._failed if s < step]:
             self._failed.pop(older, None)
 
     def _replicate_and_upload(self, step: int, data: bytes, handle: TierSave) -> None:
