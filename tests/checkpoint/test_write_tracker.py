@@ -264,3 +264,18 @@ def test_written_own_pages_ignores_the_shared_ones(tracker):
     tracker.begin()
     assert tracker.written_own_pages(mark, t, 0, t.nbytes)
     del t
+
+
+@pytest.mark.parametrize("then_read", [False, True])
+def test_pages_discarded_under_a_live_tensor_are_not_unwritten(tracker, then_read):
+    """madvise(MADV_DONTNEED) leaves zeros and no write (and a read after it maps the shared zero page)."""
+    t = randn(N)
+    mark = marked(tracker, t)
+    libc = ctypes.CDLL(None, use_errno=True)
+    at = t.data_ptr() + 8 * PAGE
+    assert libc.madvise(ctypes.c_void_p(at), ctypes.c_size_t(2 * PAGE), 4) == 0  # MADV_DONTNEED
+    if then_read:
+        assert t[8 * PAGE // 4].item() == 0.0
+    tracker.begin()
+    assert not tracker.unwritten(mark, t, 8 * PAGE, 9 * PAGE)
+    assert tracker.unwritten(mark, t, 0, 8 * PAGE) and tracker.unwritten(mark, t, 10 * PAGE, t.nbytes)

@@ -23,7 +23,7 @@ _UFFD_API = 0xAA
 _WP_UNPOPULATED, _WP_ASYNC = 1 << 13, 1 << 15  # UFFD_FEATURE_*
 _MODE_WP = 1 << 1  # UFFDIO_REGISTER_MODE_WP
 _WP_MATCHING, _CHECK_WPASYNC = 1 << 0, 1 << 1  # PM_SCAN_* flags
-_IS_WRITTEN = 1 << 1  # PAGE_IS_WRITTEN (a category)
+_IS_WRITTEN, _IS_PRESENT, _IS_PFNZERO = 1 << 1, 1 << 3, 1 << 5  # PAGE_IS_* categories
 _VEC = 512  # page_region entries per scan call
 
 
@@ -76,12 +76,13 @@ class PageWrites:
     def unregister(self, lo: int, hi: int) -> None:
         self._ioctl(self._uffd, _UFFDIO_UNREGISTER, _Range(lo, hi - lo))  # a range already unmapped: nothing to do
 
-    def _scan(self, lo: int, hi: int, flags: int, category: int) -> list[tuple[int, int]] | None:
+    def _scan(self, lo: int, hi: int, flags: int, category: int, inverted: int = 0,
+              anyof: int = 0) -> list[tuple[int, int]] | None:
         out: list[tuple[int, int]] = []
         at = lo
         while at < hi:
-            arg = _Scan(ctypes.sizeof(_Scan), flags, at, hi, 0, ctypes.addressof(self._vec), _VEC, 0, 0, category,
-                        0, category)
+            arg = _Scan(ctypes.sizeof(_Scan), flags, at, hi, 0, ctypes.addressof(self._vec), _VEC, 0, inverted,
+                        category, anyof, category | anyof)
             n = self._ioctl(self._pagemap, _PAGEMAP_SCAN, arg)
             if n < 0:
                 return None
@@ -96,6 +97,13 @@ class PageWrites:
         step; None if any part is not registered (then some pages may have been protected and their writes lost:
         the caller forgets the whole range)."""
         return self._scan(lo, hi, _WP_MATCHING | _CHECK_WPASYNC, _IS_WRITTEN)
+
+    def discarded(self, lo: int, hi: int) -> list[tuple[int, int]] | None:
+        """The page ranges of ``[lo, hi)`` not mapped to a page of their own: not present (never touched, swapped
+        out, migrating, or zapped by ``madvise(MADV_DONTNEED)``, which leaves zeros) or mapping the shared zero page
+        (a zapped page read since). A zap of private anonymous memory also shows as written here (6.18); a page
+        whose protection a marker kept would not, so these count as changed too. Nothing is protected."""
+        return self._scan(lo, hi, 0, 0, inverted=_IS_PRESENT, anyof=_IS_PRESENT | _IS_PFNZERO)
 
     def close(self) -> None:
         for fd in (self._uffd, self._pagemap):

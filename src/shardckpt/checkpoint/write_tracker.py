@@ -78,6 +78,7 @@ class _Region:
     hi: int
     owner: StorageWeakRef  # the storage it was made for: unregistered once that is freed
     stamps: np.ndarray  # per page: the last epoch that saw it written (or the region made)
+    discards: np.ndarray  # per page: the last epoch that saw it without a page of its own (``discarded``)
 
 
 def _span(address: int, nbytes: int) -> tuple[int, int]:
@@ -131,10 +132,12 @@ class WriteTracker:
         # The owner is alive, so the pages under its bytes are mapped: a mapping made there anew (not registered)
         # fails the collect, and the region is forgotten.
         written = self._pages.collect(region.lo, region.hi)
-        if written is None:
+        discarded = self._pages.discarded(region.lo, region.hi) if written is not None else None
+        if discarded is None:
             return False
-        for start, end in written:
-            region.stamps[(start - region.lo) // PAGE:(end - region.lo) // PAGE] = self._epoch
+        for stamps, ranges in ((region.stamps, written), (region.discards, discarded)):
+            for start, end in ranges:
+                stamps[(start - region.lo) // PAGE:(end - region.lo) // PAGE] = self._epoch
         return True
 
     def protect(self, t: torch.Tensor) -> Mark | None:
@@ -193,7 +196,9 @@ class WriteTracker:
         if self._pages.collect(lo, hi) is None:  # protects every page (the first collect reports them all)
             self._pages.unregister(lo, hi)
             return False
-        region = _Region(lo, hi, StorageWeakRef(storage), np.full((hi - lo) // PAGE, self._epoch, dtype=np.int32))
+        pages = (hi - lo) // PAGE
+        region = _Region(lo, hi, StorageWeakRef(storage), np.full(pages, self._epoch, dtype=np.int32),
+                         np.full(pages, self._epoch, dtype=np.int32))
         bisect.insort(self._regions, region, key=lambda r: r.lo)
         return True
 
@@ -207,7 +212,7 @@ class WriteTracker:
             return False
         own = own_pages(t)
         inner = (max(address + lo, own[0]), min(address + hi, own[1]))
-        if inner[0] < inner[1] and not self._unstamped(mark.epoch, *_span(inner[0], inner[1] - inner[0])):
+        if inner[0] < inner[1] and not self._unstamped(mark.epoch, *_span(inner[0], inner[1] - inner[0]), True):
             return False
         return all(_same_bytes(mark.edges, a, b) for a, b in _outside(address + lo, address + hi, own))
 
@@ -219,19 +224,19 @@ class WriteTracker:
         return mark is not None and inner[0] < inner[1] and \
             not self._unstamped(mark.epoch, *_span(inner[0], inner[1] - inner[0]))
 
-    def _unstamped(self, epoch: int, lo: int, hi: int) -> bool:
+    def _unstamped(self, epoch: int, lo: int, hi: int, discards: bool = False) -> bool:
         """Every page of ``[lo, hi)`` (page-aligned: a partial page would be left out) tracked all along and none
-        stamped after ``epoch``."""
+        stamped written after ``epoch`` (nor, with ``discards``, seen discarded: zeros without a write)."""
         assert lo % PAGE == 0 and hi % PAGE == 0, (lo, hi)
         with self._lock:
             at = lo
             for region in self._overlapping(lo, hi):
                 if region.lo > at:
                     return False
-                stop = min(region.hi, hi)
-                if region.stamps[(at - region.lo) // PAGE:(stop - region.lo) // PAGE].max() > epoch:
+                a, b = (at - region.lo) // PAGE, (min(region.hi, hi) - region.lo) // PAGE
+                if region.stamps[a:b].max() > epoch or (discards and region.discards[a:b].max() > epoch):
                     return False
-                at = stop
+                at = min(region.hi, hi)
             return at == hi
 
 
