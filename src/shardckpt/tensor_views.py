@@ -1,6 +1,8 @@
 """The torch side of region math: byte views of tensors and strided views of region pieces."""
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from shardckpt.regions import StridedView
@@ -30,3 +32,9 @@ def from_bytes(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) ->
     if raw.numel() == 0:
         return torch.empty(shape, dtype=dtype, device=raw.device)
     return raw.view(dtype).reshape(shape)
+
+
+def host_memory(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, read in place through its address: unlike ``.numpy()``, this does not mark
+    the caller's storage as not resizable (code that frees storage with ``resize_(0)`` keeps working)."""
+    return memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B")

@@ -4,6 +4,7 @@ is read, hashed and, if changed, written; what loads is always exactly what was 
 from __future__ import annotations
 
 import ctypes
+import shutil
 
 import pytest
 import torch
@@ -169,4 +170,131 @@ def test_a_tensor_sharing_its_edge_pages_is_proven_and_its_edge_writes_are_saved
     finally:
         if async_saver is not None:
             async_saver.close()
-        del sd, base
+
+
+def test_a_forked_childs_save_does_not_trust_the_parents_marks(tmp_path):
+    """Saving a fork's copy-on-write snapshot while the parent trains: the child's tracker is its own."""
+    import os
+
+    sd = state()
+    for step in (1, 2):
+        shardckpt.save(sd, tmp_path / f"step-{step}", incremental=True, incremental_unit=UNIT)
+    sd["base"].numpy()[:] = 42.0  # no version bump
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - reports by exit status
+        code = 1
+        try:
+            shardckpt.save(sd, tmp_path / "step-3", incremental=True, incremental_unit=UNIT)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert_bits(shardckpt.load_full(tmp_path / "step-3"), sd)
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _io_uring() -> int:
+    params = ctypes.create_string_buffer(120)  # struct io_uring_params, zeroed
+    ring = ctypes.CDLL(None, use_errno=True).syscall(425, 4, params)  # io_uring_setup (x86_64 and aarch64)
+    if ring < 0:
+        pytest.skip("io_uring is not available here")
+    return ring
+
+
+def test_tracking_pauses_while_a_tensor_is_registered_with_an_io_uring(tmp_path, hash_calls):
+    """io_uring fixed buffers (and RDMA, VFIO registrations) are written by the kernel or a device through pinned
+    pages, without a fault: while the process has any, every unit is hashed."""
+    import os
+
+    sd = state()
+    for step in (1, 2):
+        shardckpt.save(sd, tmp_path / f"step-{step}", incremental=True, incremental_unit=UNIT)
+    ring = _io_uring()
+    try:
+        hash_calls.clear()
+        shardckpt.save(sd, tmp_path / "step-3", incremental=True, incremental_unit=UNIT)
+        assert UNIT not in hash_calls  # a ring without buffers (libuv's, in torch's TCPStore) changes nothing
+        iov = _Iovec(sd["base"].data_ptr(), sd["base"].nbytes)
+        assert ctypes.CDLL(None).syscall(427, ring, 0, ctypes.byref(iov), 1) == 0  # IORING_REGISTER_BUFFERS
+        hash_calls.clear()
+        shardckpt.save(sd, tmp_path / "step-4", incremental=True, incremental_unit=UNIT)
+        assert hash_calls.count(UNIT) == BASE * 4 // UNIT  # the base read again: nothing proven
+    finally:
+        os.close(ring)
+    shardckpt.save(sd, tmp_path / "step-5", incremental=True, incremental_unit=UNIT)
+    hash_calls.clear()
+    shardckpt.save(sd, tmp_path / "step-6", incremental=True, incremental_unit=UNIT)
+    assert UNIT not in hash_calls  # closed: tracked again
+    assert_bits(shardckpt.load_full(tmp_path / "step-6"), sd)
+
+
+def test_a_zapped_range_saves_its_zeros_without_a_spurious_error(tmp_path):
+    sd = state()
+    for step in (1, 2):
+        shardckpt.save(sd, tmp_path / f"step-{step}", incremental=True, incremental_unit=UNIT)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.madvise(ctypes.c_void_p(sd["base"].data_ptr() + 2 * UNIT), ctypes.c_size_t(UNIT), 4) == 0
+    want = snapshot(sd)
+    assert not want["base"][2 * UNIT // 4:3 * UNIT // 4].any()
+    shardckpt.save(sd, tmp_path / "step-3", incremental=True, incremental_unit=UNIT)
+    shardckpt.save(sd, tmp_path / "step-4", incremental=True, incremental_unit=UNIT)
+    assert_bits(shardckpt.load_full(tmp_path / "step-4"), want)
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_a_saved_storage_can_still_be_freed_by_resizing(tmp_path, incremental):
+    """FSDP-style code frees a parameter's memory with ``untyped_storage().resize_(0)``: a save must not pin it."""
+    t = torch.randn(BASE)
+    for step in (1, 2):
+        shardckpt.save({"w": t}, tmp_path / f"step-{step}", incremental=incremental, overwrite=True)
+    t.untyped_storage().resize_(0)
+
+
+def test_incompressible_units_save_with_zstd(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    sd = {"noise": torch.randint(0, 256, (BASE * 4,), dtype=torch.uint8, generator=g)}
+    for step in (1, 2):
+        shardckpt.save(sd, tmp_path / f"step-{step}", incremental=True, incremental_unit=UNIT, compress="zstd")
+    assert_bits(shardckpt.load_full(tmp_path / "step-2"), sd)
+
+
+def test_a_thread_writing_during_sync_saves_never_commits_a_torn_or_unreadable_unit(tmp_path):
+    """Each committed step holds, unit by unit, one value the writer thread set; a save that saw a change raised."""
+    import threading
+    import time
+
+    w = page_aligned(torch.zeros(BASE))
+    stop = threading.Event()
+
+    def writer():
+        k = 0
+        while not stop.is_set():
+            k = k % 250 + 1
+            for u in (1, 5, 9):
+                ctypes.memset(w.data_ptr() + u * UNIT, k, UNIT)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    committed, end = [], time.monotonic() + 3
+    try:
+        while time.monotonic() < end:
+            path = tmp_path / f"step-{len(committed) + 1000}"
+            try:
+                shardckpt.save({"w": w}, path, incremental=True, incremental_unit=UNIT)
+                committed.append(path)
+            except shardckpt.CheckpointError as e:
+                assert "changed while it was being saved" in str(e)
+                shutil.rmtree(path, ignore_errors=True)
+                committed.append(None)
+    finally:
+        stop.set()
+        thread.join()
+    for path in filter(None, committed):
+        got = shardckpt.load_full(path)["w"].view(torch.uint8)
+        for u in (1, 5, 9):
+            unit = got[u * UNIT:(u + 1) * UNIT]
+            assert bool((unit == unit[0]).all()), f"{path}: unit {u} is torn"

@@ -145,6 +145,7 @@ def test_another_storage_or_range_outside_the_mark_is_not_proven(tracker):
 
 
 def test_memory_others_can_write_is_not_tracked(tracker, tmp_path):
+    tracker.begin()
     shared = randn(N).share_memory_()
     assert tracker.protect(shared) is None
     path = tmp_path / "f.bin"
@@ -158,6 +159,7 @@ def test_memory_others_can_write_is_not_tracked(tracker, tmp_path):
 
 
 def test_small_strided_and_device_less_tensors_are_not_tracked(tracker):
+    tracker.begin()
     assert tracker.protect(torch.randn(1000)) is None
     assert tracker.protect(torch.randn(2048, 1024).t()) is None
     assert tracker.protect(torch.empty(0)) is None

@@ -52,6 +52,7 @@ from shardckpt.format.pool import PoolInfo
 from shardckpt.formats.native.pool import pool_storage
 from shardckpt.io import LocalStorage, Storage, lifecycle
 from shardckpt.regions import flat_bounds
+from shardckpt.tensor_views import host_memory
 
 log = logging.getLogger("shardckpt")
 
@@ -252,8 +253,8 @@ def _hashed(setup: _RankSetup, pieces: list[UnitPiece], memory: Any) -> list[byt
     """Each unit's digest: remembered from an earlier save where the write tracker proves the caller's memory
     unwritten since (``checkpoint.memory_digests``); None for a unit it saw written (written again, its digest
     the writer's: hashing it first would only find it changed); else hashed now."""
-    def one(piece: UnitPiece) -> bytes:
-        return chunk_hash(setup.key, unit_bytes_of(piece).numpy())
+    def one(piece: UnitPiece) -> bytes:  # read through the address: .numpy() would pin the caller's storage size
+        return chunk_hash(setup.key, host_memory(unit_bytes_of(piece)))
 
     out = [memory.recall(p) for p in pieces]
     now = [i for i, digest in enumerate(out) if digest is None]
@@ -298,7 +299,7 @@ def _recopied(setup: _RankSetup, window: Any, piece: UnitPiece) -> tuple[UnitPie
     the pool key, if the copy holds the value of the instant async_save returned (its window digest)."""
     data = piece.data.clone()
     copy = dataclasses.replace(piece, data=data)
-    raw = unit_bytes_of(copy).numpy()
+    raw = host_memory(unit_bytes_of(copy))
     if chunk_hash(window.key, raw) != _window_digest(window, piece):
         raise CheckpointError(f"tensor {piece.name!r} changed after async_save returned, and its unchanged bytes "
                               "could not be referenced (a collector or another save replaced the previous step's "

@@ -10,6 +10,7 @@ as for a digest hashed now. A save that fails forgets what it was told (the next
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -96,7 +97,8 @@ class _Memory:
         if not self._ended:
             self._tracker.begin()  # stamps what was written since the marks
             self._ended = True
-        return self._tracker.unwritten(self._marks[unit.name][1], base, *span)
+        # written, not discarded: the pages this save's writer read were zero pages if they were zapped before
+        return self._tracker.unwritten(self._marks[unit.name][1], base, *span, discards=False)
 
     def learn(self, units: list[UnitPiece], digests: list[bytes | None]) -> None:
         """Keep each unit's digest, once the save read all it needed (the marks' edge bytes confirmed)."""
@@ -132,3 +134,14 @@ def remembering(key: bytes, staged: Any) -> Iterator[_Memory]:
         _by_key[key] = memory.learned
         while len(_by_key) > KEEP_POOLS:
             _by_key.popitem(last=False)
+
+
+def _forget_in_child() -> None:
+    """A forked child's tracker is its own (``write_tracker``): the parent's marks prove nothing there."""
+    global _lock
+    _by_key.clear()
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)

@@ -19,7 +19,6 @@ save's window read them (``checkpoint.write_tracker``), the digest recorded then
 """
 from __future__ import annotations
 
-import ctypes
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,6 +29,7 @@ from shardckpt.checkpoint.collect import LocalPiece
 from shardckpt.checkpoint.write_tracker import Mark, WriteTracker, write_tracker
 from shardckpt.format.content_hash import chunk_hash
 from shardckpt.regions import flat_bounds
+from shardckpt.tensor_views import host_memory
 
 Bounds = tuple[int, int]  # a unit's global row-major element range [lo, hi)
 INLINE_BYTES = 4 << 20  # a piece this small is hashed in the caller's thread (threads cost more than they save)
@@ -158,12 +158,6 @@ def _tiles(units: dict[Bounds, bytes], piece: LocalPiece) -> bool:
             return False
         at = stop
     return at == hi
-
-
-def host_memory(t: torch.Tensor) -> memoryview:
-    """A contiguous CPU tensor's bytes, read in place through its address: unlike ``.numpy()``, this does not mark
-    the caller's storage as not resizable (code that frees storage with ``resize_(0)`` keeps working)."""
-    return memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B")
 
 
 def _hash_units(key: bytes, t: torch.Tensor, start: int, units: dict[Bounds, bytes],

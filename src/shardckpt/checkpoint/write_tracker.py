@@ -22,6 +22,8 @@ from __future__ import annotations
 import bisect
 import ctypes
 import dataclasses
+import itertools
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -31,6 +33,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from shardckpt.checkpoint.page_writes import PAGE, PageWrites, open_page_writes
+
+log = logging.getLogger("shardckpt")
 
 MIN_BYTES = 256 << 10  # smaller tensors are hashed (tracking one costs about what hashing 64 KiB does)
 ENV = "SHARDCKPT_WRITE_TRACKING"  # "0" turns tracking off (every unit is hashed)
@@ -45,6 +49,7 @@ class Mark:
     the check), the bytes it covered, and its bytes on pages shared with other memory, as read then (None once they
     were seen to change before the save had read the rest: ``confirmed``)."""
 
+    tracker: int  # the tracker's serial: a mark of another tracker (a forked parent's) proves nothing here
     epoch: int
     storage: StorageWeakRef
     cdata: int
@@ -85,22 +90,23 @@ def _span(address: int, nbytes: int) -> tuple[int, int]:
     return address // PAGE * PAGE, -(-(address + nbytes) // PAGE) * PAGE
 
 
-def _mappings() -> list[tuple[int, int, bool]]:
-    """This process's mappings, by address: (start, end, private and anonymous)."""
+def _mappings() -> list[tuple[int, int, bool, str]]:
+    """This process's mappings, by address: (start, end, private and anonymous, name)."""
     out = []
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split(maxsplit=5)
             start, end = (int(x, 16) for x in fields[0].split("-"))
-            out.append((start, end, fields[1][3] == "p" and fields[4] == "0"))
+            name = fields[5].strip() if len(fields) > 5 else ""
+            out.append((start, end, fields[1][3] == "p" and fields[4] == "0", name))
     return out
 
 
-def _private_anonymous(mappings: list[tuple[int, int, bool]], lo: int, hi: int) -> bool:
+def _private_anonymous(mappings: list, lo: int, hi: int) -> bool:
     """Whether every byte of ``[lo, hi)`` lies in private anonymous mappings (no other mapping of the same pages:
     not shared memory, not a file, which would show through a private mapping's unwritten pages)."""
     at = lo
-    for start, end, private in mappings[max(bisect.bisect_right(mappings, (lo, 1 << 64)) - 1, 0):]:
+    for start, end, private, _ in mappings[max(bisect.bisect_right(mappings, (lo, 1 << 64)) - 1, 0):]:
         if end <= at:
             continue
         if start > at or not private:
@@ -111,18 +117,58 @@ def _private_anonymous(mappings: list[tuple[int, int, bool]], lo: int, hi: int) 
     return False
 
 
+_PINNING = ("/dev/infiniband/", "/dev/vfio/")  # devices whose users register (pin) memory for them to write
+
+
+def _pins_possible() -> bool:
+    """Whether this process may hold pages pinned for a device or the kernel to write without a fault: an io_uring
+    with registered (fixed) buffers, an RDMA or VFIO device. Pinning for writing faults each page writable once,
+    which the tracker sees; the writes through the pin after that are not seen. An io_uring without buffers (libuv's,
+    which torch's TCPStore uses) reads into its own memory."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return True
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(_PINNING) or (target == "anon_inode:[io_uring]" and _registers_buffers(fd)):
+                return True
+        except OSError:
+            continue  # closed meanwhile (the listing's own fd, say)
+    return False
+
+
+def _registers_buffers(fd: str) -> bool:
+    with open(f"/proc/self/fdinfo/{fd}") as info:
+        for line in info:
+            if line.startswith("UserBufs:"):
+                return int(line.split()[1]) > 0
+    return True  # a kernel that does not say: assume it does
+
+
+_serials = itertools.count(1)
+
+
 class WriteTracker:
     def __init__(self, pages: PageWrites):
         self._pages = pages
+        self._serial = next(_serials)
         self._lock = threading.Lock()
+        self._trusted = False  # no pinning in the process, as of the epoch's start
         self._epoch = 0
         self._regions: list[_Region] = []  # disjoint, sorted by lo
-        self._mappings: list[tuple[int, int, bool]] | None = None  # read once per epoch (per save), when needed
+        self._mappings: list | None = None  # read once per epoch (per save), when a region is made
 
     def begin(self) -> None:
         with self._lock:
             self._epoch += 1
             self._mappings = None
+            trusted = not _pins_possible()
+            if self._trusted and not trusted:
+                log.info("shardckpt: write tracking paused while this process has io_uring buffers, RDMA or VFIO "
+                         "devices (they write pinned pages without a fault); unchanged tensors are hashed")
+            self._trusted = trusted
             self._regions = [r for r in self._regions if self._refresh(r)]
 
     def _refresh(self, region: _Region) -> bool:
@@ -142,7 +188,7 @@ class WriteTracker:
 
     def protect(self, t: torch.Tensor) -> Mark | None:
         """Track every page under ``t``; None if ``t`` cannot be tracked (then nothing about it is proven)."""
-        if not _trackable(t):
+        if not _trackable(t) or not self._trusted:
             return None
         storage = t.untyped_storage()
         lo, hi = _span(t.data_ptr(), t.nbytes)
@@ -151,7 +197,8 @@ class WriteTracker:
                 if not self._add(start, end, storage):
                     return None
             epoch = self._epoch
-        return Mark(epoch, StorageWeakRef(storage), storage._cdata, t.data_ptr(), t.nbytes, _read_edges(t))
+        return Mark(self._serial, epoch, StorageWeakRef(storage), storage._cdata, t.data_ptr(), t.nbytes,
+                    _read_edges(t))
 
     @staticmethod
     def confirmed(mark: Mark | None, t: torch.Tensor) -> Mark | None:
@@ -202,17 +249,19 @@ class WriteTracker:
         bisect.insort(self._regions, region, key=lambda r: r.lo)
         return True
 
-    def unwritten(self, mark: Mark | None, t: torch.Tensor, lo: int, hi: int) -> bool:
+    def unwritten(self, mark: Mark | None, t: torch.Tensor, lo: int, hi: int, discards: bool = True) -> bool:
         """Whether bytes ``[lo, hi)`` of ``t`` (from its data pointer) hold the value they had at ``mark``: on the
-        storage's own pages, none stamped after the mark; on pages shared with other memory, the same bytes."""
-        if mark is None or mark.storage.expired() or not t.is_cpu or t.untyped_storage()._cdata != mark.cdata:
+        storage's own pages, none stamped after the mark (written, or with ``discards`` also seen without a page of
+        their own: zero pages a read maps after a zap stay so); on pages shared with other memory, the same
+        bytes."""
+        if not self._valid(mark, t):
             return False
         address = t.data_ptr()
         if not (mark.address <= address + lo and address + hi <= mark.address + mark.nbytes and lo < hi):
             return False
         own = own_pages(t)
         inner = (max(address + lo, own[0]), min(address + hi, own[1]))
-        if inner[0] < inner[1] and not self._unstamped(mark.epoch, *_span(inner[0], inner[1] - inner[0]), True):
+        if inner[0] < inner[1] and not self._unstamped(mark.epoch, *_span(inner[0], inner[1] - inner[0]), discards):
             return False
         return all(_same_bytes(mark.edges, a, b) for a, b in _outside(address + lo, address + hi, own))
 
@@ -221,8 +270,13 @@ class WriteTracker:
         (seen written: not merely a neighbour's write on a shared page)."""
         own = own_pages(t)
         inner = (max(t.data_ptr() + lo, own[0]), min(t.data_ptr() + hi, own[1]))
-        return mark is not None and inner[0] < inner[1] and \
+        return self._valid(mark, t) and inner[0] < inner[1] and \
             not self._unstamped(mark.epoch, *_span(inner[0], inner[1] - inner[0]))
+
+    def _valid(self, mark: Mark | None, t: torch.Tensor) -> bool:
+        """A mark this tracker made, of ``t``'s storage still alive, while nothing in the process pins pages."""
+        return mark is not None and mark.tracker == self._serial and self._trusted and t.is_cpu and \
+            not mark.storage.expired() and t.untyped_storage()._cdata == mark.cdata
 
     def _unstamped(self, epoch: int, lo: int, hi: int, discards: bool = False) -> bool:
         """Every page of ``[lo, hi)`` (page-aligned: a partial page would be left out) tracked all along and none

@@ -36,7 +36,7 @@ from shardckpt.format.checksum import combine_block_crcs, crc32c, runs_crc_term
 from shardckpt.format.content_hash import ChunkHasher
 from shardckpt.format.index import BLOCK_SIZE, ChunkRecord, index_to_bytes
 from shardckpt.format.manifest import FileEntry, version_for
-from shardckpt.tensor_views import as_bytes
+from shardckpt.tensor_views import as_bytes, host_memory
 
 ALIGN = 64  # chunk offsets are aligned so that a memory map of the file gives aligned tensors
 WRITE_SIZE = 16 << 20  # bytes written per call (16 checksum blocks, each CRC'd just before, while in cache)
@@ -104,7 +104,7 @@ def _crc_term(piece: Piece, size: int, crc: int, raw: torch.Tensor | None) -> in
     if len(runs) == 1:
         crcs = [crc]
     else:
-        buf = raw.numpy()
+        buf = host_memory(raw)
         crcs = [crc32c(buf[local * size:(local + n) * size]) for _, local, n in runs]
     return runs_crc_term(runs, crcs, size, math.prod(piece.shape))
 
@@ -141,9 +141,10 @@ def _write_raw(sink: _Sink, data: memoryview, block: int) -> None:
     progress = sink.progress
     for lo in range(0, len(data), step):
         part = data[lo:lo + step]
-        crcs = [crc32c(part[k:k + block]) for k in range(0, len(part), block)]
-        if sink.hasher is not None:  # the same bytes as the CRCs, just before they are written
+        if sink.hasher is not None:  # CRC'd, hashed and written from one copy: a caller's thread writing the
+            part = memoryview(bytes(part))  # tensor meanwhile changes the digest (caught), never the CRCs alone
             sink.hasher.update(part)
+        crcs = [crc32c(part[k:k + block]) for k in range(0, len(part), block)]
         sink.write(part)
         progress.blocks.extend(crcs)
         progress.size += len(part)
@@ -158,7 +159,7 @@ def _write_frames(sink: _Sink, data: memoryview, block: int, codec: str, itemsiz
     def encode(lo: int) -> tuple[int, memoryview, int, bytes | None]:
         frame = data[lo:lo + block]
         if sink.hasher is not None:  # hashed in order below: from this copy, the bytes encoded and CRC'd
-            frame = bytes(frame)
+            frame = memoryview(bytes(frame))  # (a view: a frame the codec cannot shrink is written as it is)
         return crc32c(frame), encode_frame(codec, frame, itemsize, level), len(frame), \
             frame if sink.hasher is not None else None
 
@@ -207,7 +208,7 @@ def _write_chunk(sink: _Sink, piece: Piece, compression: Compression | None) -> 
             if length % block:
                 raise ValueError(f"{piece.name!r}: a slice before the last ends mid-block ({length} bytes written, "
                                  f"blocks of {block})")
-            data = memoryview(part.numpy())
+            data = host_memory(part)  # (not .numpy(): that would pin the caller's storage size)
             if codec == RAW:
                 _write_raw(sink, data, block)
             else:
@@ -226,7 +227,7 @@ def _write_one_block(sink: _Sink, piece: Piece, raw: torch.Tensor, itemsize: int
                      ) -> tuple[ChunkRecord, int]:
     """``_write_chunk`` of a small raw chunk of one block, its bytes ``raw`` (the chunks the writes gather), without
     its general machinery: the same bytes, CRC, record and term, a few microseconds per chunk."""
-    data = memoryview(raw.numpy())
+    data = host_memory(raw)
     crc = crc32c(data)
     if sink.hasher is not None:
         sink.hasher.update(data)
