@@ -281,3 +281,16 @@ def test_pages_discarded_under_a_live_tensor_are_not_unwritten(tracker, then_rea
     tracker.begin()
     assert not tracker.unwritten(mark, t, 8 * PAGE, 9 * PAGE)
     assert tracker.unwritten(mark, t, 0, 8 * PAGE) and tracker.unwritten(mark, t, 10 * PAGE, t.nbytes)
+
+
+def test_memory_pinned_anywhere_in_the_process_pauses_tracking(tracker, monkeypatch):
+    """``VmPin``: io_uring buffers or RDMA registrations whose fd is closed, registered away or held by another
+    process still let the kernel write pinned pages without a fault."""
+    t = randn(N)
+    mark = marked(tracker, t)
+    monkeypatch.setattr(wt, "_pinned_kib", lambda: 4)
+    tracker.begin()
+    assert tracker.protect(t) is None and not whole(tracker, mark, t)
+    monkeypatch.setattr(wt, "_pinned_kib", lambda: 0)
+    tracker.begin()
+    assert whole(tracker, mark, t)  # its pages were protected all along: what the pins' faults did is stamped

@@ -121,13 +121,16 @@ _PINNING = ("/dev/infiniband/", "/dev/vfio/")  # devices whose users register (p
 
 
 def _pins_possible() -> bool:
-    """Whether this process may hold pages pinned for a device or the kernel to write without a fault: an io_uring
-    with registered (fixed) buffers, an RDMA or VFIO device. Pinning for writing faults each page writable once,
-    which the tracker sees; the writes through the pin after that are not seen. An io_uring without buffers (libuv's,
-    which torch's TCPStore uses) reads into its own memory."""
+    """Whether this process may hold pages pinned for a device or the kernel to write without a fault: any memory
+    counted as pinned (io_uring buffers or rings in user memory, RDMA registrations, even with their fd closed or
+    held by another process), an io_uring with registered buffers, an RDMA or VFIO device open. Pinning for writing
+    faults each page writable once, which the tracker sees; the writes through the pin after that are not seen. An
+    io_uring without buffers (libuv's, which torch's TCPStore starts) reads into its own memory."""
     try:
+        if _pinned_kib() > 0:  # io_uring buffers and rings, RDMA: counted even once their fd is closed or passed on
+            return True
         fds = os.listdir("/proc/self/fd")
-    except OSError:
+    except (OSError, ValueError):
         return True
     for fd in fds:
         try:
@@ -137,6 +140,15 @@ def _pins_possible() -> bool:
         except OSError:
             continue  # closed meanwhile (the listing's own fd, say)
     return False
+
+
+def _pinned_kib() -> int:
+    """This process's memory pinned for devices and the kernel (``VmPin``, ``mm->pinned_vm``)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmPin:"):
+                return int(line.split()[1])
+    return 1  # a kernel that does not say: assume some
 
 
 def _registers_buffers(fd: str) -> bool:
