@@ -98,3 +98,24 @@ def test_a_local_failure_is_raised_as_itself():
     with pytest.raises(ValueError) as info:
         raise_failures([attempt(0, work)])
     assert info.value is original
+
+
+def _group_collectives() -> list:
+    from shardckpt.dist.group import resolve_group
+
+    group = resolve_group()
+    mine = {"rank": group.rank, "data": list(range(group.rank + 3))}
+    gathered = group.gather(mine)
+    objs = [{"to": r} for r in range(group.world_size)] if group.is_coordinator else None
+    got = group.scatter(objs)
+    # rank 0 keeps its own objects, not copies (as a world of one): the others get equal copies
+    own = gathered[0] is mine and got is objs[0] if group.is_coordinator else gathered is None
+    return [gathered, got, own]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_group_gather_and_scatter(world_size: int) -> None:
+    out = run_ranks(world_size, _group_collectives)
+    assert out[0][0] == [{"rank": r, "data": list(range(r + 3))} for r in range(world_size)]
+    assert [o[1] for o in out] == [{"to": r} for r in range(world_size)]
+    assert all(o[2] for o in out)

@@ -309,3 +309,38 @@ def test_verify_deep_without_blake3_or_on_what_it_cannot_check(tmp_path, monkeyp
     save_file({"w": torch.ones(3)}, str(tmp_path / "st" / "model.safetensors"))
     with pytest.raises(BadArgumentError, match="deep"):
         shardckpt.verify(tmp_path / "st", deep=True)
+
+
+def test_the_parent_is_the_last_step_found_reading_only_its_manifest(tmp_path, monkeypatch):
+    """A save reads the newest manifests only (a long run keeps hundreds of steps): steps by number, not by name; a
+    damaged newest manifest is skipped; ``prefer`` (async_save's last step) first."""
+    from shardckpt.checkpoint import pool as pool_module
+    from shardckpt.io import open_storage
+
+    sd = state()
+    for step in (1, 2, 10, 3):
+        sd["model"]["lora"].add_(1)
+        save(sd, tmp_path / f"step-{step}")
+    run = open_storage(str(tmp_path))
+    pool_id = manifest(tmp_path / "step-1").pool["id"]
+    read = []
+    real = pool_module._pooled
+    monkeypatch.setattr(pool_module, "_pooled", lambda run, name, *a, **k: read.append(name) or real(run, name, *a, **k))
+    assert pool_module.latest_pool_checkpoint(run, pool_id).name == "step-10" and read == ["step-10"]
+    read.clear()
+    assert pool_module.latest_pool_checkpoint(run, pool_id, prefer="step-2").name == "step-2" and read == ["step-2"]
+    read.clear()
+    assert pool_module.latest_pool_checkpoint(run, pool_id, skip="step-10").name == "step-3" and read == ["step-3"]
+    (tmp_path / "step-10" / MANIFEST_NAME).write_bytes(b"{damaged")
+    read.clear()
+    assert pool_module.latest_pool_checkpoint(run, pool_id).name == "step-3" and read == ["step-10", "step-3"]
+    assert pool_module.latest_pool_checkpoint(run, "another pool") is None
+    # the save itself, past the damaged step: only the changed adapter written, every file it names step-3's or
+    # its own, and it loads bit for bit
+    sd["model"]["lora"].add_(1)
+    save(sd, tmp_path / "step-11")
+    own = set(new_files(tmp_path / "step-11"))
+    assert new_bytes(tmp_path / "step-11") < 64 << 10 and own
+    assert {f.path for f in manifest(tmp_path / "step-11").files} - own <= \
+        {f.path for f in manifest(tmp_path / "step-3").files}
+    assert_bits(shardckpt.load_full(tmp_path / "step-11"), sd)

@@ -31,8 +31,8 @@ from shardckpt.checkpoint.gc import collect
 from shardckpt.checkpoint.memory_digests import WRITTEN, remembering
 from shardckpt.checkpoint.persist import OutputWriter, persist, write_files
 from shardckpt.checkpoint.pool import (
-    POOL_PATH, Candidate, check_pool_argument, hold_generations, open_pool, parent_table, parsed_by_bytes,
-    pool_checkpoints, referenced_files, release_all, run_storage,
+    POOL_PATH, Candidate, check_pool_argument, hold_generations, latest_pool_checkpoint, open_pool, parent_table,
+    parsed_by_bytes, referenced_files, release_all, run_storage,
 )
 from shardckpt.checkpoint.pool_gc import tidy_after_save
 from shardckpt.checkpoint.pool_leases import SaveLease, read_markers
@@ -175,9 +175,8 @@ def _hold_and_pick(whole: _Whole, planned: Any, options: IncrementalOptions) -> 
     # The step being overwritten may be the parent only when asked for (async_save's window compared against it):
     # its files are held like any parent's, and named by the new manifest.
     skip = "" if options.parent == target else target
-    parents = pool_checkpoints(run_storage(storage), whole.info.id, skip=skip, strict=False)
-    chosen = [p for p in parents if p.name == options.parent] or parents[-1:]
-    parent = chosen[0].manifest if chosen else None
+    chosen = latest_pool_checkpoint(run_storage(storage), whole.info.id, skip=skip, prefer=options.parent)
+    parent = chosen.manifest if chosen is not None else None
     doomed: frozenset[str] | None = frozenset()
     if not isinstance(pool, LocalStorage):  # no locks (pool_leases)
         whole.lease = SaveLease(pool, planned.generation, target, referenced_files([parent]) if parent else ())
@@ -439,7 +438,7 @@ def _tensor_entry(name: str, tp: Any, shares: list, first: dict, at: dict) -> Te
 def _put_manifest(storage: Storage, pool: Storage, data: bytes, planned: Any) -> None:
     """Commit: checked as a load would read it, then written atomically (exclusively unless ``overwrite``); then a
     replaced non-pooled checkpoint's own data, and the step directory's debris, removed."""
-    try:  # kept parsed: the next save's listing of the run parses it again (``pool._parsed``)
+    try:  # kept parsed: the next save's listing of the run parses it again (``pool.parsed_by_bytes``)
         where = storage.url(MANIFEST_NAME)
         parsed_by_bytes.get(("manifest", where), data, lambda: parse_manifest(data, where))
     except CorruptCheckpointError as e:

@@ -73,26 +73,47 @@ def pool_checkpoints(run: Storage, pool_id: str | None, skip: str = "",
     ``shardckpt-pool/``), by step (then name). With
     ``strict`` (collectors), a manifest that cannot be read is an error: what it names is unknown, so nothing may be
     collected; without (a save choosing its parent), it is skipped."""
-    found = []
-    for name in child_dirs(run):
-        if name == POOL_DIR or name == skip:
-            continue
-        path = f"{name}/{MANIFEST_NAME}"
-        try:
-            data = run.read_bytes(path)
-        except CorruptCheckpointError:
-            if run.exists(path):
-                raise
-            continue  # no manifest: not a checkpoint (or removed meanwhile)
-        try:
-            manifest = _parse_child(data, run.url(path), strict)
-        except CheckpointError:
-            if strict:
-                raise
-            continue
-        if manifest is not None and manifest.pool is not None and pool_id in (None, manifest.pool["id"]):
-            found.append(PooledCheckpoint(name, manifest))
-    return sorted(found, key=lambda c: (step_of(c.name) is None, step_of(c.name) or 0, c.name))
+    found = [_pooled(run, name, pool_id, strict) for name in _steps(run, skip)]
+    return [c for c in found if c is not None]
+
+
+def latest_pool_checkpoint(run: Storage, pool_id: str, skip: str = "",
+                           prefer: str | None = None) -> PooledCheckpoint | None:
+    """The checkpoint a save references: ``prefer`` if it is one of ``pool_checkpoints(run, pool_id, skip,
+    strict=False)``, else the last of them; found by reading manifests from the last down, not all of them (a long
+    run keeps hundreds of steps, and a save would read every manifest)."""
+    names = _steps(run, skip)
+    order = ([prefer] if prefer in names else []) + [n for n in reversed(names) if n != prefer]
+    for name in order:
+        found = _pooled(run, name, pool_id, strict=False)
+        if found is not None:
+            return found
+    return None
+
+
+def _steps(run: Storage, skip: str) -> list[str]:
+    """The run directory's children that may be checkpoints, by step (then name; names without a step last)."""
+    names = [n for n in child_dirs(run) if n != POOL_DIR and n != skip]
+    return sorted(names, key=lambda n: (step_of(n) is None, step_of(n) or 0, n))
+
+
+def _pooled(run: Storage, name: str, pool_id: str | None, strict: bool) -> PooledCheckpoint | None:
+    path = f"{name}/{MANIFEST_NAME}"
+    try:
+        data = run.read_bytes(path)
+    except CorruptCheckpointError:
+        if run.exists(path):
+            raise
+        return None  # no manifest: not a checkpoint (or removed meanwhile)
+    try:
+        manifest = _parse_child(data, run.url(path), strict)
+    except CheckpointError:
+        if strict:
+            raise
+        return None
+    if manifest is not None and manifest.pool is not None and pool_id in (None, manifest.pool["id"]):
+        return PooledCheckpoint(name, manifest)
+    return None
 
 
 def _parse_child(data: bytes, where: str, strict: bool) -> Manifest | None:
@@ -104,31 +125,33 @@ def _parse_child(data: bytes, where: str, strict: bool) -> Manifest | None:
 
 
 class _ParsedByBytes:
-    """Files parsed before, by location and exact bytes: every save of a run lists all its pooled steps twice (its
-    parent, its tidy-up) and reads its parent's indexes, and parsing is the cost (read only: callers never change
-    what they get). A replaced file has other bytes and is parsed again. Bounded by the bytes kept."""
+    """Files parsed before, by location and exact bytes: every save of a run lists all its pooled steps (its
+    tidy-up), and reads its parent's indexes, and parsing is the cost (read only: callers never change what they
+    get). A replaced file has other bytes and is parsed again. Bounded by the bytes kept. Kept by location, the
+    bytes compared (a hash of the bytes would read them all at each look-up, as a compare does only on a hit)."""
 
     LIMIT = 32 << 20
 
     def __init__(self) -> None:
-        self._by: OrderedDict[tuple, Any] = OrderedDict()
+        self._by: OrderedDict[tuple, tuple[bytes, Any]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
     def get(self, where: tuple, data: bytes, parse: Callable[[], Any]) -> Any:
-        key = (where, data)
         with self._lock:
-            if key in self._by:
-                self._by.move_to_end(key)
-                return self._by[key]
+            kept = self._by.get(where)
+            if kept is not None and kept[0] == data:
+                self._by.move_to_end(where)
+                return kept[1]
         parsed = parse()
         with self._lock:
-            if key not in self._by and len(data) <= self.LIMIT // 4:
-                self._by[key] = parsed
-                self._bytes += len(data)
+            if len(data) <= self.LIMIT // 4:
+                old = self._by.pop(where, None)
+                self._bytes += len(data) - (len(old[0]) if old is not None else 0)
+                self._by[where] = (bytes(data), parsed)
                 while self._bytes > self.LIMIT:
-                    (_, old), _ = self._by.popitem(last=False)
-                    self._bytes -= len(old)
+                    _, (dropped, _) = self._by.popitem(last=False)
+                    self._bytes -= len(dropped)
         return parsed
 
 

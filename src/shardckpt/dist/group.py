@@ -33,7 +33,10 @@ class Group:
         if self.world_size == 1:
             return [obj]
         out = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=self._global(0), group=self.pg)
+        # Rank 0's own object stays as it is, as in a world of one: not pickled there and back.
+        dist.gather_object(None if self.rank == 0 else obj, out, dst=self._global(0), group=self.pg)
+        if out is not None:
+            out[0] = obj
         return out
 
     def scatter(self, objs: list[Any] | None) -> Any:
@@ -41,8 +44,9 @@ class Group:
         if self.world_size == 1:
             return objs[0]
         out = [None]
-        dist.scatter_object_list(out, objs if self.rank == 0 else None, src=self._global(0), group=self.pg)
-        return out[0]
+        sent = [None, *objs[1:]] if self.rank == 0 else None  # rank 0 keeps its own, as in a world of one
+        dist.scatter_object_list(out, sent, src=self._global(0), group=self.pg)
+        return objs[0] if self.rank == 0 else out[0]
 
     def broadcast(self, obj: Any) -> Any:
         """Every rank gets rank 0's ``obj``."""
