@@ -325,7 +325,8 @@ def test_the_parent_is_the_last_step_found_reading_only_its_manifest(tmp_path, m
     pool_id = manifest(tmp_path / "step-1").pool["id"]
     read = []
     real = pool_module._pooled
-    monkeypatch.setattr(pool_module, "_pooled", lambda run, name, *a, **k: read.append(name) or real(run, name, *a, **k))
+    monkeypatch.setattr(pool_module, "_pooled",
+                        lambda run, name, *a, **k: read.append(name) or real(run, name, *a, **k))
     assert pool_module.latest_pool_checkpoint(run, pool_id).name == "step-10" and read == ["step-10"]
     read.clear()
     assert pool_module.latest_pool_checkpoint(run, pool_id, prefer="step-2").name == "step-2" and read == ["step-2"]
@@ -344,3 +345,22 @@ def test_the_parent_is_the_last_step_found_reading_only_its_manifest(tmp_path, m
     assert {f.path for f in manifest(tmp_path / "step-11").files} - own <= \
         {f.path for f in manifest(tmp_path / "step-3").files}
     assert_bits(shardckpt.load_full(tmp_path / "step-11"), sd)
+
+
+def test_an_unreadable_newest_manifest_is_skipped_by_the_next_save(tmp_path):
+    """From helper-27: a newest step whose manifest.json is a directory (or a symbolic link loop) failed every later
+    incremental save of the run; a save skips it as damaged, and gc and ls name nothing as untyped."""
+    sd = state()
+    save(sd, tmp_path / "step-1")
+    os.makedirs(tmp_path / "step-2" / MANIFEST_NAME)
+    os.makedirs(tmp_path / "step-3")
+    os.symlink(tmp_path / "step-3" / MANIFEST_NAME, tmp_path / "step-3" / MANIFEST_NAME)
+    sd["model"]["lora"].add_(1)
+    save(sd, tmp_path / "step-4")
+    assert new_bytes(tmp_path / "step-4") < 64 << 10  # step-1 referenced
+    assert_bits(shardckpt.load_full(tmp_path / "step-4"), sd)
+    with pytest.raises(CorruptCheckpointError, match="step-2"):
+        shardckpt.gc(tmp_path)  # a collector cannot know what it names: refused, typed and named
+    shutil.rmtree(tmp_path / "step-2")
+    assert shardckpt.gc(tmp_path).removed == ()
+    assert [c["name"] for c in shardckpt.ls(tmp_path).checkpoints if c["state"] == "committed"] == ["step-1", "step-4"]

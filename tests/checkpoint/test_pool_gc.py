@@ -198,7 +198,10 @@ def test_gc_of_a_run_says_nothing_of_a_step_removed_while_it_ran(tmp_path, monke
 
 
 @pytest.mark.parametrize("damage", ["first byte", "empty"])
-def test_a_manifest_damaged_at_its_first_byte_stops_the_collectors(tmp_path, damage):
+def test_a_manifest_damaged_at_its_first_byte_stops_the_collectors(tmp_path, damage, monkeypatch):
+    from shardckpt.checkpoint import pool_gc
+
+    monkeypatch.setattr(pool_gc, "SWEEP_EVERY", 1)  # every save's tidy-up sweeps (below: it must sweep nothing)
     states = saves(tmp_path, (1, 2, 3))
     path = tmp_path / "step-3" / "manifest.json"
     original = path.read_bytes()
@@ -256,3 +259,51 @@ def test_inspect_leaves_unknown_only_the_tensors_of_a_damaged_index(tmp_path):
         unknown = 1 in entry.chunks.files_used()
         assert (tensors[name]["stored_bytes"] is None) == unknown, name
     assert any(t["stored_bytes"] is not None for t in tensors.values())
+
+
+def test_a_save_sweeps_where_something_may_be_unnamed_not_at_every_save(tmp_path, monkeypatch):
+    """A sweep reads every manifest of the run: a save sweeps at a process's first save of the run, every
+    SWEEP_EVERY saves after, and when it replaced a step (what that step alone named goes at once)."""
+    from shardckpt.checkpoint import pool_gc
+
+    monkeypatch.setattr(pool_gc, "SWEEP_EVERY", 4)
+    swept = []
+    real = pool_gc.sweep_pool
+    monkeypatch.setattr(pool_gc, "sweep_pool", lambda run, *a, **k: swept.append(1) or real(run, *a, **k))
+    saves(tmp_path, (1,))
+    assert len(swept) == 1
+    debris = tmp_path / "shardckpt-pool" / "data-00000000deadbeef"  # a killed save's uncommitted generation
+    debris.mkdir()
+    (debris / "rank-00000-0.bin").write_bytes(b"x")
+    states = saves(tmp_path, (2, 3, 4))
+    assert len(swept) == 1 and debris.exists()
+    saves(tmp_path, (5,))  # the fourth save since the sweep
+    assert len(swept) == 2 and not debris.exists()
+    old_own = {f.path for f in manifest(tmp_path / "step-5").files if f.path.startswith(
+        f"data-{manifest(tmp_path / 'step-5').generation}/")}
+    sd = state(1)
+    shardckpt.save(sd, tmp_path / "step-5", incremental=True, incremental_unit=UNIT, overwrite=True)
+    assert len(swept) == 3 and old_own and not old_own & pool_files(tmp_path)
+    named = {p for s in range(1, 6) for f in manifest(tmp_path / f"step-{s}").files for p in (f.path, f.index_path)}
+    assert pool_files(tmp_path) == named
+    assert_bits(shardckpt.load_full(tmp_path / "step-5"), sd)
+    for step in (2, 3, 4):
+        assert_bits(shardckpt.load_full(tmp_path / f"step-{step}"), states[step])
+
+
+def test_a_forked_childs_first_save_of_a_run_sweeps(tmp_path):
+    """The acceptance test's kills are drawn from a dry run's count of operations in a forked child: a child's first
+    save sweeps as a new process's does, whatever its parent saved before."""
+    from shardckpt.checkpoint import pool_gc
+    from shardckpt.io import open_storage
+
+    run = open_storage(str(tmp_path))
+    assert pool_gc.sweep_due(run, False) and not pool_gc.sweep_due(run, False)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write, b"1" if pool_gc.sweep_due(run, False) else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
+    assert not pool_gc.sweep_due(run, False) and pool_gc.sweep_due(run, True)  # the parent's count goes on

@@ -58,6 +58,7 @@ log = logging.getLogger("shardckpt")
 
 MAX_GENERATIONS = 64  # the most generations one pooled manifest references (consolidation beyond)
 HASH_THREADS = 2  # units hashed at once per rank (BLAKE3 releases the GIL)
+HASH_IN_THREADS = 256 << 10  # smaller units are hashed in the calling thread
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def persist_incremental(staged: Any, planned: Any, options: IncrementalOptions, 
         if group.is_coordinator and isinstance(whole, _Whole):
             release_all(whole.holds)
     if group.is_coordinator:  # committed: retention and the pool's sweep, never failing the save
-        tidy_after_save(planned.storage, whole.info.id, options.retention)
+        tidy_after_save(planned.storage, whole.info.id, options.retention, writer.replaced)
     return UnitDigests(mine.key, writer.units)
 
 
@@ -236,13 +237,14 @@ class _Incremental(OutputWriter):
         self.planned, self.staged, self.setup, self.whole, self.progress = planned, staged, setup, whole, progress
         self.holds: list = []
         self.units: dict = {}  # this rank's unit digests, once written
+        self.replaced = False  # (rank 0) the commit replaced a committed checkpoint
 
     def write(self) -> PooledShare | None:
         share, self.units = _write_units(self.planned, self.staged, self.setup, self.holds, self.progress)
         return share
 
     def commit(self, shares: list) -> None:
-        _commit_pooled(self.planned, self.whole, shares, self.staged)
+        self.replaced = _commit_pooled(self.planned, self.whole, shares, self.staged)
 
     def end(self) -> None:
         release_all(self.holds)
@@ -257,13 +259,14 @@ def _hashed(setup: _RankSetup, pieces: list[UnitPiece], memory: Any) -> list[byt
 
     out = [memory.recall(p) for p in pieces]
     now = [i for i, digest in enumerate(out) if digest is None]
-    if len(now) <= 1:
-        hashed = [one(pieces[i]) for i in now]
-    else:
+    big = [i for i in now if pieces[i].data.nbytes >= HASH_IN_THREADS]  # a thread's handoff costs more than a
+    if len(big) > 1:  # small unit's hash
         with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="shardckpt-hash") as threads:
-            hashed = list(threads.map(one, [pieces[i] for i in now]))
-    for i, digest in zip(now, hashed):
-        out[i] = digest
+            for i, digest in zip(big, threads.map(one, [pieces[i] for i in big])):
+                out[i] = digest
+    for i in now:
+        if out[i] is None:
+            out[i] = one(pieces[i])
     return [None if digest is WRITTEN else digest for digest in out]
 
 
@@ -393,8 +396,9 @@ def _write_slots(pool: Storage, planned: Any, setup: _RankSetup, to_write: list,
     return [entry for entry, _ in written], placed, terms, total, digests
 
 
-def _commit_pooled(planned: Any, whole: _Whole, shares: list, staged: Any) -> None:
-    """The v5 manifest: this save's files, then every referenced file once; each unit placed in its file."""
+def _commit_pooled(planned: Any, whole: _Whole, shares: list, staged: Any) -> bool:
+    """The v5 manifest: this save's files, then every referenced file once; each unit placed in its file. Returns
+    whether it replaced a committed checkpoint."""
     pool, storage = whole.pool, planned.storage
     failures = [s for s in shares if isinstance(s, Failure)]
     if failures:
@@ -420,7 +424,7 @@ def _commit_pooled(planned: Any, whole: _Whole, shares: list, staged: Any) -> No
                         tensors=tensors, files=files, metadata=staged.metadata or {},
                         created_by=f"shardckpt {__version__}", version=POOLED_VERSION,
                         pool={"path": POOL_PATH, "id": whole.info.id})
-    _put_manifest(storage, pool, manifest.to_bytes(planned.tree), planned)
+    return _put_manifest(storage, pool, manifest.to_bytes(planned.tree), planned)
 
 
 def _tensor_entry(name: str, tp: Any, shares: list, first: dict, at: dict) -> TensorEntry:
@@ -435,16 +439,18 @@ def _tensor_entry(name: str, tp: Any, shares: list, first: dict, at: dict) -> Te
     return TensorEntry(name, DTYPES[tp.dtype], tp.shape, crc, compact_chunks(tp.regions, file_of, tp.shape))
 
 
-def _put_manifest(storage: Storage, pool: Storage, data: bytes, planned: Any) -> None:
+def _put_manifest(storage: Storage, pool: Storage, data: bytes, planned: Any) -> bool:
     """Commit: checked as a load would read it, then written atomically (exclusively unless ``overwrite``); then a
-    replaced non-pooled checkpoint's own data, and the step directory's debris, removed."""
+    replaced non-pooled checkpoint's own data, and the step directory's debris, removed. Returns whether a
+    committed checkpoint was replaced."""
     try:  # kept parsed: the next save's listing of the run parses it again (``pool.parsed_by_bytes``)
         where = storage.url(MANIFEST_NAME)
         parsed_by_bytes.get(("manifest", where), data, lambda: parse_manifest(data, where))
     except CorruptCheckpointError as e:
         _remove_quietly(pool, data_dir(planned.generation))
         raise CheckpointError(f"cannot save: the checkpoint would not load ({e}); nothing was committed") from None
-    previous = _own_generation(storage)
+    replaced = storage.exists(MANIFEST_NAME)
+    previous = _own_generation(storage) if replaced else None
     try:
         storage.put_atomic(MANIFEST_NAME, data, exclusive=not planned.overwrite)
     except FileExistsError:
@@ -457,12 +463,11 @@ def _put_manifest(storage: Storage, pool: Storage, data: bytes, planned: Any) ->
         collect(storage, committed=set())
     except (OSError, CheckpointError):
         pass
+    return replaced
 
 
 def _own_generation(storage: Storage) -> str | None:
     """The generation of a committed non-pooled checkpoint about to be replaced (its data is in its directory)."""
-    if not storage.exists(MANIFEST_NAME):
-        return None
     try:
         manifest = parse_manifest(storage.read_bytes(MANIFEST_NAME), storage.url(MANIFEST_NAME))
     except CheckpointError:

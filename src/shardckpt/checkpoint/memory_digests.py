@@ -24,7 +24,7 @@ from shardckpt.checkpoint.window_hash import version_hint
 from shardckpt.checkpoint.write_tracker import Mark, WriteTracker, write_tracker
 
 KEEP_POOLS = 4  # pools whose digests one process keeps (a save into another forgets the oldest)
-WRITTEN = object()  # recall's answer for a unit known before and written (or its version moved) since
+WRITTEN = object()  # recall's answer for a unit known before whose own pages were written since
 
 Span = tuple[int, int]  # bytes [lo, hi) from the piece's data pointer
 

@@ -102,7 +102,7 @@ def _pooled(run: Storage, name: str, pool_id: str | None, strict: bool) -> Poole
     try:
         data = run.read_bytes(path)
     except CorruptCheckpointError:
-        if run.exists(path):
+        if strict and run.exists(path):  # (a collector: what it names is unknown; a save: skipped, as damaged)
             raise
         return None  # no manifest: not a checkpoint (or removed meanwhile)
     try:

@@ -154,15 +154,33 @@ def apply_retention(run: Storage, pool_id: str, policy: Retention, protect: str)
     return removed
 
 
-def tidy_after_save(step: Storage, pool_id: str, policy: Retention | None) -> Any:
-    """A pooled save's tidy-up on rank 0 after its commit: retention, then a sweep (local disk: always; it lists the
-    manifests and the pool). Failures are logged, never raised: the save is committed."""
+def tidy_after_save(step: Storage, pool_id: str, policy: Retention | None, replaced: bool = False) -> Any:
+    """A pooled save's tidy-up on rank 0 after its commit: retention, then a sweep where something may have become
+    unnamed (``sweep_due``). Failures are logged, never raised: the save is committed."""
     try:
         run = run_storage(step)
         name = name_of(step)
         if policy is not None:
             apply_retention(run, pool_id, policy, name)
-        if isinstance(step, LocalStorage) or policy is not None:
+        if policy is not None or (isinstance(step, LocalStorage) and sweep_due(run, replaced)):
             sweep_pool(run)
     except (OSError, CheckpointError) as e:
         log.warning("tidying the pool after a save failed (the save is committed): %s", e)
+
+
+SWEEP_EVERY = 10  # local pooled saves of a run per sweep of their own, in one process
+_saves_unswept: dict[str, int] = {}
+if hasattr(os, "register_at_fork"):  # a forked child is another process: its first save of a run sweeps too
+    os.register_at_fork(after_in_child=_saves_unswept.clear)
+
+
+def sweep_due(run: Storage, replaced: bool) -> bool:
+    """Whether a local save (without retention) sweeps its pool: when it replaced a step (whose files may be named by
+    it alone), at a process's (or forked child's) first save of the run (a killed run's debris: uncommitted
+    generations), then every ``SWEEP_EVERY`` saves (saves killed meanwhile, steps deleted by hand). Not at every
+    save: a sweep reads every manifest of the run, and a long run keeps hundreds of steps; ``gc`` sweeps at once."""
+    key = run.url("")
+    count = _saves_unswept.get(key)
+    due = replaced or count is None or count + 1 >= SWEEP_EVERY
+    _saves_unswept[key] = 0 if due else count + 1
+    return due

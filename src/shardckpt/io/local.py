@@ -216,7 +216,7 @@ class LocalStorage:
     def _names(self, path: str, keep: Callable[[os.DirEntry], bool]) -> list[str]:
         try:
             with os.scandir(self.url(path)) as entries:
-                return sorted(e.name for e in entries if keep(e))
+                return sorted(e.name for e in entries if _kept(e, keep))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
@@ -348,3 +348,12 @@ class LocalStorage:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _kept(entry: os.DirEntry, keep: Callable[[os.DirEntry], bool]) -> bool:
+    """``keep(entry)``; an entry that cannot even be told a file or a directory (a symbolic link loop) is an
+    unreadable file, named."""
+    try:
+        return keep(entry)
+    except OSError as e:
+        raise missing(entry.path, e) from e
