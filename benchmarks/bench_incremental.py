@@ -18,6 +18,12 @@ manifest). Times: max over ranks, median over the timed saves. The page cache is
 
     python benchmarks/bench_incremental.py                 # 1 GiB base, 0.5 GiB embeddings (~5 min on 2 cores)
     python benchmarks/bench_incremental.py --quick         # 128 MiB / 64 MiB
+    python benchmarks/bench_incremental.py --long-run 300  # only: a long run's save time as its steps pile up
+
+``--long-run N``: one process, N incremental saves into one run directory (every step kept) of a small state (200
+tensors of 16 KiB and one of 1 MiB; one tensor changes per step): the save time should not grow with the steps kept.
+Reported: the median save time over each block of 50 saves, and the mean over the last block (which counts the
+saves that sweep the pool).
 """
 from __future__ import annotations
 
@@ -217,6 +223,30 @@ def summary(name: str, found: dict) -> dict:
     return rows
 
 
+def long_run(saves: int) -> dict:
+    import shardckpt
+
+    sd = {f"layer{i}.w": torch.randn(64, 64) for i in range(200)}
+    sd["big"] = torch.randn(1 << 18)
+    root = tempfile.mkdtemp(dir=os.environ.get("BENCH_DIR", tempfile.gettempdir()))
+    times = []
+    try:
+        for i in range(saves):
+            sd["layer0.w"].add_(1)
+            t = time.perf_counter()
+            shardckpt.save(sd, os.path.join(root, f"step-{i}"), incremental=True)
+            times.append(time.perf_counter() - t)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    blocks = {f"{k + 1}-{min(k + 50, saves)}": median(times[k:k + 50]) for k in range(0, saves, 50)}
+    last = times[-min(50, saves):]
+    print(f"\nlong run, {saves} incremental saves, every step kept: median save time per block of steps")
+    for block, t in blocks.items():
+        print(f"  steps {block:>10s}: {t * 1000:7.1f} ms")
+    print(f"  mean of the last {len(last)} (with the saves that sweep): {sum(last) / len(last) * 1000:.1f} ms")
+    return {"median_s_by_steps": blocks, "mean_last_s": sum(last) / len(last)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=1.0)
@@ -224,7 +254,14 @@ def main() -> int:
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--long-run", type=int, metavar="N", help="only: N saves of a small state into one run")
     args = ap.parse_args()
+    if args.long_run:
+        found = long_run(args.long_run)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"long_run": found}, f, indent=2)
+        return 0
     if args.quick:
         args.gib, args.emb_gib, args.saves = 0.125, 0.0625, 2
     print(f"# load average {loadavg()}", file=sys.stderr)
