@@ -256,3 +256,37 @@ def test_a_persist_error_on_one_rank_is_raised_on_every_rank_and_nothing_is_comm
     notes = run_ranks(2, _persist_fails_on_rank_1, path)
     assert all("raised on rank 1" in n for n in notes)
     assert_tree_equal(shardckpt.load_full(path), reference())
+
+
+def test_a_world_of_one_reuses_its_last_plan_while_the_pieces_are_the_same(tmp_path, monkeypatch):
+    """``save`` in one process plans a save of the same pieces as its last one did (``plan(reuse=)``: no new
+    assignment, no second check of the same tree), and anew when a piece, an option or the tree differs."""
+    planned, checked = [], []
+    real_plan, real_check = save_mod.make_save_plan, save_mod._check_loadable
+    monkeypatch.setattr(save_mod, "make_save_plan", lambda *a, **k: planned.append(1) or real_plan(*a, **k))
+    monkeypatch.setattr(save_mod, "_check_loadable", lambda *a, **k: checked.append(1) or real_check(*a, **k))
+    monkeypatch.setattr(save_mod, "_last_local_plan", None)
+    sd = {"w": torch.randn(64, 8), "b": torch.arange(5), "step": 1}
+    states = []
+    for i in range(3):
+        sd["w"].add_(1)
+        shardckpt.save(sd, tmp_path / f"s{i}")
+        states.append({"w": sd["w"].clone(), "b": sd["b"].clone(), "step": 1})
+    assert (len(planned), len(checked)) == (1, 1)
+    sd["step"] = 2  # the same pieces, another tree: the plan kept, the tree checked
+    shardckpt.save(sd, tmp_path / "s3")
+    states.append({"w": sd["w"].clone(), "b": sd["b"].clone(), "step": 2})
+    assert (len(planned), len(checked)) == (1, 2)
+    shardckpt.save(sd, tmp_path / "s4", files_per_rank=1)  # another option: planned anew
+    states.append(states[-1])
+    sd["w"] = torch.randn(32, 8)  # another shape
+    shardckpt.save(sd, tmp_path / "s5")
+    states.append({"w": sd["w"].clone(), "b": sd["b"].clone(), "step": 2})
+    assert (len(planned), len(checked)) == (3, 4)
+    for i, want in enumerate(states):
+        got = shardckpt.load_full(tmp_path / f"s{i}")
+        assert got.keys() == want.keys() and got["step"] == want["step"]
+        assert torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"])
+        assert verify(tmp_path / f"s{i}").ok
+    generations = {parse_manifest((tmp_path / f"s{i}" / MANIFEST_NAME).read_bytes(), "").generation for i in range(6)}
+    assert len(generations) == 6  # a reused plan writes under a generation of its own

@@ -125,9 +125,9 @@ def _parse_child(data: bytes, where: str, strict: bool) -> Manifest | None:
 
 
 class _ParsedByBytes:
-    """Files parsed before, by location and exact bytes: every save of a run lists all its pooled steps (its
-    tidy-up), and reads its parent's indexes, and parsing is the cost (read only: callers never change what they
-    get). A replaced file has other bytes and is parsed again. Bounded by the bytes kept. Kept by location, the
+    """Files parsed before, by location and exact bytes: a save reads its parent's manifest and indexes, and the
+    sweeps of saves and ``gc`` every pooled step's manifest, and parsing is the cost (read only: callers never change
+    what they get). A replaced file has other bytes and is parsed again. Bounded by the bytes kept. Kept by location, the
     bytes compared (a hash of the bytes would read them all at each look-up, as a compare does only on a hit)."""
 
     LIMIT = 32 << 20

@@ -94,13 +94,24 @@ def save(state_dict: dict, path: str | os.PathLike | Storage, *, process_group: 
     With ``incremental``, ``keep_last=N`` / ``keep_every=M`` remove, after the commit, the run's pooled steps that
     are neither among the N highest nor multiples of M, then the pool's data no step names any more.
 
-    The same as ``persist(staged, plan(staged, path, ...))`` with ``staged = stage(state_dict, ...)``.
+    The same as ``persist(staged, plan(staged, path, ...))`` with ``staged = stage(state_dict, ...)``; in a world of
+    one, ``plan`` reuses the last save's plan while the pieces are the same (``plan(reuse=)``).
     """
+    global _last_local_plan
     given = SaveOptions(**options)
     staged = stage(state_dict, process_group=process_group, metadata=given.metadata)
+    local = resolve_group(process_group).world_size == 1
     planned = plan(staged, path, process_group=process_group, overwrite=given.overwrite,
-                   files_per_rank=given.files_per_rank, storage_options=given.storage_options, compress=given.compress)
+                   files_per_rank=given.files_per_rank, storage_options=given.storage_options, compress=given.compress,
+                   reuse=_last_local_plan if local else None)
+    if local:
+        _last_local_plan = planned
     persist_any(staged, planned, given, progress)
+
+
+# A world of one's last plan: its next save of the same pieces reuses it (``plan(reuse=)``, as ``async_save`` does). Not
+# across ranks: every rank would have to hold the same one, or rank 0 would lack the infos of a rank that sent none.
+_last_local_plan: Planned | None = None
 
 
 def persist_any(staged: Staged, planned: Planned, given: SaveOptions, progress: ProgressCallback | None,
@@ -305,7 +316,8 @@ def _plan_on_coordinator(report: _Report | Failure, gathered: list, tree: Any, r
         else:
             save_plan = make_save_plan(infos, generation, files_per_rank, Compression.parse(compress))
         whole_tree = fill_per_rank(tree, [g.per_rank for g in gathered])
-        _check_loadable(whole_tree, save_plan, storage)
+        if reused is None or reuse.tree != whole_tree:  # (the same tree over the same tensors was checked)
+            _check_loadable(whole_tree, save_plan, storage)
         return save_plan, whole_tree, infos
 
     return attempt(0, make)
