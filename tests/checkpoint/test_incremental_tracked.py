@@ -268,7 +268,8 @@ def test_incompressible_units_save_with_zstd(tmp_path):
 
 
 def test_a_thread_writing_during_sync_saves_never_commits_a_torn_or_unreadable_unit(tmp_path):
-    """Each committed step holds, unit by unit, one value the writer thread set; a save that saw a change raised."""
+    """Each committed step holds, unit by unit, bytes memory held at one instant; a save that saw a change raised.
+    (CI, 62a2084, under load: a unit 66 ... 65 committed: the writer thread preempted mid-memset; see _one_instant.)"""
     import threading
     import time
 
@@ -301,5 +302,12 @@ def test_a_thread_writing_during_sync_saves_never_commits_a_torn_or_unreadable_u
     for path in filter(None, committed):
         got = shardckpt.load_full(path)["w"].view(torch.uint8)
         for u in (1, 5, 9):
-            unit = got[u * UNIT:(u + 1) * UNIT]
-            assert bool((unit == unit[0]).all()), f"{path}: unit {u} is torn"
+            assert _one_instant(got[u * UNIT:(u + 1) * UNIT]), f"{path}: unit {u} is torn"
+
+
+def _one_instant(unit: torch.Tensor) -> bool:
+    """Whether ``unit`` held these bytes at one instant: one value, or a memset of the next value in progress (its
+    front new, its back old: the writer thread preempted mid-memset leaves memory so while a save reads it, and a save
+    stores what memory holds). Bytes read at two times would show the old value before the new one."""
+    values = torch.unique_consecutive(unit)
+    return len(values) == 1 or (len(values) == 2 and int(values[0]) == int(values[1]) % 250 + 1)
