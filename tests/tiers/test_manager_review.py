@@ -4,6 +4,7 @@ and the peer address a node advertises."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -148,3 +149,37 @@ def test_tier_2_retention_keeps_the_current_timeline_after_a_fallback(tmp_path):
     state = {"w": torch.zeros(4096)}
     with CheckpointManager(config) as ckpt:
         assert ckpt.restore(state).step == 6 and torch.equal(state["w"], torch.arange(4096, dtype=torch.float32) + 6)
+
+
+@pytest.mark.parametrize("through", ["upload", "direct"])
+def test_a_step_number_saved_again_after_a_fallback_past_it_replaces_tier_2s_copy(tmp_path, through):
+    # the fresh-clone CI run: a restore fell back past tier 2's corrupt step 9; the run's own new step 9 then failed
+    # its upload (CheckpointExistsError at close) and tier 2 kept the abandoned, corrupt copy
+    import glob
+
+    config = _config(tmp_path, keep_last=4, persistent_dir=str(tmp_path / "t2"), persistent_every=2)
+    with CheckpointManager(config) as ckpt:
+        for step in range(1, 9):
+            ckpt.save(step, {"w": torch.arange(4096, dtype=torch.float32) + step})
+    old = glob.glob(str(tmp_path / "t2" / "step-000000008" / "data-*"))
+    data = max(glob.glob(old[0] + "/*.bin"), key=os.path.getsize)
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    shutil.rmtree(tmp_path / "t0" / "r" / "step-000000008")
+    if through == "direct":  # no room in tier 0: a due step is written to tier 2 from the staging buffers
+        config = config.replace(local_budget=1000)
+    with CheckpointManager(config) as ckpt:
+        assert ckpt.restore({"w": torch.zeros(4096)}).step == 7
+        saves = [ckpt.save(step, {"w": torch.arange(4096, dtype=torch.float32) + 100 + step}) for step in (8, 9)]
+        ckpt.wait()
+        assert saves[0].persisted.result() is True
+    assert not os.path.exists(old[0])  # the abandoned step's data went with it
+    shutil.rmtree(tmp_path / "t0")
+    state = {"w": torch.zeros(4096)}
+    with CheckpointManager(config) as ckpt:
+        restored = ckpt.restore(state)
+    assert (restored.step, restored.epoch) == (8, 1)
+    assert torch.equal(state["w"], torch.arange(4096, dtype=torch.float32) + 108)
