@@ -199,3 +199,38 @@ def _restore_one_rank_per_node(base: str) -> tuple:
         restored = ckpt.restore(state)
     lo, n = _train.rows(rank, world)
     return restored.step, torch.equal(state["w"].local, torch.full((n, _train.COLS), 30.0))
+
+
+def _restore_with_a_failing_recheck(base: str) -> str:
+    import torch.distributed as dist
+
+    from shardckpt.errors import StorageError
+    from shardckpt.tiers import CheckpointManager, restore_io
+
+    rank = dist.get_rank()
+    if rank == 1:  # a store whose retries are spent while the copies are checked again
+        def failing(*args, **kwargs):
+            raise StorageError("injected: kept failing")
+        restore_io.check_file = failing
+    with CheckpointManager(_train.config_for(base, rank, persistent_dir=None)) as ckpt:
+        try:
+            ckpt.restore(_train.state_for(rank, dist.get_world_size()))
+        except StorageError as e:
+            return f"StorageError: {e}"
+    return "restored"
+
+
+def test_a_recheck_that_cannot_read_raises_on_every_rank(tmp_path):
+    # helper-29: the re-check after a failed load ran outside attempt(); rank 1 left the restore with the error and
+    # rank 0's next all_gather paired with rank 1's close: TypeError (or a hang)
+    base = str(tmp_path)
+    run_ranks(2, _train_and_save, base, 2, {"persistent_dir": None}, timeout=180)
+    step_dir = os.path.join(base, "node-0", "run", "step-000000002")
+    manifest = parse_manifest(open(os.path.join(step_dir, "manifest.json"), "rb").read(), step_dir)
+    data = next(f for f in manifest.files if "rank-00001" in f.path and f.size)
+    with open(os.path.join(step_dir, data.path), "r+b") as f:
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 0x40]))
+    got = run_ranks(2, _restore_with_a_failing_recheck, base, timeout=180)
+    assert all(g.startswith("StorageError") and "kept failing" in g for g in got), got

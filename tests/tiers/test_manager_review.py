@@ -16,6 +16,7 @@ import shardckpt
 from shardckpt.errors import BadArgumentError
 from shardckpt.tiers import CheckpointManager, TierConfig, TierConfigError
 from shardckpt.tiers.peer import default_peer_host
+from tests.storage._util import manifest_doc, sealed
 
 
 def _config(tmp_path, **more) -> TierConfig:
@@ -152,7 +153,7 @@ def test_tier_2_retention_keeps_the_current_timeline_after_a_fallback(tmp_path):
 
 
 @pytest.mark.parametrize("through", ["upload", "direct"])
-def test_a_step_number_saved_again_after_a_fallback_past_it_replaces_tier_2s_copy(tmp_path, through):
+def test_a_restore_removes_tier_2s_steps_above_it_so_the_run_saves_them_again(tmp_path, through):
     # the fresh-clone CI run: a restore fell back past tier 2's corrupt step 9; the run's own new step 9 then failed
     # its upload (CheckpointExistsError at close) and tier 2 kept the abandoned, corrupt copy
     import glob
@@ -183,3 +184,46 @@ def test_a_step_number_saved_again_after_a_fallback_past_it_replaces_tier_2s_cop
         restored = ckpt.restore(state)
     assert (restored.step, restored.epoch) == (8, 1)
     assert torch.equal(state["w"], torch.arange(4096, dtype=torch.float32) + 108)
+
+
+def test_a_corrupt_tier_2_manifest_above_the_restored_step_is_removed_one_of_a_newer_format_kept(tmp_path):
+    # helper-29: a flipped byte in tier 2's manifest of step 8: the restore skipped it, and saving step 8 again
+    # failed the job at its next call
+    config = _config(tmp_path, keep_last=4, persistent_dir=str(tmp_path / "t2"), persistent_every=2)
+    with CheckpointManager(config) as ckpt:
+        for step in range(1, 11):
+            ckpt.save(step, {"w": torch.arange(4096, dtype=torch.float32) + step})
+    manifest = tmp_path / "t2" / "step-000000008" / "manifest.json"
+    data = bytearray(manifest.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    manifest.write_bytes(bytes(data))
+    newer = tmp_path / "t2" / "step-000000010" / "manifest.json"  # another shardckpt's: not ours to judge
+    doc = manifest_doc(newer.read_bytes())
+    doc["version"] = 99
+    newer.write_bytes(sealed(doc))
+    for step in (8, 9, 10):
+        shutil.rmtree(tmp_path / "t0" / "r" / f"step-{step:09d}")
+    with CheckpointManager(config) as ckpt:
+        assert ckpt.restore({"w": torch.zeros(4096)}).step == 7
+        ckpt.save(8, {"w": torch.arange(4096, dtype=torch.float32) + 108})
+        ckpt.wait()
+    assert newer.exists() and manifest_doc(newer.read_bytes())["version"] == 99
+    assert torch.equal(shardckpt.load_full(str(tmp_path / "t2" / "step-000000008"))["w"],
+                       torch.arange(4096, dtype=torch.float32) + 108)
+
+
+def test_a_run_started_again_without_restore_keeps_tier_2s_checkpoints(tmp_path):
+    # helper-29 on the first form of the fix above (replacing any earlier epoch's step): a job restarted without
+    # restore() replaced the old run's tier-2 steps, its newest good one included
+    from shardckpt.errors import CheckpointExistsError
+
+    config = _config(tmp_path, persistent_dir=str(tmp_path / "t2"), persistent_every=2)
+    with CheckpointManager(config) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.arange(4096, dtype=torch.float32) + step})
+    with pytest.raises(CheckpointExistsError, match="without restore"):
+        with CheckpointManager(config) as ckpt:
+            for step in (1, 2, 3):
+                ckpt.save(step, {"w": torch.zeros(4096)})
+    assert torch.equal(shardckpt.load_full(str(tmp_path / "t2" / "step-000000002"))["w"],
+                       torch.arange(4096, dtype=torch.float32) + 2)

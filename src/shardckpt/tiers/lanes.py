@@ -17,7 +17,7 @@ from shardckpt.checkpoint.save import Planned, persist, plan
 from shardckpt.checkpoint.stage import Staged, StagingBuffers
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures
 from shardckpt.errors import CheckpointError, CheckpointExistsError
-from shardckpt.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from shardckpt.format.manifest import MANIFEST_NAME, parse_manifest
 from shardckpt.io import Storage
 from shardckpt.tiers import local
 from shardckpt.tiers.budget import TierFullError, incoming, plan_room, trim
@@ -193,9 +193,7 @@ def persist_staged(lanes: Lanes, step: int, staged: Staged) -> None:
     Committed exclusively, as an upload is; then ``persistent_keep_last`` applies. Collective over lane W."""
     group = lanes.write_group
     storage = lanes.config.persistent_storage(local.step_dir(step))
-    # rank 0 commits: its view decides whether a step there is replaced (one of this run's abandoned timelines)
-    replace = group.is_coordinator and _abandoned_there(storage, staged.metadata["tiers"]) is not None
-    persist(staged, plan(staged, storage, process_group=group.pg, overwrite=replace))
+    persist(staged, plan(staged, storage, process_group=group.pg, overwrite=False))
     done = attempt(0, lambda: _trim_tier2(lanes)) if group.is_coordinator else None
     raise_failures([group.broadcast(done if isinstance(done, Failure) else None)])
     with lanes.state.lock:
@@ -204,36 +202,17 @@ def persist_staged(lanes: Lanes, step: int, staged: Staged) -> None:
 
 def _commit_tier2(lanes: Lanes, step: int, data: bytes) -> None:
     storage = lanes.config.persistent_storage(local.step_dir(step))
-    ours = parse_manifest(data, storage.url(MANIFEST_NAME))
     try:
         storage.put_atomic(MANIFEST_NAME, data, exclusive=True)
     except FileExistsError:
         if storage.read_bytes(MANIFEST_NAME) != data:
-            abandoned = _abandoned_there(storage, local.tiers_meta(ours))
-            if abandoned is None:
-                storage.remove_dir(data_dir(ours.generation))  # ours only
-                raise CheckpointExistsError(
-                    f"{storage.url(MANIFEST_NAME)}: tier 2 already holds another run's checkpoint of step {step} "
-                    "(runs sharing persistent_dir need distinct run_ids), or one whose manifest does not read; this "
-                    "step's upload is dropped, the checkpoint there is kept") from None
-            storage.put_atomic(MANIFEST_NAME, data)  # atomic: readers see the old step or ours, whole
-            if abandoned.generation != ours.generation:
-                storage.remove_dir(data_dir(abandoned.generation))
-            log.info("shardckpt tiers: step %d in tier 2 replaced: the one there was from an earlier epoch of this "
-                     "run, a timeline a restore fell back past", step)
+            storage.remove_dir(data_dir(parse_manifest(data, storage.url(MANIFEST_NAME)).generation))  # ours only
+            raise CheckpointExistsError(
+                f"{storage.url(MANIFEST_NAME)}: tier 2 already holds another checkpoint of step {step}, one no "
+                "restore of this run fell back past (another job saving to the same persistent_dir, or this job "
+                "started again without restore()); this step's upload is dropped, the checkpoint there is kept") \
+                from None
     _trim_tier2(lanes)
-
-
-def _abandoned_there(storage: Storage, ours: dict) -> Manifest | None:
-    """The checkpoint in this tier-2 step directory when it is this run's from an earlier epoch: a restore fell back
-    past that step (a copy was corrupt or incomplete) and the run came back to its number. No restore would choose
-    it over the steps saved since (candidates order by epoch first), so a new save of the number replaces it."""
-    try:
-        there = parse_manifest(storage.read_bytes(MANIFEST_NAME), storage.url(MANIFEST_NAME))
-        meta = local.tiers_meta(there)
-    except (FileNotFoundError, CheckpointError):
-        return None
-    return there if meta.get("run_id") == ours.get("run_id") and meta["epoch"] < ours["epoch"] else None
 
 
 def _trim_tier2(lanes: Lanes) -> None:

@@ -243,6 +243,8 @@ class CheckpointManager:
             self._rp.submit(self._redrive, restored.step, data, restored.storage)
         self.epoch = restore_io.after_restore(topo.leader, topo.node, self.lanes.state.root, facts,
                                               restored.candidate if restored else None)
+        if restored is not None and self._write.is_coordinator:
+            restore_io.drop_abandoned_tier2(self.config, restored.candidate)
         with self.lanes.state.lock:  # the epochs of the steps kept here, for the budget's and the trim's order
             state, last = self.lanes.state, restored.step if restored is not None else -1
             # a restore in a manager that saved: the abandoned timeline's newer steps are gone from tier 0 (above),

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures
-from shardckpt.errors import CheckpointError, CorruptCheckpointError
+from shardckpt.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest
 from shardckpt.io import Storage
 from shardckpt.tiers import local
@@ -139,7 +139,10 @@ def restore(group: Group, source: Source, facts: Facts, load: Callable[[Storage]
         outcome = attempt(group.rank, lambda: load(tiered))
         failed = isinstance(outcome, Failure)
         corrupt = failed and isinstance(outcome.error, CorruptCheckpointError)
-        bad = _bad_copies(source, chosen, manifest, routing.reads[source.node], tiered, places) if corrupt else set()
+        bad = attempt(group.rank, lambda: _bad_copies(source, chosen, manifest, routing.reads[source.node], tiered,
+                                                      places)) if corrupt else set()
+        if isinstance(bad, Failure):  # the re-check could not read (a store's retries spent): every rank raises it
+            outcome, corrupt, bad = bad, False, set()
         read = (source.node, _files_read(manifest, tiered))
         every = group.all_gather((failed, bad, outcome if failed and not corrupt else None, read))
         raise_failures([o for _, _, o, _ in every if o is not None])
@@ -204,3 +207,33 @@ def after_restore(leader: bool, node: str, root: str, facts: Facts, chosen: Cand
         for step in steps:
             local.remove_step(root, step)
     return next_epoch(facts.layouts)
+
+
+def drop_abandoned_tier2(config: TierConfig, chosen: Candidate) -> None:
+    """Rank 0, after a restore of ``chosen``: tier 2's steps numbered above it are the abandoned timeline's (newer
+    ones the restore found incomplete or corrupt, or older epochs' that an earlier restore fell back past), and so
+    is a manifest there that fails its checksum. The run will save those numbers again, and an upload never replaces
+    a committed manifest: they are removed now, manifest first, as retention does. A manifest of a newer format,
+    or not a tiers one, stays. A failure is logged: the step's upload then fails, typed, and the run goes on."""
+    if config.persistent_dir is None:
+        return
+    root = config.persistent_storage()
+    for name in root.list_dirs():
+        if not local.STEP_RE.match(name) or int(name[5:]) <= chosen.step or not root.exists(f"{name}/{MANIFEST_NAME}"):
+            continue
+        try:
+            local.describe(root.read_bytes(f"{name}/{MANIFEST_NAME}"), root.url(f"{name}/{MANIFEST_NAME}"))
+        except IncompatibleCheckpointError:
+            continue
+        except CorruptCheckpointError:
+            pass
+        except CheckpointError:
+            continue
+        try:
+            config.persistent_storage(name).remove_dir(MANIFEST_NAME)
+            root.remove_dir(name)
+            log.info("shardckpt tiers: tier 2's %s removed: a restore fell back past it (to step %d)", name,
+                     chosen.step)
+        except (OSError, CheckpointError) as e:
+            log.warning("shardckpt tiers: tier 2's %s, abandoned by the restore of step %d, could not be removed "
+                        "(%s); saving that step again will fail its upload", name, chosen.step, e)
