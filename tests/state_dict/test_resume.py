@@ -85,3 +85,20 @@ def test_resume_from_every_type_at_every_world_size(saved, save_world, load_worl
         else:
             assert all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) for a, b in zip(losses, want)), \
                 (where, losses, want)
+
+
+@pytest.mark.parametrize("key", ["model", "optim"])
+def test_extra_may_not_name_the_saved_state(tmp_path, key):
+    # helper-30: extra={"model": ...} replaced the model's state in the checkpoint, and the save succeeded
+    import torch
+    from torch import nn
+
+    from shardckpt.errors import BadArgumentError
+
+    model = nn.Linear(4, 2)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(BadArgumentError, match=key):
+        shardckpt.save_state(model, optim, str(tmp_path / "ckpt"), extra={key: 1, "step": 3})
+    assert not (tmp_path / "ckpt").exists()
+    shardckpt.save_state(model, optim, str(tmp_path / "ckpt"), extra={"step": 3})
+    assert shardckpt.load_state(model, optim, str(tmp_path / "ckpt")) == {"step": 3}

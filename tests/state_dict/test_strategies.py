@@ -96,3 +96,32 @@ def _round_trips(strategy_name: str, mesh: str) -> list[str]:
 def test_every_type_round_trips_bit_exact(strategy, world, mesh):
     done = run_ranks(world, _round_trips, strategy, mesh, timeout=300)
     assert all(len(d) == len(CASES) * len(KEYS) for d in done)
+
+
+def _given_the_other_ranks_sharded_dict() -> str:
+    from torch import nn
+
+    from shardckpt.errors import IncompatibleCheckpointError
+    from shardckpt.runtime import shard
+
+    torch.manual_seed(0)
+    model = shard(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), wrap=(nn.Linear,))
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, shardckpt.get_state_dict(model, optim, type=StateDictType.SHARDED_STATE_DICT))
+    other = everyone[(dist.get_rank() + 1) % dist.get_world_size()]  # per-rank files mixed up: equal-sized chunks
+    for sd in (other, {"model": other["model"]}):
+        try:
+            shardckpt.set_state_dict(model, optim, sd, type=StateDictType.SHARDED_STATE_DICT)
+            return "loaded"
+        except IncompatibleCheckpointError as e:
+            if "dim-0 chunk" not in str(e):
+                return str(e)
+    return "refused"
+
+
+def test_a_sharded_dict_holding_another_ranks_chunk_is_refused():
+    # helper-30: only the chunk's size was compared, so another rank's equal-sized chunk loaded in the wrong rows
+    assert run_ranks(2, _given_the_other_ranks_sharded_dict, timeout=120) == ["refused", "refused"]

@@ -12,7 +12,7 @@ from torch import nn
 from shardckpt.checkpoint.async_save import SaveHandle, async_save
 from shardckpt.checkpoint.save import save
 from shardckpt.dist.group import resolve_group
-from shardckpt.errors import IncompatibleCheckpointError
+from shardckpt.errors import BadArgumentError, IncompatibleCheckpointError
 from shardckpt.runtime.api import ModuleStateHandlers
 from shardckpt.runtime.state import state_of
 from shardckpt.state_dict.model_state import get_model_state, rank0_only, set_model_state
@@ -152,6 +152,10 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, ty
                    extra: dict | None) -> tuple[dict, dict]:
     """The state dict ``save_state`` saves, and its manifest metadata."""
     sd = get_state_dict(model, optimizer, type=type, config=config, optim_key=optim_key)
+    taken = sorted(set(extra or {}) & {"model", "optim"})
+    if taken:  # it would replace the state saved under that key
+        raise BadArgumentError(f"extra: {taken} name the model's and optimizer's state in the checkpoint; give "
+                               "extra values other keys")
     sd.update(extra or {})
     metadata = {"state_dict_type": type.value, "optim_key": optim_key.value}
     if type is StateDictType.LOCAL_STATE_DICT:

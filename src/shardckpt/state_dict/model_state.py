@@ -9,7 +9,7 @@ from torch import nn
 from shardckpt.dist.group import attempt, raise_failures, resolve_group
 from shardckpt.errors import IncompatibleCheckpointError, key_mismatch
 from shardckpt.format.flat_layout import LAYOUTS_KEY, POSITIONS
-from shardckpt.regions import FlatRange, dim0_chunk, full_region
+from shardckpt.regions import FlatRange, canonical, dim0_chunk, full_region
 from shardckpt.runtime import FlatGroup, groups, is_sharded
 from shardckpt.runtime.build import FLAT_PARAM_NAMES
 from shardckpt.runtime.flat_group import shards_changed
@@ -187,8 +187,9 @@ def member_source(value: Any, name: str, shape: tuple[int, ...], sd_type: StateD
         return None
     if sd_type is SHARDED:
         want = dim0_chunk(shape, rank, world)
+        # the region itself, not its size: another rank's equal-sized chunk would load in the wrong place
         if not isinstance(value, ShardedTensor) or value.global_shape != shape or \
-                value.region.numel != want.numel:
+                value.region.numel != want.numel or (want.numel and canonical(value.region, shape) != want):
             raise IncompatibleCheckpointError(
                 f"{name!r}: a SHARDED state dict must hold this rank's dim-0 chunk {rank}/{world} of shape "
                 f"{list(shape)}; got {value!r:.120}. Load checkpoints saved at another world size with "
