@@ -185,3 +185,42 @@ def test_a_sharded_model_is_freed_with_its_last_reference(orig: bool) -> None:
     del model, optim
     gc.collect()
     assert all(ref() is None for ref in refs)
+
+
+def _loads_inside_summon(path: str) -> list[str]:
+    import shardckpt
+    from shardckpt import StateDictType
+
+    torch.manual_seed(0)
+    want = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)).state_dict()
+    model = runtime.shard(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), wrap=(nn.Linear,))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loads = {"load_state_dict": lambda: model.load_state_dict(want),
+             "set_state_dict": lambda: shardckpt.set_state_dict(model, None, {"model": want},
+                                                                type=StateDictType.FULL_STATE_DICT),
+             "load_state": lambda: shardckpt.load_state(model, None, path)}
+    out = []
+    for name, load in loads.items():
+        with model.summon_full_params():
+            try:
+                load()
+                out.append(f"{name}: loaded")
+            except ShardingError as e:
+                out.append(f"{name}: refused" if "summon_full_params" in str(e) else str(e))
+    got = model.state_dict()
+    out.append(f"unchanged: {all(torch.equal(got[k], before[k]) for k in before)}")
+    shardckpt.load_state(model, None, path)  # after the context: loads
+    got = model.state_dict()
+    out.append(f"loaded after: {all(torch.equal(got[k], want[k]) for k in want)}")
+    return out
+
+
+def test_a_load_inside_summon_full_params_is_refused(tmp_path):
+    # helper-30: the context's write-back on exit put the weights of before the load back, silently
+    import shardckpt
+
+    torch.manual_seed(0)
+    shardckpt.save({"model": nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)).state_dict()}, str(tmp_path / "c"))
+    got = run_ranks(2, _loads_inside_summon, str(tmp_path / "c"), timeout=120)
+    assert got[0] == got[1] == ["load_state_dict: refused", "set_state_dict: refused", "load_state: refused",
+                                "unchanged: True", "loaded after: True"], got

@@ -102,3 +102,27 @@ def test_extra_may_not_name_the_saved_state(tmp_path, key):
     assert not (tmp_path / "ckpt").exists()
     shardckpt.save_state(model, optim, str(tmp_path / "ckpt"), extra={"step": 3})
     assert shardckpt.load_state(model, optim, str(tmp_path / "ckpt")) == {"step": 3}
+
+
+def test_a_load_after_a_backward_loads_the_optimizer_state_and_keeps_the_gradients(tmp_path):
+    # helper-30: a fresh optimizer whose parameters had gradients got no state to load into: the load left it empty
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.randn(5, 4)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    shardckpt.save_state(model, optim, str(tmp_path / "ckpt"))
+    fresh = nn.Linear(4, 2)
+    fresh_optim = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    fresh(torch.randn(5, 4)).sum().backward()
+    grads = [p.grad.clone() for p in fresh.parameters()]
+    shardckpt.load_state(fresh, fresh_optim, str(tmp_path / "ckpt"))
+    for p, q, grad in zip(model.parameters(), fresh.parameters(), grads):
+        assert torch.equal(p, q) and torch.equal(q.grad, grad)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(optim.state[p][key], fresh_optim.state[q][key]), key

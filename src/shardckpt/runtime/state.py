@@ -115,6 +115,7 @@ class ShardState:
         self._root_forward_finished = True  # False from the root's pre-forward until its post-forward hook ran
         self._backward_task: int | None = None  # the autograd graph task of the backward under way
         self._awaiting_backward = False  # a forward with grad ran; its backward has not finished
+        self.summoned = 0  # summon_full_params() contexts open: their exit writes the full parameters back
         self._backward_started: set[int] = set()  # units whose backward began in the pass under way
         self._unit_of = {id(group): unit for unit in units for group in unit.groups}
 
@@ -258,6 +259,13 @@ class ShardState:
             raise ShardingError(f"{what}: {type(module).__name__} is not a unit of this sharded model (the root, or "
                                 "a module its wrap policy named)")
         return unit
+
+    def check_not_summoned(self, what: str) -> None:
+        """Refuse a load inside ``summon_full_params()``: the context's exit would write the full parameters of
+        before the load back over the loaded shards."""
+        if self.summoned:
+            raise ShardingError(f"{what} cannot run inside summon_full_params(): on exit it writes the full "
+                                "parameters back over what was loaded; load before or after the context")
 
     def check_idle(self, what: str) -> None:
         """Refuse between a forward with grad and its backward; free units kept gathered otherwise (after

@@ -151,11 +151,11 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, ty
                    config: StateDictConfig | None, optim_key: OptimStateKeyType,
                    extra: dict | None) -> tuple[dict, dict]:
     """The state dict ``save_state`` saves, and its manifest metadata."""
-    sd = get_state_dict(model, optimizer, type=type, config=config, optim_key=optim_key)
     taken = sorted(set(extra or {}) & {"model", "optim"})
     if taken:  # it would replace the state saved under that key
         raise BadArgumentError(f"extra: {taken} name the model's and optimizer's state in the checkpoint; give "
                                "extra values other keys")
+    sd = get_state_dict(model, optimizer, type=type, config=config, optim_key=optim_key)
     sd.update(extra or {})
     metadata = {"state_dict_type": type.value, "optim_key": optim_key.value}
     if type is StateDictType.LOCAL_STATE_DICT:

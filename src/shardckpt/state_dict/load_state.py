@@ -23,6 +23,7 @@ from shardckpt.format.flat_layout import stored_layouts
 from shardckpt.regions import FlatRange, Region, full_region
 from shardckpt.runtime import FlatGroup, groups, is_sharded
 from shardckpt.runtime.flat_group import shards_changed
+from shardckpt.runtime.state import state_of
 from shardckpt.state_dict.flat import MemberPiece, flat_pieces, held_region
 from shardckpt.state_dict.model_state import buffers
 from shardckpt.state_dict.optim_state import _held, init_optim_state, names_by_group, unsharded_param_names
@@ -206,6 +207,8 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
     (``shardckpt.PerRank``) as this rank's own; a rank the save did not have is refused by name, before any
     data is read.
     """
+    if is_sharded(model):
+        state_of(model).check_not_summoned("load_state()")
     if optimizer is not None:
         init_optim_state(optimizer)
     scalars: list[tuple[dict, str, Any]] = []

@@ -209,6 +209,7 @@ def set_model_state(model: nn.Module, sd: dict[str, Any], sd_type: StateDictType
     """
     if not is_sharded(model):
         return _set_plain(model, sd, sd_type, config, strict)
+    state_of(model).check_not_summoned("loading a state dict")
     shards_changed()  # groups kept gathered must not serve the weights from before the load
     only0 = rank0_only(config)
     world_group = resolve_group()

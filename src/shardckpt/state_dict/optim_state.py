@@ -168,8 +168,7 @@ def init_optim_state(optim: torch.optim.Optimizer) -> None:
     if optim.state:
         return
     params = [p for pg in optim.param_groups for p in pg["params"] if p.requires_grad]
-    if any(p.grad is not None for p in params):
-        return
+    grads = [p.grad for p in params]  # a backward before the load keeps its gradients (torch's load does too)
     saved = [p.detach().clone() for p in params]
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -184,7 +183,8 @@ def init_optim_state(optim: torch.optim.Optimizer) -> None:
     with torch.no_grad():
         for p, s in zip(params, saved):  # weight decay moves parameters even at lr 0 in some optimizers
             p.copy_(s)
-    optim.zero_grad(set_to_none=True)
+    for p, grad in zip(params, grads):
+        p.grad = grad
 
 
 def prepare_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, sd_type: StateDictType,
