@@ -126,3 +126,23 @@ def test_a_load_after_a_backward_loads_the_optimizer_state_and_keeps_the_gradien
         assert torch.equal(p, q) and torch.equal(q.grad, grad)
         for key in ("step", "exp_avg", "exp_avg_sq"):
             assert torch.equal(optim.state[p][key], fresh_optim.state[q][key]), key
+
+
+def test_a_resume_into_groups_split_with_other_hyper_parameters_is_refused(tmp_path):
+    # helper-30: a checkpoint of one group loaded into decay / no-decay groups gave both the saved weight_decay
+    import torch
+    from torch import nn
+
+    from shardckpt.errors import IncompatibleCheckpointError
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.05)
+    shardckpt.save_state(model, optim, str(tmp_path / "ckpt"))
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() > 1]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() > 1)]
+    split = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=0.1)
+    with pytest.raises(IncompatibleCheckpointError, match="different hyper-parameters"):
+        shardckpt.load_state(model, split, str(tmp_path / "ckpt"))
+    same = torch.optim.AdamW([{"params": decay}, {"params": rest}], lr=0.1, weight_decay=0.05)
+    shardckpt.load_state(model, same, str(tmp_path / "ckpt"))  # a split that changes nothing loads
+    assert [g["weight_decay"] for g in same.param_groups] == [0.05, 0.05]
