@@ -166,6 +166,9 @@ class CheckpointManager:
             newest = min(self._copy.all_gather(newest))
             has_peers = any(self.lanes.topo.peers.values()) and newest == step
             handle.replicated.set_result(replicate(self.lanes, step, data) if has_peers else None)
+            if not any(self.lanes.topo.peers.values()):  # no replicas to wait for: committed is as safe as it gets,
+                with self.lanes.state.lock:  # and the newest such step must stay while the next one is written
+                    self.lanes.state.safe.add(step)
             # a newer step saved and due (not a due step number never saved: steps may skip numbers)
             due_later = any(self.config.persists(s) for s in saved if step < s <= newest)
             if self.config.persists(step) and due_later:
@@ -251,7 +254,7 @@ class CheckpointManager:
             # and must not count as the newest committed or replicated one (latest wins, the trim's "safe")
             for step in [s for s in state.epochs if s > last]:
                 del state.epochs[step]
-            state.safe = {s for s in state.safe if s <= last}
+            state.safe = {s for s in state.safe if s <= last} | ({last} if restored is not None else set())
             state.newest = last
             for candidate in facts.holdings.get(topo.node, {}):
                 if restored is None or candidate <= restored.candidate:
