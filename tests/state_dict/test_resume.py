@@ -146,3 +146,16 @@ def test_a_resume_into_groups_split_with_other_hyper_parameters_is_refused(tmp_p
     same = torch.optim.AdamW([{"params": decay}, {"params": rest}], lr=0.1, weight_decay=0.05)
     shardckpt.load_state(model, same, str(tmp_path / "ckpt"))  # a split that changes nothing loads
     assert [g["weight_decay"] for g in same.param_groups] == [0.05, 0.05]
+
+
+def test_a_parameter_the_saved_groups_lack_is_named(tmp_path):
+    # helper-30 (minor): the message listed the group's first parameters, present ones included
+    import torch
+    from torch import nn
+
+    from shardckpt.errors import IncompatibleCheckpointError
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    shardckpt.save_state(model, torch.optim.Adam(model[0].parameters()), str(tmp_path / "ckpt"))
+    with pytest.raises(IncompatibleCheckpointError, match=r"\['1.weight', '1.bias'\]... are missing"):
+        shardckpt.load_state(model, torch.optim.Adam(model.parameters()), str(tmp_path / "ckpt"))

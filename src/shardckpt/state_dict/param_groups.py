@@ -27,8 +27,9 @@ def match_param_groups(given_groups: list[dict], optim: torch.optim.Optimizer,
             hyper.append(hyper_parameters(pg))
             continue
         if None in found or len(found) != 1:
+            named = [n for n in names if group_of.get(n) is None] if None in found else names  # the ones at fault
             raise IncompatibleCheckpointError(
-                f"the saved param_groups do not match this optimizer's: parameters {names[:3]}... are "
+                f"the saved param_groups do not match this optimizer's: parameters {named[:3]}... are "
                 f"{'missing from' if None in found else 'spread over several of'} its param groups"
                 f"{_other_form_hint(list(group_of), names)}")
         index = found.pop()
