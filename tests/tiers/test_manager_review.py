@@ -227,3 +227,22 @@ def test_a_run_started_again_without_restore_keeps_tier_2s_checkpoints(tmp_path)
                 ckpt.save(step, {"w": torch.zeros(4096)})
     assert torch.equal(shardckpt.load_full(str(tmp_path / "t2" / "step-000000002"))["w"],
                        torch.arange(4096, dtype=torch.float32) + 2)
+
+
+def test_tier_2_that_cannot_be_listed_after_a_restore_is_logged_not_raised_on_rank_0_alone(tmp_path, caplog,
+                                                                                          monkeypatch):
+    # (read of the diff) rank 0 alone runs this after the collective restore: an error there would leave the
+    # other ranks waiting in their next collective
+    import logging
+
+    from shardckpt.errors import StorageError
+    from shardckpt.io.local import LocalStorage
+    from shardckpt.tiers.restore import Candidate
+    from shardckpt.tiers.restore_io import drop_abandoned_tier2
+
+    def refused(self):
+        raise StorageError("injected: listing refused")
+    monkeypatch.setattr(LocalStorage, "list_dirs", refused)
+    with caplog.at_level(logging.WARNING, logger="shardckpt.tiers"):
+        drop_abandoned_tier2(_config(tmp_path, persistent_dir=str(tmp_path / "t2")), Candidate(0, 3, "ab", 1))
+    assert "could not be listed after the restore of step 3" in caplog.text
