@@ -209,7 +209,8 @@ def _loads_inside_summon(path: str) -> list[str]:
                 out.append(f"{name}: refused" if "summon_full_params" in str(e) else str(e))
     got = model.state_dict()
     out.append(f"unchanged: {all(torch.equal(got[k], before[k]) for k in before)}")
-    shardckpt.load_state(model, None, path)  # after the context: loads
+    with model.summon_full_params(writeback=False):  # no write-back to undo it (helper-31)
+        shardckpt.load_state(model, None, path)
     got = model.state_dict()
     out.append(f"loaded after: {all(torch.equal(got[k], want[k]) for k in want)}")
     return out

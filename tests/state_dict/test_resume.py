@@ -159,3 +159,20 @@ def test_a_parameter_the_saved_groups_lack_is_named(tmp_path):
     shardckpt.save_state(model, torch.optim.Adam(model[0].parameters()), str(tmp_path / "ckpt"))
     with pytest.raises(IncompatibleCheckpointError, match=r"\['1.weight', '1.bias'\]... are missing"):
         shardckpt.load_state(model, torch.optim.Adam(model.parameters()), str(tmp_path / "ckpt"))
+
+
+def test_an_init_step_that_raises_leaves_learning_rates_and_gradients_as_they_were(tmp_path):
+    # helper-31: LBFGS wants a closure: the zero-lr init step raised and left lr 0 and zeroed gradients behind
+    import torch
+    from torch import nn
+
+    model = nn.Linear(4, 2)
+    optim = torch.optim.LBFGS(model.parameters(), lr=0.5)
+    model(torch.randn(3, 4)).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    values = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError):
+        shardckpt.save_state(model, optim, str(tmp_path / "ckpt"))
+    assert optim.param_groups[0]["lr"] == 0.5
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert all(torch.equal(p, v) for p, v in zip(model.parameters(), values))

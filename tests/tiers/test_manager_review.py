@@ -16,7 +16,6 @@ import shardckpt
 from shardckpt.errors import BadArgumentError
 from shardckpt.tiers import CheckpointManager, TierConfig, TierConfigError
 from shardckpt.tiers.peer import default_peer_host
-from tests.storage._util import manifest_doc, sealed
 
 
 def _config(tmp_path, **more) -> TierConfig:
@@ -153,10 +152,14 @@ def test_tier_2_retention_keeps_the_current_timeline_after_a_fallback(tmp_path):
 
 
 @pytest.mark.parametrize("through", ["upload", "direct"])
-def test_a_restore_removes_tier_2s_steps_above_it_so_the_run_saves_them_again(tmp_path, through):
-    # the fresh-clone CI run: a restore fell back past tier 2's corrupt step 9; the run's own new step 9 then failed
-    # its upload (CheckpointExistsError at close) and tier 2 kept the abandoned, corrupt copy
+def test_a_step_number_saved_again_after_a_fallback_past_it_leaves_tier_2s_copy_and_goes_on(tmp_path, through,
+                                                                                            caplog):
+    # the fresh-clone CI run: a restore fell back past tier 2's corrupt step 8; the run's own new step 8 then failed
+    # its upload (CheckpointExistsError) and the job failed at its next call. A first fix deleted such steps at the
+    # restore, which also deleted good ones (another run's, a passing read error's verdict: helper-31): now the
+    # restore's verdict only lets the upload give way, with a warning, and nothing is deleted
     import glob
+    import logging
 
     config = _config(tmp_path, keep_last=4, persistent_dir=str(tmp_path / "t2"), persistent_every=2)
     with CheckpointManager(config) as ckpt:
@@ -169,47 +172,23 @@ def test_a_restore_removes_tier_2s_steps_above_it_so_the_run_saves_them_again(tm
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x40]))
+    manifest = (tmp_path / "t2" / "step-000000008" / "manifest.json").read_bytes()
     shutil.rmtree(tmp_path / "t0" / "r" / "step-000000008")
     if through == "direct":  # no room in tier 0: a due step is written to tier 2 from the staging buffers
         config = config.replace(local_budget=1000)
-    with CheckpointManager(config) as ckpt:
+    with caplog.at_level(logging.WARNING, logger="shardckpt.tiers"), CheckpointManager(config) as ckpt:
         assert ckpt.restore({"w": torch.zeros(4096)}).step == 7
         saves = [ckpt.save(step, {"w": torch.arange(4096, dtype=torch.float32) + 100 + step}) for step in (8, 9)]
         ckpt.wait()
-        assert saves[0].persisted.result() is True
-    assert not os.path.exists(old[0])  # the abandoned step's data went with it
-    shutil.rmtree(tmp_path / "t0")
-    state = {"w": torch.zeros(4096)}
-    with CheckpointManager(config) as ckpt:
-        restored = ckpt.restore(state)
-    assert (restored.step, restored.epoch) == (8, 1)
-    assert torch.equal(state["w"], torch.arange(4096, dtype=torch.float32) + 108)
-
-
-def test_a_corrupt_tier_2_manifest_above_the_restored_step_is_removed_one_of_a_newer_format_kept(tmp_path):
-    # helper-29: a flipped byte in tier 2's manifest of step 8: the restore skipped it, and saving step 8 again
-    # failed the job at its next call
-    config = _config(tmp_path, keep_last=4, persistent_dir=str(tmp_path / "t2"), persistent_every=2)
-    with CheckpointManager(config) as ckpt:
-        for step in range(1, 11):
-            ckpt.save(step, {"w": torch.arange(4096, dtype=torch.float32) + step})
-    manifest = tmp_path / "t2" / "step-000000008" / "manifest.json"
-    data = bytearray(manifest.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    manifest.write_bytes(bytes(data))
-    newer = tmp_path / "t2" / "step-000000010" / "manifest.json"  # another shardckpt's: not ours to judge
-    doc = manifest_doc(newer.read_bytes())
-    doc["version"] = 99
-    newer.write_bytes(sealed(doc))
-    for step in (8, 9, 10):
-        shutil.rmtree(tmp_path / "t0" / "r" / f"step-{step:09d}")
-    with CheckpointManager(config) as ckpt:
-        assert ckpt.restore({"w": torch.zeros(4096)}).step == 7
-        ckpt.save(8, {"w": torch.arange(4096, dtype=torch.float32) + 108})
-        ckpt.wait()
-    assert newer.exists() and manifest_doc(newer.read_bytes())["version"] == 99
-    assert torch.equal(shardckpt.load_full(str(tmp_path / "t2" / "step-000000008"))["w"],
-                       torch.arange(4096, dtype=torch.float32) + 108)
+        assert saves[0].persisted.result() is False
+    assert "the last restore found incomplete or corrupt" in caplog.text
+    assert (tmp_path / "t2" / "step-000000008" / "manifest.json").read_bytes() == manifest and os.path.exists(old[0])
+    if through == "upload":  # the run's own step 8 (epoch 1) is in tier 0, and a restore prefers it
+        state = {"w": torch.zeros(4096)}
+        with CheckpointManager(config) as ckpt:
+            restored = ckpt.restore(state)
+        assert (restored.step, restored.epoch) == (9, 1)
+        assert torch.equal(state["w"], torch.arange(4096, dtype=torch.float32) + 109)
 
 
 def test_a_run_started_again_without_restore_keeps_tier_2s_checkpoints(tmp_path):
@@ -227,22 +206,3 @@ def test_a_run_started_again_without_restore_keeps_tier_2s_checkpoints(tmp_path)
                 ckpt.save(step, {"w": torch.zeros(4096)})
     assert torch.equal(shardckpt.load_full(str(tmp_path / "t2" / "step-000000002"))["w"],
                        torch.arange(4096, dtype=torch.float32) + 2)
-
-
-def test_tier_2_that_cannot_be_listed_after_a_restore_is_logged_not_raised_on_rank_0_alone(tmp_path, caplog,
-                                                                                          monkeypatch):
-    # (read of the diff) rank 0 alone runs this after the collective restore: an error there would leave the
-    # other ranks waiting in their next collective
-    import logging
-
-    from shardckpt.errors import StorageError
-    from shardckpt.io.local import LocalStorage
-    from shardckpt.tiers.restore import Candidate
-    from shardckpt.tiers.restore_io import drop_abandoned_tier2
-
-    def refused(self):
-        raise StorageError("injected: listing refused")
-    monkeypatch.setattr(LocalStorage, "list_dirs", refused)
-    with caplog.at_level(logging.WARNING, logger="shardckpt.tiers"):
-        drop_abandoned_tier2(_config(tmp_path, persistent_dir=str(tmp_path / "t2")), Candidate(0, 3, "ab", 1))
-    assert "could not be listed after the restore of step 3" in caplog.text

@@ -153,25 +153,3 @@ def test_a_due_step_is_uploaded_when_the_next_saved_step_skips_due_numbers(tmp_p
         ckpt.wait()
         assert first.persisted.result() is True
     assert sorted(os.listdir(tmp_path / "t2")) == ["step-000000002"]
-
-
-def test_without_replicas_the_newest_committed_step_is_never_evicted_for_the_next(tmp_path, caplog):
-    # helper-29: with no replicas no step was ever "safe", so a tier 0 with room for one step evicted it before the
-    # next was written: a kill then left no checkpoint at all
-    probe = TierConfig(local_dir=str(tmp_path / "probe"), run_id="r", node_id="n", min_free=1, peer_host="127.0.0.1")
-    with CheckpointManager(probe) as ckpt:
-        ckpt.save(1, {"w": torch.arange(4096, dtype=torch.float32)}).committed.result()
-        one = ckpt.status()["tier0_bytes"]
-    config = probe.replace(local_dir=str(tmp_path / "t0"), local_budget=one + one // 2, keep_local_on_close=True)
-    with caplog.at_level(logging.WARNING, logger="shardckpt.tiers"), CheckpointManager(config) as ckpt:
-        for step in (1, 2):
-            ckpt.save(step, {"w": torch.arange(4096, dtype=torch.float32) + step})
-            ckpt.wait()
-        assert ckpt.status()["steps"] == [1] and ckpt.status()["skipped"] == [2]
-    assert "step 2 skipped in tier 0" in caplog.text
-    state = {"w": torch.zeros(4096)}
-    with CheckpointManager(config) as ckpt:  # the restored step stays too, while the next one is written
-        assert ckpt.restore(state).step == 1 and torch.equal(state["w"], torch.arange(4096.0) + 1)
-        ckpt.save(2, {"w": torch.arange(4096, dtype=torch.float32) + 2})
-        ckpt.wait()
-        assert ckpt.status()["steps"] == [1]

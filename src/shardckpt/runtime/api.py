@@ -246,7 +246,7 @@ def summon_full_params(module: nn.Module, writeback: bool = True) -> Iterator[No
             full = group.gather_master()
             group.set_master_views(full)
             fulls.append(full)
-    state.summoned += 1
+    state.summoned += writeback  # only a write-back undoes a load made inside
     try:
         yield
         if writeback:  # not when the body raised
@@ -254,7 +254,7 @@ def summon_full_params(module: nn.Module, writeback: bool = True) -> Iterator[No
                 group.write_back(full)
             shards_changed()
     finally:
-        state.summoned -= 1
+        state.summoned -= writeback
         for group in state.groups:
             group.drop_views()
 

@@ -170,21 +170,23 @@ def init_optim_state(optim: torch.optim.Optimizer) -> None:
     params = [p for pg in optim.param_groups for p in pg["params"] if p.requires_grad]
     grads = [p.grad for p in params]  # a backward before the load keeps its gradients (torch's load does too)
     saved = [p.detach().clone() for p in params]
-    for p in params:
-        p.grad = torch.zeros_like(p)
     lrs = [pg.get("lr") for pg in optim.param_groups]
-    for pg in optim.param_groups:
-        if "lr" in pg:
-            pg["lr"] = torch.tensor(0.0) if torch.is_tensor(pg["lr"]) else 0.0
-    optim.step()
-    for pg, lr in zip(optim.param_groups, lrs):
-        if lr is not None:
-            pg["lr"] = lr
-    with torch.no_grad():
-        for p, s in zip(params, saved):  # weight decay moves parameters even at lr 0 in some optimizers
-            p.copy_(s)
-    for p, grad in zip(params, grads):
-        p.grad = grad
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for pg in optim.param_groups:
+            if "lr" in pg:
+                pg["lr"] = torch.tensor(0.0) if torch.is_tensor(pg["lr"]) else 0.0
+        optim.step()
+    finally:  # also when the step raises (LBFGS wants a closure): learning rates, parameters and gradients as given
+        for pg, lr in zip(optim.param_groups, lrs):
+            if lr is not None:
+                pg["lr"] = lr
+        with torch.no_grad():
+            for p, s in zip(params, saved):  # weight decay moves parameters even at lr 0 in some optimizers
+                p.copy_(s)
+        for p, grad in zip(params, grads):
+            p.grad = grad
 
 
 def prepare_optim_state(model: nn.Module, optim: torch.optim.Optimizer, osd: dict, sd_type: StateDictType,

@@ -17,6 +17,7 @@ from shardckpt.checkpoint.save import Planned, persist, plan
 from shardckpt.checkpoint.stage import Staged, StagingBuffers
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures
 from shardckpt.errors import CheckpointError, CheckpointExistsError
+from shardckpt.format.checksum import crc32c
 from shardckpt.format.manifest import MANIFEST_NAME, parse_manifest
 from shardckpt.io import Storage
 from shardckpt.tiers import local
@@ -40,6 +41,7 @@ class NodeState:
     safe: set[int] = field(default_factory=set)
     epochs: dict[int, int] = field(default_factory=dict)
     newest: int = -1  # the newest step committed in tier 0 (latest wins: lane RP leaves older ones unreplicated)
+    rejected_tier2: dict[int, int] = field(default_factory=dict)  # step -> manifest digest: the last restore's verdict
     moved: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -160,13 +162,13 @@ def replicate(lanes: Lanes, step: int, data: bytes) -> bool:
     return True
 
 
-def persist_step(lanes: Lanes, step: int, data: bytes, source: Storage | None = None) -> None:
+def persist_step(lanes: Lanes, step: int, data: bytes, source: Storage | None = None) -> bool:
     """Lane RP, for a step due in tier 2: every rank uploads its own files from its node's tier 0 (checked as read)
     to ``<persistent_dir>/step-NNNNNNNNN/``, then rank 0 puts the same manifest bytes there exclusively (the
     tier-2 commit; one already there with the same bytes counts) and applies ``persistent_keep_last``. Raises
     on every rank if any failed: nothing is committed then. ``source``: an upload re-driven after a restart (at
     any world size) reads every file from there (the restore's routing) instead, each rank every
-    world-size-th file."""
+    world-size-th file. False (nothing raised) when tier 2 keeps a step the last restore rejected (``_commit_tier2``)."""
     group = lanes.copy_group
     manifest = parse_manifest(data, f"step {step}")
 
@@ -182,37 +184,66 @@ def persist_step(lanes: Lanes, step: int, data: bytes, source: Storage | None = 
     sent = attempt(group.rank, send)
     raise_failures(group.all_gather(sent if isinstance(sent, Failure) else None))
     done = attempt(0, lambda: _commit_tier2(lanes, step, data)) if group.is_coordinator else None
-    raise_failures([group.broadcast(done if isinstance(done, Failure) else None)])
+    done = group.broadcast(done)
+    raise_failures([done])
     with lanes.state.lock:
         lanes.state.moved["uploaded_bytes"] = sent
+    return done
 
 
-def persist_staged(lanes: Lanes, step: int, staged: Staged) -> None:
+def persist_staged(lanes: Lanes, step: int, staged: Staged) -> bool:
     """Lane W, for a step due in tier 2 that tier 0 had no room for (``on_full="skip"``): written to tier 2 from
     the staging buffers, as ``async_save`` would, so that the durable schedule never depends on tier 0's room.
-    Committed exclusively, as an upload is; then ``persistent_keep_last`` applies. Collective over lane W."""
+    Committed exclusively, as an upload is; then ``persistent_keep_last`` applies. Collective over lane W. False
+    (nothing written) where tier 2 keeps a step of that number the last restore rejected, as ``_commit_tier2``."""
     group = lanes.write_group
     storage = lanes.config.persistent_storage(local.step_dir(step))
+    kept = attempt(0, lambda: _keeps_rejected(lanes, storage, step)) if group.is_coordinator else None
+    kept = group.broadcast(kept)
+    raise_failures([kept])
+    if kept:
+        if group.is_coordinator:
+            log.warning("shardckpt tiers: step %d (no room in tier 0) not written to tier 2, which keeps the step %d "
+                        "the last restore found incomplete or corrupt (remove %s to write it)", step, step,
+                        storage.url(""))
+        return False
     persist(staged, plan(staged, storage, process_group=group.pg, overwrite=False))
     done = attempt(0, lambda: _trim_tier2(lanes)) if group.is_coordinator else None
     raise_failures([group.broadcast(done if isinstance(done, Failure) else None)])
     with lanes.state.lock:
         lanes.state.moved = {"tier0_bytes": 0, "uploaded_bytes": staged.nbytes}
+    return True
 
 
-def _commit_tier2(lanes: Lanes, step: int, data: bytes) -> None:
+def _keeps_rejected(lanes: Lanes, storage: Storage, step: int) -> bool:
+    with lanes.state.lock:
+        digest = lanes.state.rejected_tier2.get(step)
+    return digest is not None and storage.exists(MANIFEST_NAME) and crc32c(storage.read_bytes(MANIFEST_NAME)) == digest
+
+
+def _commit_tier2(lanes: Lanes, step: int, data: bytes) -> bool:
     storage = lanes.config.persistent_storage(local.step_dir(step))
     try:
         storage.put_atomic(MANIFEST_NAME, data, exclusive=True)
     except FileExistsError:
-        if storage.read_bytes(MANIFEST_NAME) != data:
+        there = storage.read_bytes(MANIFEST_NAME)
+        if there != data:
             storage.remove_dir(data_dir(parse_manifest(data, storage.url(MANIFEST_NAME)).generation))  # ours only
+            with lanes.state.lock:
+                rejected = lanes.state.rejected_tier2.get(step) == crc32c(there)
+            if rejected:  # the restore fell back past it: kept (never deleted on a verdict a passing read error
+                # may have made), and this run's step stays in tier 0; a restore orders this run's steps first
+                log.warning("shardckpt tiers: step %d not uploaded: tier 2 keeps the step %d the last restore found "
+                            "incomplete or corrupt (remove %s to upload it); the next due step will be", step, step,
+                            storage.url(""))
+                return False
             raise CheckpointExistsError(
                 f"{storage.url(MANIFEST_NAME)}: tier 2 already holds another checkpoint of step {step}, one no "
                 "restore of this run fell back past (another job saving to the same persistent_dir, or this job "
                 "started again without restore()); this step's upload is dropped, the checkpoint there is kept") \
                 from None
     _trim_tier2(lanes)
+    return True
 
 
 def _trim_tier2(lanes: Lanes) -> None:

@@ -143,14 +143,15 @@ class CheckpointManager:
             handle.persisted.set_result(None)
             return
         try:
-            persist_staged(self.lanes, step, staged)
+            done = persist_staged(self.lanes, step, staged)
         except BaseException as e:
             self._failed[step] = repr(e)
             handle.persisted.set_exception(e)
             raise
-        self._persisted(step)
-        handle.persisted.set_result(True)
-        log.warning("shardckpt tiers: step %d had no room in tier 0; written to tier 2 directly", step)
+        handle.persisted.set_result(done)
+        if done:
+            self._persisted(step)
+            log.warning("shardckpt tiers: step %d had no room in tier 0; written to tier 2 directly", step)
 
     def _persisted(self, step: int) -> None:
         """``step`` is in tier 2: the failures of older steps no longer leave tier 0 the only copy of the newest."""
@@ -166,18 +167,16 @@ class CheckpointManager:
             newest = min(self._copy.all_gather(newest))
             has_peers = any(self.lanes.topo.peers.values()) and newest == step
             handle.replicated.set_result(replicate(self.lanes, step, data) if has_peers else None)
-            if not any(self.lanes.topo.peers.values()):  # no replicas to wait for: committed is as safe as it gets,
-                with self.lanes.state.lock:  # and the newest such step must stay while the next one is written
-                    self.lanes.state.safe.add(step)
             # a newer step saved and due (not a due step number never saved: steps may skip numbers)
             due_later = any(self.config.persists(s) for s in saved if step < s <= newest)
             if self.config.persists(step) and due_later:
                 handle.persisted.set_result(None)
             elif self.config.persists(step):
                 try:
-                    persist_step(self.lanes, step, data)
-                    self._persisted(step)
-                    handle.persisted.set_result(True)
+                    done = persist_step(self.lanes, step, data)
+                    if done:
+                        self._persisted(step)
+                    handle.persisted.set_result(done)
                 except BaseException as e:
                     self._errors.append(e)
                     self._failed[step] = repr(e)
@@ -246,15 +245,17 @@ class CheckpointManager:
             self._rp.submit(self._redrive, restored.step, data, restored.storage)
         self.epoch = restore_io.after_restore(topo.leader, topo.node, self.lanes.state.root, facts,
                                               restored.candidate if restored else None)
-        if restored is not None and self._write.is_coordinator:
-            restore_io.drop_abandoned_tier2(self.config, restored.candidate)
+        with self.lanes.state.lock:  # tier 2's newer steps this restore found incomplete or corrupt: saving their
+            # numbers again leaves them there (nothing is deleted on a verdict that may be a passing read error)
+            self.lanes.state.rejected_tier2 = {c.step: c.digest for c in facts.persistent
+                                               if restored is None or c > restored.candidate}
         with self.lanes.state.lock:  # the epochs of the steps kept here, for the budget's and the trim's order
             state, last = self.lanes.state, restored.step if restored is not None else -1
             # a restore in a manager that saved: the abandoned timeline's newer steps are gone from tier 0 (above),
             # and must not count as the newest committed or replicated one (latest wins, the trim's "safe")
             for step in [s for s in state.epochs if s > last]:
                 del state.epochs[step]
-            state.safe = {s for s in state.safe if s <= last} | ({last} if restored is not None else set())
+            state.safe = {s for s in state.safe if s <= last}
             state.newest = last
             for candidate in facts.holdings.get(topo.node, {}):
                 if restored is None or candidate <= restored.candidate:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from shardckpt.dist.group import Failure, Group, attempt, raise_failures
-from shardckpt.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
+from shardckpt.errors import CheckpointError, CorruptCheckpointError
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest
 from shardckpt.io import Storage
 from shardckpt.tiers import local
@@ -208,45 +208,3 @@ def after_restore(leader: bool, node: str, root: str, facts: Facts, chosen: Cand
             local.remove_step(root, step)
     return next_epoch(facts.layouts)
 
-
-def drop_abandoned_tier2(config: TierConfig, chosen: Candidate) -> None:
-    """Rank 0, after a restore of ``chosen``: tier 2's steps numbered above it are the abandoned timeline's (newer
-    ones the restore found incomplete or corrupt, or older epochs' that an earlier restore fell back past), and so
-    is a manifest there that fails its checksum. The run will save those numbers again, and an upload never replaces
-    a committed manifest: they are removed now, manifest first, as retention does. A manifest of a newer format,
-    or not a tiers one, stays. Never raises (rank 0 alone, after the collective restore): a failure is logged, and
-    that step's upload then fails, typed."""
-    if config.persistent_dir is None:
-        return
-    try:
-        root = config.persistent_storage()
-        names = [n for n in root.list_dirs() if local.STEP_RE.match(n) and int(n[5:]) > chosen.step]
-    except (OSError, CheckpointError) as e:
-        log.warning("shardckpt tiers: tier 2 could not be listed after the restore of step %d (%s); a step above it "
-                    "saved again will fail its upload", chosen.step, e)
-        return
-    for name in names:
-        try:
-            if _abandoned(root, name):
-                config.persistent_storage(name).remove_dir(MANIFEST_NAME)
-                root.remove_dir(name)
-                log.info("shardckpt tiers: tier 2's %s removed: a restore fell back past it (to step %d)", name,
-                         chosen.step)
-        except (OSError, CheckpointError) as e:
-            log.warning("shardckpt tiers: tier 2's %s, abandoned by the restore of step %d, could not be removed "
-                        "(%s); saving that step again will fail its upload", name, chosen.step, e)
-
-
-def _abandoned(root: Storage, name: str) -> bool:
-    """Whether step directory ``name`` holds a tiers manifest, or one that fails its checksum."""
-    if not root.exists(f"{name}/{MANIFEST_NAME}"):
-        return False
-    try:
-        local.describe(root.read_bytes(f"{name}/{MANIFEST_NAME}"), root.url(f"{name}/{MANIFEST_NAME}"))
-    except IncompatibleCheckpointError:
-        return False
-    except CorruptCheckpointError:
-        return True
-    except CheckpointError:
-        return False
-    return True
