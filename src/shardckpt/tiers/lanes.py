@@ -216,9 +216,14 @@ def persist_staged(lanes: Lanes, step: int, staged: Staged) -> bool:
 
 
 def _keeps_rejected(lanes: Lanes, storage: Storage, step: int) -> bool:
+    return storage.exists(MANIFEST_NAME) and _rejected(lanes, step, storage.read_bytes(MANIFEST_NAME))
+
+
+def _rejected(lanes: Lanes, step: int, manifest: bytes) -> bool:
+    """Whether ``manifest`` is tier 2's step the last restore found incomplete or corrupt (by its digest)."""
     with lanes.state.lock:
         digest = lanes.state.rejected_tier2.get(step)
-    return digest is not None and storage.exists(MANIFEST_NAME) and crc32c(storage.read_bytes(MANIFEST_NAME)) == digest
+    return digest is not None and crc32c(manifest) == digest
 
 
 def _commit_tier2(lanes: Lanes, step: int, data: bytes) -> bool:
@@ -229,9 +234,7 @@ def _commit_tier2(lanes: Lanes, step: int, data: bytes) -> bool:
         there = storage.read_bytes(MANIFEST_NAME)
         if there != data:
             storage.remove_dir(data_dir(parse_manifest(data, storage.url(MANIFEST_NAME)).generation))  # ours only
-            with lanes.state.lock:
-                rejected = lanes.state.rejected_tier2.get(step) == crc32c(there)
-            if rejected:  # the restore fell back past it: kept (never deleted on a verdict a passing read error
+            if _rejected(lanes, step, there):  # the restore fell back past it: kept (never deleted on a verdict a passing read error
                 # may have made), and this run's step stays in tier 0; a restore orders this run's steps first
                 log.warning("shardckpt tiers: step %d not uploaded: tier 2 keeps the step %d the last restore found "
                             "incomplete or corrupt (remove %s to upload it); the next due step will be", step, step,

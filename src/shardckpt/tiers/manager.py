@@ -245,12 +245,12 @@ class CheckpointManager:
             self._rp.submit(self._redrive, restored.step, data, restored.storage)
         self.epoch = restore_io.after_restore(topo.leader, topo.node, self.lanes.state.root, facts,
                                               restored.candidate if restored else None)
-        with self.lanes.state.lock:  # tier 2's newer steps this restore found incomplete or corrupt: saving their
-            # numbers again leaves them there (nothing is deleted on a verdict that may be a passing read error)
-            self.lanes.state.rejected_tier2 = {c.step: c.digest for c in facts.persistent
-                                               if restored is None or c > restored.candidate}
         with self.lanes.state.lock:  # the epochs of the steps kept here, for the budget's and the trim's order
             state, last = self.lanes.state, restored.step if restored is not None else -1
+            # tier 2's newer steps this restore found incomplete or corrupt: saving their numbers again leaves them
+            # there (nothing is deleted on a verdict that may be a passing read error)
+            state.rejected_tier2 = {c.step: c.digest for c in facts.persistent
+                                    if restored is None or c > restored.candidate}
             # a restore in a manager that saved: the abandoned timeline's newer steps are gone from tier 0 (above),
             # and must not count as the newest committed or replicated one (latest wins, the trim's "safe")
             for step in [s for s in state.epochs if s > last]:

@@ -207,4 +207,3 @@ def after_restore(leader: bool, node: str, root: str, facts: Facts, chosen: Cand
         for step in steps:
             local.remove_step(root, step)
     return next_epoch(facts.layouts)
-
