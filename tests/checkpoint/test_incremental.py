@@ -364,3 +364,62 @@ def test_an_unreadable_newest_manifest_is_skipped_by_the_next_save(tmp_path):
     shutil.rmtree(tmp_path / "step-2")
     assert shardckpt.gc(tmp_path).removed == ()
     assert [c["name"] for c in shardckpt.ls(tmp_path).checkpoints if c["state"] == "committed"] == ["step-1", "step-4"]
+
+
+def _table_after_each_save(root: str) -> list:
+    """Rank 0: after each of a few sharded saves (the first unit changed each step), the table its commit remembered
+    for the next save, beside the one read back from the pool's indexes."""
+    import torch.distributed as dist
+
+    from shardckpt.checkpoint import pool as pool_module
+    from shardckpt.io import open_storage
+
+    out = []
+    for step in (1, 2, 3):
+        _sharded_saves(root, step, 1.0)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            run = open_storage(root)
+            parent = pool_module.latest_pool_checkpoint(run, None).manifest
+            pool = pool_module.pool_storage(open_storage(os.path.join(root, f"step-{step}")))
+            known = pool_module._remembered
+            pool_module._remembered = None
+            read = pool_module.parent_table(pool, parent)
+            pool_module._remembered = known
+            out.append((known[1] is parent, known[2] == read, len(read)))
+    return out
+
+
+def test_the_table_a_commit_remembers_is_the_one_its_indexes_give(tmp_path):
+    """The next save's candidates come from what the last commit knew (no index parsed again): the same table, row
+    for row, as reading the pool's indexes back, at ws 2 with units referenced and written on both ranks."""
+    got = run_ranks(2, _table_after_each_save, str(tmp_path))[0]
+    assert [(same, equal) for same, equal, _ in got] == [(True, True)] * 3
+    assert all(n >= 10 for _, _, n in got)
+
+
+def test_a_remembered_parent_with_a_damaged_index_is_read_again(tmp_path, monkeypatch):
+    """A file of the remembered parent damaged after its commit: the table is read from the indexes again and the
+    damaged file's units are written anew, as without the memory; every step loads bit for bit."""
+    from shardckpt.checkpoint import pool as pool_module
+
+    sd = state()
+    save(sd, tmp_path / "step-1")
+    sd["model"]["lora"].add_(1)
+    save(sd, tmp_path / "step-2")
+    assert pool_module._remembered is not None and pool_module._remembered[1].generation == \
+        manifest(tmp_path / "step-2").generation
+    damaged = manifest(tmp_path / "step-2").files[0]
+    index = tmp_path / POOL_DIR / damaged.index_path
+    data = bytearray(index.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    index.write_bytes(bytes(data))
+    reads = []
+    real = pool_module.read_index
+    monkeypatch.setattr(pool_module, "read_index", lambda *a, **k: reads.append(1) or real(*a, **k))
+    sd["model"]["lora"].add_(1)
+    save(sd, tmp_path / "step-3")
+    assert reads  # not the remembered table
+    assert damaged.path not in {f.path for f in manifest(tmp_path / "step-3").files}
+    assert_bits(shardckpt.load_full(tmp_path / "step-3"), sd)
+    assert verify(tmp_path / "step-3").ok

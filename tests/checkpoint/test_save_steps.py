@@ -5,6 +5,7 @@ persist across gloo ranks, persist in a background thread, and failures raised o
 half-committed."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ import shardckpt.checkpoint.save as save_mod
 from shardckpt import CheckpointExistsError, ShardedTensor, UnsupportedValueError
 from shardckpt.checkpoint.collect import local_pieces
 from shardckpt.checkpoint.save import Planned, persist, plan, stage
+from shardckpt.checkpoint.save_plan import PieceInfo
 from shardckpt.checkpoint.stage import Staged
 from shardckpt.checkpoint.verify import verify
 from shardckpt.checkpoint.writer import write_data_file
@@ -265,7 +267,7 @@ def test_a_world_of_one_reuses_its_last_plan_while_the_pieces_are_the_same(tmp_p
     real_plan, real_check = save_mod.make_save_plan, save_mod._check_loadable
     monkeypatch.setattr(save_mod, "make_save_plan", lambda *a, **k: planned.append(1) or real_plan(*a, **k))
     monkeypatch.setattr(save_mod, "_check_loadable", lambda *a, **k: checked.append(1) or real_check(*a, **k))
-    monkeypatch.setattr(save_mod, "_last_local_plan", None)
+    monkeypatch.setattr(save_mod, "_last_plan", None)
     sd = {"w": torch.randn(64, 8), "b": torch.arange(5), "step": 1}
     states = []
     for i in range(3):
@@ -290,3 +292,46 @@ def test_a_world_of_one_reuses_its_last_plan_while_the_pieces_are_the_same(tmp_p
         assert verify(tmp_path / f"s{i}").ok
     generations = {parse_manifest((tmp_path / f"s{i}" / MANIFEST_NAME).read_bytes(), "").generation for i in range(6)}
     assert len(generations) == 6  # a reused plan writes under a generation of its own
+
+
+def _saves_with_rank_0s_plan_kept(root: str) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    planned = []
+    real = save_mod.make_save_plan
+    save_mod.make_save_plan = lambda *a, **k: planned.append(1) or real(*a, **k)
+    save_mod._last_plan = None
+    try:
+        for i, rotate in enumerate((0, 0, 0, 1, 1)):
+            shardckpt.save(sharded_state(rank, world, rotate), f"{root}/s{i}")
+            target = empty_like_state(rank, world, rotate)
+            shardckpt.load(target, f"{root}/s{i}")
+            check_equal(target, rank, world, rotate)
+    finally:
+        save_mod.make_save_plan = real
+    return len(planned)
+
+
+def test_rank_0_keeps_its_last_plan_while_every_ranks_pieces_are_the_same(tmp_path):
+    """Across ranks, rank 0 keeps the last save's assignment while every rank's pieces are as they were (the others
+    send their infos, rank 0 compares), and plans anew when they change: each checkpoint loads bit for bit."""
+    counts = run_ranks(2, _saves_with_rank_0s_plan_kept, str(tmp_path))
+    assert counts == [2, 0]  # rank 0: the first save's plan and the one after the shards changed; rank 1 none
+    generations = {parse_manifest((tmp_path / f"s{i}" / MANIFEST_NAME).read_bytes(), "").generation for i in range(5)}
+    assert len(generations) == 5
+
+
+def test_one_ranks_changed_pieces_make_rank_0_plan_anew():
+    """The reuse is decided on every rank's infos: rank 1's alone differing is enough (no stale assignment)."""
+    old = [[PieceInfo("w", "float32", (8, 4), ("flat", 0, 16), False, True)],
+           [PieceInfo("w", "float32", (8, 4), ("flat", 16, 32), False, True)]]
+    new = [old[0], [PieceInfo("w", "float32", (8, 4), ("flat", 16, 24), False, True)]]
+    reuse = dataclasses.replace(_planned_stub(), gathered=old, files_per_rank=2, compression=None)
+    assert save_mod._with_reused(old, reuse, 2, None) == (old, reuse.save_plan)
+    assert save_mod._with_reused(new, reuse, 2, None) == (new, None)
+    assert save_mod._with_reused(old, reuse, 1, None) == (old, None)  # another option
+    assert save_mod._with_reused(old[:1], reuse, 2, None) == (old[:1], None)  # another world size
+
+
+def _planned_stub() -> Planned:
+    return Planned(group=None, storage=None, generation="g", tasks=[], files_per_rank=2, compression=None,
+                   save_plan=object(), overwrite=False, infos=[])

@@ -294,3 +294,48 @@ def test_memory_pinned_anywhere_in_the_process_pauses_tracking(tracker, monkeypa
     monkeypatch.setattr(wt, "_pinned_kib", lambda: 0)
     tracker.begin()
     assert whole(tracker, mark, t)  # its pages were protected all along: what the pins' faults did is stamped
+
+
+def _three_touching(tracker):
+    """Three tensors on whole pages of their own, end to end in one allocation: three regions that touch."""
+    m = 64 * PAGE // 4
+    big = randn(3 * m)
+    parts = [big[i * m:(i + 1) * m] for i in range(3)]
+    tracker.begin()
+    marks = [tracker.protect(p) for p in parts]
+    assert all(mark is not None for mark in marks)
+    return parts, marks
+
+
+def test_touching_regions_are_scanned_together_and_stamped_apart(tracker, monkeypatch):
+    """Regions that touch end to end are collected in one scan; a write is still stamped only in the region, and
+    only on the pages, it touched: at a boundary page, in the middle, and not at all."""
+    parts, marks = _three_touching(tracker)
+    scans = []
+    real = tracker._pages.collect
+    monkeypatch.setattr(tracker._pages, "collect", lambda lo, hi: scans.append((lo, hi)) or real(lo, hi))
+    ctypes.memset(parts[0].data_ptr() + parts[0].nbytes - 1, 1, 1)  # a's last page, next to b's first
+    ctypes.memset(parts[2].data_ptr() + 5 * PAGE, 1, 1)
+    tracker.begin()
+    lo, hi = parts[0].data_ptr(), parts[2].data_ptr() + parts[2].nbytes
+    assert sum(1 for a, b in scans if a <= lo and hi <= b) == 1
+    assert not any(lo < b and a < hi and not (a <= lo and hi <= b) for a, b in scans)  # not also one by one
+    a, b, c = parts
+    assert not whole(tracker, marks[0], a) and tracker.unwritten(marks[0], a, 0, a.nbytes - PAGE)
+    assert whole(tracker, marks[1], b)
+    assert not tracker.unwritten(marks[2], c, 5 * PAGE, 6 * PAGE)
+    assert tracker.unwritten(marks[2], c, 0, 5 * PAGE) and tracker.unwritten(marks[2], c, 6 * PAGE, c.nbytes)
+
+
+def test_a_failed_scan_forgets_every_region_of_its_run(tracker, monkeypatch):
+    """A collect that fails part way may have protected some pages of the run, their writes unreported: none of
+    the run's regions is trusted after it, though nothing wrote to two of them."""
+    parts, marks = _three_touching(tracker)
+    lo = parts[0].data_ptr()
+    real = tracker._pages.collect
+    monkeypatch.setattr(tracker._pages, "collect", lambda a, b: None if a <= lo < b else real(a, b))
+    parts[1].numpy()[7] += 1
+    tracker.begin()
+    monkeypatch.setattr(tracker._pages, "collect", real)
+    tracker.begin()
+    assert not any(whole(tracker, mark, p) for mark, p in zip(marks, parts))

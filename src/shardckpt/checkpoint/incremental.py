@@ -32,7 +32,7 @@ from shardckpt.checkpoint.memory_digests import WRITTEN, remembering
 from shardckpt.checkpoint.persist import OutputWriter, persist, write_files
 from shardckpt.checkpoint.pool import (
     POOL_PATH, Candidate, check_pool_argument, hold_generations, latest_pool_checkpoint, open_pool, parent_table,
-    parsed_by_bytes, referenced_files, release_all, run_storage,
+    parsed_by_bytes, referenced_files, release_all, remember_table, run_storage,
 )
 from shardckpt.checkpoint.pool_gc import tidy_after_save
 from shardckpt.checkpoint.pool_leases import SaveLease, read_markers
@@ -43,10 +43,10 @@ from shardckpt.checkpoint.units import DEFAULT_UNIT_BYTES, UnitPiece, unit_bytes
 from shardckpt.checkpoint.writer import Followed, chunk_crc_term, write_data_file
 from shardckpt.dist.group import Failure, attempt, raise_failures
 from shardckpt.errors import BadArgumentError, CheckpointError, CheckpointExistsError, CorruptCheckpointError
-from shardckpt.format.chunk_identity import REUSE, ChunkKey, NewChunk, reuse_decision
+from shardckpt.format.chunk_identity import REUSE, ChunkKey, NewChunk, StoredChunk, reuse_decision
 from shardckpt.format.chunks import compact_chunks
 from shardckpt.format.content_hash import chunk_hash, chunk_key
-from shardckpt.format.dtypes import DTYPES
+from shardckpt.format.dtypes import DTYPES, itemsize
 from shardckpt.format.manifest import MANIFEST_NAME, POOLED_VERSION, FileEntry, Manifest, TensorEntry, parse_manifest
 from shardckpt.format.pool import PoolInfo
 from shardckpt.formats.native.pool import pool_storage
@@ -121,6 +121,7 @@ class PooledShare:
     refs: dict[tuple[str, int], str]
     crc_terms: dict[str, int]
     written_bytes: int = 0
+    rows: dict = field(default_factory=dict)  # (name, chunk) -> (length, codec, crc32c, digest) of each chunk written
 
 
 @dataclass(frozen=True)
@@ -158,13 +159,28 @@ def _setup(planned: Any, options: IncrementalOptions, incremental: Any) -> _Whol
     check_pool_argument(incremental, storage)
     pool, info = open_pool(storage)
     chunk_key(info.secret)  # the hash is there (HashUnavailableError otherwise), before any rank writes
-    whole = _Whole(unit_plan(planned.save_plan, options.unit_bytes), pool, info, {})
+    whole = _Whole(_unit_plan(planned.save_plan, options.unit_bytes), pool, info, {})
     try:
         _hold_and_pick(whole, planned, options)
     except BaseException:
         release_all(whole.holds)
         raise
     return whole
+
+
+_last_units: tuple | None = None  # (tensors, unit_bytes, the unit plan): rank 0's last, for a plan kept as it was
+
+
+def _unit_plan(save_plan: SavePlan, unit_bytes: int) -> SavePlan:
+    """``unit_plan``, kept for the next save over the same plan's tensors (rank 0 keeps its last plan while the
+    pieces are the same: ``save``'s ``plan(reuse=)``; it is a function of the tensors' plans and ``unit_bytes``)."""
+    global _last_units
+    last = _last_units
+    if last is not None and last[0] is save_plan.tensors and last[1] == unit_bytes:
+        return dataclasses.replace(save_plan, tensors=last[2].tensors, tasks=last[2].tasks)
+    units = unit_plan(save_plan, unit_bytes)
+    _last_units = (save_plan.tensors, unit_bytes, units)
+    return units
 
 
 def _hold_and_pick(whole: _Whole, planned: Any, options: IncrementalOptions) -> None:
@@ -342,7 +358,8 @@ def _write_units(planned: Any, staged: Any, setup: _RankSetup, holds: list,
                     piece, digest = _recopied(setup, staged.prehashed, piece)
                 pieces[i] = dataclasses.replace(piece, digest=digest, hash_key=setup.key)
                 to_write.append((unit.task, pieces[i]))
-        files, placed, written_terms, written, stored = _write_slots(pool, planned, setup, to_write, progress)
+        files, placed, written_terms, written, records = _write_slots(pool, planned, setup, to_write, progress)
+        stored = {key: r.digest for key, r in records.items()}  # the writers' digests of what they wrote
         _check_unmoved(to_write, stored, memory)
         digests = [stored[(u.task.name, u.task.chunk)] if d is None else d for u, d in zip(setup.tasks, digests)]
         memory.learn(pieces, digests)
@@ -351,7 +368,8 @@ def _write_units(planned: Any, staged: Any, setup: _RankSetup, holds: list,
     units: dict = {}
     for piece, digest in zip(pieces, digests):
         units.setdefault(piece.name, {})[flat_bounds(piece.region, piece.shape)] = digest
-    return PooledShare(files, placed, refs, terms, written), units
+    rows = {key: (r.length, r.codec, r.crc32c, r.digest) for key, r in records.items()}
+    return PooledShare(files, placed, refs, terms, written, rows), units
 
 
 def _check_unmoved(written: list, digests: dict, memory: Any) -> None:
@@ -379,13 +397,13 @@ def _write_slots(pool: Storage, planned: Any, setup: _RankSetup, to_write: list,
     tick = Progress(total, progress)
     tick.begin()
     base = f"{data_dir(setup.generation)}/rank-{planned.group.rank:05d}"
-    digests: dict = {}  # the writers' digests of what they wrote
+    records: dict = {}  # the writers' index rows of what they wrote
 
     def write(slot: int) -> tuple[FileEntry, dict[str, int]]:
         tasks = [t for t, _ in by_slot[slot]]
         pieces = {(t.name, t.chunk): p for t, p in by_slot[slot]}
         return write_data_file(pool, f"{base}-{slot}.bin", f"{base}-{slot}.index.json", tasks, pieces,
-                               planned.compression, version=POOLED_VERSION, followed=Followed(tick=tick, digests=digests))
+                               planned.compression, version=POOLED_VERSION, followed=Followed(tick=tick, records=records))
 
     written = write_files(slots, write, planned.files_per_rank)
     placed = {(t.name, t.chunk): k for k, slot in enumerate(slots) for t, _ in by_slot[slot]}
@@ -393,7 +411,7 @@ def _write_slots(pool: Storage, planned: Any, setup: _RankSetup, to_write: list,
     for _, file_terms in written:
         for name, term in file_terms.items():
             terms[name] = terms.get(name, 0) ^ term
-    return [entry for entry, _ in written], placed, terms, total, digests
+    return [entry for entry, _ in written], placed, terms, total, records
 
 
 def _commit_pooled(planned: Any, whole: _Whole, shares: list, staged: Any) -> bool:
@@ -424,7 +442,27 @@ def _commit_pooled(planned: Any, whole: _Whole, shares: list, staged: Any) -> bo
                         tensors=tensors, files=files, metadata=staged.metadata or {},
                         created_by=f"shardckpt {__version__}", version=POOLED_VERSION,
                         pool={"path": POOL_PATH, "id": whole.info.id})
-    return _put_manifest(storage, pool, manifest.to_bytes(planned.tree), planned)
+    replaced, committed = _put_manifest(storage, pool, manifest.to_bytes(planned.tree), planned)
+    remember_table(pool, committed, _table_of(committed, whole, shares))
+    return replaced
+
+
+def _table_of(manifest: Manifest, whole: _Whole, shares: list) -> dict:
+    """``parent_table(pool, manifest)`` as this save knows it, without reading the pool back: a unit referenced keeps
+    its candidate (the same row of the same file), a unit written is its writer's row in its new file."""
+    table = {}
+    for share in shares:
+        if share is None:
+            continue
+        for key in share.refs:
+            table[key] = whole.candidates[key]
+        for key, k in share.placed.items():
+            length, codec, crc, digest = share.rows[key]
+            if digest is not None:
+                stored = StoredChunk(ChunkKey(*key), whole.info.id, share.files[k].path, length, codec,
+                                     itemsize(manifest.tensors[key[0]].dtype), digest)
+                table[key] = Candidate(stored, crc, share.files[k])
+    return table
 
 
 def _tensor_entry(name: str, tp: Any, shares: list, first: dict, at: dict) -> TensorEntry:
@@ -439,13 +477,13 @@ def _tensor_entry(name: str, tp: Any, shares: list, first: dict, at: dict) -> Te
     return TensorEntry(name, DTYPES[tp.dtype], tp.shape, crc, compact_chunks(tp.regions, file_of, tp.shape))
 
 
-def _put_manifest(storage: Storage, pool: Storage, data: bytes, planned: Any) -> bool:
+def _put_manifest(storage: Storage, pool: Storage, data: bytes, planned: Any) -> tuple[bool, Manifest]:
     """Commit: checked as a load would read it, then written atomically (exclusively unless ``overwrite``); then a
     replaced non-pooled checkpoint's own data, and the step directory's debris, removed. Returns whether a
-    committed checkpoint was replaced."""
+    committed checkpoint was replaced, and the manifest parsed."""
     try:  # kept parsed: the next save's listing of the run parses it again (``pool.parsed_by_bytes``)
         where = storage.url(MANIFEST_NAME)
-        parsed_by_bytes.get(("manifest", where), data, lambda: parse_manifest(data, where))
+        committed = parsed_by_bytes.get(("manifest", where), data, lambda: parse_manifest(data, where))
     except CorruptCheckpointError as e:
         _remove_quietly(pool, data_dir(planned.generation))
         raise CheckpointError(f"cannot save: the checkpoint would not load ({e}); nothing was committed") from None
@@ -463,7 +501,7 @@ def _put_manifest(storage: Storage, pool: Storage, data: bytes, planned: Any) ->
         collect(storage, committed=set())
     except (OSError, CheckpointError):
         pass
-    return replaced
+    return replaced, committed
 
 
 def _own_generation(storage: Storage) -> str | None:

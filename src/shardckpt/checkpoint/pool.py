@@ -22,7 +22,8 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import MANIFEST_NAME, POOL_DIR, POOL_PATH, FileEntry, Manifest, chunks_of, parse_manifest
 from shardckpt.format.pool import POOL_JSON, PoolInfo, new_pool_info
 from shardckpt.formats.native.pool import pool_storage, read_pool_info, run_storage
-from shardckpt.formats.native.reader import read_index
+from shardckpt.format.checksum import crc32c
+from shardckpt.formats.native.reader import check_data_file, read_index
 from shardckpt.io import LocalStorage, Storage, lifecycle, where
 from shardckpt.io.navigate import child
 
@@ -179,7 +180,13 @@ class Candidate:
 def parent_table(pool: Storage, parent: Manifest) -> dict[tuple[str, int], Candidate]:
     """``(name, chunk) -> Candidate`` for every chunk of ``parent`` whose row has a digest, from its files' indexes
     (each read whole and checked against the parent's recorded size and CRC; ``read_index`` also checks that the
-    data file has its recorded size). Called with the files' generations held: a file found here stays."""
+    data file has its recorded size). Called with the files' generations held: a file found here stays. The table of
+    the checkpoint this process committed last is known (``remember_table``): its files are checked the same way,
+    not parsed again."""
+    known = _remembered
+    if known is not None and known[1] is parent and known[0] == pool.url("") and \
+            all(_intact(pool, f) for f in parent.files):
+        return known[2]
     indexes = {}
     for f, entry in enumerate(parent.files):
         try:
@@ -196,6 +203,27 @@ def parent_table(pool: Storage, parent: Manifest) -> dict[tuple[str, int], Candi
                                  rec.codec, itemsize(entry.dtype), rec.digest)
             table[(entry.name, i)] = Candidate(stored, rec.crc32c, parent.files[f])
     return table
+
+
+_remembered: tuple | None = None  # (pool URL, the manifest committed, its table): parent_table's next answer
+
+
+def remember_table(pool: Storage, manifest: Manifest, table: dict[tuple[str, int], Candidate]) -> None:
+    """The table ``parent_table(pool, manifest)`` would read, for a save just committed (the next one's parent, as a
+    rule): kept while ``manifest`` is the object the pool's listing parses from its bytes (``parsed_by_bytes``)."""
+    global _remembered
+    _remembered = (pool.url(""), manifest, table)
+
+
+def _intact(pool: Storage, file: FileEntry) -> bool:
+    """What ``read_index`` checks of a file, without parsing its index: both there, with the recorded sizes, and
+    the index's CRC (a damaged one makes the caller read every index: ``parent_table`` leaves that file out)."""
+    try:
+        check_data_file(pool, file)
+        data = pool.read_bytes(file.index_path)
+    except CorruptCheckpointError:
+        return False
+    return len(data) == file.index_size and crc32c(data) == file.index_crc32c
 
 
 def hold_generations(pool: Storage, generations: set[str]) -> list:

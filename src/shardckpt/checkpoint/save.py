@@ -94,24 +94,25 @@ def save(state_dict: dict, path: str | os.PathLike | Storage, *, process_group: 
     With ``incremental``, ``keep_last=N`` / ``keep_every=M`` remove, after the commit, the run's pooled steps that
     are neither among the N highest nor multiples of M, then the pool's data no step names any more.
 
-    The same as ``persist(staged, plan(staged, path, ...))`` with ``staged = stage(state_dict, ...)``; in a world of
-    one, ``plan`` reuses the last save's plan while the pieces are the same (``plan(reuse=)``).
+    The same as ``persist(staged, plan(staged, path, ...))`` with ``staged = stage(state_dict, ...)``; rank 0's
+    ``plan`` reuses the last save's assignment while every rank's pieces are the same (``plan(reuse=)``).
     """
-    global _last_local_plan
+    global _last_plan
     given = SaveOptions(**options)
     staged = stage(state_dict, process_group=process_group, metadata=given.metadata)
-    local = resolve_group(process_group).world_size == 1
+    group = resolve_group(process_group)
+    mine = _last_plan if group.is_coordinator and _last_plan is not None and _last_plan.group == group else None
     planned = plan(staged, path, process_group=process_group, overwrite=given.overwrite,
                    files_per_rank=given.files_per_rank, storage_options=given.storage_options, compress=given.compress,
-                   reuse=_last_local_plan if local else None)
-    if local:
-        _last_local_plan = planned
+                   reuse=mine)
+    if group.is_coordinator:
+        _last_plan = planned
     persist_any(staged, planned, given, progress)
 
 
-# A world of one's last plan: its next save of the same pieces reuses it (``plan(reuse=)``, as ``async_save`` does). Not
-# across ranks: every rank would have to hold the same one, or rank 0 would lack the infos of a rank that sent none.
-_last_local_plan: Planned | None = None
+# Rank 0's last plan over its group: the next save of the same pieces keeps its assignment (``plan(reuse=)``, as
+# ``async_save`` does). Only rank 0 holds one: the other ranks send their infos, which it compares with the plan's.
+_last_plan: Planned | None = None
 
 
 def persist_any(staged: Staged, planned: Planned, given: SaveOptions, progress: ProgressCallback | None,
@@ -253,13 +254,13 @@ def _with_reused(gathered: list, reuse: Planned | None, files_per_rank: int,
                  compress: str | None) -> tuple[list, SavePlan | None]:
     """Every rank's infos (the reused plan's for ranks that sent ``_UNCHANGED``), and the reused plan if all
     ranks are unchanged and the options are the same."""
-    if reuse is None or reuse.gathered is None:
+    if reuse is None or reuse.gathered is None or len(reuse.gathered) != len(gathered):
         if any(isinstance(g, _Unchanged) for g in gathered):
             raise ValueError("plan(reuse=...) was given on some ranks only; give every rank its own Planned of "
                              "the same earlier save")
         return gathered, None
     infos = [reuse.gathered[r] if isinstance(g, _Unchanged) else g for r, g in enumerate(gathered)]
-    same = all(isinstance(g, _Unchanged) for g in gathered) and files_per_rank == reuse.files_per_rank and \
+    same = infos == reuse.gathered and files_per_rank == reuse.files_per_rank and \
         Compression.parse(compress) == reuse.compression
     return infos, reuse.save_plan if same else None
 

@@ -181,22 +181,29 @@ class WriteTracker:
                 log.info("shardckpt: write tracking paused while this process has io_uring buffers, RDMA or VFIO "
                          "devices (they write pinned pages without a fault); unchanged tensors are hashed")
             self._trusted = trusted
-            self._regions = [r for r in self._regions if self._refresh(r)]
+            live = []
+            for region in self._regions:
+                if region.owner.expired():
+                    self._pages.unregister(region.lo, region.hi)
+                else:
+                    live.append(region)
+            self._regions = [r for run in _touching_runs(live) for r in self._refresh(run)]
 
-    def _refresh(self, region: _Region) -> bool:
-        if region.owner.expired():
-            self._pages.unregister(region.lo, region.hi)
-            return False
-        # The owner is alive, so the pages under its bytes are mapped: a mapping made there anew (not registered)
-        # fails the collect, and the region is forgotten.
-        written = self._pages.collect(region.lo, region.hi)
-        discarded = self._pages.discarded(region.lo, region.hi) if written is not None else None
+    def _refresh(self, run: list[_Region]) -> list[_Region]:
+        """Stamp the written and the discarded pages of regions that touch end to end, in one scan of each kind
+        (adjacent allocations make long runs: one ioctl, not two per tensor). The owners are alive, so the pages
+        under their bytes are mapped: a mapping made there anew (not registered) fails a scan, and the whole run is
+        forgotten (a failed collect may have protected some of its pages, their writes unreported)."""
+        lo, hi = run[0].lo, run[-1].hi
+        written = self._pages.collect(lo, hi)
+        discarded = self._pages.discarded(lo, hi) if written is not None else None
         if discarded is None:
-            return False
-        for stamps, ranges in ((region.stamps, written), (region.discards, discarded)):
-            for start, end in ranges:
-                stamps[(start - region.lo) // PAGE:(end - region.lo) // PAGE] = self._epoch
-        return True
+            return []
+        for region in run:
+            for stamps, ranges in ((region.stamps, written), (region.discards, discarded)):
+                for start, end in _clipped(ranges, region.lo, region.hi):
+                    stamps[(start - region.lo) // PAGE:(end - region.lo) // PAGE] = self._epoch
+        return run
 
     def protect(self, t: torch.Tensor) -> Mark | None:
         """Track every page under ``t``; None if ``t`` cannot be tracked (then nothing about it is proven)."""
@@ -304,6 +311,29 @@ class WriteTracker:
                     return False
                 at = min(region.hi, hi)
             return at == hi
+
+
+def _touching_runs(regions: list[_Region]) -> list[list[_Region]]:
+    """``regions`` (sorted, disjoint) grouped into runs that touch end to end."""
+    runs: list[list[_Region]] = []
+    for region in regions:
+        if runs and runs[-1][-1].hi == region.lo:
+            runs[-1].append(region)
+        else:
+            runs.append([region])
+    return runs
+
+
+def _clipped(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of sorted, disjoint ``ranges`` inside ``[lo, hi)``."""
+    first = max(bisect.bisect_right(ranges, (lo, lo)) - 1, 0)
+    out = []
+    for start, end in ranges[first:]:
+        if start >= hi:
+            break
+        if end > lo:
+            out.append((max(start, lo), min(end, hi)))
+    return out
 
 
 def _same_bytes(edges: Edges | None, lo: int, hi: int) -> bool:

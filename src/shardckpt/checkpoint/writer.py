@@ -265,7 +265,7 @@ class Followed:
     writer: FileWriter | None = None
     journal: Journal | None = None
     tick: Tick | None = None
-    digests: dict | None = None  # filled with each hashed chunk's digest, by (name, chunk)
+    records: dict | None = None  # filled with each hashed chunk's record (its digest set), by (name, chunk)
 
 
 def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: list[WriteTask],
@@ -299,8 +299,8 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
             record, term = _write_chunk(sink, piece, compression)
             if sink.hasher is not None:  # format v5: the unit's content hash, of the bytes written (incremental)
                 record = dataclasses.replace(record, digest=sink.hasher.digest())
-                if followed.digests is not None:
-                    followed.digests[key] = record.digest
+                if followed.records is not None:
+                    followed.records[key] = record
             progress.done[key], progress.current = record, None
             terms[task.name] = terms.get(task.name, 0) ^ term
     finally:
