@@ -120,3 +120,37 @@ def test_a_checkpoint_is_the_same_bytes_either_way(tmp_path, monkeypatch):
     loaded = shardckpt.load_full(tmp_path / "1")
     assert all(torch.equal(loaded[k], state[k]) for k in ("w", "b", "e", "s")) and loaded["step"] == 7
     assert shardckpt.verify(tmp_path / "1").ok
+
+
+def test_a_reused_buffer_leaves_nothing_of_the_last_file(tmp_path):
+    """Buffers are kept for the next writers (a new one costs a fault per page): a short file written after a long
+    one holds only its own bytes, whatever the last one left in the buffer; a second close gives nothing back
+    twice; writers open at once never share one."""
+    storage = LocalStorage(str(tmp_path), direct_io=True)
+    long, short = b"\xaa" * (DIRECT_BUFFER + 3 * DIRECT_ALIGN + 5), b"\x55" * (DIRECT_ALIGN + 7)
+    for name, data in (("long", long), ("short", short), ("empty", b"")):
+        writer = storage.open_writer(f"{name}.bin")
+        writer.write(memoryview(data))
+        writer.close()
+        writer.close()
+        assert (tmp_path / f"{name}.bin").read_bytes() == data
+    assert len(direct._idle) <= direct.KEEP_BUFFERS and len({id(b) for b in direct._idle}) == len(direct._idle)
+    writers = [storage.open_writer(f"w{i}.bin") for i in range(direct.KEEP_BUFFERS + 2)]
+    assert len({id(w._buf) for w in writers}) == len(writers)
+    for i, writer in enumerate(writers):
+        writer.write(memoryview(bytes([i]) * (DIRECT_ALIGN * 3 + i)))
+    for writer in writers:
+        writer.close()
+    for i in range(len(writers)):
+        assert (tmp_path / f"w{i}.bin").read_bytes() == bytes([i]) * (DIRECT_ALIGN * 3 + i)
+
+
+def test_a_writer_that_failed_does_not_give_its_buffer_back(tmp_path, monkeypatch):
+    storage = LocalStorage(str(tmp_path), direct_io=True)
+    writer = storage.open_writer("f.bin")
+    writer.write(memoryview(b"x" * 100))
+    direct._idle.clear()
+    monkeypatch.setattr(direct.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "injected")))
+    with pytest.raises(OSError, match="injected"):
+        writer.close()
+    assert direct._idle == []

@@ -38,7 +38,7 @@ from shardckpt.checkpoint.pool_gc import tidy_after_save
 from shardckpt.checkpoint.pool_leases import SaveLease, read_markers
 from shardckpt.checkpoint.progress import Progress, ProgressCallback
 from shardckpt.checkpoint.retention import Retention
-from shardckpt.checkpoint.save_plan import SavePlan, WriteTask
+from shardckpt.checkpoint.save_plan import SavePlan, WriteTask, itemsize_of
 from shardckpt.checkpoint.units import DEFAULT_UNIT_BYTES, UnitPiece, unit_bytes_of, unit_piece, unit_plan
 from shardckpt.checkpoint.writer import Followed, chunk_crc_term, write_data_file
 from shardckpt.dist.group import Failure, attempt, raise_failures
@@ -46,7 +46,7 @@ from shardckpt.errors import BadArgumentError, CheckpointError, CheckpointExists
 from shardckpt.format.chunk_identity import REUSE, ChunkKey, NewChunk, StoredChunk, reuse_decision
 from shardckpt.format.chunks import compact_chunks
 from shardckpt.format.content_hash import chunk_hash, chunk_key
-from shardckpt.format.dtypes import DTYPES, itemsize
+from shardckpt.format.dtypes import DTYPES
 from shardckpt.format.manifest import MANIFEST_NAME, POOLED_VERSION, FileEntry, Manifest, TensorEntry, parse_manifest
 from shardckpt.format.pool import PoolInfo
 from shardckpt.formats.native.pool import pool_storage
@@ -442,12 +442,13 @@ def _commit_pooled(planned: Any, whole: _Whole, shares: list, staged: Any) -> bo
                         tensors=tensors, files=files, metadata=staged.metadata or {},
                         created_by=f"shardckpt {__version__}", version=POOLED_VERSION,
                         pool={"path": POOL_PATH, "id": whole.info.id})
+    table = _table_of(whole, shares)  # (before the commit: nothing after it may fail the save)
     replaced, committed = _put_manifest(storage, pool, manifest.to_bytes(planned.tree), planned)
-    remember_table(pool, committed, _table_of(committed, whole, shares))
+    remember_table(pool, committed, table)
     return replaced
 
 
-def _table_of(manifest: Manifest, whole: _Whole, shares: list) -> dict:
+def _table_of(whole: _Whole, shares: list) -> dict:
     """``parent_table(pool, manifest)`` as this save knows it, without reading the pool back: a unit referenced keeps
     its candidate (the same row of the same file), a unit written is its writer's row in its new file."""
     table = {}
@@ -460,7 +461,7 @@ def _table_of(manifest: Manifest, whole: _Whole, shares: list) -> dict:
             length, codec, crc, digest = share.rows[key]
             if digest is not None:
                 stored = StoredChunk(ChunkKey(*key), whole.info.id, share.files[k].path, length, codec,
-                                     itemsize(manifest.tensors[key[0]].dtype), digest)
+                                     itemsize_of(whole.save_plan.tensors[key[0]].dtype), digest)
                 table[key] = Candidate(stored, crc, share.files[k])
     return table
 

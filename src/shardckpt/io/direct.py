@@ -22,9 +22,45 @@ import errno
 import fcntl
 import mmap
 import os
+import threading
 
 DIRECT_ALIGN = 4096
 DIRECT_BUFFER = 8 << 20  # bytes per write: large enough for the disk's full speed, small beside a chunk
+KEEP_BUFFERS = 2  # idle buffers kept for the next writers: a new one faults in (zeroes) every page it is written
+# through, ~5 ms for 8 MiB here, which a save of a few MiB per file (an incremental one) paid at every file
+
+_idle: list[mmap.mmap] = []
+_idle_lock = threading.Lock()
+
+
+def _take_buffer() -> mmap.mmap:
+    with _idle_lock:
+        if _idle:
+            return _idle.pop()
+    return mmap.mmap(-1, DIRECT_BUFFER)  # anonymous maps are page-aligned
+
+
+def _drop_buffer(buf: mmap.mmap, keep: bool) -> None:
+    """Keep ``buf`` for the next writer (``keep``: its writer closed cleanly), or unmap it."""
+    if keep:
+        with _idle_lock:
+            if len(_idle) < KEEP_BUFFERS:
+                _idle.append(buf)
+                return
+    try:
+        buf.close()
+    except BufferError:  # a slice of it held by the traceback of the error raised: freed along with that
+        pass
+
+
+def _forget_in_child() -> None:
+    global _idle_lock
+    _idle.clear()
+    _idle_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class DirectWriter:
@@ -35,7 +71,7 @@ class DirectWriter:
 
     def __init__(self, fd: int):
         self._fd = fd
-        self._buf = mmap.mmap(-1, DIRECT_BUFFER)  # anonymous maps are page-aligned
+        self._buf = _take_buffer()
         self._view = memoryview(self._buf)
         self._fill = 0  # bytes waiting in the buffer
         self._pos = 0  # where the buffer's first byte goes in the file (a multiple of DIRECT_ALIGN)
@@ -72,6 +108,9 @@ class DirectWriter:
         return True
 
     def close(self) -> None:
+        if self._buf is None:
+            return  # closed already (its buffer may be another writer's by now)
+        clean = False
         try:
             if self._fill:
                 end = self._pos + self._fill
@@ -80,13 +119,12 @@ class DirectWriter:
                 self._flush(padded)
                 os.ftruncate(self._fd, end)
             os.fsync(self._fd)
+            clean = True
         finally:
             os.close(self._fd)
             self._view.release()
-            try:
-                self._buf.close()
-            except BufferError:  # a slice of it held by the traceback of the error raised: freed along with that
-                pass
+            buf, self._buf = self._buf, None
+            _drop_buffer(buf, keep=clean)
 
 
 def open_direct(path: str, flags: int, mode: int) -> int | None:
