@@ -154,3 +154,30 @@ def test_a_writer_that_failed_does_not_give_its_buffer_back(tmp_path, monkeypatc
     with pytest.raises(OSError, match="injected"):
         writer.close()
     assert direct._idle == []
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_close_that_raised_is_not_done_again(tmp_path, monkeypatch, direct_io):
+    """From helper-33: ``os.close`` may raise after closing the descriptor (a delayed write error on NFS or FUSE).
+    A second ``close()`` then did it all again: it fsynced and closed the number, which a writer opened meanwhile had
+    been given (that writer's bytes went to the next file), and gave the buffer back."""
+    storage = LocalStorage(str(tmp_path), direct_io=direct_io)
+    a = storage.open_writer("a.bin")
+    a.write(memoryview(b"A" * 5000))
+    real = os.close
+
+    def close_then_raise(fd):
+        real(fd)
+        monkeypatch.setattr(direct.os, "close", real)
+        raise OSError(errno.EIO, "injected: delayed write error")
+
+    monkeypatch.setattr(direct.os, "close", close_then_raise)  # (the same os module for both writers)
+    idle = len(direct._idle)
+    with pytest.raises(OSError, match="delayed write"):
+        a.close()
+    assert len(direct._idle) == idle  # not given back
+    b = storage.open_writer("b.bin")
+    a.close()  # nothing: not b's descriptor closed
+    b.write(memoryview(b"B" * 5000))
+    b.close()
+    assert (tmp_path / "b.bin").read_bytes() == b"B" * 5000

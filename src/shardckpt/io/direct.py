@@ -108,22 +108,24 @@ class DirectWriter:
         return True
 
     def close(self) -> None:
-        if self._buf is None:
-            return  # closed already (its buffer may be another writer's by now)
+        buf, self._buf = self._buf, None
+        if buf is None:
+            return  # closed already, even if that close raised: its descriptor number may be another writer's now
         clean = False
         try:
-            if self._fill:
-                end = self._pos + self._fill
-                padded = -(-self._fill // DIRECT_ALIGN) * DIRECT_ALIGN
-                self._view[self._fill:padded] = bytes(padded - self._fill)
-                self._flush(padded)
-                os.ftruncate(self._fd, end)
-            os.fsync(self._fd)
+            try:
+                if self._fill:
+                    end = self._pos + self._fill
+                    padded = -(-self._fill // DIRECT_ALIGN) * DIRECT_ALIGN
+                    self._view[self._fill:padded] = bytes(padded - self._fill)
+                    self._flush(padded)
+                    os.ftruncate(self._fd, end)
+                os.fsync(self._fd)
+            finally:
+                os.close(self._fd)
             clean = True
         finally:
-            os.close(self._fd)
             self._view.release()
-            buf, self._buf = self._buf, None
             _drop_buffer(buf, keep=clean)
 
 

@@ -79,11 +79,14 @@ class _LocalWriter:
             done += os.pwrite(self._fd, data[done:done + MAX_IO], offset + done)
 
     def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd < 0:
+            return  # closed already, even if that close raised: the number may be another file's descriptor now
         try:
             if self._durable:
-                os.fsync(self._fd)
+                os.fsync(fd)
         finally:
-            os.close(self._fd)
+            os.close(fd)
 
 
 def _new_writer(path: str, keep: int | None = None, direct: bool = False,
