@@ -34,3 +34,22 @@ def test_equal_pieces_combine_to_the_crc_of_the_whole():
         for piece in (1, 7, 16, 1000, 5000, 10000, 10007, 20000):
             crcs = [crc32c(whole[i:i + piece]) for i in range(0, n, piece)]
             assert combine_equal_pieces(crcs, piece, n) == crc32c(whole), (n, piece)
+
+
+def test_a_shift_used_often_is_looked_up_in_a_table_and_gives_the_same_crc(monkeypatch):
+    from shardckpt.format import checksum
+
+    monkeypatch.setattr(checksum, "_hot_tables", {})
+    monkeypatch.setattr(checksum, "_uses", {})
+    rng = random.Random(3)
+    tail_lengths = (1, 7, 256, 4097, 1 << 20)
+    for round_ in range(3 * checksum._HOT_AFTER):
+        for n in tail_lengths:
+            a, crc_b = os.urandom(rng.randint(1, 64)), rng.getrandbits(32)
+            want = checksum._multmodp(checksum._x8n(n), crc32c(a))  # the 32-step product, by definition
+            assert checksum.crc32c_shift(crc32c(a), n) == want, (round_, n)
+            assert crc32c_combine(crc32c(a), crc_b, n) == want ^ crc_b
+    assert set(checksum._hot_tables) == set(tail_lengths)  # each became hot and was then used ~2x as often
+    b = os.urandom(4097)
+    a = os.urandom(33)
+    assert crc32c_combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)  # the hot path against real bytes

@@ -115,6 +115,18 @@ def test_5_the_depth_limit_counts_the_root_and_a_tuple_or_dict_as_one_level(tmp_
         _refused(deeper, "more than 100 levels")
 
 
+def test_5_json_nested_past_the_limit_is_refused_as_it_is_walked_at_any_place(tmp_path):
+    # 300 JSON levels (a $dict level is three) and beyond, below json's own recursion limit: refused by the walk
+    # that counts them, wherever they are (a $dict key too), before it could run out of stack.
+    _, doc = _saved(tmp_path)
+    for tree_x in (_nested(400, lambda v: [v]), _nested(160, lambda v: {"$tuple": [v]}),
+                   {"$dict": [[_nested(400, lambda v: [v]), 1], ["b", 2]]}, _nested(120, lambda v: {"$dict": [[1, v]]}),
+                   {"$tuple": _nested(299, lambda v: [v])}):
+        deep = copy.deepcopy(doc)
+        deep["tree"]["x"] = tree_x
+        _refused(deep, "more than 100 levels")
+
+
 def test_6_and_13_a_dict_root_is_allowed_other_roots_and_an_empty_dict_are_not(tmp_path):
     _doc_says("it decodes to a dict: a plain object or a `$dict`", "and so is `{\"$dict\": []}` (an empty dict is `{}`)")
     path, _ = _saved(tmp_path, {1: torch.arange(3.0), "a": 2})

@@ -200,6 +200,9 @@ def _twins_doc(tmp_path) -> dict:
     lambda t: t.update(crc32c=1.0), lambda t: t.update(crc32c="1"), lambda t: t.update(shape=[4.0, 2]),
     lambda t: t.update(shape=[True, 8]), lambda t: t["chunks"].update(size=8.0),
     lambda t: t["chunks"]["files"].update(step=True), lambda t: t.update(dtype="float33"),
+    lambda t: t.update(extra=1), lambda t: t["chunks"].update(extra=1), lambda t: t["chunks"]["files"].update(x=0),
+    lambda t: t.update(crc=t.pop("crc32c")), lambda t: t["chunks"].update(sizes=t["chunks"].pop("size")),
+    lambda t: t.update(dtype=None),
 ])
 def test_an_entry_of_a_form_already_checked_is_still_refused_when_it_differs(tmp_path, change):
     doc = _twins_doc(tmp_path)
@@ -285,6 +288,21 @@ def test_a_destination_whose_storage_was_shrunk_is_refused_before_any_read(tmp_p
     target["t1"].untyped_storage().resize_(keep)
     with pytest.raises(ValueError, match=r"'t1': its storage holds"):
         shardckpt.load(target, path, strict=False)
+
+
+@pytest.mark.parametrize("shape", [(6,), (2, 3)])
+def test_a_destination_that_needs_grad_is_filled_in_place_and_keeps_needing_it(tmp_path, shape):
+    # a 1-D destination outside autograd is read into as it is; one that needs grad is read through a detached view
+    from shardckpt.formats.api import ReadRequest
+    from shardckpt.regions import FlatRange
+
+    sd = {"a": torch.arange(6.0), "b": torch.arange(6.0) * 2}
+    path = str(tmp_path / "ck")
+    shardckpt.save(sd, path)
+    a, b = torch.zeros(shape, requires_grad=True), torch.zeros(shape)
+    open_reader(path).read([ReadRequest("a", FlatRange(0, 6), a), ReadRequest("b", FlatRange(0, 6), b)])
+    assert torch.equal(a.detach().reshape(-1), sd["a"]) and a.requires_grad and a.is_leaf
+    assert torch.equal(b.reshape(-1), sd["b"])
 
 
 @pytest.mark.parametrize("shape", [(6,), ()])

@@ -47,7 +47,42 @@ def crc32c_shift(crc: int, nbytes: int) -> int:
     """``crc`` as if ``nbytes`` more bytes followed, minus their own contribution (x^(8n) mod P)."""
     if not crc or not nbytes:  # zero stays zero; no shift is the identity (many small chunks take this path)
         return crc
+    table = _hot_tables.get(nbytes)
+    if table is not None:
+        return shift_by_table(crc, table)
+    _count_use(nbytes)
     return _multmodp(_x8n(nbytes), crc)
+
+
+# A shift used this often gets a table (four lookups, not a 32-step product): a conversion of many alike tensors
+# shifts every chunk by one of a few lengths. Both maps are bounded; a race between threads only costs a count.
+_HOT_AFTER = 32
+_hot_tables: dict[int, list[list[int]]] = {}
+_uses: dict[int, int] = {}
+
+
+def _count_use(nbytes: int) -> None:
+    uses = _uses[nbytes] = _uses.get(nbytes, 0) + 1
+    if uses == _HOT_AFTER:
+        if len(_hot_tables) >= 256:
+            _hot_tables.clear()
+        _hot_tables[nbytes] = _linear_table(_x8n(nbytes))
+    if len(_uses) >= 4096:
+        _uses.clear()
+
+
+def _linear_table(factor: int) -> list[list[int]]:
+    """``shift_by_table``'s tables for multiplying by ``factor``: built from its 32 one-bit products (the product is
+    linear in the CRC's bits), one XOR per entry."""
+    tables = []
+    for k in range(4):
+        basis = [_multmodp(factor, 1 << (8 * k + bit)) for bit in range(8)]
+        table = [0] * 256
+        for b in range(1, 256):
+            low = b & -b
+            table[b] = table[b ^ low] ^ basis[low.bit_length() - 1]
+        tables.append(table)
+    return tables
 
 
 @functools.lru_cache(maxsize=4096)  # a tensor's chunks (and a model's many alike tensors) repeat their shifts

@@ -82,7 +82,10 @@ def leaves(obj: Any, is_tensor: Callable[[Any], bool], path: Path = ()) -> Itera
         yield path, obj
         return
     for key, value in kids:
-        yield from leaves(value, is_tensor, path + (key,))
+        if isinstance(value, _CONTAINERS) and not is_tensor(value):
+            yield from leaves(value, is_tensor, path + (key,))
+        else:  # a leaf yielded here, not by a generator of its own (a flat dict of 100k tensors: 100k fewer frames)
+            yield path + (key,), value
 
 
 def contains(obj: Any, is_tensor: Callable[[Any], bool]) -> bool:
@@ -175,18 +178,22 @@ def encode(obj: Any, is_tensor: Callable[[Any], bool], path: Path = (), per_rank
 def decode(data: Any, where: str, per_rank: bool = False) -> Any:
     """Inverse of ``encode`` for untrusted input; tensors become ``TensorRef``. ``where`` names the file.
     ``per_rank``: whether ``$per_rank`` may occur (format v4 on; never inside another)."""
-    # The JSON form nests deeper than the value ($dict pairs, $tuple): allow for that, bounded all the same.
-    if depth_exceeds(data, 3 * MAX_DEPTH):
-        raise CorruptCheckpointError(f"{where}: the state-dict tree is nested more than {MAX_DEPTH} levels deep")
-    value = _decode(data, where, per_rank)
+    value = _decode(data, where, per_rank, 0)
     if depth_exceeds(value):
         raise CorruptCheckpointError(f"{where}: the state-dict tree is nested more than {MAX_DEPTH} levels deep")
     return value
 
 
-def _decode(data: Any, where: str, per_rank: bool) -> Any:
+# The JSON form nests deeper than the value ($dict pairs, $tuple): it may nest this deep, counted as the walk goes
+# (a container at this depth is refused before the walk goes below it), so no walk overflows Python's stack.
+_MAX_JSON_DEPTH = 3 * MAX_DEPTH
+
+
+def _decode(data: Any, where: str, per_rank: bool, depth: int) -> Any:
+    if isinstance(data, (list, dict)) and depth >= _MAX_JSON_DEPTH:
+        raise CorruptCheckpointError(f"{where}: the state-dict tree is nested more than {MAX_DEPTH} levels deep")
     if isinstance(data, (list,)):
-        return [_decode(v, where, per_rank) for v in data]
+        return [_decode(v, where, per_rank, depth + 1) for v in data]
     if not isinstance(data, dict):
         if isinstance(data, float) and not math.isfinite(data):  # e.g. 1e400: must be written {"$float": "inf"}
             raise CorruptCheckpointError(f"{where}: the number {data!r} is not finite; non-finite floats are "
@@ -200,28 +207,33 @@ def _decode(data: Any, where: str, per_rank: bool) -> Any:
             return TensorRef(body)
         if tag == "$float" and body in ("nan", "inf", "-inf"):
             return float(body)
+        if isinstance(body, list) and depth + 1 >= _MAX_JSON_DEPTH:
+            raise CorruptCheckpointError(f"{where}: the state-dict tree is nested more than {MAX_DEPTH} levels deep")
         if tag == "$tuple" and isinstance(body, list):
-            return tuple(_decode(v, where, per_rank) for v in body)
+            return tuple(_decode(v, where, per_rank, depth + 2) for v in body)
         if tag == "$dict" and isinstance(body, list):
-            return _decode_pairs(body, where, per_rank)
+            return _decode_pairs(body, where, per_rank, depth + 2)
         if tag == "$per_rank" and isinstance(body, list) and per_rank:
-            return PerRankValues(_decode(v, where, False) for v in body)
+            return PerRankValues(_decode(v, where, False, depth + 2) for v in body)
     if any(k.startswith("$") for k in data):
         raise CorruptCheckpointError(f"{where}: unknown tag in state-dict tree object {sorted(data)[:3]}")
-    return {k: _decode(v, where, per_rank) for k, v in data.items()}
+    return {k: _decode(v, where, per_rank, depth + 1) for k, v in data.items()}
 
 
-def _decode_pairs(pairs: list, where: str, per_rank: bool) -> dict:
+def _decode_pairs(pairs: list, where: str, per_rank: bool, depth: int) -> dict:
+    """The pairs of a ``$dict``, each a list at ``depth``."""
     out = {}
     for pair in pairs:
         if not (isinstance(pair, list) and len(pair) == 2):
             raise CorruptCheckpointError(f"{where}: a $dict entry must be a [key, value] pair, got {pair!r}")
-        key = _decode(pair[0], where, False)
+        if depth >= _MAX_JSON_DEPTH:
+            raise CorruptCheckpointError(f"{where}: the state-dict tree is nested more than {MAX_DEPTH} levels deep")
+        key = _decode(pair[0], where, False, depth + 1)
         if not isinstance(key, _KEY_TYPES):
             raise CorruptCheckpointError(f"{where}: a $dict key must be a scalar, got {str(key)[:40]}")
         if key in out:  # Python equality: 1, 1.0 and true are one key, so the saved dict cannot have held both
             raise CorruptCheckpointError(f"{where}: $dict keys {key!r} collide")
-        out[key] = _decode(pair[1], where, per_rank)
+        out[key] = _decode(pair[1], where, per_rank, depth + 1)
     if all(isinstance(k, str) and not k.startswith("$") for k in out):
         raise CorruptCheckpointError(f"{where}: a $dict whose keys are all plain strings must be a JSON object")
     return out

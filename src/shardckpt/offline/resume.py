@@ -107,11 +107,12 @@ class FileJournal:
         self._put(progress, finished=True)
 
     def _put(self, progress: FileProgress, finished: bool) -> None:
-        index = json.loads(index_to_bytes(progress.done, self.version, _writer.BLOCK_SIZE))
         current = None if progress.current is None else \
             [*progress.current, progress.offset, list(progress.blocks), list(progress.frames)]
-        data = json.dumps({"format": JOURNAL_FORMAT, "digest": self.digest, "finished": finished,
-                           "size": progress.size, "index": index, "current": current}, separators=(",", ":")).encode()
+        head = json.dumps({"format": JOURNAL_FORMAT, "digest": self.digest, "finished": finished,
+                           "size": progress.size, "current": current}, separators=(",", ":")).encode()
+        # The index's own JSON spliced in as the last field: not parsed back and dumped again (a file of 10k chunks)
+        data = head[:-1] + b',"index":' + index_to_bytes(progress.done, self.version, _writer.BLOCK_SIZE) + b"}"
         if isinstance(self.storage, LocalStorage):  # whole or absent for readers (a rename), and not synced
             url = self.storage.url(self.path)
             try:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -110,6 +109,9 @@ class ReadOnDemand(Mapping[str, StreamedPiece]):
                 self.tick(part.nbytes)
                 yield part
 
+    def __contains__(self, name: object) -> bool:  # (Mapping's would build the piece, or raise and catch KeyError)
+        return name in self.outputs
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.outputs)
 
@@ -133,7 +135,10 @@ class FileRuns(Mapping[str, StreamedPiece]):
 
     def __getitem__(self, name: str) -> StreamedPiece:
         piece = self.pieces[name]
-        return dataclasses.replace(piece, slices=functools.partial(self._slices, piece))
+        return StreamedPiece(piece.name, piece.dtype, piece.shape, piece.region, functools.partial(self._slices, piece))
+
+    def __contains__(self, name: object) -> bool:  # (Mapping's would build the piece, or raise and catch KeyError)
+        return name in self.pieces
 
     def _slices(self, piece: StreamedPiece, block: int, first: int) -> Iterator[torch.Tensor]:
         if first == 0 and self._small(piece.name):

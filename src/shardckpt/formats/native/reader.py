@@ -435,7 +435,7 @@ def _copy_small_chunk(window: _Window, read: ChunkRead, rec: ChunkRecord, verify
 def _span_in_chunk(read: ChunkRead, piece, region, dest: torch.Tensor) -> tuple[int, int] | None:
     """Elements ``[lo, hi)`` of the read's chunk that ``piece`` is, in the chunk's (stored) order, where the piece is
     the whole of ``region``, its CPU target ``dest`` plain and of the stored dtype; else None."""
-    if region != piece or dest.device.type != "cpu" or dest.dtype != read.entry.dtype or \
+    if region != piece or not dest.is_cpu or dest.dtype != read.entry.dtype or \
             dest.numel() != piece.numel or not dest.is_contiguous() or dest.is_conj() or dest.is_neg():
         return None
     if piece == read.region:
