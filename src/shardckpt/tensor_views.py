@@ -17,7 +17,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's elements as a flat uint8 tensor, sharing memory (the tensor must be contiguous)."""
     if t.dtype == torch.uint8 and t.dim() == 1 and t.is_contiguous():  # already flat bytes (a staged piece's)
         return t if t.numel() != 1 or t.stride(0) == 1 else t.as_strided((1,), (1,))
-    flat = t.reshape(-1)
+    flat = t if t.dim() == 1 else t.reshape(-1)  # (a reshape costs a microsecond; 1-D is already flat)
     if flat.numel() == 1 and flat.stride(0) != 1:  # torch calls it contiguous; view(uint8) needs stride 1
         flat = flat.as_strided((1,), (1,))
     if flat.dtype == torch.uint8:

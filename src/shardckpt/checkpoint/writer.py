@@ -32,7 +32,7 @@ from shardckpt.checkpoint.save_plan import WriteTask
 from shardckpt.regions import FlatRange, contiguous_runs
 from shardckpt.io import FileWriter, Storage
 from shardckpt.format.codecs import CODEC_THREADS, RAW, Compression, codec_pool, encode_frame
-from shardckpt.format.checksum import combine_block_crcs, crc32c, runs_crc_term
+from shardckpt.format.checksum import combine_block_crcs, crc32c, runs_crc_term, tensor_crc_term
 from shardckpt.format.content_hash import ChunkHasher
 from shardckpt.format.index import BLOCK_SIZE, ChunkRecord, index_to_bytes
 from shardckpt.format.manifest import FileEntry, version_for
@@ -100,7 +100,10 @@ def _staged_bytes(piece: LocalPiece) -> torch.Tensor:
 def _crc_term(piece: Piece, size: int, crc: int, raw: torch.Tensor | None) -> int:
     """This chunk's term of the tensor checksum (see format.checksum): box chunks have one run per row (a
     ``LocalPiece`` only: its ``raw`` bytes give each run's CRC)."""
-    runs = list(contiguous_runs(piece.region, piece.shape))
+    region = piece.region
+    if type(region) is FlatRange:  # one run (every streamed piece): its CRC shifted past the bytes after it
+        return tensor_crc_term(crc, (math.prod(piece.shape) - region.stop) * size) if region.numel else 0
+    runs = list(contiguous_runs(region, piece.shape))
     if len(runs) == 1:
         crcs = [crc]
     else:

@@ -131,32 +131,36 @@ class FileRuns(Mapping[str, StreamedPiece]):
         self.pieces, self.names = pieces, names
         self.position = {name: i for i, name in enumerate(names)}
         self.run: dict[str, torch.Tensor] = {}
+        self.small: dict[str, bool] = {}
         self.held = contextlib.ExitStack()
 
     def __getitem__(self, name: str) -> StreamedPiece:
-        piece = self.pieces[name]
-        return StreamedPiece(piece.name, piece.dtype, piece.shape, piece.region, functools.partial(self._slices, piece))
+        output = self.pieces.outputs[name]  # (the piece ``pieces[name]`` is, its slices this file's)
+        return StreamedPiece(name, output.dtype, output.shape, self.pieces.region(output),
+                             functools.partial(self._slices, name))
 
     def __contains__(self, name: object) -> bool:  # (Mapping's would build the piece, or raise and catch KeyError)
         return name in self.pieces
 
-    def _slices(self, piece: StreamedPiece, block: int, first: int) -> Iterator[torch.Tensor]:
-        if first == 0 and self._small(piece.name):
-            if piece.name not in self.run:
-                self._read_run(piece.name)
-            part = self.run.pop(piece.name)
+    def _slices(self, name: str, block: int, first: int) -> Iterator[torch.Tensor]:
+        if first == 0 and self._small(name):
+            if name not in self.run:
+                self._read_run(name)
+            part = self.run.pop(name)
             self.pieces.tick(part.nbytes)
             yield part
             return
         self.close()  # the buffer goes back before the slices below take one
-        yield from piece.slices(block, first)
+        yield from self.pieces[name].slices(block, first)
 
     def _small(self, name: str) -> bool:
-        output = self.pieces.outputs[name]
-        if output.dtype != output.source_dtype or name not in self.position:
-            return False
-        region = self.pieces.region(output)
-        return 0 < region.numel * itemsize(output.dtype) <= min(RUN_CHUNK_BYTES, self.pieces.buffers.nbytes)
+        small = self.small.get(name)
+        if small is None:  # (asked twice per chunk: when a run is laid out, and when the chunk is written)
+            output = self.pieces.outputs[name]
+            region = self.pieces.region(output)
+            small = self.small[name] = output.dtype == output.source_dtype and name in self.position and \
+                0 < region.numel * itemsize(output.dtype) <= min(RUN_CHUNK_BYTES, self.pieces.buffers.nbytes)
+        return small
 
     def _read_run(self, name: str) -> None:
         self.close()
