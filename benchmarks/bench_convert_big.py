@@ -100,7 +100,7 @@ def generate(path: str, gib: float) -> tuple[float, int]:
                                            functools.partial(slices, i * SAVE_WORLD + rank, region.numel))
         results.append(write_rank_files(storage, f"{data_dir(plan.generation)}/rank-{rank:05d}", plan.tasks[rank],
                                         pieces, 2, None, version=version))
-    commit(storage, plan, plan.generation, results, SAVE_WORLD, encoded, {}, overwrite=False)
+    commit(storage, plan, plan.generation, results, encoded, {}, overwrite=False)
     return time.perf_counter() - t0, len(outputs)
 
 

@@ -127,6 +127,26 @@ def test_5_json_nested_past_the_limit_is_refused_as_it_is_walked_at_any_place(tm
         _refused(deep, "more than 100 levels")
 
 
+@pytest.mark.parametrize("leaf", [torch.ones(2), float("nan"), 5])
+def test_5_the_deepest_tree_of_dict_levels_saves_and_loads_whatever_its_leaf(tmp_path, leaf):
+    # from helper-34: 100 int-keyed dict levels (the root the first) over a tensor or a NaN were refused: the tagged
+    # leaf is one JSON level below the last $dict's three, and the JSON allowance counted three per level only
+    _doc_says("counted in the value")
+    def nest(levels):
+        value = leaf
+        for _ in range(levels):
+            value = {1: value}
+        return value
+    path = str(tmp_path / "deepest")
+    shardckpt.save(nest(100), path)
+    got = shardckpt.load_full(path)
+    for _ in range(99):
+        got = got[1]
+    assert torch.equal(got[1], leaf) if isinstance(leaf, torch.Tensor) else str(got[1]) == str(leaf)
+    with pytest.raises(shardckpt.UnsupportedValueError, match="more than 100 levels"):
+        shardckpt.save(nest(101), str(tmp_path / "deeper"))
+
+
 def test_6_and_13_a_dict_root_is_allowed_other_roots_and_an_empty_dict_are_not(tmp_path):
     _doc_says("it decodes to a dict: a plain object or a `$dict`", "and so is `{\"$dict\": []}` (an empty dict is `{}`)")
     path, _ = _saved(tmp_path, {1: torch.arange(3.0), "a": 2})

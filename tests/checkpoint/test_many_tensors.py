@@ -305,6 +305,20 @@ def test_a_destination_that_needs_grad_is_filled_in_place_and_keeps_needing_it(t
     assert torch.equal(b.reshape(-1), sd["b"])
 
 
+def test_a_target_whose_elements_share_memory_is_refused_before_any_read(tmp_path):
+    # from helper-34: an expand()ed target got torch's RuntimeError from the write-back, after every read
+    sd = {"a": torch.arange(6.0), "b": torch.ones(3)}
+    path = str(tmp_path / "ck")
+    shardckpt.save(sd, path)
+    target = {"a": torch.zeros(1).expand(6), "b": torch.zeros(3)}
+    with pytest.raises(ValueError, match=r"tensor 'a': .* share memory"):
+        shardckpt.load(target, path)
+    assert torch.equal(target["b"], torch.zeros(3))  # nothing was read into the others either
+    strided = {"a": torch.zeros(12)[::2], "b": torch.zeros(3)}  # not contiguous, but no element shared: loads
+    shardckpt.load(strided, path)
+    assert torch.equal(strided["a"], sd["a"]) and torch.equal(strided["b"], sd["b"])
+
+
 @pytest.mark.parametrize("shape", [(6,), ()])
 def test_a_meta_destination_is_refused_not_left_unfilled(tmp_path, shape):
     # from helper-19: a load into meta targets filled nothing and raised nothing

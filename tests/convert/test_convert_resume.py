@@ -327,3 +327,28 @@ def test_a_failing_second_run_never_removes_what_the_first_committed(tmp_path, m
     with pytest.raises(OSError, match="injected"):
         convert(src, dst, world_size=4)
     assert verify(dst).ok and diff(src, dst).equal
+
+
+@pytest.mark.parametrize("block_crc", [1 << 32, -1, True, 2.0])
+def test_a_journal_block_crc_outside_32_bits_is_not_believed(tmp_path, journal_every_write, block_crc):
+    # from helper-34: a CRC of 2**32 in the chunk in progress crashed the resumed run (and every rerun) with an
+    # IndexError once that shift length had a lookup table; a CRC is 32 bits: such a journal is not this run's
+    src, dst, fresh = tmp_path / "src", tmp_path / "dst", tmp_path / "fresh"
+    shardckpt.save(_small_state(), src)
+    convert(src, fresh, **SMALL)
+    _killed_writing(_writes(src, tmp_path / "count", **SMALL) // 2, src, dst, **SMALL)
+    path = os.path.join(_data(dst), "resume", "rank-00000-0.bin.json")
+    with open(path) as f:
+        doc = json.load(f)
+    name, chunk, offset = doc["index"]["chunks"][-1][:3]
+    digest = doc["digest"]
+    storage = LocalStorage(str(dst))
+    where = os.path.relpath(path, dst)
+    for crc, believed in ((5, True), (block_crc, False)):
+        doc["current"] = [name, chunk, offset, [7, crc], []]
+        with open(path, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        assert (resume.read_claim(storage, where, digest, doc["index"]["version"]) is not None) == believed, crc
+    convert(src, dst, **SMALL)
+    _same_files(dst, fresh)
+    assert diff(src, dst).equal

@@ -45,6 +45,10 @@ def _request(path: Path, value: Any, entry: TensorInfo, strict: bool, staged: li
         raise IncompatibleCheckpointError(f"tensor {name!r}: the checkpoint holds {entry.dtype}, the state dict "
                                           f"expects {dest.dtype} (load with strict=False to cast)")
     if not dest.is_contiguous():
+        if torch._debug_has_internal_overlap(dest) == 1:  # (1: certain; 2: torch cannot tell cheaply)
+            raise ValueError(f"tensor {name!r}: the state dict's tensor has elements that share memory (an expand()ed "
+                             "or stride-0 view), so it cannot hold the saved values; give it memory of its own "
+                             "(e.g. .clone())")
         staged.append((dest, dest.contiguous()))
         dest = staged[-1][1]
     return ReadRequest(entry.name, piece.region, dest)

@@ -184,9 +184,11 @@ def decode(data: Any, where: str, per_rank: bool = False) -> Any:
     return value
 
 
-# The JSON form nests deeper than the value ($dict pairs, $tuple): it may nest this deep, counted as the walk goes
-# (a container at this depth is refused before the walk goes below it), so no walk overflows Python's stack.
-_MAX_JSON_DEPTH = 3 * MAX_DEPTH
+# The JSON form nests deeper than the value: a $dict level is three JSON levels (object, pairs, pair) and a tagged
+# leaf ($tensor, $float) one more, so the deepest valid tree's JSON is this deep. Counted as the walk goes (a container
+# deeper is refused before the walk goes below it), so no walk overflows Python's stack; the value's own depth
+# (MAX_DEPTH) is checked after.
+_MAX_JSON_DEPTH = 3 * MAX_DEPTH + 1
 
 
 def _decode(data: Any, where: str, per_rank: bool, depth: int) -> Any:

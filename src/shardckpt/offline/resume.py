@@ -147,8 +147,8 @@ def read_claim(storage: Storage, path: str, digest: str, version: int) -> Claim 
         if current is not None:
             name, chunk, offset, blocks, frames = current
             if not (isinstance(name, str) and all(isinstance(v, int) and v >= 0 for v in (chunk, offset))
-                    and all(isinstance(v, list) and all(isinstance(x, int) and x >= 0 for x in v)
-                            for v in (blocks, frames))):
+                    and isinstance(blocks, list) and all(type(x) is int and 0 <= x <= 0xFFFFFFFF for x in blocks)
+                    and isinstance(frames, list) and all(type(x) is int and x >= 0 for x in frames)):
                 return None
             current = ((name, chunk), ChunkRecord(offset, len(blocks) * _writer.BLOCK_SIZE, 0, "", _writer.BLOCK_SIZE,
                                                   tuple(blocks), tuple(frames)))
