@@ -27,6 +27,16 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
+def copy_into(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """``dest.copy_(src)``. A destination made under ``torch.inference_mode`` is written inside that mode, the only
+    place torch lets an inference tensor change in place (the mode is per thread: readers copy in their workers)."""
+    if dest.is_inference():
+        with torch.inference_mode():
+            dest.copy_(src)
+    else:
+        dest.copy_(src)
+
+
 def from_bytes(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """Reinterpret a flat uint8 tensor as ``dtype`` with ``shape`` (no copy)."""
     if raw.numel() == 0:

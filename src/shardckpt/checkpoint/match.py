@@ -14,6 +14,7 @@ from shardckpt.errors import IncompatibleCheckpointError, key_mismatch
 from shardckpt.format.tree import Path, PerRankValues, TensorRef, leaves, path_name, set_at
 from shardckpt.formats.api import ReadRequest, TensorInfo
 from shardckpt.sharded_tensor import PerRank
+from shardckpt.tensor_views import copy_into
 
 
 @dataclass
@@ -26,7 +27,7 @@ class Matched:
         """Copy staged reads into the caller's tensors and set the plain values (after every read succeeded)."""
         with torch.no_grad():
             for dest, copy in self.staged:
-                dest.copy_(copy.view(dest.shape))
+                copy_into(dest, copy.view(dest.shape))
         for root, path, value in self.values:
             if isinstance(root, PerRank) and not path:
                 root.value = value

@@ -48,7 +48,7 @@ from shardckpt.formats.safetensors_header import (
 from shardckpt.io import DEFAULT_IO_THREADS, Storage, lifecycle, open_storage
 from shardckpt.io.navigate import parent
 from shardckpt.regions import contiguous_runs
-from shardckpt.tensor_views import as_bytes, from_bytes
+from shardckpt.tensor_views import as_bytes, copy_into, from_bytes
 from shardckpt.storage_options import Options
 
 READ_PIECE = 64 << 20  # bytes per ranged read at most (a longer run is split, so that threads share it)
@@ -209,7 +209,7 @@ class SafetensorsReader:
             raise CorruptCheckpointError(f"{self.storage.url(entry.file)}: tensor {job.name!r} holds a bool byte "
                                          "other than 0 or 1")
         if not job.direct:
-            job.dest.copy_(from_bytes(raw, entry.dtype, (job.dest.numel(),)))
+            copy_into(job.dest, from_bytes(raw, entry.dtype, (job.dest.numel(),)))
 
 
 def read_index(storage: Storage, name: str) -> tuple[dict[str, str], Any]:

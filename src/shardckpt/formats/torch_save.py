@@ -52,6 +52,7 @@ from shardckpt.formats.api import Facts, ReadRequest, TensorInfo
 from shardckpt.formats.requests import check_requests
 from shardckpt.formats.untrusted import check_expansion
 from shardckpt.regions import Box, FlatRange
+from shardckpt.tensor_views import copy_into
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format since torch 1.6 (a zip archive)
 RELEASE_BYTES = 1 << 20  # the mapped bytes a read copies before giving their pages back
@@ -277,14 +278,14 @@ class TorchSaveReader:
         """``dest.copy_(view)``, a contiguous ``view`` in steps of ``RELEASE_BYTES`` whose pages are given back
         after each, so that no more than one step of the file's pages is resident at once (per thread)."""
         if self._mapping is None or not view.is_contiguous() or not dest.is_contiguous():
-            dest.copy_(view)
+            copy_into(dest, view)
             self._release(view)
             return
         flat_view, flat_dest = view.reshape(-1), dest.reshape(-1)
         step = max(1, RELEASE_BYTES // view.element_size())
         for start in range(0, flat_view.numel(), step):
             part = flat_view[start:start + step]
-            flat_dest[start:start + step].copy_(part)
+            copy_into(flat_dest[start:start + step], part)
             self._release(part)
 
     def _release(self, view: torch.Tensor) -> None:

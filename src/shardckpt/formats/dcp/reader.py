@@ -28,7 +28,7 @@ from shardckpt.formats.dcp.metadata import METADATA_NAME, Chunk, StoredTensor, p
 from shardckpt.formats.requests import CheckedRequest, check_requests
 from shardckpt.io import DEFAULT_IO_THREADS, Storage
 from shardckpt.regions import Region, flat_bounds, intersect, local_span, strided_view
-from shardckpt.tensor_views import view_of
+from shardckpt.tensor_views import copy_into, view_of
 
 
 def is_dcp_dir(storage: Storage) -> bool:
@@ -197,4 +197,4 @@ class DcpReader:
                 lo, hi = local_span(piece, chunk.box, shape)
                 src = view_of(read_span(self.storage, t, chunk, layout, lo, hi),
                               strided_view(piece, chunk.box, shape, base=lo))
-            view_of(target.flat, strided_view(piece, target.region, shape)).copy_(src)
+            copy_into(view_of(target.flat, strided_view(piece, target.region, shape)), src)

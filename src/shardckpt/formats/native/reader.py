@@ -34,7 +34,7 @@ from shardckpt.formats.native.frames import check_raw_blocks, StoredChunk, read_
 from shardckpt.formats.native.lanes import Piece, cut_read, lanes, share, stored_span
 from shardckpt.formats.native.plan import ChunkRead
 from shardckpt.formats.native.whole_tensor import check_whole_tensors
-from shardckpt.tensor_views import as_bytes, from_bytes, view_of
+from shardckpt.tensor_views import as_bytes, copy_into, from_bytes, view_of
 
 Index = dict[tuple[str, int], ChunkRecord]
 STREAM_FRACTION = 0.5  # an object-store file is streamed whole when at least this part of it is read
@@ -213,7 +213,7 @@ def execute_read(storage: Storage, manifest: Manifest, read: ChunkRead, rec: Chu
     shape = read.entry.shape
     for piece, target in read.copies:
         src = view_of(src_all, strided_view(piece, read.region, shape, base=read.lo))
-        view_of(target.flat, strided_view(piece, target.region, shape)).copy_(src)
+        copy_into(view_of(target.flat, strided_view(piece, target.region, shape)), src)
 
 
 def execute_reads(storage: Storage, manifest: Manifest, reads: list[ChunkRead], io_threads: int,
