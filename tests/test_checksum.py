@@ -50,6 +50,8 @@ def test_a_shift_used_often_is_looked_up_in_a_table_and_gives_the_same_crc(monke
             assert checksum.crc32c_shift(crc32c(a), n) == want, (round_, n)
             assert crc32c_combine(crc32c(a), crc_b, n) == want ^ crc_b
     assert set(checksum._hot_tables) == set(tail_lengths)  # each became hot and was then used ~2x as often
+    for wide in (-1, -(1 << 33), 1 << 32):  # not a CRC: the product path (the table would wrap or raise IndexError)
+        assert checksum.crc32c_shift(wide, 256) == checksum._multmodp(checksum._x8n(256), wide)
     b = os.urandom(4097)
     a = os.urandom(33)
     assert crc32c_combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)  # the hot path against real bytes

@@ -147,6 +147,24 @@ def test_5_the_deepest_tree_of_dict_levels_saves_and_loads_whatever_its_leaf(tmp
         shardckpt.save(nest(101), str(tmp_path / "deeper"))
 
 
+def test_5_a_per_rank_value_counts_as_a_level_and_is_refused_past_the_limit_as_any_tree(tmp_path):
+    # helper-35: the depth check did not look inside a PerRank: 5000 levels raised RecursionError, one level past the
+    # limit was refused late as "would not load"
+    def lists(levels, leaf):
+        for _ in range(levels):
+            leaf = [leaf]
+        return leaf
+    path = str(tmp_path / "deepest")
+    shardckpt.save({"x": shardckpt.PerRank(lists(98, torch.ones(2)))}, path)  # root, PerRank, 98 lists: 100
+    got = shardckpt.load_full(path)["x"][0]
+    for _ in range(98):
+        got = got[0]
+    assert torch.equal(got, torch.ones(2))
+    for levels in (99, 5000):
+        with pytest.raises(shardckpt.UnsupportedValueError, match="more than 100 levels"):
+            shardckpt.save({"x": shardckpt.PerRank(lists(levels, 1))}, str(tmp_path / f"deeper{levels}"))
+
+
 def test_6_and_13_a_dict_root_is_allowed_other_roots_and_an_empty_dict_are_not(tmp_path):
     _doc_says("it decodes to a dict: a plain object or a `$dict`", "and so is `{\"$dict\": []}` (an empty dict is `{}`)")
     path, _ = _saved(tmp_path, {1: torch.arange(3.0), "a": 2})

@@ -329,10 +329,12 @@ def test_a_failing_second_run_never_removes_what_the_first_committed(tmp_path, m
     assert verify(dst).ok and diff(src, dst).equal
 
 
-@pytest.mark.parametrize("block_crc", [1 << 32, -1, True, 2.0])
-def test_a_journal_block_crc_outside_32_bits_is_not_believed(tmp_path, journal_every_write, block_crc):
+@pytest.mark.parametrize("bad", [("crc", 1 << 32), ("crc", -1), ("crc", True), ("crc", 2.0), ("chunk", True),
+                                 ("offset", False)])
+def test_a_journal_block_crc_outside_32_bits_is_not_believed(tmp_path, journal_every_write, bad):
     # from helper-34: a CRC of 2**32 in the chunk in progress crashed the resumed run (and every rerun) with an
-    # IndexError once that shift length had a lookup table; a CRC is 32 bits: such a journal is not this run's
+    # IndexError once that shift length had a lookup table; a CRC is 32 bits: such a journal is not this run's.
+    # helper-35: a chunk number true (or an offset false) was believed, and its index row committed as written
     src, dst, fresh = tmp_path / "src", tmp_path / "dst", tmp_path / "fresh"
     shardckpt.save(_small_state(), src)
     convert(src, fresh, **SMALL)
@@ -344,11 +346,15 @@ def test_a_journal_block_crc_outside_32_bits_is_not_believed(tmp_path, journal_e
     digest = doc["digest"]
     storage = LocalStorage(str(dst))
     where = os.path.relpath(path, dst)
-    for crc, believed in ((5, True), (block_crc, False)):
-        doc["current"] = [name, chunk, offset, [7, crc], []]
+    field, value = bad
+    for wrong, believed in ((False, True), (True, False)):
+        current = {"chunk": chunk, "offset": offset, "crc": 5}
+        if wrong:
+            current[field] = value
+        doc["current"] = [name, current["chunk"], current["offset"], [7, current["crc"]], []]
         with open(path, "w") as f:
             json.dump(doc, f, separators=(",", ":"))
-        assert (resume.read_claim(storage, where, digest, doc["index"]["version"]) is not None) == believed, crc
+        assert (resume.read_claim(storage, where, digest, doc["index"]["version"]) is not None) == believed, bad
     convert(src, dst, **SMALL)
     _same_files(dst, fresh)
     assert diff(src, dst).equal

@@ -46,13 +46,32 @@ def _request(path: Path, value: Any, entry: TensorInfo, strict: bool, staged: li
         raise IncompatibleCheckpointError(f"tensor {name!r}: the checkpoint holds {entry.dtype}, the state dict "
                                           f"expects {dest.dtype} (load with strict=False to cast)")
     if not dest.is_contiguous():
-        if torch._debug_has_internal_overlap(dest) == 1:  # (1: certain; 2: torch cannot tell cheaply)
+        if _shares_memory(dest):
             raise ValueError(f"tensor {name!r}: the state dict's tensor has elements that share memory (an expand()ed "
                              "or stride-0 view), so it cannot hold the saved values; give it memory of its own "
                              "(e.g. .clone())")
         staged.append((dest, dest.contiguous()))
         dest = staged[-1][1]
     return ReadRequest(entry.name, piece.region, dest)
+
+
+def _shares_memory(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` are one memory location (an ``expand``, an overlapping ``unfold`` or
+    ``as_strided``): the write-back would leave one of their values, silently."""
+    verdict = torch._debug_has_internal_overlap(t)  # 0: no, 1: yes, 2: torch cannot tell cheaply
+    if verdict != 2 or t.numel() <= 1:
+        return verdict == 1
+    reach = 0  # dims by stride, smallest first: each steps past every offset the dims before it reach
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= reach:
+            break
+        reach += stride * (size - 1)
+    else:
+        return False  # (every slicing, transpose and channels_last layout)
+    offsets = torch.zeros((), dtype=torch.int64)  # else count the distinct element offsets (rare layouts)
+    for stride, size in zip(t.stride(), t.shape):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return offsets.unique().numel() != t.numel()
 
 
 def _is_stored_leaf(value: Any) -> bool:

@@ -48,7 +48,7 @@ def crc32c_shift(crc: int, nbytes: int) -> int:
     if not crc or not nbytes:  # zero stays zero; no shift is the identity (many small chunks take this path)
         return crc
     table = _hot_tables.get(nbytes)
-    if table is not None and crc <= 0xFFFFFFFF:  # (a CRC is 32 bits: anything wider is a caller's bug, not an index)
+    if table is not None and 0 <= crc <= 0xFFFFFFFF:  # (a CRC is 32 bits: anything wider is a caller's bug, not an index)
         return shift_by_table(crc, table)
     _count_use(nbytes)
     return _multmodp(_x8n(nbytes), crc)

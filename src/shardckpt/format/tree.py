@@ -28,21 +28,23 @@ Path = tuple[Any, ...]
 _SCALARS = (type(None), bool, int, str)
 _KEY_TYPES = (type(None), bool, int, float, str)
 _CONTAINERS = (dict, list, tuple)
+_NESTING = (*_CONTAINERS, PerRank)  # what counts towards the depth limit
 MAX_DEPTH = 100  # levels of containers; real state dicts use fewer than 10
 
 
 def depth_exceeds(obj: Any, limit: int = MAX_DEPTH) -> bool:
     """True if containers nest more than ``limit`` deep in ``obj`` (iterative: safe at any depth)."""
     # Level by level, containers only: a flat dict of 100k tensors is one pass over its values in C-speed loops.
-    level = [obj] if isinstance(obj, _CONTAINERS) else []
+    # A PerRank is a level too (saved, it is per-rank values: a list of each rank's value).
+    level = [obj] if isinstance(obj, _NESTING) else []
     depth = 0
     while level:
         if depth >= limit:
             return True
         below: list = []
         for node in level:
-            kids = node.values() if isinstance(node, dict) else node
-            below += [k for k in kids if isinstance(k, _CONTAINERS)]
+            kids = node.values() if isinstance(node, dict) else (node.value,) if isinstance(node, PerRank) else node
+            below += [k for k in kids if isinstance(k, _NESTING)]
         level, depth = below, depth + 1
     return False
 

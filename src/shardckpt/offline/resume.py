@@ -146,7 +146,7 @@ def read_claim(storage: Storage, path: str, digest: str, version: int) -> Claim 
         current = doc["current"]
         if current is not None:
             name, chunk, offset, blocks, frames = current
-            if not (isinstance(name, str) and all(isinstance(v, int) and v >= 0 for v in (chunk, offset))
+            if not (isinstance(name, str) and all(type(v) is int and v >= 0 for v in (chunk, offset))
                     and isinstance(blocks, list) and all(type(x) is int and 0 <= x <= 0xFFFFFFFF for x in blocks)
                     and isinstance(frames, list) and all(type(x) is int and x >= 0 for x in frames)):
                 return None
