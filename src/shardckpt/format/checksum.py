@@ -66,23 +66,9 @@ def _count_use(nbytes: int) -> None:
     if uses == _HOT_AFTER:
         if len(_hot_tables) >= 256:
             _hot_tables.clear()
-        _hot_tables[nbytes] = _linear_table(_x8n(nbytes))
+        _hot_tables[nbytes] = shift_table(nbytes)
     if len(_uses) >= 4096:
         _uses.clear()
-
-
-def _linear_table(factor: int) -> list[list[int]]:
-    """``shift_by_table``'s tables for multiplying by ``factor``: built from its 32 one-bit products (the product is
-    linear in the CRC's bits), one XOR per entry."""
-    tables = []
-    for k in range(4):
-        basis = [_multmodp(factor, 1 << (8 * k + bit)) for bit in range(8)]
-        table = [0] * 256
-        for b in range(1, 256):
-            low = b & -b
-            table[b] = table[b ^ low] ^ basis[low.bit_length() - 1]
-        tables.append(table)
-    return tables
 
 
 @functools.lru_cache(maxsize=4096)  # a tensor's chunks (and a model's many alike tensors) repeat their shifts
@@ -98,8 +84,17 @@ def _x8n(nbytes: int) -> int:
 
 
 def shift_table(nbytes: int) -> list[list[int]]:
-    """Tables that shift a CRC by a fixed ``nbytes`` in four lookups (the shift is linear in the CRC's bits)."""
-    return [[crc32c_shift(b << (8 * k), nbytes) for b in range(256)] for k in range(4)]
+    """Tables that shift a CRC by a fixed ``nbytes`` in four lookups: the shift is linear in the CRC's bits, so each
+    entry is one XOR of an entry before it and one of the 32 one-bit products."""
+    factor, tables = _x8n(nbytes), []
+    for k in range(4):
+        basis = [_multmodp(factor, 1 << (8 * k + bit)) for bit in range(8)]
+        table = [0] * 256
+        for b in range(1, 256):
+            low = b & -b
+            table[b] = table[b ^ low] ^ basis[low.bit_length() - 1]
+        tables.append(table)
+    return tables
 
 
 def shift_by_table(crc: int, table: list[list[int]]) -> int:
