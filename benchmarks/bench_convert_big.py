@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import sys
 import tempfile
@@ -104,6 +105,47 @@ def generate(path: str, gib: float) -> tuple[float, int]:
     return time.perf_counter() - t0, len(outputs)
 
 
+def generate_deepspeed(path: str, gib: float) -> tuple[float, int]:
+    """A DeepSpeed ZeRO-2 checkpoint of ``gib`` GiB (fp32 partitions + Adam) at ws 4, laid out as DeepSpeed 0.1x
+    writes it: ``mp_rank_00_model_states.pt`` with the bf16 module (views of one flat group buffer, as ZeRO-1/2's
+    flattened parameters are), ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` with rank ``r``'s fp32 partition
+    and its ``exp_avg`` / ``exp_avg_sq``. One rank's partitions are in memory at a time; (seconds, parameters)."""
+    t0 = time.perf_counter()
+    shapes = param_shapes(gib)
+    total = sum(math.prod(s) for s in shapes.values())
+    padded = total + (-total % (2 * SAVE_WORLD))
+    part = padded // SAVE_WORLD
+    pool = torch.randn(POOL + SLICE, generator=torch.Generator().manual_seed(0))
+
+    def fill(out: torch.Tensor, seed: int) -> torch.Tensor:
+        for lo in range(0, out.numel(), SLICE):
+            at = (seed * 7919 + lo) % POOL
+            n = min(SLICE, out.numel() - lo)
+            out[lo:lo + n] = pool[at:at + n]
+        return out
+
+    os.makedirs(path)
+    bit16 = fill(torch.empty(padded, dtype=torch.bfloat16), 1)
+    module, at = {}, 0
+    for name, shape in shapes.items():
+        module[name] = bit16[at:at + math.prod(shape)].view(shape)
+        at += math.prod(shape)
+    model = {"module": module, "buffer_names": [], "param_shapes": [dict(shapes)], "frozen_param_shapes": None,
+             "shared_params": {}, "dp_world_size": SAVE_WORLD, "mp_world_size": 1, "global_steps": 1000}
+    torch.save(model, os.path.join(path, "mp_rank_00_model_states.pt"))
+    del bit16, module, model
+    for r in range(SAVE_WORLD):
+        flat, avg, sq = (fill(torch.empty(part), 3 * r + k + 2) for k in range(3))
+        osd = {"zero_stage": 2, "partition_count": [SAVE_WORLD], "single_partition_of_fp32_groups": [flat],
+               "param_alignment_paddings": [[0] * len(shapes)],
+               "base_optimizer_state": {"state": {0: {"step": torch.tensor(1000.0), "exp_avg": avg, "exp_avg_sq": sq}},
+                                        "param_groups": [{"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                          "weight_decay": 0.0, "params": [0]}]}}
+        torch.save({"optimizer_state_dict": osd}, os.path.join(path, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+        del flat, avg, sq, osd
+    return time.perf_counter() - t0, len(shapes)
+
+
 def timed(method: str, src: str, base: str, check: bool) -> dict:
     out = os.path.join(base, method)
     cli, log = shardckpt_cli(), os.path.join(base, "child")
@@ -145,6 +187,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir under /tmp); removed after")
     ap.add_argument("--no-check", action="store_true", help="skip the diff / verify_export checks")
+    ap.add_argument("--source", choices=("shardckpt", "deepspeed"), default="shardckpt",
+                    help="the checkpoint converted: shardckpt's own (SHARDED, ws 4) or a DeepSpeed ZeRO-2 one (ws 4)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not can_drop_caches():
@@ -155,9 +199,9 @@ def main() -> None:
     methods = ["cp", "start", "convert", "export"]
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     try:
-        secs, ntensors = generate(src, args.gib)
+        secs, ntensors = (generate if args.source == "shardckpt" else generate_deepspeed)(src, args.gib)
         size = du(src)
-        print(f"generated {ntensors} tensors, {size / GIB:.2f} GiB at ws {SAVE_WORLD} in {secs:.1f} s; {os.cpu_count()} "
+        print(f"generated {args.source}: {ntensors} tensors, {size / GIB:.2f} GiB at ws {SAVE_WORLD} in {secs:.1f} s; {os.cpu_count()} "
               f"CPUs; loadavg {loadavg()}; code: {code_version()}", flush=True)
         for rep in range(args.repeats):
             order = methods[rep % len(methods):] + methods[:rep % len(methods)]

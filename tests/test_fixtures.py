@@ -23,8 +23,8 @@ VERSIONS = list(range(1, FORMAT_VERSION + 1))
 
 
 def _fixture(version: int) -> str:
-    """The checkpoint of version ``version``: from v5 the second step of a run directory of pooled saves."""
-    return os.path.join(ROOT, f"v{version}", "step-2") if version >= 5 else os.path.join(ROOT, f"v{version}")
+    """The checkpoint of version ``version``: for v5 the second step of a run directory of pooled saves."""
+    return os.path.join(ROOT, f"v{version}", "step-2") if version == 5 else os.path.join(ROOT, f"v{version}")
 
 
 def _make_fixture():

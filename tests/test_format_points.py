@@ -75,7 +75,7 @@ def test_2_a_whole_tensor_read_checks_the_tensor_checksum(tmp_path):
 
 
 def test_2_chunks_of_every_form_combine_to_the_manifests_checksum(tmp_path):
-    for version in (1, 2, 3, 4):  # regular and explicit chunks, boxes, several files, compressed frames
+    for version in (1, 2, 3, 4, 6):  # regular and explicit chunks, boxes, several files, compressed frames, a table
         fixture = os.path.join(os.path.dirname(FORMAT_MD), "fixtures", f"v{version}")
         assert shardckpt.load_full(fixture)["step"] == 42
 
@@ -243,9 +243,9 @@ def test_10_with_a_nonzero_step_the_bytes_are_bounded_by_all_files(tmp_path):
 
 
 def test_11_the_seal_covers_every_version_from_2_and_planes_need_whole_elements_per_row(tmp_path):
-    _doc_says("a manifest of version 2 or later (2 to 5) without that prefix",
+    _doc_says("a manifest of version 2 or later (2 to 6) without that prefix",
               "for each row whose codec is `zstd-planes`")
-    for version in (2, 3, 4, 5):
+    for version in (2, 3, 4, 5, 6):
         unsealed = json.dumps({"format": "shardckpt", "version": version}).encode()
         with pytest.raises(CorruptCheckpointError, match="must begin with its checksum"):
             parse_manifest(unsealed, "m")

@@ -142,7 +142,7 @@ def test_a_pool_field_in_an_older_version_is_refused(tmp_path):
     pooled_run(tmp_path)
     _rewrite(tmp_path / "alone" / "manifest.json", lambda d: d.update(pool={"path": "../shardckpt-pool",
                                                                              "id": "0" * 32}))
-    with pytest.raises(CorruptCheckpointError, match="needs format v5"):
+    with pytest.raises(CorruptCheckpointError, match="'pool' is a format v5 field"):
         shardckpt.load_full(tmp_path / "alone")
 
 

@@ -340,7 +340,7 @@ def _per_rank(whole: tuple | Failure | _Differs, gathered: list) -> list:
     if isinstance(whole, _Differs):
         return [_Differs(whole.tree if g.digest != gathered[0].digest else None) for g in gathered]
     save_plan, tree, _ = whole
-    version = version_for(save_plan.compression is not None, encoded_holds_per_rank(tree))
+    version = version_for(save_plan.compression is not None, encoded_holds_per_rank(tree), len(save_plan.tensors))
     return [(save_plan.generation, save_plan.tasks[r], save_plan.files_per_rank, save_plan.compression, version)
             for r in range(len(gathered))]
 

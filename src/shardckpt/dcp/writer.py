@@ -53,6 +53,7 @@ class _RankTasks:
     tasks: list[WriteTask]
     files_per_rank: int
     compression: Compression | None
+    version: int  # the format version the commit will write (the indexes must be written at it)
 
 
 @dataclass(frozen=True)
@@ -117,8 +118,9 @@ class StorageWriter(_DcpStorageWriter):
         infos = [[_piece_info(item) for item in plan.items if item.type != WriteItemType.BYTE_IO]
                  for plan in plans]
         self._save_plan = make_save_plan(infos, uuid.uuid4().hex[:16], self.files_per_rank, self.compression)
+        version = version_for(self.compression is not None, False, len(self._save_plan.tensors))
         return [replace(plan, storage_data=_RankTasks(self._save_plan.generation, self._save_plan.tasks[r],
-                                                      self.files_per_rank, self.compression))
+                                                      self.files_per_rank, self.compression, version))
                 for r, plan in enumerate(plans)]
 
     def write_data(self, plan: DcpSavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -142,7 +144,7 @@ class StorageWriter(_DcpStorageWriter):
             try:
                 rank_result = write_rank_files(storage, f"{data_dir(mine.generation)}/rank-{self.rank:05d}",
                                                mine.tasks, pieces, mine.files_per_rank, mine.compression,
-                                               version_for(mine.compression is not None))
+                                               mine.version)
             except BaseException:
                 self._release()  # DCP fails the save on every rank: the generation is debris for gc
                 raise

@@ -32,7 +32,7 @@ INDEX_FORMAT_NAME = "shardckpt-index"
 BLOCK_SIZE = 1 << 20
 MAX_BLOCK_SIZE = 1 << 31
 MIN_ROW_BYTES = 16  # no row is shorter: ["",0,0,1,0,"raw"] is 18 bytes, and v2 adds its block CRCs
-ROW_WIDTH = {1: 6, 2: 7, 3: 8, 4: 8, 5: 9}  # v2 adds block CRCs, v3 the frame table, v5 the chunk digest
+ROW_WIDTH = {1: 6, 2: 7, 3: 8, 4: 8, 5: 9, 6: 9}  # v2 adds block CRCs, v3 the frame table, v5 the chunk digest
 _DIGEST = re.compile(r"^[0-9a-f]{32}$")
 
 

@@ -177,13 +177,47 @@ def encode(obj: Any, is_tensor: Callable[[Any], bool], path: Path = (), per_rank
         "plain values (None, bool, int, float, str, list, tuple, dict). Convert it first (e.g. to a dict).")
 
 
-def decode(data: Any, where: str, per_rank: bool = False) -> Any:
+def compact_tensor_dicts(encoded: Any, path: Path = ()) -> Any:
+    """An encoded tree as a v6 manifest writes it: every object whose values are all tensors, each named by its path
+    (``{"k": {"$tensor": "<path>.k"}, ...}``), as ``{"$tensors": ["k", ...]}`` (FORMAT.md, ``tree``)."""
+    if isinstance(encoded, list):
+        return [compact_tensor_dicts(v, path + (i,)) for i, v in enumerate(encoded)]
+    if not isinstance(encoded, dict):
+        return encoded
+    tag, body = next(iter(encoded.items())) if len(encoded) == 1 else (None, None)
+    if tag in ("$tensor", "$float"):
+        return encoded
+    if tag in ("$tuple", "$per_rank"):
+        return {tag: [compact_tensor_dicts(v, path + (i,)) for i, v in enumerate(body)]}
+    if tag == "$dict":
+        return {tag: [[k, compact_tensor_dicts(v, path + (_decoded_key(k),))] for k, v in body]}
+    prefix = path_name(path) + "." if path else ""
+    if encoded and all(type(v) is dict and len(v) == 1 and v.get("$tensor") == prefix + k for k, v in encoded.items()):
+        return {"$tensors": list(encoded)}
+    return {k: compact_tensor_dicts(v, path + (k,)) for k, v in encoded.items()}
+
+
+def _decoded_key(key: Any) -> Any:
+    """A ``$dict`` key as its path has it (``{"$float": "nan"}`` is the float)."""
+    return float(key["$float"]) if isinstance(key, dict) else key
+
+
+def decode(data: Any, where: str, per_rank: bool = False, tables: bool = False) -> Any:
     """Inverse of ``encode`` for untrusted input; tensors become ``TensorRef``. ``where`` names the file.
-    ``per_rank``: whether ``$per_rank`` may occur (format v4 on; never inside another)."""
-    value = _decode(data, where, per_rank, 0)
+    ``per_rank``: whether ``$per_rank`` may occur (format v4 on; never inside another); ``tables``: whether
+    ``$tensors`` may (format v6 on, ``compact_tensor_dicts``)."""
+    value = _decode(data, where, _Allowed(per_rank, tables), 0, ())
     if depth_exceeds(value):
         raise CorruptCheckpointError(f"{where}: the state-dict tree is nested more than {MAX_DEPTH} levels deep")
     return value
+
+
+@dataclass(frozen=True)
+class _Allowed:
+    """The tags a manifest's version admits beyond v2's."""
+
+    per_rank: bool
+    tables: bool
 
 
 # The JSON form nests deeper than the value: a $dict level is three JSON levels (object, pairs, pair) and a tagged
@@ -193,11 +227,11 @@ def decode(data: Any, where: str, per_rank: bool = False) -> Any:
 _MAX_JSON_DEPTH = 3 * MAX_DEPTH + 1
 
 
-def _decode(data: Any, where: str, per_rank: bool, depth: int) -> Any:
+def _decode(data: Any, where: str, allowed: _Allowed, depth: int, path: Path) -> Any:
     if isinstance(data, (list, dict)) and depth >= _MAX_JSON_DEPTH:
         raise CorruptCheckpointError(f"{where}: the state-dict tree is nested more than {MAX_DEPTH} levels deep")
     if isinstance(data, (list,)):
-        return [_decode(v, where, per_rank, depth + 1) for v in data]
+        return [_decode(v, where, allowed, depth + 1, path + (i,)) for i, v in enumerate(data)]
     if not isinstance(data, dict):
         if isinstance(data, float) and not math.isfinite(data):  # e.g. 1e400: must be written {"$float": "inf"}
             raise CorruptCheckpointError(f"{where}: the number {data!r} is not finite; non-finite floats are "
@@ -213,18 +247,38 @@ def _decode(data: Any, where: str, per_rank: bool, depth: int) -> Any:
             return float(body)
         if isinstance(body, list) and depth + 1 >= _MAX_JSON_DEPTH:
             raise CorruptCheckpointError(f"{where}: the state-dict tree is nested more than {MAX_DEPTH} levels deep")
+        if tag == "$tensors" and isinstance(body, list) and allowed.tables:
+            return _tensor_dict(body, where, path)
         if tag == "$tuple" and isinstance(body, list):
-            return tuple(_decode(v, where, per_rank, depth + 2) for v in body)
+            return tuple(_decode(v, where, allowed, depth + 2, path + (i,)) for i, v in enumerate(body))
         if tag == "$dict" and isinstance(body, list):
-            return _decode_pairs(body, where, per_rank, depth + 2)
-        if tag == "$per_rank" and isinstance(body, list) and per_rank:
-            return PerRankValues(_decode(v, where, False, depth + 2) for v in body)
+            return _decode_pairs(body, where, allowed, depth + 2, path)
+        if tag == "$per_rank" and isinstance(body, list) and allowed.per_rank:
+            inner = _Allowed(False, allowed.tables)  # never a $per_rank inside another
+            return PerRankValues(_decode(v, where, inner, depth + 2, path + (i,)) for i, v in enumerate(body))
     if any(k.startswith("$") for k in data):
         raise CorruptCheckpointError(f"{where}: unknown tag in state-dict tree object {sorted(data)[:3]}")
-    return {k: _decode(v, where, per_rank, depth + 1) for k, v in data.items()}
+    return {k: _decode(v, where, allowed, depth + 1, path + (k,)) for k, v in data.items()}
 
 
-def _decode_pairs(pairs: list, where: str, per_rank: bool, depth: int) -> dict:
+_STR = frozenset((str,))
+
+
+def _tensor_dict(keys: list, where: str, path: Path) -> dict:
+    """A ``$tensors`` object: a dict of one tensor per key, each named by its path (FORMAT.md, ``tree``)."""
+    if not keys or not _STR.issuperset(map(type, keys)) or any(k.startswith("$") for k in keys):
+        raise CorruptCheckpointError(f"{where}: a $tensors list at {path_name(path)!r} must hold one or more keys, "
+                                     "each a string not starting with '$'")
+    prefix = path_name(path) + "." if path else ""
+    out = {k: TensorRef(prefix + k) for k in keys}
+    if len(out) != len(keys):
+        seen: set = set()
+        twice = next(k for k in keys if k in seen or seen.add(k))
+        raise CorruptCheckpointError(f"{where}: the $tensors list at {path_name(path)!r} names {twice!r} twice")
+    return out
+
+
+def _decode_pairs(pairs: list, where: str, allowed: _Allowed, depth: int, path: Path) -> dict:
     """The pairs of a ``$dict``, each a list at ``depth``."""
     out = {}
     for pair in pairs:
@@ -232,12 +286,12 @@ def _decode_pairs(pairs: list, where: str, per_rank: bool, depth: int) -> dict:
             raise CorruptCheckpointError(f"{where}: a $dict entry must be a [key, value] pair, got {pair!r}")
         if depth >= _MAX_JSON_DEPTH:
             raise CorruptCheckpointError(f"{where}: the state-dict tree is nested more than {MAX_DEPTH} levels deep")
-        key = _decode(pair[0], where, False, depth + 1)
+        key = _decode(pair[0], where, _Allowed(False, False), depth + 1, path)
         if not isinstance(key, _KEY_TYPES):
             raise CorruptCheckpointError(f"{where}: a $dict key must be a scalar, got {str(key)[:40]}")
         if key in out:  # Python equality: 1, 1.0 and true are one key, so the saved dict cannot have held both
             raise CorruptCheckpointError(f"{where}: $dict keys {key!r} collide")
-        out[key] = _decode(pair[1], where, per_rank, depth + 1)
+        out[key] = _decode(pair[1], where, allowed, depth + 1, path + (key,))
     if all(isinstance(k, str) and not k.startswith("$") for k in out):
         raise CorruptCheckpointError(f"{where}: a $dict whose keys are all plain strings must be a JSON object")
     return out

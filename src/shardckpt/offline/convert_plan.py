@@ -81,7 +81,8 @@ def plan_conversion(reader: CheckpointReader, spec: ConvertSpec) -> ConversionPl
         place = functools.partial(placement, out_type=what.out_type, world=what.world, reader=what.reader)
         tiled = functools.partial(dim0_tiled, out_type=what.out_type, reader=what.reader)
         chunks = plan_chunks(what.outputs, place, tiled, what.world, spec.files_per_rank, compression, generation)
-    version = version_for(compression is not None, encoded_holds_per_rank(what.encoded_tree))  # v4: per-rank values
+    version = version_for(compression is not None, encoded_holds_per_rank(what.encoded_tree),
+                          len(chunks.tensors) if chunks is not None else 0)  # as the commit counts them
     return ConversionPlan(spec, what, shaping, generation, chunks, version)
 
 

@@ -43,9 +43,14 @@ def _read_for(reads: dict, entry: TensorEntry, i: int, region: Region) -> ChunkR
 
 def _plan_flat_regular(target: CheckedRequest, reads: dict) -> None:
     """A flat range against regular flat chunks (the FSDP case at scale): integer arithmetic only."""
-    entry, (lo, hi) = target.info, (target.region.start, target.region.stop)
-    size, numel = entry.chunks.size, entry.numel
-    for i in entry.chunks.overlapping(lo, hi):
+    entry, region = target.info, target.region
+    lo, hi, chunks = region.start, region.stop, entry.chunks
+    size, numel = chunks.size, entry.numel
+    if chunks.count == 1 and lo < hi and (entry.name, 0) not in reads:  # a tensor stored whole (most small ones)
+        whole = region if lo == 0 and hi == numel else FlatRange(0, numel)
+        reads[(entry.name, 0)] = ChunkRead(entry, 0, chunks.file(0), whole, lo, hi, [(region, target)])
+        return
+    for i in chunks.overlapping(lo, hi):
         start, stop = i * size, min((i + 1) * size, numel)
         a, b = max(lo, start), min(hi, stop)
         if a >= b:
