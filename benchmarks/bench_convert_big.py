@@ -199,10 +199,11 @@ def main() -> None:
     methods = ["cp", "start", "convert", "export"]
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     try:
-        secs, ntensors = (generate if args.source == "shardckpt" else generate_deepspeed)(src, args.gib)
+        make = generate if args.source == "shardckpt" else generate_deepspeed
+        secs, ntensors = make(src, args.gib)
         size = du(src)
-        print(f"generated {args.source}: {ntensors} tensors, {size / GIB:.2f} GiB at ws {SAVE_WORLD} in {secs:.1f} s; {os.cpu_count()} "
-              f"CPUs; loadavg {loadavg()}; code: {code_version()}", flush=True)
+        print(f"generated {args.source}: {ntensors} tensors, {size / GIB:.2f} GiB at ws {SAVE_WORLD} in {secs:.1f} s; "
+              f"{os.cpu_count()} CPUs; loadavg {loadavg()}; code: {code_version()}", flush=True)
         for rep in range(args.repeats):
             order = methods[rep % len(methods):] + methods[:rep % len(methods)]
             for m in order:

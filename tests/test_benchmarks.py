@@ -8,6 +8,7 @@ import importlib.util
 import pathlib
 
 import pytest
+import torch
 
 BENCHMARKS = sorted((pathlib.Path(__file__).parent.parent / "benchmarks").glob("*.py"))
 
@@ -42,3 +43,19 @@ def test_the_big_convert_benchmark_generates_a_checkpoint_that_verifies(tmp_path
     _, tensors = bench.generate(path, 0.004)
     report = shardckpt.verify(path)
     assert report.ok and report.tensors == tensors > 0
+
+
+def test_the_big_convert_benchmark_generates_a_deepspeed_checkpoint_that_reads_back(tmp_path, monkeypatch):
+    import shardckpt
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS[0].parent))
+    bench = importlib.import_module("bench_convert_big")
+    path = str(tmp_path / "zero2")
+    _, params = bench.generate_deepspeed(path, 0.004)
+    full = shardckpt.load_full(path)
+    shapes = bench.param_shapes(0.004)
+    assert len(shapes) == params > 0 and full["deepspeed"]["zero_stage"] == 2
+    assert {n: tuple(t.shape) for n, t in full["model"].items()} == {n: tuple(s) for n, s in shapes.items()}
+    for name in shapes:  # the values are the pool's: finite, not all equal, Adam state of each parameter present
+        assert torch.isfinite(full["model"][name]).all() and full["model"][name].std() > 0
+        assert full["optim"]["state"][name]["exp_avg_sq"].shape == full["model"][name].shape

@@ -34,7 +34,8 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
     if failures:
         _remove_quietly(storage, data_dir(generation))
         raise_failures(failures)
-    version = version_for(save_plan.compression is not None, encoded_holds_per_rank(encoded_tree), len(save_plan.tensors))
+    version = version_for(save_plan.compression is not None, encoded_holds_per_rank(encoded_tree),
+                          len(save_plan.tensors))
     try:
         _check_versions(results, version, encoded_tree)
     except CheckpointError:

@@ -7,6 +7,8 @@ Encoding (FORMAT.md, "tree"):
 - a dict whose keys are all strings not starting with ``$`` is a JSON object; any other dict is
   ``{"$dict": [[key, value], ...]}`` (keys are scalars, e.g. the int parameter IDs of optimizer state).
 - a tensor is ``{"$tensor": name}``, where ``name`` is its path's keys joined by ``.``.
+- a v6 manifest writes a dict of tensors, each named by its path, as ``{"$tensors": [key, ...]}``
+  (``compact_tensor_dicts``; ``decode`` takes it back when ``tables``).
 - per-rank values (format v4) are ``{"$per_rank": [value of rank 0, value of rank 1, ...]}``, named like
   a list's items (``rng.1``); decoded as ``PerRankValues``. ``save`` builds them from every rank's
   ``PerRank`` (``encode``'s ``per_rank`` hook gives this rank's part).
