@@ -33,12 +33,16 @@ def test_what_a_benchmark_imports_from_shardckpt_exists(path):
                 f"{path.name} imports {name} from {module}, which has no such name")
 
 
+def _big_convert_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS[0].parent))
+    return importlib.import_module("bench_convert_big")
+
+
 def test_the_big_convert_benchmark_generates_a_checkpoint_that_verifies(tmp_path, monkeypatch):
     # its generator calls the writer and the commit directly: a changed signature broke it without a failing test
     import shardckpt
 
-    monkeypatch.syspath_prepend(str(BENCHMARKS[0].parent))
-    bench = importlib.import_module("bench_convert_big")
+    bench = _big_convert_bench(monkeypatch)
     path = str(tmp_path / "generated")
     _, tensors = bench.generate(path, 0.004)
     report = shardckpt.verify(path)
@@ -48,8 +52,7 @@ def test_the_big_convert_benchmark_generates_a_checkpoint_that_verifies(tmp_path
 def test_the_big_convert_benchmark_generates_a_deepspeed_checkpoint_that_reads_back(tmp_path, monkeypatch):
     import shardckpt
 
-    monkeypatch.syspath_prepend(str(BENCHMARKS[0].parent))
-    bench = importlib.import_module("bench_convert_big")
+    bench = _big_convert_bench(monkeypatch)
     path = str(tmp_path / "zero2")
     _, params = bench.generate_deepspeed(path, 0.004)
     full = shardckpt.load_full(path)

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format.dtypes import dtype_name
-from shardckpt.format.validate import check_fields
+from shardckpt.format.validate import check_fields, first_repeat
 
 TABLE_FIELDS = ("names", "crc32c", "form", "forms")
 FORM_FIELDS = ("dtype", "shape", "chunks")
@@ -50,9 +50,7 @@ def read_table(doc: dict, where: str) -> tuple[list[str], list[int], list[int], 
         bad = next(n for n in names if type(n) is not str)
         raise CorruptCheckpointError(f"{where}: a tensor name must be a string, got {str(bad)[:40]}")
     if len(set(names)) != len(names):
-        seen: set = set()
-        twice = next(n for n in names if n in seen or seen.add(n))
-        raise CorruptCheckpointError(f"{where}: tensor {twice!r} is listed twice")
+        raise CorruptCheckpointError(f"{where}: tensor {first_repeat(names)!r} is listed twice")
     _check_ints(crcs, names, 0, 0xFFFFFFFF, f"{where} 'crc32c'")
     _check_ints(form_of, names, 0, len(forms) - 1, f"{where} 'form'")
     if len(set(form_of)) != len(forms):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from shardckpt.errors import CorruptCheckpointError, UnsupportedValueError
+from shardckpt.format.validate import first_repeat
 from shardckpt.sharded_tensor import PerRank
 
 Path = tuple[Any, ...]
@@ -274,9 +275,8 @@ def _tensor_dict(keys: list, where: str, path: Path) -> dict:
     prefix = path_name(path) + "." if path else ""
     out = {k: TensorRef(prefix + k) for k in keys}
     if len(out) != len(keys):
-        seen: set = set()
-        twice = next(k for k in keys if k in seen or seen.add(k))
-        raise CorruptCheckpointError(f"{where}: the $tensors list at {path_name(path)!r} names {twice!r} twice")
+        raise CorruptCheckpointError(f"{where}: the $tensors list at {path_name(path)!r} names {first_repeat(keys)!r} "
+                                     "twice")
     return out
 
 

@@ -64,13 +64,17 @@ def check_relative_path(path: Any, where: str) -> str:
     return path
 
 
+def first_repeat(items: Iterable) -> Any:
+    """The first item equal to an earlier one (callers know there is one: a set of them came out shorter)."""
+    seen: set = set()
+    return next(x for x in items if x in seen or seen.add(x))
+
+
 def _no_duplicates(where: str):
     def hook(pairs: list) -> dict:
         out = dict(pairs)  # in C: one call per object, not a Python loop per key (manifests of 100k tensors)
         if len(out) != len(pairs):
-            seen: set = set()
-            duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))
-            raise CorruptCheckpointError(f"{where}: duplicate key {duplicate!r}")
+            raise CorruptCheckpointError(f"{where}: duplicate key {first_repeat(k for k, _ in pairs)!r}")
         return out
     return hook
 
