@@ -22,11 +22,12 @@ import itertools
 import math
 from dataclasses import dataclass
 from typing import Hashable, Iterator, Sequence, Union
+from shardckpt.records import record
 
 Shape = tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@record
 class Box:
     """The elements ``offsets[d] <= i[d] < offsets[d] + sizes[d]`` for every dim ``d``."""
 
@@ -44,7 +45,7 @@ class Box:
         return math.prod(self.sizes)
 
 
-@dataclass(frozen=True)
+@record
 class FlatRange:
     """The row-major element indices ``start <= i < stop``."""
 
@@ -63,7 +64,7 @@ class FlatRange:
 Region = Union[Box, FlatRange]
 
 
-@dataclass(frozen=True)
+@record
 class Run:
     """Elements ``[at, at + count)`` of one tensor (row-major) are elements ``[start, start + count)`` of
     ``source`` (flattened). ``source`` names the other tensor as its user does: a stored tensor's name, a

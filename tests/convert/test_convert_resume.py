@@ -132,6 +132,7 @@ def test_the_loser_of_two_identical_conversions_keeps_the_winners_files(tmp_path
 @pytest.fixture
 def journal_every_write(monkeypatch):
     monkeypatch.setattr(resume, "JOURNAL_BYTES", 0)
+    monkeypatch.setattr(writer, "COALESCE_BYTES", 0)  # nothing gathered: every write is in the file at once
     monkeypatch.setattr(memory, "resident_bytes", lambda: 0)  # SMALL's limit: slices of a few blocks
     with block_size(256):
         yield

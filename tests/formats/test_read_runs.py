@@ -97,16 +97,18 @@ def test_a_bool_unit_holding_another_byte_is_refused(tmp_path, monkeypatch):
     from shardckpt.checkpoint import incremental, writer
     from shardckpt.regions import flat_bounds
 
-    real = writer._staged_bytes
+    from shardckpt.tensor_views import as_bytes
+
+    real = writer._staged
 
     def two(piece):  # the writer stores a 2 for the first true flag of the second unit
         raw = real(piece)
         if piece.name == "flags" and flat_bounds(piece.region, piece.shape)[0] == UNIT:
-            raw = raw.clone()
+            raw = as_bytes(raw).clone()
             raw[int(raw.argmax())] = 2
         return raw
 
-    monkeypatch.setattr(writer, "_staged_bytes", two)
+    monkeypatch.setattr(writer, "_staged", two)
     monkeypatch.setattr(incremental, "_check_unmoved", lambda *a: None)  # it would see the 2 as a change
     sd = pooled(tmp_path)
     monkeypatch.undo()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -12,6 +11,7 @@ from shardckpt.errors import UnsupportedValueError
 from shardckpt.regions import Box, FlatRange, Region, canonical, full_region
 from shardckpt.sharded_tensor import PerRank, ShardedTensor
 from shardckpt.format.tree import Path, holds_per_rank, leaves, path_name
+from shardckpt.records import record
 
 try:
     from torch.distributed.tensor import DTensor
@@ -42,7 +42,7 @@ def per_rank_leaves(path: Path, value: PerRank, rank: int) -> list[tuple[Path, A
     return found
 
 
-@dataclass(frozen=True)
+@record
 class LocalPiece:
     """What one rank holds of one tensor.
 
@@ -80,8 +80,11 @@ def _dtensor_piece(name: str, path: Path, dt: Any) -> LocalPiece:
     return LocalPiece(name, path, local, shape, region, replicated=False, owner=owner)
 
 
-def to_piece(path: Path, value: Any) -> LocalPiece:
-    name = path_name(path)
+def to_piece(path: Path, value: Any, name: str | None = None) -> LocalPiece:
+    """The piece of the leaf ``value`` at ``path`` (``name``: ``path_name(path)``, if the caller has it)."""
+    name = path_name(path) if name is None else name
+    if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:  # the common case, checked first
+        return LocalPiece(name, path, value, tuple(value.shape), FlatRange(0, value.numel()), replicated=True)
     if isinstance(value, ShardedTensor):
         return LocalPiece(name, path, value.local, value.global_shape, value.region, replicated=False)
     if DTensor and isinstance(value, DTensor):
@@ -105,9 +108,10 @@ def local_pieces(state_dict: Any, rank: int = 0,
                 check(path_name(p), t)
             out += [_own_piece(p, t) for p, t in own]
         elif is_tensor_like(v):
+            name = path_name(path)
             if check is not None and isinstance(v, torch.Tensor):
-                check(path_name(path), v)
-            out.append(to_piece(path, v))
+                check(name, v)
+            out.append(to_piece(path, v, name))
     return out
 
 

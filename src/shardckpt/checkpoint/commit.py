@@ -14,7 +14,8 @@ from shardckpt.checkpoint.save_plan import SavePlan
 from shardckpt.dist.group import Failure, raise_failures
 from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from shardckpt.format.dtypes import DTYPES
-from shardckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, TensorEntry, parse_manifest, version_for
+from shardckpt.format.manifest import (MANIFEST_NAME, FileEntry, Manifest, TensorEntry, manifest_generation,
+                                      parse_manifest, version_for)
 from shardckpt.io import Storage, lifecycle
 
 
@@ -123,6 +124,6 @@ def _previous_generation(storage: Storage) -> str | None:
     if not storage.exists(MANIFEST_NAME):
         return None
     try:
-        return parse_manifest(storage.read_bytes(MANIFEST_NAME), storage.url(MANIFEST_NAME)).generation
+        return manifest_generation(storage.read_bytes(MANIFEST_NAME), storage.url(MANIFEST_NAME))
     except CheckpointError:
         return None

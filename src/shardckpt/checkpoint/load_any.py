@@ -24,7 +24,7 @@ from shardckpt.checkpoint.lane import Plan
 from shardckpt.errors import CheckpointError, CorruptCheckpointError
 from shardckpt.format.tree import PerRankValues, TensorRef, contains, path_name
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
-from shardckpt.regions import Box
+from shardckpt.regions import FlatRange
 
 _SKIP = object()  # a subtree that ``keys`` leaves out
 
@@ -148,5 +148,5 @@ def whole_plan(reader: CheckpointReader, keys: Iterable[str] | None,
     check_stored(names)
     check_fits_in_memory([infos[n] for n in names], where)
     tensors = {n: torch.empty(infos[n].shape, dtype=infos[n].dtype) for n in names}
-    requests = [ReadRequest(n, Box((0,) * t.dim(), tuple(t.shape)), t) for n, t in tensors.items()]
+    requests = [ReadRequest(n, FlatRange(0, t.numel()), t) for n, t in tensors.items()]  # (whole: the fast check)
     return Plan(reader, requests, lambda: replace_refs(picked, tensors))

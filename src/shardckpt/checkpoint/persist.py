@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence, TypeVar
 
 from shardckpt.dist.group import LOCAL, Failure, Group, attempt, raise_failures, resolve_group
+from shardckpt.io import Storage
+from shardckpt.io.local import one_thread_suits
 
 F = TypeVar("F")
 R = TypeVar("R")
@@ -58,6 +60,12 @@ def persist(writer: OutputWriter, group: Group | None = None) -> None:
         raise_failures([group.broadcast(outcome)])
     finally:
         writer.end()
+
+
+def writer_threads(storage: Storage, files: int, nbytes: int) -> int:
+    """How many of ``files`` (holding ``nbytes`` in all) to write to ``storage`` at once
+    (``io.local.one_thread_suits``)."""
+    return 1 if one_thread_suits(storage, nbytes) else files
 
 
 def write_files(files: Sequence[F], write: Callable[[F], R], threads: int) -> list[R]:

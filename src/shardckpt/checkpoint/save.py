@@ -195,7 +195,8 @@ def plan(staged: Staged, path: str | os.PathLike | Storage, *, process_group: An
         storage = open_storage(path, storage_options)
         refuse_pool_dir(storage.url(""))
         unchanged = reuse is not None and reuse.infos == staged.infos
-        return _Report(storage, storage.url(""), _UNCHANGED if unchanged else staged.infos, digest(staged.tree),
+        tree_digest = digest(staged.tree) if group.world_size > 1 else b""  # (compared with the other ranks' trees)
+        return _Report(storage, storage.url(""), _UNCHANGED if unchanged else staged.infos, tree_digest,
                        staged.per_rank)
 
     report = staged.failure or attempt(group.rank, local)

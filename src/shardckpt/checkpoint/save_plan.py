@@ -11,9 +11,10 @@ from shardckpt.regions import Region, check_tiling, flat_bounds, full_region
 from shardckpt.format.dtypes import DTYPES, dtype_name, itemsize
 from shardckpt.format.chunks import Chunks, compact_chunks
 from shardckpt.format.codecs import Compression
+from shardckpt.records import record
 
 
-@dataclass(frozen=True)
+@record
 class PieceInfo:
     """What a rank tells rank 0 about one tensor leaf."""
 
@@ -30,7 +31,7 @@ class PieceInfo:
                    region_key(piece.region, piece.shape), piece.replicated, piece.owner)
 
 
-@dataclass(frozen=True)
+@record
 class WriteTask:
     """Rank must write its piece of ``name`` as chunk number ``chunk``, into its data file ``slot``."""
 

@@ -262,7 +262,7 @@ def check_storable(name: str, t: torch.Tensor) -> None:
         kind = "a nested tensor" if t.is_nested else f"{t.layout} (not dense)"
         raise UnsupportedValueError(f"tensor {name!r} is {kind}; shardckpt stores dense tensors: save its dense form "
                                     "(t.to_dense()) or its parts (indices, values) as tensors of their own")
-    if t.device.type == "meta":
+    if t.is_meta:
         raise UnsupportedValueError(f"tensor {name!r} is on the meta device: it has no data to save (materialize "
                                     "the module first, e.g. to_empty(device=...) and initialize or load it)")
 

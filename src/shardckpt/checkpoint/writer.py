@@ -26,7 +26,7 @@ import torch
 
 from shardckpt.checkpoint.collect import LocalPiece
 from shardckpt.checkpoint.device_slices import device_slices
-from shardckpt.checkpoint.persist import write_files
+from shardckpt.checkpoint.persist import write_files, writer_threads
 from shardckpt.checkpoint.progress import Progress, ProgressCallback
 from shardckpt.checkpoint.save_plan import WriteTask
 from shardckpt.regions import FlatRange, contiguous_runs
@@ -37,6 +37,7 @@ from shardckpt.format.content_hash import ChunkHasher
 from shardckpt.format.index import BLOCK_SIZE, ChunkRecord, index_to_bytes
 from shardckpt.format.manifest import FileEntry, version_for
 from shardckpt.tensor_views import as_bytes, host_memory
+from shardckpt.records import record
 
 ALIGN = 64  # chunk offsets are aligned so that a memory map of the file gives aligned tensors
 WRITE_SIZE = 16 << 20  # bytes written per call (16 checksum blocks, each CRC'd just before, while in cache)
@@ -44,7 +45,7 @@ SMALL_WRITE = 64 << 10  # writes shorter than this are gathered (``_Coalesced``)
 COALESCE_BYTES = 4 << 20  # ... and written once this many bytes are gathered
 
 
-@dataclass(frozen=True)
+@record
 class StreamedPiece:
     """A chunk written as it is produced, a slice at a time, so that it never needs to be in memory whole
     (``convert``: memory bounded whatever the chunk's size).
@@ -88,13 +89,13 @@ class RankResult:
     version: int | None = None  # the format version of the indexes written (None: not told)
 
 
-def _staged_bytes(piece: LocalPiece) -> torch.Tensor:
-    """The piece's staged bytes: a flat uint8 view of its host tensor (see ``checkpoint.stage``)."""
+def _staged(piece: LocalPiece) -> torch.Tensor:
+    """The piece's staged host tensor (see ``checkpoint.stage``), refused if it is not one."""
     t = piece.data
     if not t.is_cpu or not t.is_contiguous() or t.is_conj() or t.is_neg():
         raise ValueError(f"{piece.name!r} is not staged: its data must be a contiguous CPU tensor without "
                          "conj/neg bits (checkpoint.stage.stage makes them)")
-    return as_bytes(t)
+    return t
 
 
 def _crc_term(piece: Piece, size: int, crc: int, raw: torch.Tensor | None) -> int:
@@ -102,7 +103,8 @@ def _crc_term(piece: Piece, size: int, crc: int, raw: torch.Tensor | None) -> in
     ``LocalPiece`` only: its ``raw`` bytes give each run's CRC)."""
     region = piece.region
     if type(region) is FlatRange:  # one run (every streamed piece): its CRC shifted past the bytes after it
-        return tensor_crc_term(crc, (math.prod(piece.shape) - region.stop) * size) if region.numel else 0
+        after = (math.prod(piece.shape) - region.stop) * size
+        return (tensor_crc_term(crc, after) if after else crc) if region.numel else 0
     runs = list(contiguous_runs(region, piece.shape))
     if len(runs) == 1:
         crcs = [crc]
@@ -191,7 +193,7 @@ def _write_chunk(sink: _Sink, piece: Piece, compression: Compression | None) -> 
     kept = len(progress.blocks) * block
     if compression is None and not kept and isinstance(piece, LocalPiece) and \
             0 < piece.data.nbytes <= min(block, SMALL_WRITE) and piece.data.is_cpu:
-        return _write_one_block(sink, piece, _staged_bytes(piece), piece.data.dtype.itemsize, block)
+        return _write_one_block(sink, piece, _staged(piece), piece.data.dtype.itemsize, block)
     if compression is None and not kept and isinstance(piece, StreamedPiece) and \
             0 < piece.region.numel * piece.dtype.itemsize <= min(block, SMALL_WRITE):
         return _write_streamed_block(sink, piece, block)
@@ -201,7 +203,7 @@ def _write_chunk(sink: _Sink, piece: Piece, compression: Compression | None) -> 
         raw, dtype = None, piece.data.dtype
         slices = device_slices(piece.data)(block, kept // dtype.itemsize)
     else:
-        raw = _staged_bytes(piece)
+        raw = as_bytes(_staged(piece))
         dtype, slices = piece.data.dtype, iter([raw])  # (flat uint8 already: as_bytes below returns it as it is)
     codec = RAW if compression is None else compression.codec_for(dtype)
     length = kept
@@ -228,8 +230,9 @@ def _write_chunk(sink: _Sink, piece: Piece, compression: Compression | None) -> 
 
 def _write_one_block(sink: _Sink, piece: Piece, raw: torch.Tensor, itemsize: int, block: int
                      ) -> tuple[ChunkRecord, int]:
-    """``_write_chunk`` of a small raw chunk of one block, its bytes ``raw`` (the chunks the writes gather), without
-    its general machinery: the same bytes, CRC, record and term, a few microseconds per chunk."""
+    """``_write_chunk`` of a small raw chunk of one block, its bytes those of ``raw`` (a contiguous host tensor of
+    any dtype and shape; the chunks the writes gather), without its general machinery: the same bytes, CRC, record
+    and term, a few microseconds per chunk."""
     data = host_memory(raw)
     crc = crc32c(data)
     if sink.hasher is not None:
@@ -261,8 +264,9 @@ def _write_streamed_block(sink: _Sink, piece: StreamedPiece, block: int) -> tupl
 class Followed:
     """How the writing of one data file is followed and taken up again (``convert``'s resume, progress):
     ``start``, the progress of an earlier writing of this same file whose bytes are checked and kept (streamed
-    pieces only), ``writer`` then writing after them; ``journal(progress)`` called after every write (convert's
-    resume trusts it: no buffering then); ``tick(n)`` too, with its tensor bytes."""
+    pieces only), ``writer`` then writing after them; ``journal(progress)`` called after a write whenever all that
+    the progress counts is in the file (small chunks are gathered into writes of ``COALESCE_BYTES``: the journal
+    hears of them once that is written); ``tick(n)`` after every write, with its tensor bytes."""
 
     start: FileProgress | None = None
     writer: FileWriter | None = None
@@ -279,10 +283,12 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
     ``pieces``: by name, staged pieces (``Staged.pieces``) or streamed ones. ``version``: the manifest's format
     version, which the index carries (default: ``version_for`` the compression). ``followed``: see ``Followed``."""
     progress = followed.start if followed.start is not None else FileProgress()
-    writer = followed.writer or storage.open_writer(data_path)
-    if followed.journal is None:
-        writer = _Coalesced(writer)
-    sink = _Sink(writer, progress, followed.journal or (lambda progress: None), followed.tick or (lambda n: None))
+    writer = _Coalesced(followed.writer or storage.open_writer(data_path))
+    journal = followed.journal
+    # The journal hears of the progress only when all of it is in the file, none still gathered (a resume checks the
+    # bytes it claims; a claim ahead of the file would only be written again).
+    sink = _Sink(writer, progress, (lambda p: None if writer.pending else journal(p)) if journal else lambda p: None,
+                 followed.tick or (lambda n: None))
     terms: dict[str, int] = {}
     try:
         for task in tasks:
@@ -315,12 +321,23 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
     return FileEntry(data_path, progress.size, index_path, len(index), crc32c(index)), terms
 
 
+def gathered_max() -> int:
+    """The most bytes one file's gathering (``_Coalesced``) holds: under ``COALESCE_BYTES`` and one small write, and
+    a bytearray's growth (1/8) beyond; none where nothing is gathered (``COALESCE_BYTES`` 0, as tests set it)."""
+    return (COALESCE_BYTES + SMALL_WRITE) * 9 // 8 if COALESCE_BYTES else 0
+
+
 class _Coalesced:
     """A file writer that gathers small writes (small chunks and their alignment padding) into one buffer and
     writes it as one: many small tensors cost a write per ``COALESCE_BYTES``, not two per tensor."""
 
     def __init__(self, writer: FileWriter):
         self._writer, self._buf = writer, bytearray()
+
+    @property
+    def pending(self) -> int:
+        """Bytes gathered and not yet written."""
+        return len(self._buf)
 
     def write(self, data: memoryview) -> None:
         if len(data) >= SMALL_WRITE:
@@ -349,15 +366,20 @@ def write_rank_files(storage: Storage, base: str, tasks: list[WriteTask], pieces
     """One data file per slot (``<base>-<slot>.bin``), written in parallel (``checkpoint.persist.write_files``).
     ``progress(done_bytes, total_bytes)``: the tensor bytes of ``tasks`` written (staged pieces only)."""
     by_slot = [[t for t in tasks if t.slot == k] for k in range(files_per_rank)]
-    tick = Progress(sum(pieces[t.name].data.nbytes for t in tasks) if progress else 0, progress)
+    nbytes = sum(_tensor_bytes(pieces[t.name]) for t in tasks)
+    tick = Progress(nbytes if progress else 0, progress)
     tick.begin()
 
     def write(k: int) -> tuple[FileEntry, dict[str, int]]:
         return write_data_file(storage, f"{base}-{k}.bin", f"{base}-{k}.index.json", by_slot[k], pieces, compression,
                                version=version, followed=Followed(tick=tick))
 
-    written = write_files(range(files_per_rank), write, files_per_rank)
+    written = write_files(range(files_per_rank), write, writer_threads(storage, files_per_rank, nbytes))
     return rank_result(written, version or version_for(compression is not None))
+
+
+def _tensor_bytes(piece: Piece) -> int:
+    return piece.data.nbytes if isinstance(piece, LocalPiece) else piece.region.numel * piece.dtype.itemsize
 
 
 def rank_result(written: list[tuple[FileEntry, dict[str, int]]], version: int) -> RankResult:

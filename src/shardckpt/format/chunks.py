@@ -6,9 +6,9 @@ claim before anything loops over chunks.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
+from shardckpt.records import record
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.regions import (
     Box,
@@ -27,7 +27,7 @@ from shardckpt.format.validate import (
 )
 
 
-@dataclass(frozen=True)
+@record
 class RegularChunks:
     """Compact form for the common case: chunk ``i`` is flat elements ``[i*size, min((i+1)*size, numel))``.
 
@@ -69,7 +69,7 @@ class RegularChunks:
         return {"size": self.size, "count": self.count, "files": files}
 
 
-@dataclass(frozen=True)
+@record
 class ExplicitChunks:
     """Any tiling: a list of (region, file index)."""
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 from shardckpt.errors import CorruptCheckpointError, UnsupportedValueError
 from shardckpt.format.validate import first_repeat
 from shardckpt.sharded_tensor import PerRank
+from shardckpt.records import record
 
 Path = tuple[Any, ...]
 _SCALARS = (type(None), bool, int, str)
@@ -60,7 +61,7 @@ class PerRankValues(list):
         return f"PerRankValues({list.__repr__(self)})"
 
 
-@dataclass(frozen=True)
+@record
 class TensorRef:
     """A tensor's place in a decoded tree: the name of its entry in the manifest."""
 

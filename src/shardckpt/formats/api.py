@@ -13,9 +13,10 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 import torch
 
 from shardckpt.regions import Region
+from shardckpt.records import record
 
 
-@dataclass(frozen=True)
+@record
 class TensorInfo:
     name: str
     dtype: torch.dtype
@@ -23,7 +24,7 @@ class TensorInfo:
     crc32c: int | None  # of the whole tensor's bytes in row-major order (FORMAT.md); None: not stored
 
 
-@dataclass(frozen=True)
+@record
 class ReadRequest:
     """Fill ``dest`` with ``region`` of the saved tensor named ``tensor``.
 

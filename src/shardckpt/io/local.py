@@ -16,6 +16,15 @@ from shardckpt.io.protocol import MAX_IO, missing
 
 
 WRITEBACK_BYTES = 16 << 20  # start the disk on every this many bytes written, instead of all at fsync
+SERIAL_BELOW = 32 << 20  # local reads and writes of fewer bytes in all are done in one thread (``one_thread_suits``)
+
+
+def one_thread_suits(storage: object, nbytes: int) -> bool:
+    """Whether to read or write ``nbytes`` in all on ``storage`` in one thread rather than several: on local disk
+    below ``SERIAL_BELOW``, where threads save no disk time and their GIL hand-offs cost more than the copying (many
+    small tensors: 19,200 of 512 bytes saved in 0.63 s in one thread, 0.73 s in two). On object stores threads
+    hide each request's latency, whatever the size."""
+    return isinstance(storage, LocalStorage) and nbytes < SERIAL_BELOW
 
 
 def _writeback_starter():

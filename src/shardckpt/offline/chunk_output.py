@@ -20,10 +20,10 @@ from typing import Any, Callable
 
 from shardckpt.checkpoint.commit import commit, data_dir
 from shardckpt.checkpoint.gc import committed_dir
-from shardckpt.checkpoint.persist import OutputWriter, write_files
+from shardckpt.checkpoint.persist import OutputWriter, write_files, writer_threads
 from shardckpt.checkpoint.progress import Progress
 from shardckpt.checkpoint.save_plan import SavePlan, WriteTask
-from shardckpt.checkpoint.writer import RankResult, rank_result
+from shardckpt.checkpoint.writer import RankResult, gathered_max, rank_result
 from shardckpt.dist.group import Failure, Group, raise_failures
 from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from shardckpt.format.manifest import FileEntry, MANIFEST_NAME
@@ -62,16 +62,19 @@ class ConvertedChunks(OutputWriter):
     def write(self) -> dict[int, RankResult]:
         plan, files_per_rank = self.plan, self.chunks.files_per_rank
         mine = [r for r in self.chunks.tasks.writing_ranks() if r % self.workers.world_size == self.workers.rank]
-        tick = Progress(sum(self.chunks.tasks.bytes(r) for r in mine), self.progress)
+        nbytes = sum(self.chunks.tasks.bytes(r) for r in mine)
+        tick = Progress(nbytes, self.progress)
         tick.begin()
-        budget = buffer_budget(plan.spec.memory_limit, "convert", read_reserve(plan.what.base, files_per_rank))
+        budget = buffer_budget(plan.spec.memory_limit, "convert", read_reserve(plan.what.base, files_per_rank) +
+                               gathered_max() * files_per_rank)  # (small chunks are gathered into larger writes)
         # (at least a run's bytes: small chunks are read in runs, offline.streams.FileRuns)
         buffers = SliceBuffers.within(budget, files_per_rank, max(largest_slice(plan.what.outputs), RUN_BYTES))
         by_name = {o.name: o for o in plan.what.outputs}
         ranks = {r: RankFiles(self.storage, self.chunks, ReadOnDemand(plan.what.reader, by_name, functools.partial(
             plan.place, rank=r), tick, buffers), buffers.take, tick, plan.version) for r in mine}
         jobs = [(r, slot) for r in mine for slot in range(files_per_rank)]
-        written = write_files(jobs, functools.partial(self._write_file, ranks), files_per_rank)
+        written = write_files(jobs, functools.partial(self._write_file, ranks),
+                              writer_threads(self.storage, files_per_rank, nbytes))
         self.kept_ranks = tuple(r for r in mine if ranks[r].whole)
         self.kept_bytes = sum(files.kept for files in ranks.values())
         return {r: rank_result([w for (rank, _), w in zip(jobs, written) if rank == r], plan.version) for r in mine}

@@ -33,6 +33,7 @@ from shardckpt.format.index import ChunkRecord, index_to_bytes, parse_index
 from shardckpt.format.manifest import FileEntry
 from shardckpt.formats.api import CheckpointReader
 from shardckpt.io import FileWriter, LocalStorage, Storage, lifecycle
+from shardckpt.regions import FlatRange, Region
 
 JOURNAL_FORMAT = "shardckpt-convert-journal"
 JOURNAL_BYTES = 16 << 20  # a journal is replaced after this many bytes written, or 1/32 of the file so far if more
@@ -79,8 +80,13 @@ def file_digest(plan: SavePlan, data_path: str, tasks: list[WriteTask], version:
     doc = [plan.generation, data_path, version, _writer.BLOCK_SIZE, ALIGN,
            repr(plan.compression),
            [[t.name, t.chunk, plan.tensors[t.name].dtype, list(plan.tensors[t.name].shape),
-             repr(plan.tensors[t.name].regions[t.chunk])] for t in tasks]]
+             _region_text(plan.tensors[t.name].regions[t.chunk])] for t in tasks]]
     return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
+
+
+def _region_text(region: Region) -> str:
+    """``repr(region)``, a flat range's made directly (a dataclass's repr costs 2 us: 100k chunks, 0.2 s)."""
+    return f"FlatRange(start={region.start}, stop={region.stop})" if type(region) is FlatRange else repr(region)
 
 
 class FileJournal:

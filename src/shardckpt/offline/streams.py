@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
 import torch
@@ -16,12 +15,13 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
 from shardckpt.offline.memory import ALIGN, SliceBuffers
 from shardckpt.regions import FlatRange, Region
+from shardckpt.records import record
 
 RUN_CHUNK_BYTES = 64 << 10  # a chunk at most this big is read with the small chunks after it (``FileRuns``)
 RUN_BYTES = 4 << 20  # what a run reads at most: the slice buffers are at least this big when any chunk is small
 
 
-@dataclass(frozen=True)
+@record
 class Output:
     """One output tensor: its name in the output, its path in the source's tree, the source tensor its values
     come from, and its stored dtype (the source's, or the cast)."""

@@ -23,6 +23,7 @@ import torch
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.regions import FlatRange, StridedView, strided_view
 from shardckpt.io import Storage, lifecycle
+from shardckpt.io.local import one_thread_suits
 from shardckpt.format.checksum import crc32c
 from shardckpt.format.codecs import ZSTD_PLANES
 from shardckpt.format.dtypes import itemsize
@@ -80,11 +81,12 @@ class Indexes:
     def of(self, files: set[int], io_threads: int) -> dict[int, Index]:
         with self._lock:  # one reader's reads may run on several threads
             missing = sorted(files - self._parsed.keys())
-            if len(missing) > 1:
+            nbytes = sum(self._manifest.files[f].index_size for f in missing)
+            if len(missing) > 1 and not one_thread_suits(self._storage, nbytes):
                 with ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="shardckpt-read") as pool:
                     self._parsed.update(zip(missing, pool.map(self._read, missing)))
-            elif missing:
-                self._parsed[missing[0]] = self._read(missing[0])
+            else:
+                self._parsed.update((f, self._read(f)) for f in missing)
             return {f: self._parsed[f] for f in files}
 
     def _read(self, f: int) -> Index:
@@ -243,8 +245,10 @@ def _execute(storage: Storage, manifest: Manifest, reads: list[ChunkRead], index
         tasks.append(lambda batch=batch: _read_batch(storage, manifest, reads, records, batch, verify))
     # Every lane in flight at once: a lane is one GET, and the storage said how many suit it.
     threads = max(1, io_threads, min(len(tasks), getattr(storage, "stream_lanes", 0) if streamed else 0))
-    if len(tasks) == 1:  # one small read (a reader reading tensor by tensor): no pool to start and join
-        tasks[0]()
+    if len(tasks) == 1 or one_thread_suits(storage, sum(r.stored_length for r in records)):
+        # one small read (a reader reading tensor by tensor), or few bytes on local disk: no pool to start and join
+        for task in tasks:
+            task()
     else:
         with ThreadPoolExecutor(threads, thread_name_prefix="shardckpt-read") as pool:
             list(pool.map(lambda task: task(), tasks))
@@ -435,10 +439,11 @@ def _copy_small_chunk(window: _Window, read: ChunkRead, rec: ChunkRecord, verify
 def _span_in_chunk(read: ChunkRead, piece, region, dest: torch.Tensor) -> tuple[int, int] | None:
     """Elements ``[lo, hi)`` of the read's chunk that ``piece`` is, in the chunk's (stored) order, where the piece is
     the whole of ``region``, its CPU target ``dest`` plain and of the stored dtype; else None."""
-    if region != piece or not dest.is_cpu or dest.dtype != read.entry.dtype or \
+    # (``is`` first: a whole tensor's plan hands the one region object round, and a dataclass's == costs 0.5 us)
+    if (region is not piece and region != piece) or not dest.is_cpu or dest.dtype != read.entry.dtype or \
             dest.numel() != piece.numel or not dest.is_contiguous() or dest.is_conj() or dest.is_neg():
         return None
-    if piece == read.region:
+    if piece is read.region or piece == read.region:
         return 0, piece.numel
     if isinstance(piece, FlatRange) and isinstance(read.region, FlatRange):
         return piece.start - read.region.start, piece.stop - read.region.start

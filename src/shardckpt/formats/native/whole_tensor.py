@@ -12,6 +12,7 @@ from shardckpt.format.checksum import combine_equal_pieces, tensor_crc_term
 from shardckpt.format.chunks import RegularChunks
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.index import ChunkRecord
+from shardckpt.format.manifest import TensorEntry
 from shardckpt.formats.native.plan import ChunkRead
 from shardckpt.regions import contiguous_runs
 
@@ -40,13 +41,23 @@ def check_whole_tensors(reads: list[ChunkRead], records: list[ChunkRecord], wher
     checksum is not the manifest's."""
     by_tensor: dict[str, list[tuple[ChunkRead, ChunkRecord]]] = {}
     for read, rec in zip(reads, records):
-        by_tensor.setdefault(read.entry.name, []).append((read, rec))
-    for name, pairs in by_tensor.items():
+        entry = read.entry
+        if len(entry.chunks) == 1:  # the tensor is this one chunk (every small tensor): its checksum is the chunk's
+            if read.lo == 0 and read.hi == read.region.numel:
+                _check_crc(entry, combine_equal_pieces(rec.blocks, rec.block_size, rec.length), where)
+        else:
+            by_tensor.setdefault(entry.name, []).append((read, rec))
+    for pairs in by_tensor.values():
         entry = pairs[0][0].entry
         if len(pairs) != len(entry.chunks) or any(r.lo != 0 or r.hi != r.region.numel for r, _ in pairs):
             continue  # part of the tensor: only its blocks' checksums apply
         crc = _tensor_crc(pairs)
-        if crc is not None and crc != entry.crc32c:
-            raise CorruptCheckpointError(f"{where}: tensor {name!r}: its chunks combine to checksum {crc:08x}, the "
-                                         f"manifest records {entry.crc32c:08x} for the whole tensor: the manifest "
-                                         "and the data disagree; run `shardckpt verify`")
+        if crc is not None:
+            _check_crc(entry, crc, where)
+
+
+def _check_crc(entry: TensorEntry, crc: int, where: str) -> None:
+    if crc != entry.crc32c:
+        raise CorruptCheckpointError(f"{where}: tensor {entry.name!r}: its chunks combine to checksum {crc:08x}, the "
+                                     f"manifest records {entry.crc32c:08x} for the whole tensor: the manifest "
+                                     "and the data disagree; run `shardckpt verify`")

@@ -1,0 +1,290 @@
+"""The per-tensor fast paths of issue 38's last stop, each held to the general path it stands beside: ``@record``
+classes to ``@dataclass(frozen=True)``, the index's plain rows to the checked ones, the journal of a file whose small
+chunks are gathered to the bytes in the file, small local saves and loads in one thread, a tensor of one chunk's
+checksum to the combined one."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import random
+import threading
+
+import pytest
+import torch
+
+import shardckpt
+from shardckpt.checkpoint import writer
+from shardckpt.checkpoint.save_plan import WriteTask
+from shardckpt.checkpoint.writer import Followed, StreamedPiece, write_data_file
+from shardckpt.errors import CorruptCheckpointError
+from shardckpt.format import index as index_module
+from shardckpt.format.chunks import ExplicitChunks, RegularChunks
+from shardckpt.format.index import ChunkRecord, index_to_bytes, parse_index
+from shardckpt.format.manifest import MANIFEST_NAME, TensorEntry, manifest_generation, parse_manifest, seal
+from shardckpt.formats.api import ReadRequest, TensorInfo
+from shardckpt.io import LocalStorage
+from shardckpt.io import local as local_io
+from shardckpt.offline.resume import _region_text
+from shardckpt.records import record
+from shardckpt.regions import Box, FlatRange, Run
+
+RECORDS = [
+    (FlatRange, (2, 9)), (Box, ((1, 0), (2, 3))), (Run, ("w", 4, 0, 5)),
+    (RegularChunks, (4, 2, (0, 1), True)), (ExplicitChunks, ((FlatRange(0, 3), FlatRange(3, 6)), (0, 1))),
+    (ChunkRecord, (0, 512, 7, "raw", 1 << 20, (7,))),
+    (TensorEntry, ("w", torch.float32, (2, 3), 5, RegularChunks(6, 1, (0,), False))),
+    (TensorInfo, ("w", torch.float32, (2, 3), None)),
+]
+
+
+@record
+class _Plain:
+    a: int
+    b: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reference:
+    a: int
+    b: tuple = ()
+
+
+@pytest.mark.parametrize("cls,args", RECORDS, ids=lambda v: getattr(v, "__name__", ""))
+def test_a_record_is_what_a_frozen_dataclass_would_be(cls, args):
+    made = cls(*args)
+    names = [f.name for f in dataclasses.fields(cls)]
+    assert tuple(getattr(made, name) for name in names[:len(args)]) == tuple(args)
+    assert made == cls(*args) and hash(made) == hash(cls(*args))
+    assert made == dataclasses.replace(made) and pickle.loads(pickle.dumps(made)) == made
+    assert made == cls(**dict(zip(names, args)))  # by keyword, as dataclasses.replace calls it
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(made, names[0], args[0])
+
+
+def test_a_record_matches_a_frozen_dataclass_field_for_field():
+    ours, theirs = _Plain(1), _Reference(1)
+    assert ours.b == theirs.b == () and repr(ours).split("(", 1)[1] == repr(theirs).split("(", 1)[1]
+    assert _Plain(1, (2,)) != _Plain(1) and _Plain(1, (2,)) == _Plain(a=1, b=(2,))
+    with pytest.raises(TypeError):
+        _Plain()  # a field without a default is still required
+    with pytest.raises(TypeError):
+        _Plain(1, (), 3)
+
+
+def test_a_record_still_runs_its_post_init_checks():
+    with pytest.raises(ValueError, match="not a valid range"):
+        FlatRange(5, 2)
+    with pytest.raises(ValueError, match="differ in rank"):
+        Box((0,), (1, 2))
+
+
+def test_a_record_refuses_what_its_init_could_not_make_as_dataclasses_would():
+    with pytest.raises(TypeError, match="plain defaults"):
+        @record
+        class _Factory:
+            a: list = dataclasses.field(default_factory=list)
+    with pytest.raises(TypeError, match="plain defaults"):
+        @record
+        class _KeywordOnly:
+            a: int = dataclasses.field(kw_only=True)
+
+
+def test_a_request_holds_its_tensor_by_reference():
+    dest = torch.zeros(3)
+    assert ReadRequest("w", FlatRange(0, 3), dest).dest is dest
+
+
+@pytest.mark.parametrize("region", [FlatRange(0, 0), FlatRange(3, 1 << 40), Box((0, 1), (2, 3)), Box((), ())])
+def test_the_region_text_of_a_journal_digest_is_the_regions_repr(region):
+    assert _region_text(region) == repr(region)  # (a changed text would orphan a killed run's journals)
+
+
+# ---- the index: plain rows read without their error texts, everything else as before ----
+
+def _row(version: int, rng: random.Random) -> list:
+    """A row that is well formed, or nearly (one field changed at random)."""
+    length = rng.choice([1, 7, 512, 4096, 4097])
+    row = ["t", rng.choice([0, 3]), rng.choice([0, 64, 4096]), length, rng.randrange(1 << 32), "raw",
+           [rng.randrange(1 << 32) for _ in range(-(-length // 4096))], [], None][:index_module.ROW_WIDTH[version]]
+    change = rng.randrange(1, 12)  # (not the name: a row without a string name is refused before either path)
+    if change < len(row) and rng.random() < 0.6:
+        row[change] = rng.choice([True, False, 1.0, -1, 1 << 33, None, "raw", "zstd", [], [1], [True], "x" * 40,
+                                  [rng.randrange(1 << 32)], 0])
+    return row
+
+
+@pytest.mark.parametrize("version", [2, 3, 4, 5, 6])
+def test_an_index_row_reads_as_the_checked_path_reads_it(version):
+    rng = random.Random(version)
+    for _ in range(4000):
+        row = _row(version, rng)
+        try:
+            want = index_module._checked_record(row, version, 4096, "i")
+        except CorruptCheckpointError as e:
+            want = ("refused", str(e))
+        try:
+            got = index_module._record(row, version, 4096, 1 << 40, "i")[2]
+        except CorruptCheckpointError as e:
+            got = ("refused", str(e))
+        assert got == want, row
+        plain = index_module._plain_record(row, version, 4096)
+        assert plain is None or plain == want, row  # the plain path reads only rows the checked path reads so
+
+
+def test_a_row_of_the_wrong_shape_is_refused_before_either_path():
+    with pytest.raises(CorruptCheckpointError, match="malformed chunk row"):
+        index_module._record(["t", 0, 0], 6, 4096, 100, "i")
+
+
+def test_a_plain_row_past_the_end_of_its_file_is_refused():
+    data = index_to_bytes({("t", 0): ChunkRecord(64, 512, 9, "raw", 4096, (9,))}, 6, 4096)
+    parse_index(data, 6, 576, "i")
+    with pytest.raises(CorruptCheckpointError, match="runs past the end"):
+        parse_index(data, 6, 575, "i")
+
+
+# ---- the journal of a file whose small chunks are gathered ----
+
+def _streamed(name: str, values: torch.Tensor) -> StreamedPiece:
+    def slices(block: int, first: int):
+        yield values.reshape(-1)[first:]
+    return StreamedPiece(name, values.dtype, tuple(values.shape), FlatRange(0, values.numel()), slices)
+
+
+def test_the_journal_never_claims_bytes_still_gathered(tmp_path, monkeypatch):
+    """A resume reads back what the journal claims: each claim is in the file when it is made."""
+    monkeypatch.setattr(writer, "COALESCE_BYTES", 8 << 10)
+    storage = LocalStorage(str(tmp_path))
+    pieces = {f"p{i}": _streamed(f"p{i}", torch.full((100 + i,), float(i))) for i in range(300)}
+    pieces["big"] = _streamed("big", torch.arange(40_000, dtype=torch.float32))  # above SMALL_WRITE: written as is
+    claims = []
+
+    def journal(progress):
+        claims.append((progress.size, os.path.getsize(tmp_path / "d.bin")))
+
+    tasks = [WriteTask(name, 0) for name in pieces]
+    through_cache = storage.open_writer("d.bin", direct=False)  # (as convert writes: a claim is in the file at once)
+    entry, _ = write_data_file(storage, "d.bin", "d.index.json", tasks, pieces,
+                               followed=Followed(writer=through_cache, journal=journal))
+    assert len(claims) > 10 and all(claimed <= on_disk for claimed, on_disk in claims)
+    assert claims[-1][0] <= entry.size == os.path.getsize(tmp_path / "d.bin")
+    records = parse_index((tmp_path / "d.index.json").read_bytes(), 2, entry.size, "i")  # (the default version)
+    data = (tmp_path / "d.bin").read_bytes()
+    for name, piece in pieces.items():
+        rec = records[(name, 0)]
+        want = next(piece.slices(4096, 0)).numpy().tobytes()
+        assert data[rec.offset:rec.offset + rec.length] == want, name
+
+
+# ---- small local saves and loads in one thread; larger ones and object stores in several ----
+
+def _threads_named(prefix: str, work) -> set[str]:
+    seen: set[str] = set()
+    original = threading.Thread.start
+
+    def start(self):
+        seen.add(self.name.split("_")[0])
+        return original(self)
+
+    threading.Thread.start = start
+    try:
+        work()
+    finally:
+        threading.Thread.start = original
+    return {name for name in seen if name.startswith(prefix)}
+
+
+def test_a_small_local_save_and_load_run_in_the_callers_thread(tmp_path):
+    sd = {f"w{i}": torch.randn(16) for i in range(50)}
+    path = str(tmp_path / "c")
+    assert not _threads_named("shardckpt-write", lambda: shardckpt.save(sd, path, files_per_rank=2))
+    assert not _threads_named("shardckpt-read", lambda: shardckpt.load_full(path))
+    got = shardckpt.load_full(path)
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
+
+
+def test_a_larger_local_save_and_load_write_and_read_files_in_parallel(tmp_path, monkeypatch):
+    monkeypatch.setattr(local_io, "SERIAL_BELOW", 1 << 10)  # (instead of 32 MiB of tensors)
+    sd = {f"w{i}": torch.randn(4096) for i in range(8)}
+    path = str(tmp_path / "c")
+    assert _threads_named("shardckpt-write", lambda: shardckpt.save(sd, path, files_per_rank=2))
+    assert _threads_named("shardckpt-read", lambda: shardckpt.load_full(path))
+    got = shardckpt.load_full(path)
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
+
+
+def test_object_stores_keep_their_threads_whatever_the_size():
+    assert local_io.one_thread_suits(LocalStorage("/tmp"), 1 << 20)
+    assert not local_io.one_thread_suits(LocalStorage("/tmp"), local_io.SERIAL_BELOW)
+    assert not local_io.one_thread_suits(object(), 1)
+
+
+# ---- a tensor of one chunk: its checksum is the chunk's ----
+
+def _reseal_crc(path: str, name: str, crc: int) -> None:
+    with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+        doc = json.loads(f.read())
+    doc.pop("crc32c")
+    table = doc["tensors"]
+    if "names" in table:  # format v6: columns
+        table["crc32c"][table["names"].index(name)] = crc
+    else:
+        table[name]["crc32c"] = crc
+    with open(os.path.join(path, MANIFEST_NAME), "wb") as f:
+        f.write(seal(json.dumps(doc, separators=(",", ":")).encode()))
+
+
+@pytest.mark.parametrize("count", [3, 1100])  # format v2 and v6
+def test_a_resealed_checksum_of_a_one_chunk_tensor_is_refused_on_a_whole_read(tmp_path, count):
+    sd = {f"w{i}": torch.randn(8) for i in range(count)}
+    path = str(tmp_path / "c")
+    shardckpt.save(sd, path)
+    entry = parse_manifest(open(os.path.join(path, MANIFEST_NAME), "rb").read(), "m").tensors["w1"]
+    _reseal_crc(path, "w1", entry.crc32c ^ 1)
+    with pytest.raises(CorruptCheckpointError, match="'w1'.*combine to checksum"):
+        shardckpt.load_full(path)
+    part = {"w1": shardckpt.ShardedTensor(torch.zeros(4), (8,), FlatRange(0, 4))}
+    shardckpt.load(part, path, strict=False)  # part of it: only its blocks' checksums apply
+    assert torch.equal(part["w1"].local, sd["w1"][:4])
+
+
+def test_the_generation_read_alone_is_the_parsed_ones_and_refuses_what_parsing_refuses(tmp_path):
+    path = str(tmp_path / "c")
+    shardckpt.save({"w": torch.randn(3)}, path)
+    data = open(os.path.join(path, MANIFEST_NAME), "rb").read()
+    assert manifest_generation(data, "m") == parse_manifest(data, "m").generation
+    flipped = data.replace(b'"generation":"', b'"generation":"G', 1)
+    with pytest.raises(CorruptCheckpointError):
+        manifest_generation(flipped, "m")
+    doc = json.loads(data)
+    doc.pop("crc32c")
+    doc["generation"] = "NOT-HEX"
+    with pytest.raises(CorruptCheckpointError, match="'generation'"):
+        manifest_generation(seal(json.dumps(doc).encode()), "m")
+
+
+def test_a_convert_of_small_chunks_killed_while_gathering_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
+    """Small chunks are gathered into larger writes (``COALESCE_BYTES``, here 16 KiB) and the journal claims only
+    what reached the file: a rerun after a kill keeps a checked prefix and writes the rest, byte for byte the
+    files of a run never killed."""
+    from shardckpt.checkpoint.verify import verify
+    from shardckpt.offline import resume
+    from shardckpt.offline.diff import diff
+    from tests.convert._kill import killed_after
+
+    monkeypatch.setattr(writer, "COALESCE_BYTES", 16 << 10)
+    monkeypatch.setattr(resume, "JOURNAL_BYTES", 0)  # a journal after every write the file holds
+    sd = {f"layers.{i}.w": torch.randn(4, 33, generator=torch.Generator().manual_seed(i)) for i in range(400)}
+    src, fresh, dst = tmp_path / "src", tmp_path / "fresh", tmp_path / "dst"
+    shardckpt.save(sd, src)
+    options = {"world_size": 2, "files_per_rank": 1}
+    shardckpt.convert(src, fresh, **options)
+    killed_after(3, writer._Coalesced, "_flush", lambda: shardckpt.convert(src, dst, **options))
+    report = shardckpt.convert(src, dst, **options)
+    assert report.kept_bytes > 0  # (three 16 KiB writes reached the file before the kill)
+    generation = parse_manifest((fresh / MANIFEST_NAME).read_bytes(), "m").generation
+    for name in os.listdir(fresh / f"data-{generation}"):
+        assert (dst / f"data-{generation}" / name).read_bytes() == (fresh / f"data-{generation}" / name).read_bytes()
+    assert verify(dst).ok and diff(src, dst).equal
