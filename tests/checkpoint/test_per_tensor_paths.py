@@ -288,3 +288,18 @@ def test_a_convert_of_small_chunks_killed_while_gathering_resumes_to_the_uninter
     for name in os.listdir(fresh / f"data-{generation}"):
         assert (dst / f"data-{generation}" / name).read_bytes() == (fresh / f"data-{generation}" / name).read_bytes()
     assert verify(dst).ok and diff(src, dst).equal
+
+
+def test_a_load_full_parses_each_index_once(tmp_path, monkeypatch):
+    """The bytes check before allocation and the reads share the reader's indexes (a v6 checkpoint, whose rows
+    are all checked before the tensors are made)."""
+    from shardckpt.formats.native import reader as native_reader
+
+    sd = {f"w{i}": torch.randn(8) for i in range(1100)}
+    shardckpt.save(sd, tmp_path / "c", files_per_rank=2)
+    parsed = []
+    real = native_reader.parse_index
+    monkeypatch.setattr(native_reader, "parse_index", lambda *a: parsed.append(a[-1]) or real(*a))
+    got = shardckpt.load_full(tmp_path / "c")
+    assert sorted(parsed) == sorted(set(parsed)) and len(parsed) == 2
+    assert all(torch.equal(got[k], v) for k, v in sd.items())

@@ -47,7 +47,7 @@ class NativeReader:
 
     def check_stored(self, names: Iterable[str]) -> None:
         """Before memory is allocated for tensors ``names``: the data files can hold them (``reader.check_stored``)."""
-        check_stored(self.storage, self.manifest, names)
+        check_stored(self.storage, self.manifest, names, self.indexes, self.io_threads)
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
         targets = check_requests(self.manifest.tensors, requests, self.storage.url(MANIFEST_NAME))

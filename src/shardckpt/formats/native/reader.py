@@ -104,10 +104,12 @@ def record_problem(rec: ChunkRecord | None, entry: TensorEntry, region) -> str |
     return None
 
 
-def check_stored(storage: Storage, manifest: Manifest, names: Iterable[str]) -> None:
+def check_stored(storage: Storage, manifest: Manifest, names: Iterable[str], indexes: Indexes | None = None,
+                 io_threads: int = 1) -> None:
     """The stored bytes can hold tensors ``names`` as the manifest claims: checked before memory is allocated
     for them. From format v3 (compressed chunks: the files' sizes alone bound little) every chunk's index row is
-    checked too: the rows of a file fit in it, and each frame is no smaller than zstd could make it."""
+    checked too: the rows of a file fit in it, and each frame is no smaller than zstd could make it. ``indexes``:
+    the reader's, which keeps the indexes read here for its reads (``io_threads`` read them)."""
     entries = [manifest.tensors[name] for name in names]
     used = {entry.name: entry.chunks.files_used() for entry in entries}  # bounded by the number of files
     files = sorted(set().union(*used.values()))
@@ -120,10 +122,10 @@ def check_stored(storage: Storage, manifest: Manifest, names: Iterable[str]) -> 
                                          f"{entry.nbytes} bytes in {len(entry.chunks)} chunks, which its data "
                                          f"files' {held} bytes cannot hold")
     if manifest.version >= COMPRESSED_VERSION:
-        indexes = {f: read_index(storage, manifest.files[f], manifest.version) for f in files}
+        found = (indexes or Indexes(storage, manifest)).of(set(files), io_threads)
         for entry in entries:
             for i, region, f in chunks_of(entry):
-                problem = record_problem(indexes[f].get((entry.name, i)), entry, region)
+                problem = record_problem(found[f].get((entry.name, i)), entry, region)
                 if problem:
                     raise CorruptCheckpointError(f"{storage.url(manifest.files[f].path)}: tensor {entry.name!r} "
                                                  f"chunk {i} {problem}")
