@@ -9,8 +9,8 @@ dict instead of the instance's inline values, and every later read of a field co
 read plan took 20 % longer.) ``__post_init__`` still runs.
 
 Only what that ``__init__`` can make exactly like dataclasses' own is taken: fields that are all init arguments,
-positional, with plain defaults (no ``default_factory``); anything else is refused when the class is defined, not
-silently made differently."""
+positional, with plain defaults (no ``default_factory``, ``InitVar``, ``ClassVar``), in a class without an
+``__init__`` of its own; anything else is refused when the class is defined, not silently made differently."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +21,14 @@ T = TypeVar("T", bound=type)
 
 def record(cls: T) -> T:
     """``@dataclass(frozen=True)``, with the fast ``__init__`` described above."""
+    if "__init__" in cls.__dict__:  # dataclasses keep a class's own __init__: ours would replace it
+        raise TypeError(f"@record {cls.__qualname__}: the class defines its own __init__; use @dataclass(frozen=True)")
     cls = dataclasses.dataclass(frozen=True)(cls)
     fields = dataclasses.fields(cls)
+    pseudo = sorted(set(cls.__dataclass_fields__) - {f.name for f in fields})
+    if pseudo:  # InitVar (an init argument fields() leaves out) or ClassVar
+        raise TypeError(f"@record {cls.__qualname__}: InitVar and ClassVar fields ({', '.join(pseudo)}) are not "
+                        "taken; use @dataclass(frozen=True)")
     for f in fields:
         if not f.init or f.kw_only or f.default_factory is not dataclasses.MISSING:
             raise TypeError(f"@record {cls.__qualname__}.{f.name}: only positional init fields with plain defaults")

@@ -173,9 +173,12 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
 
 
 def manifest_generation(data: bytes, where: str) -> str:
-    """The generation a manifest names, its checksum and header checked but not its tensors and tree (a save that
-    replaces a checkpoint needs only this to remove the old data: a full parse of 100k tensors takes a second)."""
-    return _generation(_sealed_doc(data, where)[0], where)
+    """The generation a manifest names (a save that replaces a checkpoint removes that data directory after its
+    commit). A sealed manifest's (v2 on) is read from its checked header alone, its tensors and tree not parsed (100k
+    tensors take a second): its checksum vouches that its bytes are as written. A v1 manifest has no checksum: it
+    is parsed in full, so that a damaged one names nothing to remove."""
+    doc, version = _sealed_doc(data, where)
+    return _manifest_from_doc(doc, version, where).generation if version < 2 else _generation(doc, where)
 
 
 def _sealed_doc(data: bytes, where: str) -> tuple[dict, int]:
