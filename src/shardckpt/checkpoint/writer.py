@@ -103,8 +103,7 @@ def _crc_term(piece: Piece, size: int, crc: int, raw: torch.Tensor | None) -> in
     ``LocalPiece`` only: its ``raw`` bytes give each run's CRC)."""
     region = piece.region
     if type(region) is FlatRange:  # one run (every streamed piece): its CRC shifted past the bytes after it
-        after = (math.prod(piece.shape) - region.stop) * size
-        return (tensor_crc_term(crc, after) if after else crc) if region.numel else 0
+        return tensor_crc_term(crc, (math.prod(piece.shape) - region.stop) * size) if region.numel else 0
     runs = list(contiguous_runs(region, piece.shape))
     if len(runs) == 1:
         crcs = [crc]
@@ -363,7 +362,8 @@ class _Coalesced:
 def write_rank_files(storage: Storage, base: str, tasks: list[WriteTask], pieces: dict[str, Piece],
                      files_per_rank: int, compression: Compression | None = None,
                      version: int | None = None, progress: ProgressCallback | None = None) -> RankResult:
-    """One data file per slot (``<base>-<slot>.bin``), written in parallel (``checkpoint.persist.write_files``).
+    """One data file per slot (``<base>-<slot>.bin``), written in parallel (``checkpoint.persist.write_files``; one
+    after another when they are few bytes on local disk, ``writer_threads``).
     ``progress(done_bytes, total_bytes)``: the tensor bytes of ``tasks`` written (staged pieces only)."""
     by_slot = [[t for t in tasks if t.slot == k] for k in range(files_per_rank)]
     nbytes = sum(_tensor_bytes(pieces[t.name]) for t in tasks)

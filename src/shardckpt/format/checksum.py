@@ -108,7 +108,7 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
 
 def tensor_crc_term(piece_crc: int, bytes_after: int) -> int:
     """One contiguous byte run's term in its tensor's checksum: XOR all terms of a tiling to get the CRC."""
-    return crc32c_shift(piece_crc, bytes_after)
+    return crc32c_shift(piece_crc, bytes_after) if bytes_after else piece_crc  # (a tensor's last run: no shift)
 
 
 def runs_crc_term(runs: list[tuple[int, int, int]], run_crcs: list[int], itemsize: int, numel: int) -> int:
