@@ -59,6 +59,10 @@ class LocalPiece:
     replicated: bool
     owner: bool = True
 
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
 
 def _dtensor_piece(name: str, path: Path, dt: Any) -> LocalPiece:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

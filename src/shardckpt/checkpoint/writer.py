@@ -60,6 +60,10 @@ class StreamedPiece:
     region: FlatRange
     slices: Callable[[int, int], Iterator[torch.Tensor]]
 
+    @property
+    def nbytes(self) -> int:
+        return self.region.numel * self.dtype.itemsize
+
 
 Piece = Union[LocalPiece, StreamedPiece]
 
@@ -194,7 +198,7 @@ def _write_chunk(sink: _Sink, piece: Piece, compression: Compression | None) -> 
             0 < piece.data.nbytes <= min(block, SMALL_WRITE) and piece.data.is_cpu:
         return _write_one_block(sink, piece, _staged(piece), piece.data.dtype.itemsize, block)
     if compression is None and not kept and isinstance(piece, StreamedPiece) and \
-            0 < piece.region.numel * piece.dtype.itemsize <= min(block, SMALL_WRITE):
+            0 < piece.nbytes <= min(block, SMALL_WRITE):
         return _write_streamed_block(sink, piece, block)
     if isinstance(piece, StreamedPiece):
         raw, dtype, slices = None, piece.dtype, piece.slices(block, kept // piece.dtype.itemsize)
@@ -248,7 +252,7 @@ def _write_one_block(sink: _Sink, piece: Piece, raw: torch.Tensor, itemsize: int
 
 def _write_streamed_block(sink: _Sink, piece: StreamedPiece, block: int) -> tuple[ChunkRecord, int]:
     """``_write_one_block`` of a streamed chunk of one block: its one slice (``convert``'s small chunks)."""
-    nbytes = piece.region.numel * piece.dtype.itemsize
+    nbytes = piece.nbytes
     slices = piece.slices(block, 0)
     try:
         raw = as_bytes(next(slices, torch.empty(0, dtype=piece.dtype)))
@@ -366,7 +370,7 @@ def write_rank_files(storage: Storage, base: str, tasks: list[WriteTask], pieces
     after another when they are few bytes on local disk, ``writer_threads``).
     ``progress(done_bytes, total_bytes)``: the tensor bytes of ``tasks`` written (staged pieces only)."""
     by_slot = [[t for t in tasks if t.slot == k] for k in range(files_per_rank)]
-    nbytes = sum(_tensor_bytes(pieces[t.name]) for t in tasks)
+    nbytes = sum(pieces[t.name].nbytes for t in tasks)
     tick = Progress(nbytes if progress else 0, progress)
     tick.begin()
 
@@ -376,10 +380,6 @@ def write_rank_files(storage: Storage, base: str, tasks: list[WriteTask], pieces
 
     written = write_files(range(files_per_rank), write, writer_threads(storage, files_per_rank, nbytes))
     return rank_result(written, version or version_for(compression is not None))
-
-
-def _tensor_bytes(piece: Piece) -> int:
-    return piece.data.nbytes if isinstance(piece, LocalPiece) else piece.region.numel * piece.dtype.itemsize
 
 
 def rank_result(written: list[tuple[FileEntry, dict[str, int]]], version: int) -> RankResult:
