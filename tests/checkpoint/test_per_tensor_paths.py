@@ -16,6 +16,7 @@ import torch
 
 import shardckpt
 from shardckpt.checkpoint import writer
+from shardckpt.checkpoint.collect import LocalPiece
 from shardckpt.checkpoint.save_plan import WriteTask
 from shardckpt.checkpoint.writer import Followed, StreamedPiece, write_data_file
 from shardckpt.errors import CorruptCheckpointError
@@ -28,6 +29,7 @@ from shardckpt.io import LocalStorage
 from shardckpt.io import local as local_io
 from shardckpt.offline.resume import _region_text
 from shardckpt.records import record
+from shardckpt.tensor_views import as_bytes, host_memory
 from shardckpt.regions import Box, FlatRange, Run
 
 RECORDS = [
@@ -176,6 +178,83 @@ def test_the_journal_never_claims_bytes_still_gathered(tmp_path, monkeypatch):
         rec = records[(name, 0)]
         want = next(piece.slices(4096, 0)).numpy().tobytes()
         assert data[rec.offset:rec.offset + rec.length] == want, name
+
+
+def _staged_pieces() -> dict[str, LocalPiece]:
+    """Staged pieces of every kind the small-chunk batch meets: whole tensors of many dtypes, a 0-d and an empty one,
+    a part of a tensor (a flat range not at its start: its checksum term is shifted), a box of several runs, and one
+    past ``SMALL_WRITE`` between small ones (the general path, in the middle of a batch)."""
+    g = torch.Generator().manual_seed(5)
+    whole = {"f32": torch.randn(3, 5, generator=g), "f64": torch.tensor(2.5, dtype=torch.float64),
+             "empty": torch.empty(0, 4), "bool": torch.rand(7, generator=g) > 0.5, "f16": torch.randn(9).half(),
+             "c64": torch.randn(4, dtype=torch.complex64, generator=g), "i8": torch.arange(11, dtype=torch.int8),
+             "big": torch.randn(40_000, generator=g), "bf16": torch.randn(2, 3, generator=g).bfloat16()}
+    pieces = {n: LocalPiece(n, (n,), t, tuple(t.shape), FlatRange(0, t.numel()), True) for n, t in whole.items()}
+    pieces["part"] = LocalPiece("part", ("part",), torch.randn(6, generator=g), (4, 5), FlatRange(7, 13), False)
+    pieces["box"] = LocalPiece("box", ("box",), torch.randn(2, 3, generator=g), (4, 5), Box((1, 2), (2, 3)), False)
+    pieces["first"] = LocalPiece("first", ("first",), torch.randn(5, generator=g), (4, 5), FlatRange(0, 5), False)
+    return pieces
+
+
+def test_small_chunks_written_together_are_what_the_general_path_writes(tmp_path, monkeypatch):
+    """``_write_small`` (consecutive small staged chunks in one loop) writes the bytes, records and checksum terms
+    that ``_write_chunk`` writes for each, in any order of small and large chunks."""
+    pieces = _staged_pieces()
+    storage = LocalStorage(str(tmp_path))
+    batched, write_small = [], writer._write_small
+    monkeypatch.setattr(writer, "_write_small", lambda sink, small, terms: (
+        batched.append(len(small)), write_small(sink, small, terms))[1])
+    names = list(pieces)
+    for order in (names, names[::-1]):
+        tasks = [WriteTask(name, 0) for name in order if name != "empty"] + [WriteTask("empty", 0)]
+        together = write_data_file(storage, "t.bin", "t.index.json", tasks, pieces)
+        with monkeypatch.context() as apart:
+            apart.setattr(writer, "SMALL_WRITE", 0)  # no chunk is small: each through the general path, unbatched
+            separate = write_data_file(storage, "s.bin", "s.index.json", tasks, pieces)
+        assert together[1] == separate[1]  # every tensor's checksum term
+        assert (tmp_path / "t.bin").read_bytes() == (tmp_path / "s.bin").read_bytes()
+        assert (tmp_path / "t.index.json").read_bytes() == (tmp_path / "s.index.json").read_bytes()
+        assert together[0].size == separate[0].size and together[0].index_crc32c == separate[0].index_crc32c
+    assert sum(batched) == 2 * (len(pieces) - 2) and len(batched) == 4  # all but 'big' and 'empty', around 'big'
+
+
+def test_a_small_piece_not_on_the_host_is_not_written_with_the_staged_ones(tmp_path, monkeypatch):
+    """A synchronous save keeps a CUDA tensor on its device (``checkpoint.device_slices``): however small, it goes
+    through the general path, which copies it to the host a slice at a time (a meta tensor stands in here)."""
+    batched, write_small = [], writer._write_small
+    monkeypatch.setattr(writer, "_write_small", lambda sink, small, terms: (
+        batched.extend(key[0] for key, _ in small), write_small(sink, small, terms))[1])
+    on_host, elsewhere = torch.ones(3), torch.empty(3, device="meta")
+    pieces = {n: LocalPiece(n, (n,), t, (3,), FlatRange(0, 3), True) for n, t in (("a", on_host), ("m", elsewhere))}
+    with pytest.raises((NotImplementedError, RuntimeError, ValueError)):  # (meta has no bytes to copy)
+        write_data_file(LocalStorage(str(tmp_path)), "d.bin", "d.index.json", [WriteTask("a", 0), WriteTask("m", 0)],
+                        pieces)
+    assert batched == ["a"]
+
+
+@pytest.mark.parametrize("t", [torch.arange(24, dtype=torch.int16).reshape(4, 6)[1:3], torch.tensor(7.5),
+                               torch.empty(0), torch.randn(3, 2).bfloat16(), torch.zeros(5, dtype=torch.bool)])
+def test_host_memory_is_the_tensors_own_bytes_in_place(t):
+    view = host_memory(t)
+    assert (view.format, view.ndim, view.readonly, len(view)) == ("B", 1, False, t.nbytes)
+    assert bytes(view) == as_bytes(t.contiguous()).numpy().tobytes()
+    if t.nbytes:
+        before = as_bytes(t)[0].item()
+        view[0] ^= 0xFF  # written through: the tensor's memory itself
+        assert as_bytes(t)[0].item() == before ^ 0xFF
+
+
+def test_a_save_of_small_tensors_written_together_loads_and_verifies(tmp_path):
+    g = torch.Generator().manual_seed(6)
+    state = {f"m.{i}": torch.randn(i % 7 + 1, 3, generator=g) for i in range(50)}
+    state.update(scalar=torch.tensor(3.0), empty=torch.empty(0), flags=torch.tensor([True, False, True]),
+                 big=torch.randn(20_000, generator=g), strided=torch.randn(5, 4, generator=g).t())
+    shardckpt.save(state, str(tmp_path / "c"))
+    loaded = shardckpt.load_full(str(tmp_path / "c"))
+    assert set(loaded) == set(state)
+    for name, value in state.items():
+        assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value), name
+    assert not shardckpt.verify(str(tmp_path / "c")).problems
 
 
 # ---- small local saves and loads in one thread; larger ones and object stores in several ----

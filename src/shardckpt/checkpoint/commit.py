@@ -13,6 +13,7 @@ from shardckpt.checkpoint.gc import collect
 from shardckpt.checkpoint.save_plan import SavePlan
 from shardckpt.dist.group import Failure, raise_failures
 from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from shardckpt.format.checksum import xor_terms
 from shardckpt.format.dtypes import DTYPES
 from shardckpt.format.manifest import (MANIFEST_NAME, FileEntry, Manifest, TensorEntry, manifest_generation,
                                       parse_manifest, version_for)
@@ -47,12 +48,9 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
         if result is not None:
             first_file[rank] = len(files)
             files.extend(result.files)
-    tensors = {}
-    for name, tp in save_plan.tensors.items():
-        crc = 0
-        for result in results:
-            crc ^= result.crc_terms.get(name, 0) if result is not None else 0
-        tensors[name] = TensorEntry(name, DTYPES[tp.dtype], tp.shape, crc, tp.chunks(first_file))
+    crcs = xor_terms([result.crc_terms for result in results if result is not None])
+    tensors = {name: TensorEntry(name, DTYPES[tp.dtype], tp.shape, crcs.get(name, 0), tp.chunks(first_file))
+               for name, tp in save_plan.tensors.items()}
     if files:
         lifecycle(storage).sync_dir(data_dir(generation))
     previous = _previous_generation(storage)

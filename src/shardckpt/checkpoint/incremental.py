@@ -42,6 +42,7 @@ from shardckpt.checkpoint.units import DEFAULT_UNIT_BYTES, UnitPiece, unit_bytes
 from shardckpt.checkpoint.writer import Followed, chunk_crc_term, write_data_file
 from shardckpt.dist.group import Failure, attempt, raise_failures
 from shardckpt.errors import BadArgumentError, CheckpointError
+from shardckpt.format.checksum import xor_terms
 from shardckpt.format.chunk_identity import REUSE, ChunkKey, NewChunk, reuse_decision
 from shardckpt.format.content_hash import chunk_hash, chunk_key
 from shardckpt.format.manifest import POOLED_VERSION, FileEntry
@@ -404,11 +405,7 @@ def _write_slots(pool: Storage, planned: Any, setup: _RankSetup, to_write: list,
 
     written = write_files(slots, write, planned.files_per_rank)
     placed = {(t.name, t.chunk): k for k, slot in enumerate(slots) for t, _ in by_slot[slot]}
-    terms: dict[str, int] = {}
-    for _, file_terms in written:
-        for name, term in file_terms.items():
-            terms[name] = terms.get(name, 0) ^ term
-    return [entry for entry, _ in written], placed, terms, total, records
+    return [entry for entry, _ in written], placed, xor_terms([terms for _, terms in written]), total, records
 
 
 __all__ = ["IncrementalOptions", "persist_incremental", "PooledShare"]

@@ -32,7 +32,7 @@ from shardckpt.checkpoint.save_plan import WriteTask
 from shardckpt.regions import FlatRange, contiguous_runs
 from shardckpt.io import FileWriter, Storage
 from shardckpt.format.codecs import CODEC_THREADS, RAW, Compression, codec_pool, encode_frame
-from shardckpt.format.checksum import combine_block_crcs, crc32c, runs_crc_term, tensor_crc_term
+from shardckpt.format.checksum import combine_block_crcs, crc32c, runs_crc_term, tensor_crc_term, xor_terms
 from shardckpt.format.content_hash import ChunkHasher
 from shardckpt.format.index import BLOCK_SIZE, ChunkRecord, index_to_bytes
 from shardckpt.format.manifest import FileEntry, version_for
@@ -43,6 +43,7 @@ ALIGN = 64  # chunk offsets are aligned so that a memory map of the file gives a
 WRITE_SIZE = 16 << 20  # bytes written per call (16 checksum blocks, each CRC'd just before, while in cache)
 SMALL_WRITE = 64 << 10  # writes shorter than this are gathered (``_Coalesced``) ...
 COALESCE_BYTES = 4 << 20  # ... and written once this many bytes are gathered
+_ZEROS = memoryview(bytes(ALIGN))  # alignment padding
 
 
 @record
@@ -240,7 +241,7 @@ def _write_one_block(sink: _Sink, piece: Piece, raw: torch.Tensor, itemsize: int
     crc = crc32c(data)
     if sink.hasher is not None:
         sink.hasher.update(data)
-    sink.write(data)
+    sink.writer.write(data)
     progress = sink.progress
     progress.blocks.append(crc)
     progress.size += len(data)
@@ -248,6 +249,31 @@ def _write_one_block(sink: _Sink, piece: Piece, raw: torch.Tensor, itemsize: int
     sink.tick(len(data))
     record = ChunkRecord(progress.offset, len(data), crc, RAW, block, (crc,), ())
     return record, _crc_term(piece, itemsize, crc, raw)
+
+
+def _write_small(sink: _Sink, small: list[tuple[tuple[str, int], LocalPiece]], terms: dict[str, int]) -> None:
+    """``_write_chunk`` of each of consecutive small staged chunks (raw, one block each, none hashed, on the host),
+    emptying ``small``: the same bytes, records and terms, in one loop instead of a few calls per chunk (a save of many
+    small tensors)."""
+    progress, write, done = sink.progress, sink.writer.write, sink.progress.done
+    size, written, block = progress.size, 0, BLOCK_SIZE
+    for key, piece in small:
+        raw = _staged(piece)
+        data = host_memory(raw)
+        pad = -size % ALIGN
+        if pad:
+            write(_ZEROS[:pad])
+            size += pad
+        crc = crc32c(data)
+        write(data)
+        done[key] = ChunkRecord(size, len(data), crc, RAW, block, (crc,), ())
+        size += len(data)
+        written += len(data)
+        terms[key[0]] = terms.get(key[0], 0) ^ _crc_term(piece, raw.dtype.itemsize, crc, raw)
+    progress.size, progress.current = size, None
+    small.clear()
+    sink.journal(progress)
+    sink.tick(written)
 
 
 def _write_streamed_block(sink: _Sink, piece: StreamedPiece, block: int) -> tuple[ChunkRecord, int]:
@@ -293,10 +319,18 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
     sink = _Sink(writer, progress, (lambda p: None if writer.pending else journal(p)) if journal else lambda p: None,
                  followed.tick or (lambda n: None))
     terms: dict[str, int] = {}
+    small: list[tuple[tuple[str, int], LocalPiece]] = []  # consecutive small staged chunks, written together
+    limit = min(BLOCK_SIZE, SMALL_WRITE)
     try:
         for task in tasks:
             key = (task.name, task.chunk)
             piece = pieces[key] if key in pieces else pieces[task.name]  # by key: an incremental save's units
+            if compression is None and type(piece) is LocalPiece and 0 < piece.data.nbytes <= limit and \
+                    piece.data.is_cpu and progress.current != key and key not in progress.done:
+                small.append((key, piece))
+                continue
+            if small:
+                _write_small(sink, small, terms)
             if key in progress.done:  # kept: a streamed chunk is one run, its term follows from its CRC
                 terms[task.name] = terms.get(task.name, 0) ^ _crc_term(piece, piece.dtype.itemsize,
                                                                        progress.done[key].crc32c, None)
@@ -304,7 +338,7 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
             if progress.current != key:
                 pad = -progress.size % ALIGN
                 if pad:
-                    writer.write(memoryview(bytes(pad)))
+                    writer.write(_ZEROS[:pad])
                 progress.current, progress.offset, progress.blocks, progress.frames = key, progress.size + pad, [], []
                 progress.size += pad
             sink.hasher = ChunkHasher(piece.hash_key) if getattr(piece, "hash_key", None) is not None else None
@@ -315,6 +349,8 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
                     followed.records[key] = record
             progress.done[key], progress.current = record, None
             terms[task.name] = terms.get(task.name, 0) ^ term
+        if small:
+            _write_small(sink, small, terms)
     finally:
         writer.close()
     index = index_to_bytes(progress.done, version or version_for(compression is not None), BLOCK_SIZE)
@@ -371,8 +407,9 @@ def write_rank_files(storage: Storage, base: str, tasks: list[WriteTask], pieces
     ``progress(done_bytes, total_bytes)``: the tensor bytes of ``tasks`` written (staged pieces only)."""
     by_slot = [[t for t in tasks if t.slot == k] for k in range(files_per_rank)]
     nbytes = sum(pieces[t.name].nbytes for t in tasks)
-    tick = Progress(nbytes if progress else 0, progress)
-    tick.begin()
+    tick = Progress(nbytes, progress) if progress else None  # (None: no call per write)
+    if tick is not None:
+        tick.begin()
 
     def write(k: int) -> tuple[FileEntry, dict[str, int]]:
         return write_data_file(storage, f"{base}-{k}.bin", f"{base}-{k}.index.json", by_slot[k], pieces, compression,
@@ -384,8 +421,4 @@ def write_rank_files(storage: Storage, base: str, tasks: list[WriteTask], pieces
 
 def rank_result(written: list[tuple[FileEntry, dict[str, int]]], version: int) -> RankResult:
     """One rank's result from its files' (in slot order): their entries, and each tensor's checksum term."""
-    terms: dict[str, int] = {}
-    for _, file_terms in written:
-        for name, term in file_terms.items():
-            terms[name] = terms.get(name, 0) ^ term
-    return RankResult([entry for entry, _ in written], terms, version)
+    return RankResult([entry for entry, _ in written], xor_terms([terms for _, terms in written]), version)

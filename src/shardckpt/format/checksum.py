@@ -120,6 +120,18 @@ def runs_crc_term(runs: list[tuple[int, int, int]], run_crcs: list[int], itemsiz
     return term
 
 
+def xor_terms(terms: list[dict[str, int]]) -> dict[str, int]:
+    """By tensor name, the XOR of the terms of several parts (a rank's files, a checkpoint's ranks): what each part
+    adds to a tensor's checksum combined (the one part's own dict when there is one)."""
+    if len(terms) == 1:
+        return terms[0]
+    out: dict[str, int] = {}
+    for part in terms:
+        for name, term in part.items():
+            out[name] = out.get(name, 0) ^ term
+    return out
+
+
 class SegmentedCRC:
     """CRC32C of consecutive segments of a byte stream fed piece by piece (segment lengths given in order),
     e.g. the checksum blocks of a chunk read into several buffers."""
