@@ -56,8 +56,11 @@ def check_request(infos: Mapping[str, TensorInfo], request: ReadRequest, where: 
             raise ValueError(f"destination for {request.tensor!r} is on the meta device: it has no memory to load "
                              "into (materialize it first, e.g. module.to_empty(device=...), or use load_full)")
         _check_storage(dest, numel, request.tensor)
-    # A 1-D destination outside autograd is its own flat view (a reshape costs ~1 us, a load of 100k tensors 0.1 s).
-    flat = dest if dest.dim() == 1 and not dest.requires_grad else dest.detach().reshape(-1)
+    # Only a destination autograd tracks is detached, and a 1-D one is its own flat view: each call costs ~1 us, a
+    # load of 100k tensors 0.1 s.
+    if dest.requires_grad:
+        dest = dest.detach()
+    flat = dest if dest.dim() == 1 else dest.reshape(-1)
     return CheckedRequest(info, region, flat)
 
 
