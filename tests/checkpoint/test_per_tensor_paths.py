@@ -4,6 +4,7 @@ chunks are gathered to the bytes in the file, small local saves and loads in one
 checksum to the combined one."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -242,6 +243,36 @@ def test_host_memory_is_the_tensors_own_bytes_in_place(t):
         before = as_bytes(t)[0].item()
         view[0] ^= 0xFF  # written through: the tensor's memory itself
         assert as_bytes(t)[0].item() == before ^ 0xFF
+
+
+def test_host_memory_keeps_its_length_whatever_others_set_on_ctypes_pythonapi(monkeypatch):
+    """Packages set ``ctypes.pythonapi.PyMemoryView_FromMemory.argtypes`` with a 32-bit length (a process-wide
+    object): a view of 2 GiB or more must still have its length (the view is made, never read, here)."""
+    shared = ctypes.pythonapi.PyMemoryView_FromMemory
+    monkeypatch.setattr(shared, "argtypes", (ctypes.c_void_p, ctypes.c_int, ctypes.c_int))
+    monkeypatch.setattr(shared, "restype", ctypes.py_object)
+    buffer = torch.zeros(8, dtype=torch.uint8)
+
+    class Huge:  # an address and a length are all host_memory takes
+        nbytes = (4 << 30) + 8
+
+        def data_ptr(self) -> int:
+            return buffer.data_ptr()
+
+    assert len(host_memory(Huge())) == (4 << 30) + 8
+    assert len(host_memory(buffer)) == 8
+
+
+def test_a_progress_callback_that_is_falsy_is_still_told(tmp_path):
+    class Recorder(list):  # empty, so falsy, until told
+        def __call__(self, done: int, total: int) -> None:
+            self.append((done, total))
+
+    state = {f"t{i}": torch.full((10,), float(i)) for i in range(30)}
+    told = Recorder()
+    shardckpt.save(state, str(tmp_path / "c"), progress=told)
+    assert told[0] == (0, 1200) and told[-1] == (1200, 1200)
+    assert all(a[0] <= b[0] for a, b in zip(told, told[1:]))
 
 
 def test_a_save_of_small_tensors_written_together_loads_and_verifies(tmp_path):

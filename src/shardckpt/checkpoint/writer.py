@@ -407,7 +407,7 @@ def write_rank_files(storage: Storage, base: str, tasks: list[WriteTask], pieces
     ``progress(done_bytes, total_bytes)``: the tensor bytes of ``tasks`` written (staged pieces only)."""
     by_slot = [[t for t in tasks if t.slot == k] for k in range(files_per_rank)]
     nbytes = sum(pieces[t.name].nbytes for t in tasks)
-    tick = Progress(nbytes, progress) if progress else None  # (None: no call per write)
+    tick = Progress(nbytes, progress) if progress is not None else None  # (None: no call per write)
     if tick is not None:
         tick.begin()
 
