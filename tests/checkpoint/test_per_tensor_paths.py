@@ -269,10 +269,12 @@ def test_a_progress_callback_that_is_falsy_is_still_told(tmp_path):
             self.append((done, total))
 
     state = {f"t{i}": torch.full((10,), float(i)) for i in range(30)}
-    told = Recorder()
-    shardckpt.save(state, str(tmp_path / "c"), progress=told)
-    assert told[0] == (0, 1200) and told[-1] == (1200, 1200)
-    assert all(a[0] <= b[0] for a, b in zip(told, told[1:]))
+    saved, verified = Recorder(), Recorder()
+    shardckpt.save(state, str(tmp_path / "c"), progress=saved)
+    assert saved[0] == (0, 1200) and saved[-1] == (1200, 1200)
+    assert all(a[0] <= b[0] for a, b in zip(saved, saved[1:]))
+    assert not shardckpt.verify(str(tmp_path / "c"), progress=verified).problems
+    assert verified and verified[-1] == (1200, 1200)
 
 
 def test_a_save_of_small_tensors_written_together_loads_and_verifies(tmp_path):

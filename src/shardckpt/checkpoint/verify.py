@@ -202,7 +202,7 @@ def verify(place: str | os.PathLike | Storage, *, io_threads: int = DEFAULT_IO_T
     def tick(n: int) -> None:
         with lock:
             done[0] += n
-            if progress:
+            if progress is not None:
                 progress(done[0], total)
 
     def check(job) -> tuple[str, int | None]:
