@@ -122,3 +122,29 @@ def test_convert_runs_paused(tmp_path):
     shardckpt.convert(tmp_path / "a", tmp_path / "b", world_size=2,
                       progress=lambda done, total: during.append(gc.isenabled()))
     assert during and not any(during) and gc.isenabled()
+
+
+def test_the_save_steps_stage_and_plan_run_paused_persist_with_the_collector_on(tmp_path, monkeypatch):
+    """``stage`` and ``plan`` run in the caller's thread, as ``save`` does, and pause the collector as it does;
+    ``persist`` may be an async save's background writing, which keeps it on (shardckpt.gc_pause)."""
+    from shardckpt.checkpoint import save as save_module
+    seen: dict[str, list[bool]] = {"stage": [], "plan": [], "persist": []}
+    make_save_plan = save_module.make_save_plan
+
+    def planning(*args, **kwargs):
+        seen["plan"].append(gc.isenabled())
+        return make_save_plan(*args, **kwargs)
+
+    def skip(piece) -> bool:
+        seen["stage"].append(gc.isenabled())
+        return False
+
+    monkeypatch.setattr(save_module, "make_save_plan", planning)
+    state = {"w": torch.arange(10.0), "b": torch.ones(3)}
+    staged = save_module.stage(state, skip=skip)
+    assert gc.isenabled()
+    planned = save_module.plan(staged, tmp_path / "c")
+    assert gc.isenabled()
+    save_module.persist(staged, planned, progress=lambda done, total: seen["persist"].append(gc.isenabled()))
+    assert seen["stage"] == [False, False] and seen["plan"] == [False] and seen["persist"] and all(seen["persist"])
+    assert torch.equal(shardckpt.load_full(tmp_path / "c")["w"], state["w"])

@@ -169,6 +169,7 @@ class Planned:
         return data_dir(self.generation)
 
 
+@gc_paused  # as save is (shardckpt.gc_pause); not persist, which may run in the background
 def plan(staged: Staged, path: str | os.PathLike | Storage, *, process_group: Any = None, overwrite: bool = False,
          files_per_rank: int = DEFAULT_FILES_PER_RANK, storage_options: Options | None = None,
          compress: str | None = None, reuse: Planned | None = None) -> Planned:

@@ -46,6 +46,7 @@ from shardckpt.checkpoint.save_plan import PieceInfo
 from shardckpt.dist.group import Failure, attempt, resolve_group
 from shardckpt.errors import UnsupportedValueError
 from shardckpt.format.tree import Path, check_savable_depth, encode, leaves, path_name
+from shardckpt.gc_pause import gc_paused
 from shardckpt.sharded_tensor import PerRank
 from shardckpt.tensor_views import as_bytes
 
@@ -83,6 +84,7 @@ class Staged:
         return sum(p.data.nbytes for p in self.pieces.values())
 
 
+@gc_paused  # as save is: the step makes several objects per tensor (shardckpt.gc_pause)
 def stage(state_dict: dict, *, process_group: Any = None, metadata: dict | None = None,
           copy: bool = False, buffers: StagingBuffers | None = None,
           skip: Callable[[LocalPiece], bool] | None = None) -> Staged:

@@ -1,0 +1,89 @@
+"""Per-tensor cost of save, load_full and load in one process, and of save's three steps (issue 38, item 1).
+
+``bench_many_tensors.py`` times each method once per repeat beside its peers; on a shared machine one sample of a
+half-second call moves by 20 % or more. This one repeats the calls many times in one warm process (save, then
+load_full, then load into tensors, in turn) and reports medians per tensor, so that two versions run in alternating
+processes can be compared to a few percent. It also times the save's steps (``stage``, ``plan``, ``persist``: the
+public ``shardckpt.checkpoint.save`` steps) one after another, as a caller of the steps (an async save) runs them:
+``stage`` and ``plan`` pause Python's cyclic collector as ``save`` does, ``persist`` runs with it on (it may be an
+async save's background writing, shardckpt.gc_pause), and ``plan`` is made afresh each time (``save`` reuses the
+last plan while the pieces are the same), so the steps add up to more than one ``save``.
+
+Workload: ``bench_many_tensors.make_state`` (default 128 experts x 25 layers: 19,200 small fp32 tensors, ~10 MB).
+Each save replaces the previous one (``overwrite=True``), as a training loop's saves do.
+
+    python benchmarks/bench_per_tensor_steps.py                  # 11 repeats (~30 s)
+    PYTHONPATH=<other checkout>/src python benchmarks/bench_per_tensor_steps.py   # the same for another version
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+from _common import loadavg
+from bench_many_tensors import make_state
+
+import shardckpt
+from shardckpt.checkpoint.save import persist, plan, stage
+
+
+def _timed(samples: dict, key: str, fn) -> object:
+    t0 = time.perf_counter()
+    out = fn()
+    samples.setdefault(key, []).append(time.perf_counter() - t0)
+    return out
+
+
+def measure(state: dict, path: str, repeats: int) -> dict[str, list[float]]:
+    """Wall times of every call, by name: the whole calls in turn, then the save's steps."""
+    shardckpt.save(state, path)  # warm: the first save also creates the directory and imports what it needs
+    targets = {name: torch.empty_like(t) for name, t in state.items()}
+    shardckpt.load(targets, path)
+    samples: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        _timed(samples, "save", lambda: shardckpt.save(state, path, overwrite=True))
+        _timed(samples, "load_full", lambda: shardckpt.load_full(path))
+        _timed(samples, "load", lambda: shardckpt.load(targets, path))
+    for _ in range(repeats):
+        staged = _timed(samples, "save: stage", lambda: stage(state))
+        planned = _timed(samples, "save: plan", lambda: plan(staged, path, overwrite=True))
+        _timed(samples, "save: persist (write + commit)", lambda: persist(staged, planned))
+    for name, t in load_check(state, shardckpt.load_full(path)):
+        raise AssertionError(f"{name}: loaded {t} differs from the saved tensor")
+    return samples
+
+
+def load_check(state: dict, loaded: dict):
+    """The tensors that did not come back bit for bit (a benchmark of wrong results measures nothing)."""
+    return [(n, loaded.get(n)) for n, t in state.items() if n not in loaded or not torch.equal(loaded[n], t)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=25)
+    ap.add_argument("--repeats", type=int, default=11)
+    ap.add_argument("--json", help="write the raw samples here")
+    args = ap.parse_args()
+    state = make_state(args.experts, args.layers)
+    with tempfile.TemporaryDirectory(prefix="shardckpt-steps-") as tmp:
+        samples = measure(state, os.path.join(tmp, "ckpt"), args.repeats)
+    print(f"{len(state):,} tensors, shardckpt from {os.path.dirname(shardckpt.__file__)}, loadavg {loadavg()}")
+    print(f"medians of {args.repeats}, us per tensor:")
+    for key, values in samples.items():
+        print(f"  {key:32s} {statistics.median(values) * 1e6 / len(state):7.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"tensors": len(state), "samples": samples}, f)
+
+
+if __name__ == "__main__":
+    main()
