@@ -44,8 +44,8 @@ def from_bytes(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) ->
     return raw.view(dtype).reshape(shape)
 
 
-# CPython's own constructor of a memoryview over an address: one call (~0.9 us), where a ctypes array type of the
-# length, its instance and a cast cost ~5 us (a save of 20k small tensors takes a view of each). A prototype of our
+# CPython's own constructor of a memoryview over an address: one call (~1 us), where a ctypes array type of the
+# length, its instance and a cast cost up to 5 us (a save of 20k small tensors takes a view of each). A prototype of our
 # own: ``ctypes.pythonapi.PyMemoryView_FromMemory`` is one object per process, whose argument types other packages
 # set too (often with a 32-bit length, which would cut a view of 2 GiB or more).
 _memory_view = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)(

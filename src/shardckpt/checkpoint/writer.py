@@ -241,7 +241,7 @@ def _write_one_block(sink: _Sink, piece: Piece, raw: torch.Tensor, itemsize: int
     crc = crc32c(data)
     if sink.hasher is not None:
         sink.hasher.update(data)
-    sink.writer.write(data)
+    sink.write(data)
     progress = sink.progress
     progress.blocks.append(crc)
     progress.size += len(data)
