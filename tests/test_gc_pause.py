@@ -124,11 +124,13 @@ def test_convert_runs_paused(tmp_path):
     assert during and not any(during) and gc.isenabled()
 
 
-def test_the_save_steps_stage_and_plan_run_paused_persist_with_the_collector_on(tmp_path, monkeypatch):
-    """``stage`` and ``plan`` run in the caller's thread, as ``save`` does, and pause the collector as it does;
-    ``persist`` may be an async save's background writing, which keeps it on (shardckpt.gc_pause)."""
+def test_the_save_steps_run_paused_but_a_long_persist(tmp_path, monkeypatch):
+    """``stage`` and ``plan`` run in the caller's thread (or an async save's background, briefly), and pause the
+    collector as ``save`` does; so does a ``persist`` of few bytes on local disk (a short write), while a longer one,
+    an async save's background writing of a big state, keeps it on (shardckpt.gc_pause)."""
     from shardckpt.checkpoint import save as save_module
-    seen: dict[str, list[bool]] = {"stage": [], "plan": [], "persist": []}
+    from shardckpt.io import local as local_io
+    seen: dict[str, list[bool]] = {"stage": [], "plan": []}
     make_save_plan = save_module.make_save_plan
 
     def planning(*args, **kwargs):
@@ -141,10 +143,14 @@ def test_the_save_steps_stage_and_plan_run_paused_persist_with_the_collector_on(
 
     monkeypatch.setattr(save_module, "make_save_plan", planning)
     state = {"w": torch.arange(10.0), "b": torch.ones(3)}
-    staged = save_module.stage(state, skip=skip)
-    assert gc.isenabled()
-    planned = save_module.plan(staged, tmp_path / "c")
-    assert gc.isenabled()
-    save_module.persist(staged, planned, progress=lambda done, total: seen["persist"].append(gc.isenabled()))
-    assert seen["stage"] == [False, False] and seen["plan"] == [False] and seen["persist"] and all(seen["persist"])
-    assert torch.equal(shardckpt.load_full(tmp_path / "c")["w"], state["w"])
+    for serial_below, paused in ((local_io.SERIAL_BELOW, True), (0, False)):  # (0: every write counts as long)
+        monkeypatch.setattr(local_io, "SERIAL_BELOW", serial_below)
+        staged = save_module.stage(state, skip=skip)
+        assert gc.isenabled()
+        planned = save_module.plan(staged, tmp_path / "c", overwrite=True)
+        assert gc.isenabled()
+        persisting: list[bool] = []
+        save_module.persist(staged, planned, progress=lambda done, total, told=persisting: told.append(gc.isenabled()))
+        assert persisting and all(on is not paused for on in persisting) and gc.isenabled()
+        assert torch.equal(shardckpt.load_full(tmp_path / "c")["w"], state["w"])
+    assert seen["stage"] == [False] * 4 and seen["plan"] == [False] * 2
