@@ -5,9 +5,10 @@ half-second call moves by 20 % or more. This one repeats the calls many times in
 load_full, then load into tensors, in turn) and reports medians per tensor, so that two versions run in alternating
 processes can be compared to a few percent. It also times the save's steps (``stage``, ``plan``, ``persist``: the
 public ``shardckpt.checkpoint.save`` steps) one after another, as a caller of the steps (an async save) runs them:
-each pauses Python's cyclic collector as ``save`` does (``persist`` only for a short write, few bytes on local disk
-as here: shardckpt.gc_pause), and ``plan`` is made afresh each time (``save`` reuses the last plan while the pieces
-are the same), so the steps add up to more than one ``save``.
+``stage`` pauses Python's cyclic collector as ``save`` does, ``plan`` and ``persist`` run with it on (an async save
+runs them in its background thread, where a pause would stop collection for the whole process: shardckpt.gc_pause),
+and ``plan`` is made afresh each time (``save`` reuses the last plan while the pieces are the same), so the steps add
+up to more than one ``save``.
 
 Workload: ``bench_many_tensors.make_state`` (default 128 experts x 25 layers: 19,200 small fp32 tensors, ~10 MB).
 Each save replaces the previous one (``overwrite=True``), as a training loop's saves do.

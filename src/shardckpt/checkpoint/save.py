@@ -44,7 +44,6 @@ from shardckpt.format.codecs import Compression
 from shardckpt.format.manifest import MANIFEST_NAME, check_tree, refuse_pool_dir, version_for
 from shardckpt.format.tree import decode
 from shardckpt.io import Storage, lifecycle, open_storage
-from shardckpt.io.local import one_thread_suits
 from shardckpt.gc_pause import gc_paused
 from shardckpt.options import takes
 from shardckpt.storage_options import Options
@@ -170,7 +169,6 @@ class Planned:
         return data_dir(self.generation)
 
 
-@gc_paused  # as save is (shardckpt.gc_pause), in an async save's background too: bounded work and one gather
 def plan(staged: Staged, path: str | os.PathLike | Storage, *, process_group: Any = None, overwrite: bool = False,
          files_per_rank: int = DEFAULT_FILES_PER_RANK, storage_options: Options | None = None,
          compress: str | None = None, reuse: Planned | None = None) -> Planned:
@@ -274,17 +272,8 @@ def persist(staged: Staged, planned: Planned, *, progress: ProgressCallback | No
     rank 0 gathers the results and commits the manifest last (``checkpoint.persist``, the pipeline ``convert`` and
     ``export`` write through too). Raises on every rank if any rank failed; the failed generation's files are then
     removed and a previous checkpoint stays as it was. Call it once per ``Planned``; it may run in a background
-    thread (see the module docstring). ``progress``: as ``save``'s.
-
-    A persist of few bytes on local disk (``io.local.one_thread_suits``) pauses the cyclic collector as ``save``
-    does: its writing is short and its time is per-tensor work, whose objects cost full collections as long again
-    (benchmarks/README.md, "Small chunks written in one loop"). A longer one, an async save's background writing of
-    a big state, keeps the collector on (``shardckpt.gc_pause``)."""
-    output = _Saved(planned, staged, progress)
-    if one_thread_suits(planned.storage, staged.nbytes):
-        gc_paused(persist_output)(output, planned.group)
-    else:
-        persist_output(output, planned.group)
+    thread (see the module docstring). ``progress``: as ``save``'s."""
+    persist_output(_Saved(planned, staged, progress), planned.group)
 
 
 class _Saved(OutputWriter):
