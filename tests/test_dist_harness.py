@@ -119,3 +119,36 @@ def test_group_gather_and_scatter(world_size: int) -> None:
     assert out[0][0] == [{"rank": r, "data": list(range(r + 3))} for r in range(world_size)]
     assert [o[1] for o in out] == [{"to": r} for r in range(world_size)]
     assert all(o[2] for o in out)
+
+
+def _abort_once_on_rank_1(marker_path: str) -> int:
+    """Rank 1 dies by SIGABRT the first time (as gloo sometimes does inside torch), not the second."""
+    import os
+    from pathlib import Path
+
+    if dist.get_rank() == 1 and not Path(marker_path).exists():
+        Path(marker_path).touch()
+        os.abort()
+    t = torch.tensor([1.0])
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def _abort_always_on_rank_1() -> None:
+    import os
+
+    if dist.get_rank() == 1:
+        os.abort()
+    dist.barrier()
+
+
+def test_a_rank_aborted_once_is_run_again_on_a_fresh_pool(tmp_path) -> None:
+    assert run_ranks(2, _abort_once_on_rank_1, str(tmp_path / "aborted"), timeout=30) == [2, 2]
+    assert (tmp_path / "aborted").exists()
+
+
+def test_a_rank_that_aborts_twice_fails_the_call() -> None:
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(2, _abort_always_on_rank_1, timeout=30)
+    assert "rank 1 died (exit code -6)" in str(info.value)
+    assert run_ranks(2, _all_reduce_rank) == [[1.0, 2.0]] * 2
