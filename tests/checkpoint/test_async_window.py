@@ -274,7 +274,7 @@ def _piece(t: torch.Tensor, region=None, shape=None):
     from shardckpt.regions import FlatRange
 
     shape = shape or tuple(t.shape)
-    return LocalPiece("t", ("t",), t, shape, region or FlatRange(0, t.numel()), False)
+    return LocalPiece("t", t, shape, region or FlatRange(0, t.numel()), False)
 
 
 def _recorded(t: torch.Tensor, key: bytes, cuts: list[tuple[int, int]]):

@@ -190,10 +190,10 @@ def _staged_pieces() -> dict[str, LocalPiece]:
              "empty": torch.empty(0, 4), "bool": torch.rand(7, generator=g) > 0.5, "f16": torch.randn(9).half(),
              "c64": torch.randn(4, dtype=torch.complex64, generator=g), "i8": torch.arange(11, dtype=torch.int8),
              "big": torch.randn(40_000, generator=g), "bf16": torch.randn(2, 3, generator=g).bfloat16()}
-    pieces = {n: LocalPiece(n, (n,), t, tuple(t.shape), FlatRange(0, t.numel()), True) for n, t in whole.items()}
-    pieces["part"] = LocalPiece("part", ("part",), torch.randn(6, generator=g), (4, 5), FlatRange(7, 13), False)
-    pieces["box"] = LocalPiece("box", ("box",), torch.randn(2, 3, generator=g), (4, 5), Box((1, 2), (2, 3)), False)
-    pieces["first"] = LocalPiece("first", ("first",), torch.randn(5, generator=g), (4, 5), FlatRange(0, 5), False)
+    pieces = {n: LocalPiece(n, t, tuple(t.shape), FlatRange(0, t.numel()), True) for n, t in whole.items()}
+    pieces["part"] = LocalPiece("part", torch.randn(6, generator=g), (4, 5), FlatRange(7, 13), False)
+    pieces["box"] = LocalPiece("box", torch.randn(2, 3, generator=g), (4, 5), Box((1, 2), (2, 3)), False)
+    pieces["first"] = LocalPiece("first", torch.randn(5, generator=g), (4, 5), FlatRange(0, 5), False)
     return pieces
 
 
@@ -226,7 +226,7 @@ def test_a_small_piece_not_on_the_host_is_not_written_with_the_staged_ones(tmp_p
     monkeypatch.setattr(writer, "_write_small", lambda sink, small, terms: (
         batched.extend(key[0] for key, _ in small), write_small(sink, small, terms))[1])
     on_host, elsewhere = torch.ones(3), torch.empty(3, device="meta")
-    pieces = {n: LocalPiece(n, (n,), t, (3,), FlatRange(0, 3), True) for n, t in (("a", on_host), ("m", elsewhere))}
+    pieces = {n: LocalPiece(n, t, (3,), FlatRange(0, 3), True) for n, t in (("a", on_host), ("m", elsewhere))}
     with pytest.raises((NotImplementedError, RuntimeError, ValueError)):  # (meta has no bytes to copy)
         write_data_file(LocalStorage(str(tmp_path)), "d.bin", "d.index.json", [WriteTask("a", 0), WriteTask("m", 0)],
                         pieces)

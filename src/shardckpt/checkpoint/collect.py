@@ -10,7 +10,7 @@ import torch
 from shardckpt.errors import UnsupportedValueError
 from shardckpt.regions import Box, FlatRange, Region, canonical, full_region
 from shardckpt.sharded_tensor import PerRank, ShardedTensor
-from shardckpt.format.tree import Path, holds_per_rank, leaves, path_name
+from shardckpt.format.tree import Path, holds_per_rank, leaf_groups, leaves, path_name
 from shardckpt.records import record
 
 try:
@@ -52,7 +52,6 @@ class LocalPiece:
     """
 
     name: str
-    path: Path
     data: torch.Tensor
     shape: tuple[int, ...]
     region: Region
@@ -64,7 +63,7 @@ class LocalPiece:
         return self.data.nbytes
 
 
-def _dtensor_piece(name: str, path: Path, dt: Any) -> LocalPiece:
+def _dtensor_piece(name: str, dt: Any) -> LocalPiece:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import Partial, Replicate
 
@@ -81,20 +80,19 @@ def _dtensor_piece(name: str, path: Path, dt: Any) -> LocalPiece:
     if math.prod(sizes) == 0:
         region = FlatRange(0, 0)
         local = local.reshape(-1)[:0]
-    return LocalPiece(name, path, local, shape, region, replicated=False, owner=owner)
+    return LocalPiece(name, local, shape, region, replicated=False, owner=owner)
 
 
-def to_piece(path: Path, value: Any, name: str | None = None) -> LocalPiece:
-    """The piece of the leaf ``value`` at ``path`` (``name``: ``path_name(path)``, if the caller has it)."""
-    name = path_name(path) if name is None else name
+def to_piece(name: str, value: Any) -> LocalPiece:
+    """The piece of the leaf ``value`` named ``name``."""
     if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:  # the common case, checked first
-        return LocalPiece(name, path, value, tuple(value.shape), FlatRange(0, value.numel()), replicated=True)
+        return LocalPiece(name, value, tuple(value.shape), FlatRange(0, value.numel()), replicated=True)
     if isinstance(value, ShardedTensor):
-        return LocalPiece(name, path, value.local, value.global_shape, value.region, replicated=False)
+        return LocalPiece(name, value.local, value.global_shape, value.region, replicated=False)
     if DTensor and isinstance(value, DTensor):
-        return _dtensor_piece(name, path, value)
+        return _dtensor_piece(name, value)
     if isinstance(value, torch.Tensor):
-        return LocalPiece(name, path, value, tuple(value.shape), full_region(value.shape), replicated=True)
+        return LocalPiece(name, value, tuple(value.shape), full_region(value.shape), replicated=True)
     raise UnsupportedValueError(f"{name!r} is not a tensor")
 
 
@@ -105,23 +103,19 @@ def local_pieces(state_dict: Any, rank: int = 0,
     if not isinstance(state_dict, dict):
         raise UnsupportedValueError(f"a state dict must be a dict, got {type(state_dict).__name__}")
     out = []
-    for path, v in leaves(state_dict, is_saved_leaf):
-        if isinstance(v, PerRank):
-            own = [(p, t) for p, t in per_rank_leaves(path, v, rank) if is_tensor_like(t)]
-            for p, t in own if check is not None else ():
-                check(path_name(p), t)
-            out += [_own_piece(p, t) for p, t in own]
-        elif is_tensor_like(v):
-            name = path_name(path)
-            if check is not None and isinstance(v, torch.Tensor):
-                check(name, v)
-            out.append(to_piece(path, v, name))
+    for names, values in leaf_groups(state_dict, is_saved_leaf):
+        for name, v in zip(names, values):
+            if isinstance(v, PerRank):
+                own = [(path_name(p), t) for p, t in per_rank_leaves(tuple(name.split(".")), v, rank)
+                       if is_tensor_like(t)]
+                for n, t in own if check is not None else ():
+                    check(n, t)
+                out += [LocalPiece(n, t, tuple(t.shape), full_region(t.shape), replicated=False) for n, t in own]
+            elif is_tensor_like(v):
+                if check is not None and isinstance(v, torch.Tensor):
+                    check(name, v)
+                out.append(to_piece(name, v))
     return out
-
-
-def _own_piece(path: Path, t: torch.Tensor) -> LocalPiece:
-    """A whole tensor stored by the one rank that holds it (a per-rank value)."""
-    return LocalPiece(path_name(path), path, t, tuple(t.shape), full_region(t.shape), replicated=False)
 
 
 def region_key(region: Region, shape: tuple[int, ...]) -> tuple:

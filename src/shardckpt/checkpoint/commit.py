@@ -15,8 +15,8 @@ from shardckpt.dist.group import Failure, raise_failures
 from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from shardckpt.format.checksum import xor_terms
 from shardckpt.format.dtypes import DTYPES
-from shardckpt.format.manifest import (MANIFEST_NAME, FileEntry, Manifest, TensorEntry, manifest_generation,
-                                      parse_manifest, version_for)
+from shardckpt.format.manifest import (MANIFEST_NAME, FileEntry, Manifest, TensorEntry, check_manifest,
+                                      manifest_generation, version_for)
 from shardckpt.io import Storage, lifecycle
 
 
@@ -59,7 +59,7 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
                         version=version)
     data = manifest.to_bytes(encoded_tree)
     try:
-        parse_manifest(data, storage.url(MANIFEST_NAME))  # never commit what no load would read
+        check_manifest(data, storage.url(MANIFEST_NAME))  # never commit what no load would read
     except CorruptCheckpointError as e:
         _remove_quietly(storage, data_dir(generation))
         raise CheckpointError(f"cannot save: the checkpoint would not load ({e}); nothing was committed") from None

@@ -35,12 +35,9 @@ class Matched:
                 set_at(root.value if isinstance(root, PerRank) else root, path, value)
 
 
-def _request(path: Path, value: Any, entry: TensorInfo, strict: bool, staged: list, name: str | None = None
-             ) -> ReadRequest:
-    """The request filling ``value``, the state dict's leaf at ``path`` (``name``: its name, if the caller has it),
-    from the saved ``entry``."""
-    piece = to_piece(path, value, name)
-    name = piece.name
+def _request(name: str, value: Any, entry: TensorInfo, strict: bool, staged: list) -> ReadRequest:
+    """The request filling ``value``, the state dict's leaf named ``name``, from the saved ``entry``."""
+    piece = to_piece(name, value)
     if piece.shape != entry.shape:
         raise IncompatibleCheckpointError(f"tensor {name!r}: the checkpoint holds shape {list(entry.shape)}, the "
                                           f"state dict expects {list(piece.shape)}")
@@ -120,7 +117,7 @@ def _match_leaves(saved: dict[str, Any], wanted: list[tuple[Path, Any]], root: A
                 f"{name!r}: the checkpoint holds {kinds[not isinstance(stored, TensorRef)]}, the state dict "
                 f"{kinds[not is_tensor_like(value)]}")
         elif isinstance(stored, TensorRef):
-            out.requests.append(_request(path, value, tensors[stored.name], strict, out.staged, name))
+            out.requests.append(_request(name, value, tensors[stored.name], strict, out.staged))
         else:
             out.values.append((root, path[skip:], stored))
     return missing, unexpected + sorted(set(saved) - names)

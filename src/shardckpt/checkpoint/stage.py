@@ -45,7 +45,8 @@ from shardckpt.checkpoint.device_slices import keeps_on_device
 from shardckpt.checkpoint.save_plan import PieceInfo
 from shardckpt.dist.group import Failure, attempt, resolve_group
 from shardckpt.errors import UnsupportedValueError
-from shardckpt.format.tree import Path, check_savable_depth, encode, leaves, path_name
+from shardckpt.format.tree import Path, check_savable_depth, encode, leaf_groups, path_name
+from shardckpt.format.validate import first_repeat
 from shardckpt.gc_pause import gc_paused
 from shardckpt.sharded_tensor import PerRank
 from shardckpt.tensor_views import as_bytes
@@ -148,7 +149,7 @@ def _stage(state_dict: dict, rank: int, metadata: dict | None, copy: bool,
         else:
             data, shares = (buffers.copy_in(piece.name, piece.data), False) if buffers is not None else \
                 host_tensor(piece.data, copy)
-        host[piece.name] = LocalPiece(piece.name, piece.path, data, piece.shape, piece.region, piece.replicated,
+        host[piece.name] = LocalPiece(piece.name, data, piece.shape, piece.region, piece.replicated,
                                       piece.owner)
         if shares:
             aliased.add(piece.name)
@@ -271,14 +272,14 @@ def check_storable(name: str, t: torch.Tensor) -> None:
 
 def check_unique_names(state_dict: dict, rank: int = 0) -> None:
     """Loads match entries by their keys joined with '.', so two entries may not share that name (this rank's
-    ``PerRank`` values named as stored: ``rng.<rank>...``)."""
+    ``PerRank`` values named as stored: ``rng.<rank>...``). Checked a container's leaves at a time."""
     seen: set[str] = set()
-    for leaf_path, value in leaves(state_dict, is_saved_leaf):
-        names = [path_name(leaf_path)]
-        if isinstance(value, PerRank):
-            names += [path_name(p) for p, _ in per_rank_leaves(leaf_path, value, rank)]
-        for name in names:
-            if name in seen:
-                raise UnsupportedValueError(f"two state-dict entries are both named {name!r} once their keys are "
-                                            "joined with '.' (e.g. a key 'a.b' beside 'a' -> 'b'); rename one")
-            seen.add(name)
+    for names, values in leaf_groups(state_dict, is_saved_leaf):
+        for i in [i for i, v in enumerate(values) if isinstance(v, PerRank)]:
+            path = tuple(names[i].split("."))  # (only for the names: path_name joins the same parts)
+            names += [path_name(p) for p, _ in per_rank_leaves(path, values[i], rank)]
+        if not seen.isdisjoint(names) or len(set(names)) != len(names):
+            raise UnsupportedValueError(f"two state-dict entries are both named {first_repeat([*seen, *names])!r} "
+                                        "once their keys are joined with '.' (e.g. a key 'a.b' beside 'a' -> 'b'); "
+                                        "rename one")
+        seen.update(names)

@@ -71,7 +71,7 @@ def unit_piece(piece: LocalPiece, unit: Region) -> UnitPiece:
         start = flat_bounds(piece.region, piece.shape)[0]
         lo, hi = flat_bounds(unit, piece.shape)
         view = data.reshape(-1)[lo - start:hi - start]
-    return UnitPiece(piece.name, piece.path, view, piece.shape, unit, piece.replicated, piece.owner)
+    return UnitPiece(piece.name, view, piece.shape, unit, piece.replicated, piece.owner)
 
 
 def unit_bytes_of(piece: UnitPiece) -> torch.Tensor:

@@ -224,7 +224,7 @@ def _local_piece(item: Any, data: Any) -> LocalPiece:
     region = _region(tuple(td.chunk.offsets), sizes)
     if isinstance(region, FlatRange):
         host = host.reshape(-1)[:0]
-    return LocalPiece(name, (name,), host, shape, region, replicated=False)
+    return LocalPiece(name, host, shape, region, replicated=False)
 
 
 def _plain_value(fqn: str, data: Any) -> Any:

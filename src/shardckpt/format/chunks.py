@@ -5,6 +5,7 @@ claim before anything loops over chunks.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Sequence, Union
 
@@ -109,7 +110,7 @@ def compact_chunks(regions: Sequence[Region], files: Sequence[int], shape: Seque
     numel = math.prod(shape)
     if len(regions) == 1 and type(regions[0]) is FlatRange and regions[0].start == 0 and regions[0].stop == numel \
             and numel:  # a whole tensor in one chunk (most tensors of a save): what the general path returns
-        return RegularChunks(numel, 1, (files[0], 1), True)
+        return _whole(numel, files[0])
     flat = [canonical(r, shape) for r in regions]
     if flat and all(isinstance(r, FlatRange) for r in flat):
         size = flat[0].numel
@@ -117,6 +118,13 @@ def compact_chunks(regions: Sequence[Region], files: Sequence[int], shape: Seque
                 all(r.start == i * size and r.stop == min(r.start + size, numel) for i, r in enumerate(flat)):
             return regular_chunks(size, files)
     return ExplicitChunks(tuple(flat), tuple(files))
+
+
+@functools.lru_cache(maxsize=4096)
+def _whole(numel: int, file: int) -> RegularChunks:
+    """One chunk of ``numel`` elements in ``file``: made once per distinct pair (a save of many small tensors of a
+    few shapes commits them with 0.2 us per tensor here, not 1 us; the record is immutable, so it is shared)."""
+    return RegularChunks(numel, 1, (file, 1), True)
 
 
 def regular_chunks(size: int, files: Sequence[int]) -> RegularChunks:

@@ -11,7 +11,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 import torch
 
@@ -24,10 +24,11 @@ from shardckpt.format.codecs import MAX_RATIO
 from shardckpt.format.dtypes import DTYPES, dtype_from_name, dtype_name, itemsize
 from shardckpt.format.index import MIN_ROW_BYTES
 from shardckpt.format.tensor_table import check_form, read_table, table_to_json
-from shardckpt.format.tree import TensorRef, compact_tensor_dicts, decode, leaves, path_name
+from shardckpt.format.tree import TensorRef, compact_tensor_dicts, decode, leaf_groups
 from shardckpt.format.validate import (
     MAX_NUMEL,
     check_fields,
+    first_repeat,
     check_relative_path,
     get_field,
     get_int,
@@ -172,6 +173,13 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     return _manifest_from_doc(doc, version, where)
 
 
+def check_manifest(data: bytes, where: str) -> None:
+    """Raise as ``parse_manifest`` would, without making the entry of each tensor of a v6 table (its columns and
+    forms are checked all the same): a commit checks the manifest it is about to write."""
+    doc, version = _sealed_doc(data, where)
+    _manifest_from_doc(doc, version, where, entries=False)
+
+
 def manifest_generation(data: bytes, where: str) -> str:
     """The generation a manifest names (a save that replaces a checkpoint removes that data directory after its
     commit). A sealed manifest's (v2 on) is read from its checked header alone, its tensors and tree not parsed (100k
@@ -209,7 +217,7 @@ def _generation(doc: dict, where: str) -> str:
     return generation
 
 
-def _manifest_from_doc(doc: dict, version: int, where: str) -> Manifest:
+def _manifest_from_doc(doc: dict, version: int, where: str, entries: bool = True) -> Manifest | None:
     strict = version >= 2
     generation = _generation(doc, where)
     pool = check_pool_field(doc, version, where)
@@ -226,7 +234,7 @@ def _manifest_from_doc(doc: dict, version: int, where: str) -> Manifest:
         raise CorruptCheckpointError(f"{where}: 'tensors' must be an object")
     stored = sum(f.size for f in files)
     if version >= TABLE_VERSION:
-        tensors = _tensors_from_table(tensors_doc, files, stored, version, where)
+        tensors = _tensors_from_table(tensors_doc, files, stored, version, where, entries)
     else:
         checked = _Checked(files, stored, version)
         tensors = {name: checked.entry(name, t, where) for name, t in tensors_doc.items()}
@@ -243,20 +251,25 @@ def _manifest_from_doc(doc: dict, version: int, where: str) -> Manifest:
     created_by = doc.get("created_by", "")
     if not isinstance(created_by, str):
         raise CorruptCheckpointError(f"{where}: 'created_by' must be a string")
-    return Manifest(world_size=int_field(doc, "world_size", where, 1, MAX_WORLD_SIZE),
-                    generation=generation, tree=tree, tensors=tensors, files=files, metadata=metadata,
+    world_size = int_field(doc, "world_size", where, 1, MAX_WORLD_SIZE)
+    if not entries:
+        return None
+    return Manifest(world_size=world_size, generation=generation, tree=tree, tensors=tensors, files=files, metadata=metadata,
                     created_by=created_by, version=version, checksummed=strict, pool=pool)
 
 
-def _tensors_from_table(doc: dict, files: list[FileEntry], stored: int, version: int,
-                        where: str) -> dict[str, TensorEntry]:
+def _tensors_from_table(doc: dict, files: list[FileEntry], stored: int, version: int, where: str,
+                        entries: bool = True) -> dict[str, TensorEntry] | list[str]:
     """A v6 manifest's tensor table (``format.tensor_table``): each form checked once, as the entry of the first
-    tensor that has it (errors name that tensor), then an entry per tensor sharing its form's checked parts."""
+    tensor that has it (errors name that tensor), then an entry per tensor sharing its form's checked parts
+    (without ``entries``: the names alone)."""
     names, crcs, form_of, forms = read_table(doc, where)
     first = dict(zip(reversed(form_of), reversed(names)))  # form -> its first tensor (earlier ones overwrite later)
     checked = [_tensor_from_json(first[i], check_form(form, f"{where} tensors.forms[{i}]"), files, stored, version,
                                  f"{where} tensor {first[i]!r} (tensors.forms[{i}])")
                for i, form in enumerate(forms)]
+    if not entries:
+        return names
     return {name: TensorEntry(name, e.dtype, e.shape, crc, e.chunks)
             for name, crc, e in zip(names, crcs, map(checked.__getitem__, form_of))}
 
@@ -438,23 +451,29 @@ def _check_claims(entry: TensorEntry, files: list[FileEntry], stored: int, versi
     return entry
 
 
-def check_tree(tree: Any, tensors: dict[str, TensorEntry], strict: bool, where: str) -> None:
-    """Every tensor referenced once, and every leaf's dotted name unique (loads match leaves by that name)."""
+_REFS_ONLY = frozenset((TensorRef,))
+
+
+def check_tree(tree: Any, tensors: Collection[str], strict: bool, where: str) -> None:
+    """Every tensor referenced once, and every leaf's dotted name unique (loads match leaves by that name).
+    ``tensors``: the names of the manifest's tensors. Checked a container's leaves at a time (``leaf_groups``)."""
     seen: set[str] = set()
     refs: set[str] = set()
-    for leaf_path, leaf in leaves(tree, lambda v: type(v) is TensorRef):
-        name = path_name(leaf_path)
-        if name in seen:
+    for names, values in leaf_groups(tree, lambda v: type(v) is TensorRef):
+        if not seen.isdisjoint(names) or len(set(names)) != len(names):
+            name = first_repeat([*seen, *names])
             raise CorruptCheckpointError(f"{where}: two entries of the state-dict tree are both named {name!r}")
-        seen.add(name)
-        if type(leaf) is not TensorRef:
-            continue
-        if strict and leaf.name != name:
-            raise CorruptCheckpointError(f"{where}: the tensor at {name!r} is named {leaf.name!r} (a tensor is "
-                                         "named by its path)")
-        if leaf.name in refs:
+        seen.update(names)
+        every = _REFS_ONLY.issuperset(map(type, values))  # the common group: a dict of tensors
+        named = [v.name for v in values] if every else [v.name for v in values if type(v) is TensorRef]
+        at = names if every else [name for name, v in zip(names, values) if type(v) is TensorRef]
+        if strict and named != at:
+            name, ref = next((name, ref) for name, ref in zip(at, named) if name != ref)
+            raise CorruptCheckpointError(f"{where}: the tensor at {name!r} is named {ref!r} (a tensor is named by "
+                                         "its path)")
+        if not refs.isdisjoint(named) or len(set(named)) != len(named):
             raise CorruptCheckpointError(f"{where}: a tensor is referenced twice in the tree")
-        refs.add(leaf.name)
+        refs.update(named)
     if len(refs) != len(tensors) or not refs.issuperset(tensors):
         missing = sorted(refs ^ set(tensors))[:5]
         raise CorruptCheckpointError(f"{where}: tree and tensor table disagree on {missing}")

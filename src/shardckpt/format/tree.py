@@ -32,6 +32,7 @@ Path = tuple[Any, ...]
 _SCALARS = (type(None), bool, int, str)
 _KEY_TYPES = (type(None), bool, int, float, str)
 _CONTAINERS = (dict, list, tuple)
+_STR_ONLY = frozenset((str,))
 _NESTING = (*_CONTAINERS, PerRank)  # what counts towards the depth limit
 MAX_DEPTH = 100  # levels of containers; real state dicts use fewer than 10
 
@@ -92,6 +93,34 @@ def leaves(obj: Any, is_tensor: Callable[[Any], bool], path: Path = ()) -> Itera
             yield from leaves(value, is_tensor, path + (key,))
         else:  # a leaf yielded here, not by a generator of its own (a flat dict of 100k tensors: 100k fewer frames)
             yield path + (key,), value
+
+
+def leaf_groups(obj: Any, is_tensor: Callable[[Any], bool], path: Path = ()) -> Iterator[tuple[list[str], list]]:
+    """The leaves of ``leaves``, in its order, with their dotted names (``path_name``), a run of a container's direct
+    leaves at once: ``(names, values)`` per group. A flat dict of 100k tensors is one group, its names made in one comprehension
+    (checks of unique names then run in C over a group, not per leaf in Python)."""
+    kids = _children(obj)
+    if kids is None or is_tensor(obj) or (path and not contains(obj, is_tensor)):
+        yield [path_name(path)], [obj]
+        return
+    keys, values = (list(obj), list(obj.values())) if isinstance(obj, dict) else (range(len(obj)), list(obj))
+    prefix = path_name(path) + "." if path else ""
+    if isinstance(obj, dict) and _STR_ONLY.issuperset(map(type, keys)):
+        names = list(keys) if not prefix else [prefix + k for k in keys]
+    else:
+        names = [prefix + str(k) for k in keys]
+    nested = [i for i, v in enumerate(values) if isinstance(v, _CONTAINERS) and not is_tensor(v)]
+    if not nested:
+        yield names, values
+        return
+    start = 0  # runs of direct leaves between the nested containers: the leaves come in the order of ``leaves``
+    for i in nested:
+        if i > start:
+            yield names[start:i], values[start:i]
+        yield from leaf_groups(values[i], is_tensor, path + (keys[i],))
+        start = i + 1
+    if start < len(values):
+        yield names[start:], values[start:]
 
 
 def contains(obj: Any, is_tensor: Callable[[Any], bool]) -> bool:
@@ -169,7 +198,9 @@ def encode(obj: Any, is_tensor: Callable[[Any], bool], path: Path = (), per_rank
         return {"$tuple": [encode(v, is_tensor, path + (i,), per_rank) for i, v in enumerate(obj)]}
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("$") for k in obj):
-            return {k: encode(v, is_tensor, path + (k,), per_rank) for k, v in obj.items()}
+            prefix = path_name(path) + "." if path else ""  # a tensor's entry made here: no call per tensor
+            return {k: {"$tensor": prefix + k} if is_tensor(v) else encode(v, is_tensor, path + (k,), per_rank)
+                    for k, v in obj.items()}
         for k in obj:
             if not isinstance(k, _KEY_TYPES):
                 raise UnsupportedValueError(
