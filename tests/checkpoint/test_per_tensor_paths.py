@@ -457,3 +457,46 @@ def test_a_damaged_v1_manifest_replaced_on_an_object_store_keeps_its_data_for_gc
     assert fs.exists(f"{root}/data-{generation}")
     assert torch.equal(shardckpt.load_full(f"memory://{root}")["w"], torch.zeros(3))
     fs.rm(root, recursive=True)
+
+
+@pytest.mark.parametrize("fault", ["row missing", "row too short", "row of another tensor"])
+def test_a_v6_checkpoints_whole_tensor_rows_are_checked_before_allocating(tmp_path, fault):
+    """A table checkpoint's whole-tensor chunks (check_stored's fast path) against rows edited in the index (its size
+    and checksum resealed in the manifest): refused, naming the file, tensor and chunk."""
+    from shardckpt.format.checksum import crc32c
+    from tests.storage._util import manifest_doc, sealed
+
+    state = {f"t{i}": torch.full((3,), float(i)) for i in range(1100)}
+    path = tmp_path / "c"
+    shardckpt.save(state, str(path))
+    manifest = manifest_doc((path / "manifest.json").read_bytes())
+    assert manifest["version"] == 6
+    entry = manifest["files"][0]
+    index_path = path / entry["index"]["path"]
+    index = json.loads(index_path.read_bytes())
+    rows = index["chunks"]
+    victim, other = rows[5][0], rows[6][0]
+    if fault == "row missing":
+        del rows[5]
+    elif fault == "row too short":
+        rows[5][3] = 8
+    else:
+        rows[5][0], rows[6][0] = rows[6][0], rows[5][0]  # two tensors' rows swapped: same lengths, other names
+    data = json.dumps(index, separators=(",", ":")).encode()
+    index_path.write_bytes(data)
+    entry["index"]["size"], entry["index"]["crc32c"] = len(data), crc32c(data)
+    (path / "manifest.json").write_bytes(sealed(manifest))
+    if fault == "row of another tensor":  # the rows are sound; the data is not theirs: the checksums say so
+        with pytest.raises(CorruptCheckpointError, match=f"tensor '({victim}|{other})': its chunks combine"):
+            shardckpt.load_full(str(path))
+        return
+    expected = "is missing from the file's index" if fault == "row missing" else "has 8 bytes, its region needs 12"
+    with pytest.raises(CorruptCheckpointError, match=f"tensor '{victim}' chunk 0 {expected}"):
+        shardckpt.load_full(str(path))
+    from shardckpt.formats.native import NativeReader, read_manifest
+    from shardckpt.io.local import LocalStorage
+
+    storage = LocalStorage(str(path))
+    reader = NativeReader(storage, read_manifest(storage))
+    with pytest.raises(CorruptCheckpointError, match=f"tensor '{victim}' chunk 0 {expected}"):
+        reader.check_stored(list(state))  # (what a load runs before it allocates a byte)

@@ -27,6 +27,7 @@ from shardckpt.io.local import one_thread_suits
 from shardckpt.format.checksum import crc32c
 from shardckpt.format.codecs import ZSTD_PLANES
 from shardckpt.format.dtypes import itemsize
+from shardckpt.format.chunks import RegularChunks
 from shardckpt.format.index import ChunkRecord, parse_index
 from shardckpt.format.manifest import (
     COMPRESSED_VERSION, MANIFEST_NAME, FileEntry, Manifest, TensorEntry, chunks_of, min_stored_bytes,
@@ -111,12 +112,21 @@ def check_stored(storage: Storage, manifest: Manifest, names: Iterable[str], ind
     checked too: the rows of a file fit in it, and each frame is no smaller than zstd could make it. ``indexes``:
     the reader's, which keeps the indexes read here for its reads (``io_threads`` read them)."""
     entries = [manifest.tensors[name] for name in names]
-    used = {entry.name: entry.chunks.files_used() for entry in entries}  # bounded by the number of files
+    # The tensors of one form (format v6's table) share their chunks object: what follows from it is found once.
+    used: dict[int, set[int]] = {}  # id(chunks) -> the files it places chunks in (bounded by the number of files)
+    for entry in entries:
+        if id(entry.chunks) not in used:
+            used[id(entry.chunks)] = entry.chunks.files_used()
     files = sorted(set().union(*used.values()))
     for f in files:
         check_data_file(storage, manifest.files[f])
+    nbytes: dict[tuple, int] = {}  # (dtype, shape, id(chunks)) -> bytes, for each form once
     for entry in entries:
-        held = sum(manifest.files[f].size for f in used[entry.name])
+        form = (entry.dtype, entry.shape, id(entry.chunks))
+        if form in nbytes:
+            continue
+        nbytes[form] = entry.nbytes
+        held = sum(manifest.files[f].size for f in used[id(entry.chunks)])
         if min_stored_bytes(entry, manifest.version) > held:
             raise CorruptCheckpointError(f"{storage.url(MANIFEST_NAME)}: tensor {entry.name!r} claims "
                                          f"{entry.nbytes} bytes in {len(entry.chunks)} chunks, which its data "
@@ -124,6 +134,12 @@ def check_stored(storage: Storage, manifest: Manifest, names: Iterable[str], ind
     if manifest.version >= COMPRESSED_VERSION:
         found = (indexes or Indexes(storage, manifest)).of(set(files), io_threads)
         for entry in entries:
+            chunks = entry.chunks
+            if type(chunks) is RegularChunks and chunks.count == 1:  # a tensor stored whole: the common row
+                rec = found[chunks.file(0)].get((entry.name, 0))
+                if rec is not None and rec.codec != ZSTD_PLANES and \
+                        rec.length == nbytes[(entry.dtype, entry.shape, id(chunks))]:
+                    continue  # (what record_problem finds of it; anything else is named below)
             for i, region, f in chunks_of(entry):
                 problem = record_problem(found[f].get((entry.name, i)), entry, region)
                 if problem:
