@@ -10,7 +10,7 @@ import pytest
 
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format.manifest import check_tree
-from shardckpt.format.tree import PerRankValues, TensorRef, leaf_groups, leaves, path_name
+from shardckpt.format.tree import PerRankValues, TensorRef, leaf_groups, leaf_path, leaves, path_name
 
 
 def _is_ref(v) -> bool:
@@ -21,8 +21,8 @@ def _reference_check_tree(tree, tensors, strict: bool) -> None:
     """The walk ``check_tree`` made before it checked a container's leaves at once (the oracle)."""
     seen: set[str] = set()
     refs: set[str] = set()
-    for leaf_path, leaf in leaves(tree, _is_ref):
-        name = path_name(leaf_path)
+    for at, leaf in leaves(tree, _is_ref):
+        name = path_name(at)
         if name in seen:
             raise CorruptCheckpointError("both named")
         seen.add(name)
@@ -83,7 +83,10 @@ def test_leaf_groups_are_the_leaves_under_their_names() -> None:
 def _same_leaves(rng: random.Random) -> None:
     tree = {"root": _tree(rng, ("root",), 0, 0.0), **{f"t{i}": TensorRef(f"t{i}") for i in range(rng.randint(0, 3))}}
     expected = [(path_name(p), id(v)) for p, v in leaves(tree, _is_ref)]
-    got = [(name, id(v)) for names, values in leaf_groups(tree, _is_ref) for name, v in zip(names, values)]
+    got = [(name, id(v)) for _, _, names, values in leaf_groups(tree, _is_ref) for name, v in zip(names, values)]
+    paths = [leaf_path(parent, keys, i) for parent, keys, names, _ in leaf_groups(tree, _is_ref)
+             for i in range(len(names))]
+    assert paths == [p for p, _ in leaves(tree, _is_ref)]
     assert got == expected
 
 
@@ -119,7 +122,7 @@ def _faults_in_walk(tree, strict: bool) -> bool:
 def test_a_flat_dict_of_many_tensors_is_one_group() -> None:
     tree = {f"layer{i}.w": TensorRef(f"layer{i}.w") for i in range(1000)}
     groups = list(leaf_groups(tree, _is_ref))
-    assert len(groups) == 1 and groups[0][0] == list(tree)
+    assert len(groups) == 1 and groups[0][2] == list(tree)
     check_tree(tree, dict.fromkeys(tree), True, "m")
 
 
@@ -134,3 +137,47 @@ def test_errors_name_the_entry(tree, message: str) -> None:
     names = set(_ref_names(tree)) | ({"m.z"} if "m.z" in message else set())
     with pytest.raises(CorruptCheckpointError, match=message):
         check_tree(tree, names, True, "m")
+
+
+@pytest.mark.parametrize("root", [TensorRef(""), 3, PerRankValues([TensorRef("0")]), []])
+def test_a_root_that_is_a_leaf_is_one_run_at_the_empty_path(root) -> None:
+    runs = list(leaf_groups(root, _is_ref if not isinstance(root, PerRankValues) else lambda v: True))
+    expected = list(leaves(root, _is_ref if not isinstance(root, PerRankValues) else lambda v: True))
+    assert [(leaf_path(p, k, i), v) for p, k, names, values in runs for i, v in enumerate(values)] == expected
+
+
+class _SortedKeys(dict):
+    """A dict subclass whose iteration (keys) is sorted but whose values() is in insertion order."""
+
+    def __iter__(self):
+        return iter(sorted(super().keys()))
+
+    def keys(self):
+        return sorted(super().keys())
+
+    def items(self):
+        return [(k, self[k]) for k in sorted(super().keys())]
+
+
+class _ReversedValues(dict):
+    def values(self):
+        return list(reversed(list(super().values())))
+
+
+@pytest.mark.parametrize("kind", [_SortedKeys, _ReversedValues])
+def test_a_dict_subclass_whose_iteration_orders_differ_keeps_each_tensor_under_its_key(tmp_path, kind) -> None:
+    import torch
+
+    import shardckpt
+
+    inner = kind()
+    inner["b"], inner["a"] = torch.tensor([1.0, 2.0]), torch.tensor([7.0, 8.0])
+    runs = list(leaf_groups({"m": inner}, lambda v: isinstance(v, torch.Tensor)))
+    assert [(n, v.tolist()) for _, _, names, values in runs for n, v in zip(names, values)] == \
+        [(f"m.{k}", v.tolist()) for k, v in inner.items()]
+    shardckpt.save({"m": inner}, str(tmp_path / "c"))
+    back = shardckpt.load_full(str(tmp_path / "c"))
+    assert back["m"]["a"].tolist() == [7.0, 8.0] and back["m"]["b"].tolist() == [1.0, 2.0]
+    target = {"m": {"a": torch.zeros(2), "b": torch.zeros(2)}}
+    shardckpt.load(target, str(tmp_path / "c"))
+    assert target["m"]["a"].tolist() == [7.0, 8.0] and target["m"]["b"].tolist() == [1.0, 2.0]

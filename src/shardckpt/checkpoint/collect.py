@@ -10,7 +10,7 @@ import torch
 from shardckpt.errors import UnsupportedValueError
 from shardckpt.regions import Box, FlatRange, Region, canonical, full_region
 from shardckpt.sharded_tensor import PerRank, ShardedTensor
-from shardckpt.format.tree import Path, holds_per_rank, leaf_groups, leaves, path_name
+from shardckpt.format.tree import Path, holds_per_rank, leaf_groups, leaf_path, leaves, path_name
 from shardckpt.records import record
 
 try:
@@ -33,10 +33,10 @@ def per_rank_leaves(path: Path, value: PerRank, rank: int) -> list[tuple[Path, A
     """The leaves of this rank's ``PerRank`` value at ``path``, with their stored paths (``path + (rank,)``).
     Its tensors are whole tensors of this rank."""
     found = list(leaves(value.value, is_tensor_like, path + (rank,)))
-    for leaf_path, leaf in found:
+    for found_path, leaf in found:
         if isinstance(leaf, ShardedTensor) or (DTensor and isinstance(leaf, DTensor)):
             raise UnsupportedValueError(f"{path_name(path)!r}: a PerRank holds this rank's whole tensors, not a "
-                                        f"{type(leaf).__name__} ({path_name(leaf_path)!r})")
+                                        f"{type(leaf).__name__} ({path_name(found_path)!r})")
         if holds_per_rank(leaf):
             raise UnsupportedValueError(f"{path_name(path)!r}: a PerRank may not hold per-rank values")
     return found
@@ -103,10 +103,10 @@ def local_pieces(state_dict: Any, rank: int = 0,
     if not isinstance(state_dict, dict):
         raise UnsupportedValueError(f"a state dict must be a dict, got {type(state_dict).__name__}")
     out = []
-    for names, values in leaf_groups(state_dict, is_saved_leaf):
-        for name, v in zip(names, values):
+    for parent, keys, names, values in leaf_groups(state_dict, is_saved_leaf):
+        for i, (name, v) in enumerate(zip(names, values)):
             if isinstance(v, PerRank):
-                own = [(path_name(p), t) for p, t in per_rank_leaves(tuple(name.split(".")), v, rank)
+                own = [(path_name(p), t) for p, t in per_rank_leaves(leaf_path(parent, keys, i), v, rank)
                        if is_tensor_like(t)]
                 for n, t in own if check is not None else ():
                     check(n, t)

@@ -11,7 +11,7 @@ import torch
 
 from shardckpt.checkpoint.collect import is_saved_leaf, is_tensor_like, to_piece
 from shardckpt.errors import IncompatibleCheckpointError, key_mismatch
-from shardckpt.format.tree import Path, PerRankValues, TensorRef, leaves, path_name, set_at
+from shardckpt.format.tree import Path, PerRankValues, TensorRef, leaf_groups, leaf_path, leaves, path_name, set_at
 from shardckpt.formats.api import ReadRequest, TensorInfo
 from shardckpt.sharded_tensor import PerRank
 from shardckpt.tensor_views import copy_into
@@ -85,23 +85,26 @@ def match(tree: Any, tensors: Mapping[str, TensorInfo], state_dict: dict, strict
     ``tree`` and ``tensors`` are a reader's (``CheckpointReader.tree()``/``tensors()``; for shardckpt's own
     format the manifest's tree and entries, which have the same fields)."""
     out = Matched([], [], [])
-    saved = {path_name(p): v for p, v in leaves(tree, _is_stored_leaf)}
-    missing, unexpected = _match_leaves(saved, list(leaves(state_dict, is_saved_leaf)), state_dict, 0, tensors,
-                                        strict, rank, out)
+    saved: dict[str, Any] = {}
+    for _, _, names, values in leaf_groups(tree, _is_stored_leaf):
+        saved.update(zip(names, values))
+    wanted = [(leaf_path(parent, keys, i), name, value)
+              for parent, keys, names, values in leaf_groups(state_dict, is_saved_leaf)
+              for i, (name, value) in enumerate(zip(names, values))]
+    missing, unexpected = _match_leaves(saved, wanted, state_dict, 0, tensors, strict, rank, out)
     if strict and (missing or unexpected):
         raise key_mismatch("state dict and checkpoint do not match (missing: in the state dict, not the "
                            "checkpoint)", missing, unexpected, "Pass strict=False to load the keys both have.")
     return out
 
 
-def _match_leaves(saved: dict[str, Any], wanted: list[tuple[Path, Any]], root: Any, skip: int,
+def _match_leaves(saved: dict[str, Any], wanted: list[tuple[Path, str, Any]], root: Any, skip: int,
                   tensors: Mapping[str, TensorInfo], strict: bool, rank: int, out: Matched) -> tuple[list, list]:
-    """Match ``wanted`` leaves (paths from the top; ``root`` holds them below the first ``skip`` keys) to the
-    ``saved`` leaves by name; returns the names missing and unexpected."""
+    """Match ``wanted`` leaves (``(path, name, value)``, paths from the top; ``root`` holds them below the first
+    ``skip`` keys) to the ``saved`` leaves by name; returns the names missing and unexpected."""
     missing, unexpected = [], []
     names = set()
-    for path, value in wanted:
-        name = path_name(path)
+    for path, name, value in wanted:
         names.add(name)
         if name not in saved:
             missing.append(name)
@@ -141,5 +144,5 @@ def _match_per_rank(path: Path, value: Any, stored: Any, tensors: Mapping[str, T
         return [], []
     mine = path + (rank,)
     saved = {path_name(p): v for p, v in leaves(stored[rank], lambda v: isinstance(v, TensorRef), mine)}
-    return _match_leaves(saved, list(leaves(value.value, is_tensor_like, mine)), value, len(mine), tensors, strict,
-                         rank, out)
+    wanted = [(p, path_name(p), v) for p, v in leaves(value.value, is_tensor_like, mine)]
+    return _match_leaves(saved, wanted, value, len(mine), tensors, strict, rank, out)

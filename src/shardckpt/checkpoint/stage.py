@@ -45,7 +45,7 @@ from shardckpt.checkpoint.device_slices import keeps_on_device
 from shardckpt.checkpoint.save_plan import PieceInfo
 from shardckpt.dist.group import Failure, attempt, resolve_group
 from shardckpt.errors import UnsupportedValueError
-from shardckpt.format.tree import Path, check_savable_depth, encode, leaf_groups, path_name
+from shardckpt.format.tree import Path, check_savable_depth, encode, leaf_groups, leaf_path, path_name
 from shardckpt.format.validate import first_repeat
 from shardckpt.gc_pause import gc_paused
 from shardckpt.sharded_tensor import PerRank
@@ -274,10 +274,9 @@ def check_unique_names(state_dict: dict, rank: int = 0) -> None:
     """Loads match entries by their keys joined with '.', so two entries may not share that name (this rank's
     ``PerRank`` values named as stored: ``rng.<rank>...``). Checked a container's leaves at a time."""
     seen: set[str] = set()
-    for names, values in leaf_groups(state_dict, is_saved_leaf):
+    for parent, keys, names, values in leaf_groups(state_dict, is_saved_leaf):
         for i in [i for i, v in enumerate(values) if isinstance(v, PerRank)]:
-            path = tuple(names[i].split("."))  # (only for the names: path_name joins the same parts)
-            names += [path_name(p) for p, _ in per_rank_leaves(path, values[i], rank)]
+            names += [path_name(p) for p, _ in per_rank_leaves(leaf_path(parent, keys, i), values[i], rank)]
         if not seen.isdisjoint(names) or len(set(names)) != len(names):
             raise UnsupportedValueError(f"two state-dict entries are both named {first_repeat([*seen, *names])!r} "
                                         "once their keys are joined with '.' (e.g. a key 'a.b' beside 'a' -> 'b'); "

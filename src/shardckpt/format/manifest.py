@@ -459,7 +459,7 @@ def check_tree(tree: Any, tensors: Collection[str], strict: bool, where: str) ->
     ``tensors``: the names of the manifest's tensors. Checked a container's leaves at a time (``leaf_groups``)."""
     seen: set[str] = set()
     refs: set[str] = set()
-    for names, values in leaf_groups(tree, lambda v: type(v) is TensorRef):
+    for _, _, names, values in leaf_groups(tree, lambda v: type(v) is TensorRef):
         if not seen.isdisjoint(names) or len(set(names)) != len(names):
             name = first_repeat([*seen, *names])
             raise CorruptCheckpointError(f"{where}: two entries of the state-dict tree are both named {name!r}")

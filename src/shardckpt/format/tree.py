@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from shardckpt.errors import CorruptCheckpointError, UnsupportedValueError
 from shardckpt.format.validate import first_repeat
@@ -95,32 +95,42 @@ def leaves(obj: Any, is_tensor: Callable[[Any], bool], path: Path = ()) -> Itera
             yield path + (key,), value
 
 
-def leaf_groups(obj: Any, is_tensor: Callable[[Any], bool], path: Path = ()) -> Iterator[tuple[list[str], list]]:
-    """The leaves of ``leaves``, in its order, with their dotted names (``path_name``), a run of a container's direct
-    leaves at once: ``(names, values)`` per group. A flat dict of 100k tensors is one group, its names made in one comprehension
-    (checks of unique names then run in C over a group, not per leaf in Python)."""
+def leaf_groups(obj: Any, is_tensor: Callable[[Any], bool], path: Path = ()
+                ) -> Iterator[tuple[Path, Sequence, list[str], list]]:
+    """The leaves of ``leaves``, in its order, a run of one container's direct leaves at a time:
+    ``(parent, keys, names, values)``, leaf ``i`` at ``leaf_path(parent, keys, i)`` with dotted name ``names[i]``
+    (``path_name``); a root that is itself a leaf comes as ``((), (), [""], [obj])``. A flat dict of 100k tensors is one run, its names made in one comprehension (checks of unique
+    names then run in C over a run, not per leaf in Python)."""
     kids = _children(obj)
     if kids is None or is_tensor(obj) or (path and not contains(obj, is_tensor)):
-        yield [path_name(path)], [obj]
+        yield path[:-1], path[-1:], [path_name(path)], [obj]  # (the root: ``(), ()``)
         return
-    keys, values = (list(obj), list(obj.values())) if isinstance(obj, dict) else (range(len(obj)), list(obj))
+    if type(obj) is dict:  # (C-speed; a subclass may iterate its keys or values in another order than its items)
+        keys, values = list(obj), list(obj.values())
+    elif isinstance(obj, dict):
+        items = list(obj.items())  # what ``leaves`` and ``encode`` walk
+        keys, values = [k for k, _ in items], [v for _, v in items]
+    else:
+        values = list(obj)
+        keys = range(len(values))
     prefix = path_name(path) + "." if path else ""
     if isinstance(obj, dict) and _STR_ONLY.issuperset(map(type, keys)):
         names = list(keys) if not prefix else [prefix + k for k in keys]
     else:
         names = [prefix + str(k) for k in keys]
     nested = [i for i, v in enumerate(values) if isinstance(v, _CONTAINERS) and not is_tensor(v)]
-    if not nested:
-        yield names, values
-        return
     start = 0  # runs of direct leaves between the nested containers: the leaves come in the order of ``leaves``
-    for i in nested:
+    for i in [*nested, len(values)]:
         if i > start:
-            yield names[start:i], values[start:i]
-        yield from leaf_groups(values[i], is_tensor, path + (keys[i],))
+            yield path, keys[start:i], names[start:i], values[start:i]
+        if i < len(values):
+            yield from leaf_groups(values[i], is_tensor, path + (keys[i],))
         start = i + 1
-    if start < len(values):
-        yield names[start:], values[start:]
+
+
+def leaf_path(parent: Path, keys: Sequence, i: int) -> Path:
+    """The path of leaf ``i`` of a run of ``leaf_groups``."""
+    return parent + (keys[i],) if keys else parent
 
 
 def contains(obj: Any, is_tensor: Callable[[Any], bool]) -> bool:
