@@ -500,3 +500,86 @@ def test_a_v6_checkpoints_whole_tensor_rows_are_checked_before_allocating(tmp_pa
     reader = NativeReader(storage, read_manifest(storage))
     with pytest.raises(CorruptCheckpointError, match=f"tensor '{victim}' chunk 0 {expected}"):
         reader.check_stored(list(state))  # (what a load runs before it allocates a byte)
+
+
+def _table_states() -> list[dict]:
+    g = torch.Generator().manual_seed(7)
+    many = {f"layer{i // 8}.p{i % 8}": torch.randn(i % 5 + 1, 3, generator=g) for i in range(1100)}
+    odd = {"empty": torch.empty(0, 4), "scalar": torch.tensor(3.0), "big": torch.randn(70_000, generator=g),
+           "int": torch.arange(6, dtype=torch.int32).reshape(2, 3), "bf": torch.randn(5, generator=g).bfloat16()}
+    return [many, {**many, "extra": odd}]
+
+
+def _manifest_parts(path) -> tuple:
+    from tests.storage._util import manifest_doc
+
+    doc = manifest_doc((path / "manifest.json").read_bytes())
+    return doc["version"], doc["tensors"], doc["tree"]
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_the_commits_table_from_the_plan_is_the_table_of_its_entries(tmp_path, monkeypatch, which):
+    """``SavePlan.table`` (a whole one-chunk tensor's form found by dtype, shape and file) writes the manifest the
+    table of ``TensorEntry``s wrote (``table_to_json``), byte for byte in its tensors and tree."""
+    import shardckpt.checkpoint.commit as commit
+
+    state = _table_states()[which]
+    shardckpt.save(state, str(tmp_path / "direct"), files_per_rank=3)
+    monkeypatch.setattr(commit, "TABLE_VERSION", 1 << 30)  # the commit makes entries; to_bytes tables them
+    shardckpt.save(state, str(tmp_path / "entries"), files_per_rank=3)
+    direct, entries = _manifest_parts(tmp_path / "direct"), _manifest_parts(tmp_path / "entries")
+    assert direct[0] == 6 and direct == entries
+    assert_same = shardckpt.load_full(str(tmp_path / "direct"))
+    assert all(torch.equal(assert_same["extra"][k] if isinstance(v, dict) else assert_same[k], v)
+               for k, v in state.items() if not isinstance(v, dict))
+
+
+def _save_sharded_table(path: str) -> None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    from shardckpt import ShardedTensor
+
+    state = {f"w{i}": ShardedTensor(torch.full((5,), float(i * 10 + rank)), (10,), FlatRange(5 * rank, 5 * rank + 5))
+             for i in range(600)}
+    state.update({f"r{i}": torch.full((3,), float(i)) for i in range(600)})
+    shardckpt.save(state, path)
+
+
+def _save_sharded_entries(path: str) -> None:
+    import shardckpt.checkpoint.commit as commit
+
+    real, commit.TABLE_VERSION = commit.TABLE_VERSION, 1 << 30
+    try:
+        _save_sharded_table(path)
+    finally:
+        commit.TABLE_VERSION = real
+
+
+def test_the_commits_table_from_the_plan_holds_for_sharded_tensors_of_two_ranks(tmp_path):
+    from tests._dist import run_ranks
+
+    run_ranks(2, _save_sharded_table, str(tmp_path / "direct"))
+    run_ranks(2, _save_sharded_entries, str(tmp_path / "entries"))
+    direct, entries = _manifest_parts(tmp_path / "direct"), _manifest_parts(tmp_path / "entries")
+    assert direct[0] == 6 and direct == entries
+    back = shardckpt.load_full(str(tmp_path / "direct"))
+    assert back["w7"].tolist() == [70.0] * 5 + [71.0] * 5 and back["r3"].tolist() == [3.0] * 3
+
+
+def test_stage_keeps_a_plain_tensor_itself_and_detaches_what_autograd_tracks(tmp_path):
+    """A state_dict()'s plain tensor is staged as itself (its piece not made twice); a Parameter or a tensor that
+    requires grad is staged detached, sharing its memory; both save and load bit for bit."""
+    from shardckpt.checkpoint.save import stage
+
+    plain, param = torch.arange(6.0), torch.nn.Parameter(torch.arange(4.0))
+    grad = torch.arange(3.0).requires_grad_()
+    staged = stage({"plain": plain, "param": param, "grad": grad})
+    assert staged.pieces["plain"].data is plain
+    for name, t in (("param", param), ("grad", grad)):
+        data = staged.pieces[name].data
+        assert type(data) is torch.Tensor and not data.requires_grad and data.data_ptr() == t.data_ptr()
+    shardckpt.save({"plain": plain, "param": param, "grad": grad}, str(tmp_path / "c"))
+    back = shardckpt.load_full(str(tmp_path / "c"))
+    assert torch.equal(back["plain"], plain) and torch.equal(back["param"], param.detach())
+    assert torch.equal(back["grad"], grad.detach()) and param.requires_grad and grad.requires_grad

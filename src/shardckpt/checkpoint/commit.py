@@ -15,8 +15,8 @@ from shardckpt.dist.group import Failure, raise_failures
 from shardckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from shardckpt.format.checksum import xor_terms
 from shardckpt.format.dtypes import DTYPES
-from shardckpt.format.manifest import (MANIFEST_NAME, FileEntry, Manifest, TensorEntry, check_manifest,
-                                      manifest_generation, version_for)
+from shardckpt.format.manifest import (MANIFEST_NAME, TABLE_VERSION, FileEntry, Manifest, TensorEntry,
+                                      check_manifest, manifest_generation, version_for)
 from shardckpt.io import Storage, lifecycle
 
 
@@ -49,15 +49,17 @@ def commit(storage: Storage, save_plan: SavePlan, generation: str, results: list
             first_file[rank] = len(files)
             files.extend(result.files)
     crcs = xor_terms([result.crc_terms for result in results if result is not None])
-    tensors = {name: TensorEntry(name, DTYPES[tp.dtype], tp.shape, crcs.get(name, 0), tp.chunks(first_file))
-               for name, tp in save_plan.tensors.items()}
+    table = save_plan.table(first_file, crcs) if version >= TABLE_VERSION else None  # (made from the plan as it is)
+    tensors = {} if table is not None else \
+        {name: TensorEntry(name, DTYPES[tp.dtype], tp.shape, crcs.get(name, 0), tp.chunks(first_file))
+         for name, tp in save_plan.tensors.items()}
     if files:
         lifecycle(storage).sync_dir(data_dir(generation))
     previous = _previous_generation(storage)
     manifest = Manifest(world_size=len(results), generation=generation, tree=None, tensors=tensors,
                         files=files, metadata=metadata or {}, created_by=f"shardckpt {__version__}",
                         version=version)
-    data = manifest.to_bytes(encoded_tree)
+    data = manifest.to_bytes(encoded_tree, table)
     try:
         check_manifest(data, storage.url(MANIFEST_NAME))  # never commit what no load would read
     except CorruptCheckpointError as e:

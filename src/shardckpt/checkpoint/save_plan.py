@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 from shardckpt.checkpoint.collect import LocalPiece, region_from_key, region_key
 from shardckpt.errors import CheckpointError, UnsupportedValueError
-from shardckpt.regions import Region, check_tiling, flat_bounds, full_region
+from shardckpt.regions import FlatRange, Region, check_tiling, flat_bounds, full_region
 from shardckpt.format.dtypes import DTYPES, dtype_name, itemsize
-from shardckpt.format.chunks import Chunks, compact_chunks
+from shardckpt.format.chunks import Chunks, compact_chunks, whole_chunk
+from shardckpt.format.tensor_table import table_of
 from shardckpt.format.codecs import Compression
 from shardckpt.records import record
 
@@ -60,6 +61,26 @@ class SavePlan:
     tasks: list[list[WriteTask]]  # per rank
     files_per_rank: int
     compression: Compression | None = None
+
+    def table(self, first_file: dict[int, int], crcs: dict[str, int]) -> dict:
+        """The manifest's tensor table (format v6) of these tensors, their checksums ``crcs`` (by name; 0 if absent):
+        a tensor stored whole in one chunk (most of a save of many small tensors) finds its form by its dtype, shape
+        and file, without a chunk description or manifest entry of its own (``TensorPlan.chunks`` for the others)."""
+        keys: list[tuple] = []
+        for tp in self.tensors.values():
+            regions, file = tp.regions, first_file[tp.writers[0]] + tp.slot if tp.writers else None
+            if len(regions) == 1 and type(regions[0]) is FlatRange and regions[0].start == 0 and \
+                    regions[0].stop == math.prod(tp.shape) > 0:
+                keys.append((tp.dtype, tp.shape, file))
+            else:
+                keys.append((tp.dtype, tp.shape, tp.chunks(first_file)))
+
+        def form(key: tuple, i: int) -> dict:
+            dtype, shape, placed = key
+            chunks = whole_chunk(math.prod(shape), placed) if type(placed) is int else placed
+            return {"dtype": dtype, "shape": list(shape), "chunks": chunks.to_json()}
+
+        return table_of(list(self.tensors), [crcs.get(name, 0) for name in self.tensors], keys, form)
 
     @property
     def writing_ranks(self) -> list[int]:

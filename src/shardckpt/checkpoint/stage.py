@@ -149,8 +149,8 @@ def _stage(state_dict: dict, rank: int, metadata: dict | None, copy: bool,
         else:
             data, shares = (buffers.copy_in(piece.name, piece.data), False) if buffers is not None else \
                 host_tensor(piece.data, copy)
-        host[piece.name] = LocalPiece(piece.name, data, piece.shape, piece.region, piece.replicated,
-                                      piece.owner)
+        host[piece.name] = piece if data is piece.data else \
+            LocalPiece(piece.name, data, piece.shape, piece.region, piece.replicated, piece.owner)
         if shares:
             aliased.add(piece.name)
     if buffers is not None:
@@ -246,7 +246,9 @@ def host_tensor(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, bool
 
     Copied only when ``t`` is on a device, not contiguous, lazily conjugated/negated, or ``copy`` is set."""
     if t.is_cpu and not copy and t.is_contiguous() and not t.is_conj() and not t.is_neg():
-        return t.detach(), t.numel() > 0  # the common case, without the general path's calls (many small tensors)
+        # the common case, without the general path's calls (many small tensors); a plain tensor autograd does not
+        # track (a state_dict()'s) is its own detached self
+        return t if type(t) is torch.Tensor and not t.requires_grad else t.detach(), t.numel() > 0
     t = t.detach()
     if t.device.type != "cpu":
         out = torch.empty(t.shape, dtype=t.dtype, device="cpu")

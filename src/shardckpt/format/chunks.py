@@ -110,7 +110,7 @@ def compact_chunks(regions: Sequence[Region], files: Sequence[int], shape: Seque
     numel = math.prod(shape)
     if len(regions) == 1 and type(regions[0]) is FlatRange and regions[0].start == 0 and regions[0].stop == numel \
             and numel:  # a whole tensor in one chunk (most tensors of a save): what the general path returns
-        return _whole(numel, files[0])
+        return whole_chunk(numel, files[0])
     flat = [canonical(r, shape) for r in regions]
     if flat and all(isinstance(r, FlatRange) for r in flat):
         size = flat[0].numel
@@ -121,9 +121,10 @@ def compact_chunks(regions: Sequence[Region], files: Sequence[int], shape: Seque
 
 
 @functools.lru_cache(maxsize=4096)
-def _whole(numel: int, file: int) -> RegularChunks:
-    """One chunk of ``numel`` elements in ``file``: made once per distinct pair (a save of many small tensors of a
-    few shapes commits them with 0.2 us per tensor here, not 1 us; the record is immutable, so it is shared)."""
+def whole_chunk(numel: int, file: int) -> RegularChunks:
+    """A tensor of ``numel`` elements stored whole in one chunk in ``file`` (what ``compact_chunks`` gives it), made
+    once per distinct pair (a save of many small tensors of a few shapes: 0.2 us per tensor here, not 1 us; the
+    record is immutable, so it is shared)."""
     return RegularChunks(numel, 1, (file, 1), True)
 
 

@@ -129,15 +129,18 @@ class Manifest:
     checksummed: bool = True  # False only for format v1, whose manifest has no checksum
     pool: dict | None = None  # v5: {"path": "../shardckpt-pool", "id": ...}; file paths are then the pool's
 
-    def to_bytes(self, encoded_tree: Any) -> bytes:
+    def to_bytes(self, encoded_tree: Any, table: dict | None = None) -> bytes:
+        """The sealed manifest. ``table``: its tensor table (format v6), if the writer made it itself (a save's commit:
+        ``checkpoint.save_plan.SavePlan.table``), in place of one made from ``tensors``."""
         if self.version < UNCOMPRESSED_VERSION:
             raise ValueError(f"shardckpt writes format v{UNCOMPRESSED_VERSION} on, not v{self.version}")
-        table = self.version >= TABLE_VERSION
+        tabled = self.version >= TABLE_VERSION
         doc = {"format": FORMAT_NAME, "version": self.version, "created_by": self.created_by,
                "world_size": self.world_size, "generation": self.generation, "metadata": self.metadata,
-               "tree": compact_tensor_dicts(encoded_tree) if table else encoded_tree,
+               "tree": compact_tensor_dicts(encoded_tree) if tabled else encoded_tree,
                "files": [f.to_json() for f in self.files],
-               "tensors": table_to_json(self.tensors) if table else {n: t.to_json() for n, t in self.tensors.items()}}
+               "tensors": (table if table is not None else table_to_json(self.tensors)) if tabled else
+                          {n: t.to_json() for n, t in self.tensors.items()}}
         if self.pool is not None:
             doc["pool"] = self.pool
         return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())

@@ -7,7 +7,7 @@ once, so a manifest of 100k tensors parses ~5x faster than the object per tensor
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Hashable, Mapping
 
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format.dtypes import dtype_name
@@ -20,17 +20,27 @@ _INT, _STR = frozenset((int,)), frozenset((str,))
 
 def table_to_json(tensors: Mapping[str, Any]) -> dict:
     """The table of manifest entries ``tensors`` (name -> ``TensorEntry``), in their order."""
+    entries = list(tensors.values())
+
+    def form(key: tuple, i: int) -> dict:
+        return {"dtype": dtype_name(key[0], entries[i].name), "shape": list(key[1]), "chunks": key[2].to_json()}
+
+    return table_of(list(tensors), [t.crc32c for t in entries], [(t.dtype, t.shape, t.chunks) for t in entries], form)
+
+
+def table_of(names: list[str], crcs: list[int], keys: list[Hashable], form: Callable[[Any, int], dict]) -> dict:
+    """The table of tensors ``names`` with checksums ``crcs``: tensors of equal ``keys`` share a form, made once by
+    ``form(key, i)`` (``i``: the first tensor of that key)."""
     forms: list[dict] = []
-    position: dict[tuple, int] = {}
+    position: dict[Hashable, int] = {}
     form_of = []
-    for t in tensors.values():
-        key = (t.dtype, t.shape, t.chunks)
-        i = position.get(key)
-        if i is None:
-            i = position[key] = len(forms)
-            forms.append({"dtype": dtype_name(t.dtype, t.name), "shape": list(t.shape), "chunks": t.chunks.to_json()})
-        form_of.append(i)
-    return {"names": list(tensors), "crc32c": [t.crc32c for t in tensors.values()], "form": form_of, "forms": forms}
+    for i, key in enumerate(keys):
+        at = position.get(key)
+        if at is None:
+            at = position[key] = len(forms)
+            forms.append(form(key, i))
+        form_of.append(at)
+    return {"names": names, "crc32c": crcs, "form": form_of, "forms": forms}
 
 
 def read_table(doc: dict, where: str) -> tuple[list[str], list[int], list[int], list[Any]]:
