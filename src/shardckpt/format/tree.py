@@ -101,8 +101,7 @@ def leaf_groups(obj: Any, is_tensor: Callable[[Any], bool], path: Path = ()
     ``(parent, keys, names, values)``, leaf ``i`` at ``leaf_path(parent, keys, i)`` with dotted name ``names[i]``
     (``path_name``); a root that is itself a leaf comes as ``((), (), [""], [obj])``. A flat dict of 100k tensors is one run, its names made in one comprehension (checks of unique
     names then run in C over a run, not per leaf in Python)."""
-    kids = _children(obj)
-    if kids is None or is_tensor(obj) or (path and not contains(obj, is_tensor)):
+    if not isinstance(obj, _CONTAINERS) or is_tensor(obj) or (path and not contains(obj, is_tensor)):
         yield path[:-1], path[-1:], [path_name(path)], [obj]  # (the root: ``(), ()``)
         return
     if type(obj) is dict:  # (C-speed; a subclass may iterate its keys or values in another order than its items)

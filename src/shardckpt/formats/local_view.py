@@ -78,8 +78,9 @@ class LogicalView:
             if isinstance(src, str):
                 out.append(ReadRequest(src, request.region, request.dest))
                 continue
+            flat = c.flat
             for start, local, count in contiguous_runs(c.region, c.info.shape):
-                out.append(ReadRequest(src.source, src.clip(start, start + count).there, c.flat[local:local + count]))
+                out.append(ReadRequest(src.source, src.clip(start, start + count).there, flat[local:local + count]))
         if out:
             self.base.read(out)
 

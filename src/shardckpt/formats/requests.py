@@ -20,14 +20,21 @@ from shardckpt.regions import FlatRange, Region, canonical, check_region
 
 
 class CheckedRequest(NamedTuple):
-    """A request found sound: ``flat`` is its ``dest`` as a 1-D view holding ``region`` of ``info``'s tensor.
-    ``region`` is canonical (``regions.canonical``: a box of consecutive elements, a dim-0 chunk say, is the
-    flat range it is), once here rather than per chunk read. (A named tuple: made per tensor of a load, in a third
-    of a frozen dataclass's time.)"""
+    """A request found sound: ``dest`` (contiguous, detached if autograd tracked it) holds ``region`` of ``info``'s
+    tensor; ``flat`` is it as a 1-D view. ``region`` is canonical (``regions.canonical``: a box of consecutive elements,
+    a dim-0 chunk say, is the flat range it is), once here rather than per chunk read. (A named tuple: made per tensor
+    of a load, in a third of a frozen dataclass's time.)"""
 
     info: TensorInfo
     region: Region
-    flat: torch.Tensor
+    dest: torch.Tensor
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """``dest`` as a 1-D view, made when asked (a reshape costs ~1 us; a small tensor's copy needs only its
+        address)."""
+        dest = self.dest
+        return dest if dest.dim() == 1 else dest.reshape(-1)
 
 
 def check_request(infos: Mapping[str, TensorInfo], request: ReadRequest, where: str) -> CheckedRequest:
@@ -56,12 +63,8 @@ def check_request(infos: Mapping[str, TensorInfo], request: ReadRequest, where: 
             raise ValueError(f"destination for {request.tensor!r} is on the meta device: it has no memory to load "
                              "into (materialize it first, e.g. module.to_empty(device=...), or use load_full)")
         _check_storage(dest, numel, request.tensor)
-    # Only a destination autograd tracks is detached, and a 1-D one is its own flat view: each call costs ~1 us, a
-    # load of 100k tensors 0.1 s.
-    if dest.requires_grad:
-        dest = dest.detach()
-    flat = dest if dest.dim() == 1 else dest.reshape(-1)
-    return CheckedRequest(info, region, flat)
+    # Only a destination autograd tracks is detached (a call costs ~1 us, a load of 100k tensors 0.1 s).
+    return CheckedRequest(info, region, dest.detach() if dest.requires_grad else dest)
 
 
 def _check_storage(dest: torch.Tensor, numel: int, name: str) -> None:

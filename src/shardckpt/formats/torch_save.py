@@ -262,7 +262,7 @@ class TorchSaveReader:
             else:
                 assert isinstance(region, FlatRange)
                 pieces = list(_boxes(region.start, region.stop, tuple(src.shape)))
-            pos = 0
+            pos, flat = 0, c.flat
             for offsets, sizes in pieces:
                 n = 1
                 for s in sizes:
@@ -271,7 +271,7 @@ class TorchSaveReader:
                 if view.dtype == torch.bool and n and int(view.view(torch.uint8).max()) > 1:
                     raise CorruptCheckpointError(f"{self.path}: tensor {c.info.name!r} holds a bool byte other "
                                                  "than 0 or 1")
-                self._copy(view, c.flat[pos:pos + n].view(sizes))
+                self._copy(view, flat[pos:pos + n].view(sizes))
                 pos += n
 
     def _copy(self, view: torch.Tensor, dest: torch.Tensor) -> None:

@@ -92,9 +92,10 @@ class LocalAtWorldSize:
                 out.append(request)
                 continue
             stored, new = self.flat[request.tensor]
-            c.flat.zero_()  # alignment gaps and tail padding
+            flat = c.flat
+            flat.zero_()  # alignment gaps and tail padding
             for start, local, count in contiguous_runs(request.region, (new.padded_numel,)):
-                out += _member_reads(request.tensor, stored, new, start, start + count, c.flat[local:local + count])
+                out += _member_reads(request.tensor, stored, new, start, start + count, flat[local:local + count])
         if out:
             self.base.read(out)
 

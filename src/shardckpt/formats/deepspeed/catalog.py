@@ -118,11 +118,11 @@ class Catalog:
         checked = check_requests(self.infos, requests, self.path)
         per_file: dict[int, list[ReadRequest]] = defaultdict(list)
         for c in checked:
-            pieces = self.pieces[c.info.name]
+            pieces, flat = self.pieces[c.info.name], c.flat
             for start, local, count in contiguous_runs(c.region, c.info.shape):
                 for p in runs_within(pieces, start, start + count):
                     file, tensor = p.source
-                    per_file[file].append(ReadRequest(tensor, p.there, c.flat[local + p.at - start:
-                                                                              local + p.at - start + p.count]))
+                    per_file[file].append(ReadRequest(tensor, p.there, flat[local + p.at - start:
+                                                                            local + p.at - start + p.count]))
         for f, reqs in per_file.items():
             self.files[f].read(reqs)

@@ -178,8 +178,9 @@ def _direct_destination(read: ChunkRead) -> torch.Tensor | None:
     if len(read.copies) != 1:
         return None
     piece, target = read.copies[0]
-    if target.flat.device.type != "cpu" or target.flat.dtype != read.entry.dtype or \
-            target.flat.is_conj() or target.flat.is_neg():  # lazily conjugated/negated views: copy_ resolves them
+    dest = target.dest
+    if dest.device.type != "cpu" or dest.dtype != read.entry.dtype or \
+            dest.is_conj() or dest.is_neg():  # lazily conjugated/negated views: copy_ resolves them
         return None
     shape = read.entry.shape
     if not _dense(strided_view(piece, read.region, shape, base=read.lo), read.hi - read.lo):
@@ -443,14 +444,14 @@ def _copy_small_chunk(window: _Window, read: ChunkRead, rec: ChunkRecord, verify
     if rec.frames or len(rec.blocks) != 1 or read.entry.dtype == torch.bool:
         return False
     size = itemsize(read.entry.dtype)
-    spans = [_span_in_chunk(read, piece, target.region, target.flat) for piece, target in read.copies]
+    spans = [_span_in_chunk(read, piece, target.region, target.dest) for piece, target in read.copies]
     if None in spans:
         return False
     at = rec.offset - window.start
     if verify and crc32c(window.buf[at:at + rec.length]) != rec.blocks[0]:
         return False
     for (lo, hi), (_, target) in zip(spans, read.copies):  # (checked above: a plain CPU target of these bytes)
-        ctypes.memmove(target.flat.data_ptr(), window.address + at + lo * size, (hi - lo) * size)
+        ctypes.memmove(target.dest.data_ptr(), window.address + at + lo * size, (hi - lo) * size)
     return True
 
 

@@ -70,9 +70,9 @@ class AdaptedReader:
         staged: list[Staged] = []
         for request, c in zip(requests, checked):
             planned = self._planned[request.tensor]
-            row = math.prod(planned.shape[1:])
+            row, flat = math.prod(planned.shape[1:]), c.flat
             for start, local, count in contiguous_runs(request.region, planned.shape):
-                runs(planned, self._starts[request.tensor], row, start, count, c.flat[local:local + count],
+                runs(planned, self._starts[request.tensor], row, start, count, flat[local:local + count],
                      direct, staged)
         if direct:
             self.base.read(direct)
