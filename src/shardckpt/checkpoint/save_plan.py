@@ -68,10 +68,10 @@ class SavePlan:
         and file, without a chunk description or manifest entry of its own (``TensorPlan.chunks`` for the others)."""
         keys: list[tuple] = []
         for tp in self.tensors.values():
-            regions, file = tp.regions, first_file[tp.writers[0]] + tp.slot if tp.writers else None
+            regions = tp.regions  # (one region: one chunk, one writer)
             if len(regions) == 1 and type(regions[0]) is FlatRange and regions[0].start == 0 and \
                     regions[0].stop == math.prod(tp.shape) > 0:
-                keys.append((tp.dtype, tp.shape, file))
+                keys.append((tp.dtype, tp.shape, first_file[tp.writers[0]] + tp.slot))
             else:
                 keys.append((tp.dtype, tp.shape, tp.chunks(first_file)))
 

@@ -28,8 +28,8 @@ from shardckpt.format.tree import TensorRef, compact_tensor_dicts, decode, leaf_
 from shardckpt.format.validate import (
     MAX_NUMEL,
     check_fields,
-    first_repeat,
     check_relative_path,
+    first_repeat,
     get_field,
     get_int,
     get_list,
@@ -257,8 +257,8 @@ def _manifest_from_doc(doc: dict, version: int, where: str, entries: bool = True
     world_size = int_field(doc, "world_size", where, 1, MAX_WORLD_SIZE)
     if not entries:
         return None
-    return Manifest(world_size=world_size, generation=generation, tree=tree, tensors=tensors, files=files, metadata=metadata,
-                    created_by=created_by, version=version, checksummed=strict, pool=pool)
+    return Manifest(world_size=world_size, generation=generation, tree=tree, tensors=tensors, files=files,
+                    metadata=metadata, created_by=created_by, version=version, checksummed=strict, pool=pool)
 
 
 def _tensors_from_table(doc: dict, files: list[FileEntry], stored: int, version: int, where: str,

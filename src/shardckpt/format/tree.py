@@ -99,8 +99,9 @@ def leaf_groups(obj: Any, is_tensor: Callable[[Any], bool], path: Path = ()
                 ) -> Iterator[tuple[Path, Sequence, list[str], list]]:
     """The leaves of ``leaves``, in its order, a run of one container's direct leaves at a time:
     ``(parent, keys, names, values)``, leaf ``i`` at ``leaf_path(parent, keys, i)`` with dotted name ``names[i]``
-    (``path_name``); a root that is itself a leaf comes as ``((), (), [""], [obj])``. A flat dict of 100k tensors is one run, its names made in one comprehension (checks of unique
-    names then run in C over a run, not per leaf in Python)."""
+    (``path_name``); a root that is itself a leaf comes as ``((), (), [""], [obj])``. A flat dict of 100k tensors is
+    one run, its names made in one comprehension (checks of unique names then run in C over a run, not per leaf in
+    Python)."""
     if not isinstance(obj, _CONTAINERS) or is_tensor(obj) or (path and not contains(obj, is_tensor)):
         yield path[:-1], path[-1:], [path_name(path)], [obj]  # (the root: ``(), ()``)
         return
