@@ -567,19 +567,45 @@ def test_the_commits_table_from_the_plan_holds_for_sharded_tensors_of_two_ranks(
     assert back["w7"].tolist() == [70.0] * 5 + [71.0] * 5 and back["r3"].tolist() == [3.0] * 3
 
 
-def test_stage_keeps_a_plain_tensor_itself_and_detaches_what_autograd_tracks(tmp_path):
-    """A state_dict()'s plain tensor is staged as itself (its piece not made twice); a Parameter or a tensor that
-    requires grad is staged detached, sharing its memory; both save and load bit for bit."""
+def test_stage_stages_each_tensor_as_a_detached_view_of_its_memory(tmp_path):
+    """Every tensor is staged as a detached view of its memory (a tensor object of its own, made once: the piece
+    ``collect.to_piece`` made is the staged one), a Parameter or a tensor that requires grad too; all save and load
+    bit for bit."""
     from shardckpt.checkpoint.save import stage
 
     plain, param = torch.arange(6.0), torch.nn.Parameter(torch.arange(4.0))
     grad = torch.arange(3.0).requires_grad_()
     staged = stage({"plain": plain, "param": param, "grad": grad})
-    assert staged.pieces["plain"].data is plain
-    for name, t in (("param", param), ("grad", grad)):
+    for name, t in (("plain", plain), ("param", param), ("grad", grad)):
+        assert staged.pieces[name].data is not t
         data = staged.pieces[name].data
         assert type(data) is torch.Tensor and not data.requires_grad and data.data_ptr() == t.data_ptr()
     shardckpt.save({"plain": plain, "param": param, "grad": grad}, str(tmp_path / "c"))
     back = shardckpt.load_full(str(tmp_path / "c"))
     assert torch.equal(back["plain"], plain) and torch.equal(back["param"], param.detach())
     assert torch.equal(back["grad"], grad.detach()) and param.requires_grad and grad.requires_grad
+
+
+@pytest.mark.parametrize("change", ["data", "set_", "t_", "resize_up", "resize_down", "unsqueeze_"])
+@pytest.mark.parametrize("kind", ["plain", "parameter", "sharded", "per_rank"])
+def test_a_change_to_the_callers_tensor_object_after_stage_does_not_reach_the_save(tmp_path, change, kind):
+    """Between ``stage`` and ``persist`` the caller may rebind or reshape its tensor object (not the staged memory):
+    the save holds the values and shape staged (helper-44: a plain tensor staged as itself saved zeros after
+    ``t.data = zeros``, and failed after ``t.t_()`` or ``resize_``)."""
+    from shardckpt import PerRank, ShardedTensor
+    from shardckpt.checkpoint.save import persist, plan, stage
+
+    t = torch.arange(6.0).reshape(2, 3)
+    leaf = {"plain": lambda: t, "parameter": lambda: torch.nn.Parameter(t, requires_grad=False),
+            "sharded": lambda: ShardedTensor(t, (2, 3), Box((0, 0), (2, 3))),
+            "per_rank": lambda: PerRank({"x": t})}[kind]()
+    staged = stage({"t": leaf})
+    target = leaf.local if kind == "sharded" else leaf.value["x"] if kind == "per_rank" else leaf
+    with torch.no_grad():
+        {"data": lambda: setattr(target, "data", torch.zeros(2, 3)), "set_": lambda: target.set_(torch.zeros(2, 3)),
+         "t_": lambda: target.t_(), "resize_up": lambda: target.resize_(4, 4), "resize_down": lambda: target.resize_(1),
+         "unsqueeze_": lambda: target.unsqueeze_(0)}[change]()
+    persist(staged, plan(staged, str(tmp_path / "c")))
+    back = shardckpt.load_full(str(tmp_path / "c"))["t"]
+    back = back[0]["x"] if kind == "per_rank" else back  # (per-rank values: one per saving rank)
+    assert back.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]

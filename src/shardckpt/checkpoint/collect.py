@@ -80,19 +80,21 @@ def _dtensor_piece(name: str, dt: Any) -> LocalPiece:
     if math.prod(sizes) == 0:
         region = FlatRange(0, 0)
         local = local.reshape(-1)[:0]
-    return LocalPiece(name, local, shape, region, replicated=False, owner=owner)
+    return LocalPiece(name, local.detach(), shape, region, replicated=False, owner=owner)
 
 
 def to_piece(name: str, value: Any) -> LocalPiece:
-    """The piece of the leaf ``value`` named ``name``."""
+    """The piece of the leaf ``value`` named ``name``. Its data is a detached view of the leaf's memory, a tensor object
+    of its own: a caller's later change to the leaf's object (``t.data = ...``, ``t.t_()``, ``resize_``) does not reach
+    a save staged from it, and autograd does not track it."""
     if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:  # the common case, checked first
-        return LocalPiece(name, value, tuple(value.shape), FlatRange(0, value.numel()), replicated=True)
+        return LocalPiece(name, value.detach(), tuple(value.shape), FlatRange(0, value.numel()), replicated=True)
     if isinstance(value, ShardedTensor):
-        return LocalPiece(name, value.local, value.global_shape, value.region, replicated=False)
+        return LocalPiece(name, value.local.detach(), value.global_shape, value.region, replicated=False)
     if DTensor and isinstance(value, DTensor):
         return _dtensor_piece(name, value)
     if isinstance(value, torch.Tensor):
-        return LocalPiece(name, value, tuple(value.shape), full_region(value.shape), replicated=True)
+        return LocalPiece(name, value.detach(), tuple(value.shape), full_region(value.shape), replicated=True)
     raise UnsupportedValueError(f"{name!r} is not a tensor")
 
 
@@ -110,7 +112,8 @@ def local_pieces(state_dict: Any, rank: int = 0,
                        if is_tensor_like(t)]
                 for n, t in own if check is not None else ():
                     check(n, t)
-                out += [LocalPiece(n, t, tuple(t.shape), full_region(t.shape), replicated=False) for n, t in own]
+                out += [LocalPiece(n, t.detach(), tuple(t.shape), full_region(t.shape), replicated=False)
+                        for n, t in own]
             elif is_tensor_like(v):
                 if check is not None and isinstance(v, torch.Tensor):
                     check(name, v)

@@ -41,7 +41,7 @@ def _request(name: str, value: Any, entry: TensorInfo, strict: bool, staged: lis
     if piece.shape != entry.shape:
         raise IncompatibleCheckpointError(f"tensor {name!r}: the checkpoint holds shape {list(entry.shape)}, the "
                                           f"state dict expects {list(piece.shape)}")
-    dest = piece.data.detach()
+    dest = piece.data  # (detached)
     if dest.dtype != entry.dtype and strict:
         raise IncompatibleCheckpointError(f"tensor {name!r}: the checkpoint holds {entry.dtype}, the state dict "
                                           f"expects {dest.dtype} (load with strict=False to cast)")

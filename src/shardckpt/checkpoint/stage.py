@@ -246,8 +246,8 @@ def host_tensor(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, bool
 
     Copied only when ``t`` is on a device, not contiguous, lazily conjugated/negated, or ``copy`` is set."""
     if t.is_cpu and not copy and t.is_contiguous() and not t.is_conj() and not t.is_neg():
-        # the common case, without the general path's calls (many small tensors); a plain tensor autograd does not
-        # track (a state_dict()'s) is its own detached self
+        # the common case, without the general path's calls (many small tensors); a piece's data is detached already
+        # (``collect.to_piece``: a tensor object of its own), and is staged as it is
         return t if type(t) is torch.Tensor and not t.requires_grad else t.detach(), t.numel() > 0
     t = t.detach()
     if t.device.type != "cpu":
