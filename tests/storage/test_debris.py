@@ -168,7 +168,7 @@ def test_a_save_whose_data_was_collected_before_its_commit_fails_and_keeps_the_p
     from shardckpt.checkpoint import commit as commit_module
 
     shardckpt.save(_state(1.0), backend.url, storage_options=backend.options)
-    real = commit_module.parse_manifest
+    real = commit_module.check_manifest
 
     def collected_first(data, where):  # the commit's last check of its manifest: a collector runs first
         storage = open_storage(backend.url, backend.options)
@@ -178,7 +178,7 @@ def test_a_save_whose_data_was_collected_before_its_commit_fails_and_keeps_the_p
         return real(data, where)
 
     committed, removed = set(open_storage(backend.url, backend.options).list_dirs()), []
-    monkeypatch.setattr(commit_module, "parse_manifest", collected_first)
+    monkeypatch.setattr(commit_module, "check_manifest", collected_first)
     with pytest.raises(CheckpointError, match="gone before the commit"):
         shardckpt.save(_state(2.0), backend.url, storage_options=backend.options, overwrite=True)
     monkeypatch.undo()
