@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import itertools
 import json
 import os
 import pickle
@@ -36,7 +37,6 @@ from shardckpt.regions import Box, FlatRange, Run
 RECORDS = [
     (FlatRange, (2, 9)), (Box, ((1, 0), (2, 3))), (Run, ("w", 4, 0, 5)),
     (RegularChunks, (4, 2, (0, 1), True)), (ExplicitChunks, ((FlatRange(0, 3), FlatRange(3, 6)), (0, 1))),
-    (ChunkRecord, (0, 512, 7, "raw", 1 << 20, (7,))),
     (TensorEntry, ("w", torch.float32, (2, 3), 5, RegularChunks(6, 1, (0,), False))),
     (TensorInfo, ("w", torch.float32, (2, 3), None)),
 ]
@@ -64,6 +64,19 @@ def test_a_record_is_what_a_frozen_dataclass_would_be(cls, args):
     assert made == cls(**dict(zip(names, args)))  # by keyword, as dataclasses.replace calls it
     with pytest.raises(dataclasses.FrozenInstanceError):
         setattr(made, names[0], args[0])
+
+
+@pytest.mark.parametrize("args", [(0, 512, 7, "raw", 1 << 20, (7,)), (8, 30, 7, "zstd", 12, (1, 2, 3), (5, 6, 4)),
+                                  (8, 30, 7, "zstd", 12, (1, 2, 3), (5, 6, 4), b"\x01" * 16)])
+def test_a_chunk_record_compares_hashes_pickles_and_finds_its_frames_once(args):
+    made = ChunkRecord(*args)
+    assert made == ChunkRecord(*args) and hash(made) == hash(ChunkRecord(*args))
+    starts = made.frame_starts  # found once, then kept (and never part of equality, hash or repr)
+    assert starts == (0, *itertools.accumulate(made.frames)) and made.frame_starts is starts
+    assert made.stored_length == (starts[-1] if made.frames else made.length)
+    assert made == ChunkRecord(*args) and hash(made) == hash(ChunkRecord(*args)) and "_starts" not in repr(made)
+    assert pickle.loads(pickle.dumps(made)) == made and dataclasses.replace(made) == made
+    assert dataclasses.replace(made, offset=9).frame_starts == starts and ChunkRecord(9, *args[1:]) != made
 
 
 def test_a_record_matches_a_frozen_dataclass_field_for_field():

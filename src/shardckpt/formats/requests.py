@@ -22,12 +22,15 @@ from shardckpt.regions import FlatRange, Region, canonical, check_region
 class CheckedRequest(NamedTuple):
     """A request found sound: ``dest`` (contiguous, detached if autograd tracked it) holds ``region`` of ``info``'s
     tensor; ``flat`` is it as a 1-D view. ``region`` is canonical (``regions.canonical``: a box of consecutive elements,
-    a dim-0 chunk say, is the flat range it is), once here rather than per chunk read. (A named tuple: made per tensor
-    of a load, in a third of a frozen dataclass's time.)"""
+    a dim-0 chunk say, is the flat range it is), once here rather than per chunk read. ``as_stored``: ``dest`` is CPU
+    memory of the tensor's dtype, neither lazily conjugated nor negated, so stored bytes may be copied into it as they
+    are (found once here, not per chunk read). (A named tuple: made per tensor of a load, in a third of a frozen
+    dataclass's time.)"""
 
     info: TensorInfo
     region: Region
     dest: torch.Tensor
+    as_stored: bool = False
 
     @property
     def flat(self) -> torch.Tensor:
@@ -55,26 +58,21 @@ def check_request(infos: Mapping[str, TensorInfo], request: ReadRequest, where: 
     if not isinstance(dest, torch.Tensor):
         raise ValueError(f"destination for {request.tensor!r} must be a torch.Tensor, got {type(dest).__name__}")
     numel = dest.numel()
-    if numel != request.region.numel or not dest.is_contiguous():
-        raise ValueError(f"destination for {request.tensor!r} must be contiguous with {request.region.numel} "
-                         "elements")
+    if numel != region.numel or not dest.is_contiguous():
+        raise ValueError(f"destination for {request.tensor!r} must be contiguous with {region.numel} elements")
     if numel:  # (an empty one has nothing to fill, as before)
         if dest.is_meta:
             raise ValueError(f"destination for {request.tensor!r} is on the meta device: it has no memory to load "
                              "into (materialize it first, e.g. module.to_empty(device=...), or use load_full)")
-        _check_storage(dest, numel, request.tensor)
+        # Its storage holds its elements: one resized below them after the tensor was made
+        # (``untyped_storage().resize_``) would be written past its end (readers copy into its memory directly).
+        need, have = (dest.storage_offset() + numel) * dest.element_size(), dest.untyped_storage().nbytes()
+        if have < need:
+            raise ValueError(f"destination for {request.tensor!r}: its storage holds {have} bytes, its elements "
+                             f"need {need} (resized after the tensor was made?)")
+    as_stored = dest.is_cpu and dest.dtype == info.dtype and not dest.is_conj() and not dest.is_neg()
     # Only a destination autograd tracks is detached (a call costs ~1 us, a load of 100k tensors 0.1 s).
-    return CheckedRequest(info, region, dest.detach() if dest.requires_grad else dest)
-
-
-def _check_storage(dest: torch.Tensor, numel: int, name: str) -> None:
-    """A destination's storage holds its elements: one resized below them after the tensor was made
-    (``untyped_storage().resize_``) would be written past its end (readers copy into its memory directly)."""
-    need = (dest.storage_offset() + numel) * dest.element_size()
-    have = dest.untyped_storage().nbytes()
-    if have < need:
-        raise ValueError(f"destination for {name!r}: its storage holds {have} bytes, its elements need {need} "
-                         "(resized after the tensor was made?)")
+    return CheckedRequest(info, region, dest.detach() if dest.requires_grad else dest, as_stored)
 
 
 def check_requests(infos: Mapping[str, TensorInfo], requests: Sequence[ReadRequest],

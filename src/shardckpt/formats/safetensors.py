@@ -182,9 +182,7 @@ class SafetensorsReader:
         name = c.info.name
         entry = self._entries[name]
         size = entry.dtype.itemsize
-        flat = c.flat
-        direct = (flat.device.type == "cpu" and flat.dtype == entry.dtype and not flat.is_conj()
-                  and not flat.is_neg())
+        flat, direct = c.flat, c.as_stored
         step = max(1, READ_PIECE // size)
         jobs = []
         for start, local, count in contiguous_runs(c.region, entry.shape):

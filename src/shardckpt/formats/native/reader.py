@@ -35,6 +35,7 @@ from shardckpt.format.manifest import (
 from shardckpt.formats.native.frames import check_raw_blocks, StoredChunk, read_span
 from shardckpt.formats.native.lanes import Piece, cut_read, lanes, share, stored_span
 from shardckpt.formats.native.plan import ChunkRead
+from shardckpt.formats.requests import CheckedRequest
 from shardckpt.formats.native.whole_tensor import check_whole_tensors
 from shardckpt.tensor_views import as_bytes, copy_into, from_bytes, view_of
 
@@ -154,6 +155,8 @@ def chunk_where(storage: Storage, manifest: Manifest, file: int, name: str, chun
 
 def chunk_record(storage: Storage, manifest: Manifest, indexes: dict[int, Index], read: ChunkRead) -> ChunkRecord:
     rec = indexes[read.file].get((read.entry.name, read.chunk))
+    if rec is not None and rec.codec != ZSTD_PLANES and rec.length == read.region.numel * itemsize(read.entry.dtype):
+        return rec  # (the common row: what record_problem finds of it)
     problem = record_problem(rec, read.entry, read.region)
     if problem:
         raise CorruptCheckpointError(f"{chunk_where(storage, manifest, read.file, read.entry.name, read.chunk)} "
@@ -178,9 +181,7 @@ def _direct_destination(read: ChunkRead) -> torch.Tensor | None:
     if len(read.copies) != 1:
         return None
     piece, target = read.copies[0]
-    dest = target.dest
-    if dest.device.type != "cpu" or dest.dtype != read.entry.dtype or \
-            dest.is_conj() or dest.is_neg():  # lazily conjugated/negated views: copy_ resolves them
+    if not target.as_stored:  # (another device or dtype, or a lazily conjugated/negated view: copy_ resolves them)
         return None
     shape = read.entry.shape
     if not _dense(strided_view(piece, read.region, shape, base=read.lo), read.hi - read.lo):
@@ -444,7 +445,7 @@ def _copy_small_chunk(window: _Window, read: ChunkRead, rec: ChunkRecord, verify
     if rec.frames or len(rec.blocks) != 1 or read.entry.dtype == torch.bool:
         return False
     size = itemsize(read.entry.dtype)
-    spans = [_span_in_chunk(read, piece, target.region, target.dest) for piece, target in read.copies]
+    spans = [_span_in_chunk(read, piece, target) for piece, target in read.copies]
     if None in spans:
         return False
     at = rec.offset - window.start
@@ -455,12 +456,12 @@ def _copy_small_chunk(window: _Window, read: ChunkRead, rec: ChunkRecord, verify
     return True
 
 
-def _span_in_chunk(read: ChunkRead, piece, region, dest: torch.Tensor) -> tuple[int, int] | None:
+def _span_in_chunk(read: ChunkRead, piece, target: CheckedRequest) -> tuple[int, int] | None:
     """Elements ``[lo, hi)`` of the read's chunk that ``piece`` is, in the chunk's (stored) order, where the piece is
-    the whole of ``region``, its CPU target ``dest`` plain and of the stored dtype; else None."""
+    the whole of the target's region and the target takes stored bytes as they are (its destination then holds the
+    region's elements, contiguous: ``check_request``); else None."""
     # (``is`` first: a whole tensor's plan hands the one region object round, and a dataclass's == costs 0.5 us)
-    if (region is not piece and region != piece) or not dest.is_cpu or dest.dtype != read.entry.dtype or \
-            dest.numel() != piece.numel or not dest.is_contiguous() or dest.is_conj() or dest.is_neg():
+    if not target.as_stored or (target.region is not piece and target.region != piece):
         return None
     if piece is read.region or piece == read.region:
         return 0, piece.numel

@@ -44,7 +44,10 @@ def check_whole_tensors(reads: list[ChunkRead], records: list[ChunkRecord], wher
         entry = read.entry
         if len(entry.chunks) == 1:  # the tensor is this one chunk (every small tensor): its checksum is the chunk's
             if read.lo == 0 and read.hi == read.region.numel:
-                _check_crc(entry, combine_equal_pieces(rec.blocks, rec.block_size, rec.length), where)
+                blocks = rec.blocks  # (one block, a small tensor's: its CRC is the tensor's)
+                crc = blocks[0] if len(blocks) == 1 else combine_equal_pieces(blocks, rec.block_size, rec.length)
+                if crc != entry.crc32c:
+                    _check_crc(entry, crc, where)
         else:
             by_tensor.setdefault(entry.name, []).append((read, rec))
     for pairs in by_tensor.values():
