@@ -23,10 +23,12 @@ from shardckpt.checkpoint.save_plan import WriteTask
 from shardckpt.checkpoint.writer import Followed, StreamedPiece, write_data_file
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import index as index_module
+from shardckpt.format.checksum import crc32c
 from shardckpt.format.chunks import ExplicitChunks, RegularChunks
 from shardckpt.format.index import ChunkRecord, index_to_bytes, parse_index
 from shardckpt.format.manifest import MANIFEST_NAME, TensorEntry, manifest_generation, parse_manifest, seal
 from shardckpt.formats.api import ReadRequest, TensorInfo
+from shardckpt.formats.detect import open_reader
 from shardckpt.io import LocalStorage
 from shardckpt.io import local as local_io
 from shardckpt.offline.resume import _region_text
@@ -64,6 +66,21 @@ def test_a_record_is_what_a_frozen_dataclass_would_be(cls, args):
     assert made == cls(**dict(zip(names, args)))  # by keyword, as dataclasses.replace calls it
     with pytest.raises(dataclasses.FrozenInstanceError):
         setattr(made, names[0], args[0])
+    for change in (lambda: setattr(made, "note", 1), lambda: delattr(made, "note"), lambda: delattr(made, names[0])):
+        with pytest.raises(dataclasses.FrozenInstanceError):  # (not super()'s TypeError: helper-45)
+            change()
+    assert not hasattr(made, "__dict__") and getattr(made, names[0]) == args[0]
+
+
+@pytest.mark.parametrize("cls,args", RECORDS, ids=lambda v: getattr(v, "__name__", ""))
+def test_a_plain_subclass_of_a_record_keeps_attributes_of_its_own_and_its_fields_frozen(cls, args):
+    sub = type("Sub", (cls,), {})(*args)
+    sub.tag = "x"
+    assert sub.tag == "x" and sub == sub
+    del sub.tag
+    assert not hasattr(sub, "tag")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(sub, dataclasses.fields(cls)[0].name, args[0])
 
 
 @pytest.mark.parametrize("args", [(0, 512, 7, "raw", 1 << 20, (7,)), (8, 30, 7, "zstd", 12, (1, 2, 3), (5, 6, 4)),
@@ -362,7 +379,7 @@ def _reseal_crc(path: str, name: str, crc: int) -> None:
 
 
 @pytest.mark.parametrize("count", [3, 1100])  # format v2 and v6
-def test_a_resealed_checksum_of_a_one_chunk_tensor_is_refused_on_a_whole_read(tmp_path, count):
+def test_a_resealed_checksum_of_a_one_chunk_tensor_is_refused_on_a_read_whole_or_in_part(tmp_path, count):
     sd = {f"w{i}": torch.randn(8) for i in range(count)}
     path = str(tmp_path / "c")
     shardckpt.save(sd, path)
@@ -371,8 +388,11 @@ def test_a_resealed_checksum_of_a_one_chunk_tensor_is_refused_on_a_whole_read(tm
     with pytest.raises(CorruptCheckpointError, match="'w1'.*combine to checksum"):
         shardckpt.load_full(path)
     part = {"w1": shardckpt.ShardedTensor(torch.zeros(4), (8,), FlatRange(0, 4))}
-    shardckpt.load(part, path, strict=False)  # part of it: only its blocks' checksums apply
-    assert torch.equal(part["w1"].local, sd["w1"][:4])
+    with pytest.raises(CorruptCheckpointError, match="'w1'.*combine to checksum"):
+        shardckpt.load(part, path, strict=False)  # part of its one block, which was read and checked whole
+    part = {"w2": shardckpt.ShardedTensor(torch.zeros(4), (8,), FlatRange(0, 4))}
+    shardckpt.load(part, path, strict=False)  # the others as before
+    assert torch.equal(part["w2"].local, sd["w2"][:4])
 
 
 def test_the_generation_read_alone_is_the_parsed_ones_and_refuses_what_parsing_refuses(tmp_path):
@@ -622,3 +642,49 @@ def test_a_change_to_the_callers_tensor_object_after_stage_does_not_reach_the_sa
     back = shardckpt.load_full(str(tmp_path / "c"))["t"]
     back = back[0]["x"] if kind == "per_rank" else back  # (per-rank values: one per saving rank)
     assert back.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
+@pytest.mark.parametrize("count", [2, 1100])  # format v2 (an entry per tensor) and v6 (the tensor table's forms)
+@pytest.mark.parametrize("shape", [[0, 2**50, 2**50], [2**50, 2**50, 0], [0] + [2**40] * 4])
+def test_an_empty_tensor_whose_other_dims_torch_cannot_lay_out_is_refused_by_name(tmp_path, count, shape):
+    """Every dim in range and no elements, but strides past 2**63 (helper-45: torch.empty raised a plain
+    RuntimeError, 'Stride calculation overflowed', from load_full; convert called it a bug in shardckpt)."""
+    path = str(tmp_path / "ck")
+    shardckpt.save({f"e{i}": torch.zeros(0, 3) for i in range(count)}, path)
+    with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+        doc = json.loads(f.read())
+    doc.pop("crc32c")
+    table = doc["tensors"]
+    (table["forms"][0] if "forms" in table else table["e0"])["shape"] = shape
+    with open(os.path.join(path, MANIFEST_NAME), "wb") as f:
+        f.write(seal(json.dumps(doc, separators=(",", ":")).encode()))
+    with pytest.raises(CorruptCheckpointError, match="tensor 'e0'.*absurd shape"):
+        shardckpt.load_full(path)
+    torch.empty(size=[0, 2**25, 2**25])  # (the bound: 2**50 over the non-zero dims still lays out)
+
+
+@pytest.mark.parametrize("region", [FlatRange(0, 10), FlatRange(7, 30), FlatRange(0, 30)])
+def test_rows_swapped_between_two_one_block_tensors_are_refused_on_a_read_of_part_too(tmp_path, region):
+    """A resealed index whose rows of two same-sized tensors are swapped (each row's own CRCs agree with its bytes):
+    a read of part of a one-block chunk checks that whole block, so the tensor's checksum is known and compared
+    (helper-45: a read of a[0:10] returned b's bytes, silently)."""
+    path = str(tmp_path / "ck")
+    shardckpt.save({"a": torch.arange(30, dtype=torch.float32), "b": torch.arange(100, 130, dtype=torch.int32)}, path,
+                   files_per_rank=1)
+    with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+        doc = json.loads(f.read())
+    doc.pop("crc32c")
+    (file,) = doc["files"]
+    index_path = os.path.join(path, file["index"]["path"])
+    with open(index_path, "rb") as f:
+        index = json.loads(f.read())
+    rows = {row[0]: row for row in index["chunks"]}
+    rows["a"][2:], rows["b"][2:] = rows["b"][2:], rows["a"][2:]
+    data = json.dumps(index, separators=(",", ":")).encode()
+    with open(index_path, "wb") as f:
+        f.write(data)
+    file["index"]["size"], file["index"]["crc32c"] = len(data), crc32c(data)
+    with open(os.path.join(path, MANIFEST_NAME), "wb") as f:
+        f.write(seal(json.dumps(doc, separators=(",", ":")).encode()))
+    with pytest.raises(CorruptCheckpointError, match="tensor 'a'.*the manifest and the data disagree"):
+        open_reader(path).read([ReadRequest("a", region, torch.zeros(region.numel))])

@@ -37,14 +37,16 @@ def _tensor_crc(reads: list[tuple[ChunkRead, ChunkRecord]]) -> int | None:
 
 
 def check_whole_tensors(reads: list[ChunkRead], records: list[ChunkRecord], where: str) -> None:
-    """Raise ``CorruptCheckpointError`` for a tensor whose chunks were all read whole (and verified) but whose
-    checksum is not the manifest's."""
+    """Raise ``CorruptCheckpointError`` for a tensor whose chunks were all read whole (and verified), or whose one
+    chunk of one block was read (checked whole, even for part of it), but whose checksum is not the manifest's."""
     by_tensor: dict[str, list[tuple[ChunkRead, ChunkRecord]]] = {}
     for read, rec in zip(reads, records):
         entry = read.entry
         if len(entry.chunks) == 1:  # the tensor is this one chunk (every small tensor): its checksum is the chunk's
-            if read.lo == 0 and read.hi == read.region.numel:
-                blocks = rec.blocks  # (one block, a small tensor's: its CRC is the tensor's)
+            blocks = rec.blocks
+            # A chunk of one block was read and checked whole even for part of it (reads widen to whole blocks): its
+            # CRC is the tensor's then too, which catches a resealed index's rows swapped between two tensors.
+            if len(blocks) == 1 or (read.lo == 0 and read.hi == read.region.numel):
                 crc = blocks[0] if len(blocks) == 1 else combine_equal_pieces(blocks, rec.block_size, rec.length)
                 if crc != entry.crc32c:
                     _check_crc(entry, crc, where)
