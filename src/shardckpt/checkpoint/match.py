@@ -13,6 +13,7 @@ from shardckpt.checkpoint.collect import is_saved_leaf, is_tensor_like, to_piece
 from shardckpt.errors import IncompatibleCheckpointError, key_mismatch
 from shardckpt.format.tree import Path, PerRankValues, TensorRef, leaf_groups, leaf_path, leaves, path_name, set_at
 from shardckpt.formats.api import ReadRequest, TensorInfo
+from shardckpt.regions import FlatRange
 from shardckpt.sharded_tensor import PerRank
 from shardckpt.tensor_views import copy_into
 
@@ -37,11 +38,16 @@ class Matched:
 
 def _request(name: str, value: Any, entry: TensorInfo, strict: bool, staged: list) -> ReadRequest:
     """The request filling ``value``, the state dict's leaf named ``name``, from the saved ``entry``."""
-    piece = to_piece(name, value)
-    if piece.shape != entry.shape:
+    if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:  # the common case: no piece made
+        # (detached only where autograd tracks it: a detach costs ~1 us, and the caller's own tensor is the one filled)
+        dest = value.detach() if value.requires_grad else value
+        shape, region = value.shape, FlatRange(0, value.numel())
+    else:
+        piece = to_piece(name, value)
+        shape, region, dest = piece.shape, piece.region, piece.data
+    if shape != entry.shape:
         raise IncompatibleCheckpointError(f"tensor {name!r}: the checkpoint holds shape {list(entry.shape)}, the "
-                                          f"state dict expects {list(piece.shape)}")
-    dest = piece.data  # (detached)
+                                          f"state dict expects {list(shape)}")
     if dest.dtype != entry.dtype and strict:
         raise IncompatibleCheckpointError(f"tensor {name!r}: the checkpoint holds {entry.dtype}, the state dict "
                                           f"expects {dest.dtype} (load with strict=False to cast)")
@@ -52,7 +58,7 @@ def _request(name: str, value: Any, entry: TensorInfo, strict: bool, staged: lis
                              "(e.g. .clone())")
         staged.append((dest, dest.contiguous()))
         dest = staged[-1][1]
-    return ReadRequest(entry.name, piece.region, dest)
+    return ReadRequest(entry.name, region, dest)
 
 
 def _shares_memory(t: torch.Tensor) -> bool:

@@ -15,9 +15,9 @@ import crc32c as _crc32c
 _POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
 
 
-def crc32c(data, value: int = 0) -> int:
-    """CRC32C of a bytes-like object, optionally continuing from ``value`` (hardware-accelerated)."""
-    return _crc32c.crc32c(data, value)
+# crc32c(data, value=0): the CRC32C of a bytes-like object, optionally continuing from ``value`` (hardware-
+# accelerated); the C function itself, not a wrapper: it is called once per small chunk read or written.
+crc32c = _crc32c.crc32c
 
 
 def _multmodp(a: int, b: int) -> int:
