@@ -14,6 +14,7 @@ Workload: ``bench_many_tensors.make_state`` (default 128 experts x 25 layers: 19
 Each save replaces the previous one (``overwrite=True``), as a training loop's saves do.
 
     python benchmarks/bench_per_tensor_steps.py                  # 11 repeats (~30 s)
+    python benchmarks/bench_per_tensor_steps.py --calls-only     # the three calls alone (no steps), ~15 s
     PYTHONPATH=<other checkout>/src python benchmarks/bench_per_tensor_steps.py   # the same for another version
 """
 from __future__ import annotations
@@ -43,8 +44,8 @@ def _timed(samples: dict, key: str, fn) -> object:
     return out
 
 
-def measure(state: dict, path: str, repeats: int) -> dict[str, list[float]]:
-    """Wall times of every call, by name: the whole calls in turn, then the save's steps."""
+def measure(state: dict, path: str, repeats: int, steps: bool = True) -> dict[str, list[float]]:
+    """Wall times of every call, by name: the whole calls in turn, then (``steps``) the save's steps."""
     shardckpt.save(state, path)  # warm: the first save also creates the directory and imports what it needs
     targets = {name: torch.empty_like(t) for name, t in state.items()}
     shardckpt.load(targets, path)
@@ -53,7 +54,7 @@ def measure(state: dict, path: str, repeats: int) -> dict[str, list[float]]:
         _timed(samples, "save", lambda: shardckpt.save(state, path, overwrite=True))
         _timed(samples, "load_full", lambda: shardckpt.load_full(path))
         _timed(samples, "load", lambda: shardckpt.load(targets, path))
-    for _ in range(repeats):
+    for _ in range(repeats if steps else 0):
         staged = _timed(samples, "save: stage", lambda: stage(state))
         planned = _timed(samples, "save: plan", lambda s=staged: plan(s, path, overwrite=True))
         _timed(samples, "save: persist (write + commit)", lambda s=staged, p=planned: persist(s, p))
@@ -73,15 +74,16 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--layers", type=int, default=25)
     ap.add_argument("--repeats", type=int, default=11)
+    ap.add_argument("--calls-only", action="store_true", help="time save, load_full and load only, not the steps")
     ap.add_argument("--json", help="write the raw samples here")
     args = ap.parse_args()
     state = make_state(args.experts, args.layers)
     with tempfile.TemporaryDirectory(prefix="shardckpt-steps-") as tmp:
-        samples = measure(state, os.path.join(tmp, "ckpt"), args.repeats)
+        samples = measure(state, os.path.join(tmp, "ckpt"), args.repeats, steps=not args.calls_only)
     print(f"{len(state):,} tensors, shardckpt from {os.path.dirname(shardckpt.__file__)}, loadavg {loadavg()}")
-    print(f"medians of {args.repeats}, us per tensor:")
+    print(f"medians (and minimums: the least disturbed call on a shared machine) of {args.repeats}, us per tensor:")
     for key, values in samples.items():
-        print(f"  {key:32s} {statistics.median(values) * 1e6 / len(state):7.1f}")
+        print(f"  {key:32s} {statistics.median(values) * 1e6 / len(state):7.1f} ({min(values) * 1e6 / len(state):.1f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tensors": len(state), "samples": samples}, f)
