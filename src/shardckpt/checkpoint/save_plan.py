@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from shardckpt.checkpoint.collect import LocalPiece, region_from_key, region_key
 from shardckpt.errors import CheckpointError, UnsupportedValueError
-from shardckpt.regions import FlatRange, Region, check_tiling, flat_bounds, full_region
+from shardckpt.regions import Region, check_tiling, flat_bounds, full_region
 from shardckpt.format.dtypes import DTYPES, dtype_name, itemsize
-from shardckpt.format.chunks import Chunks, compact_chunks, whole_chunk
+from shardckpt.format.chunks import Chunks, compact_chunks, is_whole, whole_chunk
 from shardckpt.format.tensor_table import table_of
 from shardckpt.format.codecs import Compression
 from shardckpt.records import record
@@ -68,9 +68,7 @@ class SavePlan:
         and file, without a chunk description or manifest entry of its own (``TensorPlan.chunks`` for the others)."""
         keys: list[tuple] = []
         for tp in self.tensors.values():
-            regions = tp.regions  # (one region: one chunk, one writer)
-            if len(regions) == 1 and type(regions[0]) is FlatRange and regions[0].start == 0 and \
-                    regions[0].stop == math.prod(tp.shape) > 0:
+            if is_whole(tp.regions, math.prod(tp.shape)):  # (one region: one chunk, one writer)
                 keys.append((tp.dtype, tp.shape, first_file[tp.writers[0]] + tp.slot))
             else:
                 keys.append((tp.dtype, tp.shape, tp.chunks(first_file)))

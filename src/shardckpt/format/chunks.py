@@ -108,8 +108,7 @@ def region_to_json(region: Region) -> dict:
 def compact_chunks(regions: Sequence[Region], files: Sequence[int], shape: Sequence[int]) -> Chunks:
     """The most compact description of a tiling (regions sorted by their first element)."""
     numel = math.prod(shape)
-    if len(regions) == 1 and type(regions[0]) is FlatRange and regions[0].start == 0 and regions[0].stop == numel \
-            and numel:  # a whole tensor in one chunk (most tensors of a save): what the general path returns
+    if is_whole(regions, numel):  # a whole tensor in one chunk (most tensors of a save): what the general path returns
         return whole_chunk(numel, files[0])
     flat = [canonical(r, shape) for r in regions]
     if flat and all(isinstance(r, FlatRange) for r in flat):
@@ -118,6 +117,13 @@ def compact_chunks(regions: Sequence[Region], files: Sequence[int], shape: Seque
                 all(r.start == i * size and r.stop == min(r.start + size, numel) for i, r in enumerate(flat)):
             return regular_chunks(size, files)
     return ExplicitChunks(tuple(flat), tuple(files))
+
+
+def is_whole(regions: Sequence[Region], numel: int) -> bool:
+    """Whether ``regions`` is one chunk, the whole of a non-empty tensor of ``numel`` elements as a flat range (the
+    common case, told with plain comparisons)."""
+    return len(regions) == 1 and type(regions[0]) is FlatRange and regions[0].start == 0 and \
+        regions[0].stop == numel > 0
 
 
 @functools.lru_cache(maxsize=4096)
