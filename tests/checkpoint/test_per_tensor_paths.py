@@ -660,7 +660,20 @@ def test_an_empty_tensor_whose_other_dims_torch_cannot_lay_out_is_refused_by_nam
         f.write(seal(json.dumps(doc, separators=(",", ":")).encode()))
     with pytest.raises(CorruptCheckpointError, match="tensor 'e0'.*absurd shape"):
         shardckpt.load_full(path)
-    torch.empty(size=[0, 2**25, 2**25])  # (the bound: 2**50 over the non-zero dims still lays out)
+
+
+@pytest.mark.parametrize("shape", [[2**26, 2**26, 0], [2**31, 0, 2**31], [0, 2**50, 2**12], [0] * 64])
+def test_an_empty_tensor_that_torch_lays_out_saves_and_loads_however_large_its_other_dims(tmp_path, shape):
+    """The bound above is torch's, not 2**50 over the non-zero dims (helper-46: that refused [2**26, 2**26, 0],
+    which torch makes, and every checkpoint holding one). Its safetensors export reads back too."""
+    path, exported = str(tmp_path / "ck"), str(tmp_path / "hf")
+    state = {"w": torch.arange(3.0), "e": torch.empty(size=shape, dtype=torch.float64)}
+    shardckpt.save(state, path)
+    full = shardckpt.load_full(path)
+    assert full["e"].shape == tuple(shape) and full["e"].dtype == torch.float64 and torch.equal(full["w"], state["w"])
+    shardckpt.export(path, exported)
+    back = shardckpt.load_full(exported)
+    assert back["e"].shape == tuple(shape) and torch.equal(back["w"], state["w"])
 
 
 @pytest.mark.parametrize("region", [FlatRange(0, 10), FlatRange(7, 30), FlatRange(0, 30)])

@@ -27,6 +27,7 @@ from shardckpt.format.tensor_table import check_form, read_table, table_to_json
 from shardckpt.format.tree import TensorRef, compact_tensor_dicts, decode, leaf_groups
 from shardckpt.format.validate import (
     MAX_NUMEL,
+    absurd_shape,
     check_fields,
     check_relative_path,
     first_repeat,
@@ -341,12 +342,6 @@ def _is_int(v: Any, lo: int, hi: int) -> bool:
     return type(v) is int and lo <= v <= hi
 
 
-def _absurd_empty(shape: list | tuple) -> bool:
-    """An empty shape whose other dims multiply past ``MAX_NUMEL`` (``[0, 2**50, 2**50]``): no elements, but torch
-    cannot lay it out (its strides overflow: "Stride calculation overflowed" when it is allocated; helper-45)."""
-    return math.prod(d or 1 for d in shape) > MAX_NUMEL
-
-
 def _fast_regular(name: str, obj: Any, n_files: int) -> TensorEntry | None:
     """The common entry (format v2 on: regular chunks in affine files) checked with plain comparisons, the same
     rules as the general path below; None for anything else, which that path then checks (and names the fault).
@@ -360,8 +355,7 @@ def _fast_regular(name: str, obj: Any, n_files: int) -> TensorEntry | None:
     if not all(type(s) is int and 0 <= s <= MAX_NUMEL for s in shape):
         return None
     numel = math.prod(shape)
-    if numel > MAX_NUMEL or (not numel and _absurd_empty(shape)) or type(chunks) is not dict or \
-            chunks.keys() != _REGULAR_FIELDS:
+    if absurd_shape(shape, numel) or type(chunks) is not dict or chunks.keys() != _REGULAR_FIELDS:
         return None
     size, count, placed = chunks["size"], chunks["count"], chunks["files"]
     if not (_is_int(size, 1, MAX_NUMEL) and type(count) is int and count == -(-numel // size)):
@@ -431,7 +425,7 @@ def _tensor_from_json(name: str, obj: Any, files: list[FileEntry], stored: int, 
     if not isinstance(shape_doc, list) or len(shape_doc) > 64:
         raise CorruptCheckpointError(f"{where}: 'shape' must be a list of at most 64 dims")
     shape = tuple(get_int(s, f"{where} field 'shape'", 0, MAX_NUMEL) for s in shape_doc)
-    if math.prod(shape) > MAX_NUMEL or _absurd_empty(shape):
+    if absurd_shape(shape, math.prod(shape)):
         raise CorruptCheckpointError(f"{where}: absurd shape {shape}")
     crc = int_field(obj, "crc32c", where, 0, 0xFFFFFFFF)
     entry = TensorEntry(name, dtype, shape, crc, chunks_from_json(get_field(obj, "chunks", where), shape,

@@ -7,6 +7,7 @@ spec lists.
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Iterable
 
@@ -14,7 +15,17 @@ from shardckpt.errors import CorruptCheckpointError
 
 MAX_NUMEL = 1 << 50  # far beyond any real tensor; larger is a hostile or broken manifest
 MAX_BYTES = 1 << 62
+# An empty tensor's non-zero dims multiplied: torch lays out up to ~2**63 for every dtype (strides and the storage
+# size are those products); past it, allocating the tensor fails ("Stride calculation overflowed").
+MAX_EMPTY_LAYOUT = 1 << 62
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+
+
+def absurd_shape(shape: list | tuple, numel: int) -> bool:
+    """Whether a shape of ``numel`` elements (``math.prod(shape)``, its dims each checked already) is more than a
+    checkpoint can hold: more than ``MAX_NUMEL`` elements, or empty beside dims that torch cannot lay out
+    (``[0, 2**50, 2**50]``: the rule is met for each dim and the product, but allocating it fails; helper-45)."""
+    return numel > MAX_NUMEL or (not numel and math.prod(d or 1 for d in shape) > MAX_EMPTY_LAYOUT)
 
 
 def get_int(value: Any, where: str, lo: int = 0, hi: int = MAX_BYTES) -> int:

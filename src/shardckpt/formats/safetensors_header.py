@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from shardckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError
-from shardckpt.format.validate import MAX_NUMEL
+from shardckpt.format.validate import MAX_NUMEL, absurd_shape
 from shardckpt.formats.untrusted import shown
 from shardckpt.io import Storage
 
@@ -130,7 +130,7 @@ def parse_header(header: bytes, data_len: int, where: str) -> tuple[dict[str, He
         if not (isinstance(shape, list) and all(_is_int(d) and 0 <= d <= MAX_NUMEL for d in shape)):
             raise CorruptCheckpointError(f"{at}: shape {shown(shape)} is not a list of non-negative integers "
                                          f"up to {MAX_NUMEL}")
-        if math.prod(max(d, 1) for d in shape) > MAX_NUMEL:  # a 0 beside absurd sizes still has no storage
+        if absurd_shape(shape, math.prod(shape)):  # (a 0 beside absurd sizes has no storage, but no layout either)
             raise CorruptCheckpointError(f"{at}: shape {shown(shape)} is absurdly large")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
                 and 0 <= offsets[0] <= offsets[1]):
