@@ -662,7 +662,8 @@ def test_an_empty_tensor_whose_other_dims_torch_cannot_lay_out_is_refused_by_nam
         shardckpt.load_full(path)
 
 
-@pytest.mark.parametrize("shape", [[2**26, 2**26, 0], [2**31, 0, 2**31], [0, 2**50, 2**12], [0] * 64])
+@pytest.mark.parametrize("shape", [[2**26, 2**26, 0], [2**31, 0, 2**31], [0, 2**50, 2**12], [0] * 64,
+                                   [1, 2**50, 2**13 - 1, 0]])
 def test_an_empty_tensor_that_torch_lays_out_saves_and_loads_however_large_its_other_dims(tmp_path, shape):
     """The bound above is torch's, not 2**50 over the non-zero dims (helper-46: that refused [2**26, 2**26, 0],
     which torch makes, and every checkpoint holding one). Its safetensors export reads back too."""

@@ -15,9 +15,10 @@ from shardckpt.errors import CorruptCheckpointError
 
 MAX_NUMEL = 1 << 50  # far beyond any real tensor; larger is a hostile or broken manifest
 MAX_BYTES = 1 << 62
-# An empty tensor's non-zero dims multiplied: torch lays out up to ~2**63 for every dtype (strides and the storage
-# size are those products); past it, allocating the tensor fails ("Stride calculation overflowed").
-MAX_EMPTY_LAYOUT = 1 << 62
+# An empty tensor's non-zero dims multiplied: within int64, every stride and every running product of the sizes
+# torch computes is (so it lays the tensor out, for every dtype); past 2**63 one may overflow ("Stride calculation
+# overflowed"), depending on the order of the dims.
+MAX_EMPTY_LAYOUT = (1 << 63) - 1
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
 
 
