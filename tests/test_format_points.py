@@ -67,11 +67,24 @@ def test_2_a_whole_tensor_read_checks_the_tensor_checksum(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="'w'.*whole tensor"):
         shardckpt.load({"w": torch.zeros(6), "b": torch.zeros(3)}, path)
     part = shardckpt.ShardedTensor(torch.zeros(3), (6,), FlatRange(0, 3))
-    shardckpt.load({"w": part, "b": torch.zeros(3)}, path)  # a partial read checks its blocks only
-    assert torch.equal(part.local, torch.arange(3.0))
+    with pytest.raises(CorruptCheckpointError, match="'w'.*whole tensor"):  # (one chunk of one block: read whole)
+        shardckpt.load({"w": part, "b": torch.zeros(3)}, path)
     assert torch.equal(shardckpt.load_full(path, verify_checksums=False)["w"], torch.arange(6.0))
     assert torch.equal(shardckpt.load_full(path, ["b"])["b"], torch.ones(3))
     assert not verify(path).ok
+
+
+def test_2_a_partial_read_of_a_chunk_of_several_blocks_checks_its_blocks_only(tmp_path):
+    _doc_says("a partial read checks its blocks only, except of a tensor stored as one chunk of one block")
+    big = torch.arange(300_000, dtype=torch.float32)  # 1.2 MB: two blocks of 1 MiB
+    path, doc = _saved(tmp_path, {"w": big, "b": torch.ones(3)})
+    doc["tensors"]["w"]["crc32c"] ^= 1
+    _write(path, doc)
+    part = shardckpt.ShardedTensor(torch.zeros(3), (300_000,), FlatRange(0, 3))
+    shardckpt.load({"w": part, "b": torch.zeros(3)}, path)  # the first block read and checked, not the tensor
+    assert torch.equal(part.local, big[:3])
+    with pytest.raises(CorruptCheckpointError, match="'w'.*whole tensor"):
+        shardckpt.load_full(path)
 
 
 def test_2_chunks_of_every_form_combine_to_the_manifests_checksum(tmp_path):
