@@ -4,12 +4,10 @@ Every other destination is filled through ``copy_``, which casts and resolves th
 the values here, whole and in part."""
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
-import shardckpt
+from tests.formats._save_as import save_as
 from shardckpt.formats.api import ReadRequest, TensorInfo
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.requests import check_request
@@ -43,26 +41,11 @@ def test_check_request_finds_whether_a_destination_takes_stored_bytes():
     assert meta.as_stored is False
 
 
-def _save(fmt: str, path: str) -> None:
-    if fmt == "shardckpt":
-        shardckpt.save(STATE, path)
-    elif fmt == "torch":
-        torch.save(STATE, path)
-    elif fmt == "safetensors":
-        from safetensors.torch import save_file
-        save_file(STATE, path)
-    else:
-        import torch.distributed.checkpoint as dcp
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.save({k: v.clone() for k, v in STATE.items()}, storage_writer=dcp.FileSystemWriter(path))
-
-
 @pytest.mark.parametrize("fmt", ["shardckpt", "torch", "safetensors", "dcp"])
 @pytest.mark.parametrize("region", [FlatRange(0, 4), FlatRange(1, 3)], ids=["whole", "part"])
 def test_every_reader_fills_each_kind_of_destination_with_the_stored_values(tmp_path, fmt, region):
     path = str(tmp_path / ("ck.safetensors" if fmt == "safetensors" else "ck.pt" if fmt == "torch" else "ck"))
-    _save(fmt, path)
+    save_as(fmt, STATE, path)
     for kind, (dest, _, back) in _destinations(region.numel).items():
         name = "z" if dest.is_complex() else "f"
         open_reader(path).read([ReadRequest(name, region, dest)])

@@ -2,32 +2,16 @@
 in place only inside that mode: the readers' copies were refused with torch's RuntimeError; helper-34)."""
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 import shardckpt
+from tests.formats._save_as import save_as
 from shardckpt.formats.api import ReadRequest
 from shardckpt.formats.detect import open_reader
 from shardckpt.regions import Box, FlatRange
 
 STATE = {"a": torch.arange(12.0).reshape(3, 4), "i": torch.arange(6, dtype=torch.int32)}
-
-
-def _save(fmt: str, path: str) -> None:
-    if fmt == "shardckpt":
-        shardckpt.save(STATE, path)
-    elif fmt == "torch":
-        torch.save(STATE, path)
-    elif fmt == "safetensors":
-        from safetensors.torch import save_file
-        save_file(STATE, path)
-    else:
-        import torch.distributed.checkpoint as dcp
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.save({k: v.clone() for k, v in STATE.items()}, storage_writer=dcp.FileSystemWriter(path))
 
 
 def _inference(*shape, dtype=torch.float32) -> torch.Tensor:
@@ -38,7 +22,7 @@ def _inference(*shape, dtype=torch.float32) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ["shardckpt", "torch", "safetensors", "dcp"])
 def test_an_inference_destination_is_filled_as_read_cast_or_in_part(tmp_path, fmt):
     path = str(tmp_path / "ck")
-    _save(fmt, path)
+    save_as(fmt, STATE, path)
     whole, cast, box = _inference(12), _inference(6, dtype=torch.float64), _inference(2, 2)
     open_reader(path).read([ReadRequest("a", FlatRange(0, 12), whole), ReadRequest("i", FlatRange(0, 6), cast),
                             ReadRequest("a", Box((1, 1), (2, 2)), box)])
