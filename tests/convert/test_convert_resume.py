@@ -280,14 +280,20 @@ def test_values_that_do_not_check_against_the_source_are_never_committed(tmp_pat
     is not its source's fails the conversion, naming it, and nothing is committed."""
     src, dst = tmp_path / "src", tmp_path / "dst"
     shardckpt.save(_state(), src)
-    for kind in (streams.ReadOnDemand, streams.FileRuns):  # slices streamed, and small chunks read in runs
-        def wrong(self, what, *args, real=kind._slices):
-            for part in real(self, what, *args):
-                if getattr(what, "name", what) == "model.layer2.weight":  # (an output, or a FileRuns piece's name)
-                    part.view(-1)[0] += 1
-                yield part
+    def wrong_slices(self, output, *args, real=streams.ReadOnDemand._slices):  # slices streamed
+        for part in real(self, output, *args):
+            if output.name == "model.layer2.weight":
+                part.view(-1)[0] += 1
+            yield part
 
-        monkeypatch.setattr(kind, "_slices", wrong)
+    def wrong_held(self, name, real=streams.FileRuns._held):  # small chunks read in runs
+        data = real(self, name)
+        if name == "model.layer2.weight":
+            data[0] ^= 1
+        return data
+
+    monkeypatch.setattr(streams.ReadOnDemand, "_slices", wrong_slices)
+    monkeypatch.setattr(streams.FileRuns, "_held", wrong_held)
     with pytest.raises(shardckpt.CorruptCheckpointError, match=r"model\.layer2\.weight.*not the source's"):
         convert(src, dst, world_size=3)
     assert not os.path.exists(dst / "manifest.json") and not [d for d in os.listdir(dst) if d.startswith("data-")]

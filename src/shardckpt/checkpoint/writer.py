@@ -66,7 +66,29 @@ class StreamedPiece:
         return self.region.numel * self.dtype.itemsize
 
 
-Piece = Union[LocalPiece, StreamedPiece]
+@record
+class HeldPiece:
+    """A small raw chunk whose bytes are in host memory when the piece is asked for and stay there only until the
+    next piece of its file is (``convert``'s small chunks, read in runs: ``offline.streams.FileRuns``): written at
+    once, a few operations per chunk. ``data``: its bytes as stored; ``slices`` as a ``StreamedPiece``'s."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    region: FlatRange
+    data: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    def slices(self, block: int, first: int) -> Iterator[torch.Tensor]:
+        rest = self.data[first * self.dtype.itemsize:]
+        if len(rest):
+            yield torch.frombuffer(rest, dtype=torch.uint8)
+
+
+Piece = Union[LocalPiece, StreamedPiece, HeldPiece]
 
 
 @dataclass
@@ -201,7 +223,7 @@ def _write_chunk(sink: _Sink, piece: Piece, compression: Compression | None) -> 
     if compression is None and not kept and isinstance(piece, StreamedPiece) and \
             0 < piece.nbytes <= min(block, SMALL_WRITE):
         return _write_streamed_block(sink, piece, block)
-    if isinstance(piece, StreamedPiece):
+    if isinstance(piece, (StreamedPiece, HeldPiece)):
         raw, dtype, slices = None, piece.dtype, piece.slices(block, kept // piece.dtype.itemsize)
     elif piece.data.device.type != "cpu":  # kept on its device by a synchronous save (``checkpoint.device_slices``)
         raw, dtype = None, piece.data.dtype
@@ -251,15 +273,19 @@ def _write_one_block(sink: _Sink, piece: Piece, raw: torch.Tensor, itemsize: int
     return record, _crc_term(piece, itemsize, crc, raw)
 
 
-def _write_small(sink: _Sink, small: list[tuple[tuple[str, int], LocalPiece]], terms: dict[str, int]) -> None:
-    """``_write_chunk`` of each of consecutive small staged chunks (raw, one block each, none hashed, on the host),
-    emptying ``small``: the same bytes, records and terms, in one loop instead of a few calls per chunk (a save of many
-    small tensors)."""
+def _write_small(sink: _Sink, small: list[tuple[tuple[str, int], LocalPiece | HeldPiece]],
+                 terms: dict[str, int]) -> None:
+    """``_write_chunk`` of each of consecutive small staged or held chunks (raw, one block each, none hashed, on the
+    host), emptying ``small``: the same bytes, records and terms, in one loop instead of a few calls per chunk (a save
+    or a conversion of many small tensors)."""
     progress, write, done = sink.progress, sink.writer.write, sink.progress.done
     size, written, block = progress.size, 0, BLOCK_SIZE
     for key, piece in small:
-        raw = _staged(piece)
-        data = host_memory(raw)
+        if type(piece) is HeldPiece:
+            raw, data, itemsize = None, piece.data, piece.dtype.itemsize  # (one run: its term needs no bytes)
+        else:
+            raw = _staged(piece)
+            data, itemsize = host_memory(raw), raw.dtype.itemsize
         pad = -size % ALIGN
         if pad:
             write(_ZEROS[:pad])
@@ -269,7 +295,7 @@ def _write_small(sink: _Sink, small: list[tuple[tuple[str, int], LocalPiece]], t
         done[key] = ChunkRecord(size, len(data), crc, RAW, block, (crc,), ())
         size += len(data)
         written += len(data)
-        terms[key[0]] = terms.get(key[0], 0) ^ _crc_term(piece, raw.dtype.itemsize, crc, raw)
+        terms[key[0]] = terms.get(key[0], 0) ^ _crc_term(piece, itemsize, crc, raw)
     progress.size, progress.current = size, None
     small.clear()
     sink.journal(progress)
@@ -281,7 +307,8 @@ def _write_streamed_block(sink: _Sink, piece: StreamedPiece, block: int) -> tupl
     nbytes = piece.nbytes
     slices = piece.slices(block, 0)
     try:
-        raw = as_bytes(next(slices, torch.empty(0, dtype=piece.dtype)))
+        first = next(slices, None)
+        raw = as_bytes(first) if first is not None else torch.empty(0, dtype=torch.uint8)
         if raw.numel() != nbytes:
             raise ValueError(f"{piece.name!r}: its first slice holds {raw.numel()} bytes, not its {nbytes}")
         return _write_one_block(sink, piece, raw, piece.dtype.itemsize, block)
@@ -302,6 +329,7 @@ class Followed:
     journal: Journal | None = None
     tick: Tick | None = None
     records: dict | None = None  # filled with each hashed chunk's record (its digest set), by (name, chunk)
+    indexed: Callable[[bytes], None] | None = None  # told the index's bytes once they are written (a journal's)
 
 
 def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: list[WriteTask],
@@ -325,9 +353,13 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
         for task in tasks:
             key = (task.name, task.chunk)
             piece = pieces[key] if key in pieces else pieces[task.name]  # by key: an incremental save's units
-            if compression is None and type(piece) is LocalPiece and 0 < piece.data.nbytes <= limit and \
-                    piece.data.is_cpu and progress.current != key and key not in progress.done:
+            kind = type(piece)
+            if compression is None and progress.current != key and key not in progress.done and (
+                    kind is LocalPiece and 0 < piece.data.nbytes <= limit and piece.data.is_cpu or
+                    kind is HeldPiece and piece.nbytes <= limit):
                 small.append((key, piece))
+                if kind is HeldPiece:  # written now: its bytes may be another's once the next piece is asked for
+                    _write_small(sink, small, terms)
                 continue
             if small:
                 _write_small(sink, small, terms)
@@ -357,6 +389,8 @@ def write_data_file(storage: Storage, data_path: str, index_path: str, tasks: li
     index_writer = storage.open_writer(index_path)
     index_writer.write(memoryview(index))
     index_writer.close()
+    if followed.indexed is not None:
+        followed.indexed(index)
     return FileEntry(data_path, progress.size, index_path, len(index), crc32c(index)), terms
 
 

@@ -4,6 +4,7 @@ it goes (``offline.resume``, ``offline.kept``). ``RankFiles.write`` writes one o
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from typing import Callable
@@ -60,13 +61,16 @@ class RankFiles:
         self._kept(progress, whole=False)
         journal = FileJournal(self.storage, journal_path, digest, self.version, isinstance(self.storage, LocalStorage))
         journal.begin(progress)
-        runs = FileRuns(self.pieces, [t.name for t in tasks])
+        # (the chunks to write from their start: a kept one is not read, a chunk a killed run began goes on streamed)
+        runs = FileRuns(self.pieces, [t.name for t in tasks if (t.name, t.chunk) not in progress.done and
+                                      (t.name, t.chunk) != progress.current])
+        # (the journal's last word, the file finished, carries the index as written: not made again)
+        followed = Followed(progress, writer, journal, indexed=functools.partial(journal.finish, progress))
         try:
             entry, terms = write_data_file(self.storage, data_path, index_path, tasks, runs, self.plan.compression,
-                                           version=self.version, followed=Followed(progress, writer, journal))
+                                           version=self.version, followed=followed)
         finally:
             runs.close()
-        journal.finish(progress)
         return entry, terms
 
     def _checked(self, claim: Claim | None, data_path: str, tasks: list[WriteTask]) -> FileProgress:

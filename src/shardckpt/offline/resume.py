@@ -77,10 +77,11 @@ def journal_dir(generation: str) -> str:
 def file_digest(plan: SavePlan, data_path: str, tasks: list[WriteTask], version: int) -> str:
     """What the plan puts in one data file, and how: the chunks, in order, their tensors' dtypes, shapes and
     regions, the codec, the block size, the format version; a journal of another plan is never taken."""
+    tensors = plan.tensors
     doc = [plan.generation, data_path, version, _writer.BLOCK_SIZE, ALIGN,
            repr(plan.compression),
-           [[t.name, t.chunk, plan.tensors[t.name].dtype, list(plan.tensors[t.name].shape),
-             _region_text(plan.tensors[t.name].regions[t.chunk])] for t in tasks]]
+           [[t.name, t.chunk, tp.dtype, list(tp.shape), _region_text(tp.regions[t.chunk])]
+            for t in tasks for tp in (tensors[t.name],)]]
     return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
 
 
@@ -108,17 +109,20 @@ class FileJournal:
         lifecycle(self.storage).hold_dir(self.path.rsplit("/", 1)[0]).release()  # made where the store has directories
         self._put(progress, finished=False)
 
-    def finish(self, progress: FileProgress) -> None:
-        """Record the file finished (its data and index durable)."""
-        self._put(progress, finished=True)
+    def finish(self, progress: FileProgress, index: bytes) -> None:
+        """Record the file finished (its data and index durable; ``index``: the index's bytes, its records
+        ``progress.done``'s)."""
+        self._put(progress, finished=True, index=index)
 
-    def _put(self, progress: FileProgress, finished: bool) -> None:
+    def _put(self, progress: FileProgress, finished: bool, index: bytes | None = None) -> None:
         current = None if progress.current is None else \
             [*progress.current, progress.offset, list(progress.blocks), list(progress.frames)]
         head = json.dumps({"format": JOURNAL_FORMAT, "digest": self.digest, "finished": finished,
                            "size": progress.size, "current": current}, separators=(",", ":")).encode()
         # The index's own JSON spliced in as the last field: not parsed back and dumped again (a file of 10k chunks)
-        data = head[:-1] + b',"index":' + index_to_bytes(progress.done, self.version, _writer.BLOCK_SIZE) + b"}"
+        if index is None:
+            index = index_to_bytes(progress.done, self.version, _writer.BLOCK_SIZE)
+        data = head[:-1] + b',"index":' + index + b"}"
         if isinstance(self.storage, LocalStorage):  # whole or absent for readers (a rename), and not synced
             url = self.storage.url(self.path)
             try:

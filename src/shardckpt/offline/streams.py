@@ -10,11 +10,12 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from shardckpt.checkpoint.writer import StreamedPiece
+from shardckpt.checkpoint.writer import HeldPiece, StreamedPiece
 from shardckpt.format.dtypes import itemsize
 from shardckpt.formats.api import CheckpointReader, ReadRequest, TensorInfo
 from shardckpt.offline.memory import ALIGN, SliceBuffers
 from shardckpt.regions import FlatRange, Region
+from shardckpt.tensor_views import host_memory
 from shardckpt.records import record
 
 RUN_CHUNK_BYTES = 64 << 10  # a chunk at most this big is read with the small chunks after it (``FileRuns``)
@@ -119,70 +120,80 @@ class ReadOnDemand(Mapping[str, StreamedPiece]):
         return len(self.outputs)
 
 
-class FileRuns(Mapping[str, StreamedPiece]):
+class FileRuns(Mapping[str, "StreamedPiece | HeldPiece"]):
     """The pieces of one data file (``pieces``' own), its small chunks read in runs: a chunk of at most
-    ``RUN_CHUNK_BYTES`` (not cast, written from its start) is read together with the small chunks after it in the
-    file's order (``names``), as many as one slice buffer holds, in one ``reader.read`` (which coalesces reads of
-    neighbouring chunks and checks each chunk's CRC), then each is written from its view in that buffer. One read
-    call per tensor cost a conversion of many small tensors most of its time. The buffer is held until a chunk
-    outside the run is asked for, or ``close``: the file's writer asks for its chunks one at a time, in order."""
+    ``RUN_CHUNK_BYTES`` (not cast, one of ``names``: those to write from their start) is read together with the small
+    chunks after it in the file's order (``names``), as many as one slice buffer holds, in one ``reader.read`` (which
+    coalesces reads of neighbouring chunks and checks each chunk's CRC), then each is a ``HeldPiece`` of its bytes in
+    that buffer. One read call per tensor cost a conversion of many small tensors most of its time. The buffer is held
+    until a chunk outside the run is asked for, or ``close``: the file's writer asks for its chunks one at a time, in
+    order, and writes a held piece before it asks for the next."""
 
     def __init__(self, pieces: ReadOnDemand, names: list[str]):
         self.pieces, self.names = pieces, names
-        self.position = {name: i for i, name in enumerate(names)}
-        self.run: dict[str, torch.Tensor] = {}
-        self.small: dict[str, bool] = {}
+        self.small: dict[str, tuple[int, Output, FlatRange, int]] = {}  # position in names, output, region, bytes
+        most = min(RUN_CHUNK_BYTES, pieces.buffers.nbytes)
+        for i, name in enumerate(names):
+            output = pieces.outputs[name]
+            if output.dtype == output.source_dtype:
+                region = pieces.region(output)
+                nbytes = region.numel * itemsize(output.dtype)
+                if 0 < nbytes <= most:
+                    self.small[name] = (i, output, region, nbytes)
+        self.run: dict[str, memoryview] = {}
         self.held = contextlib.ExitStack()
 
-    def __getitem__(self, name: str) -> StreamedPiece:
-        output = self.pieces.outputs[name]  # (the piece ``pieces[name]`` is, its slices this file's)
-        return StreamedPiece(name, output.dtype, output.shape, self.pieces.region(output),
-                             functools.partial(self._slices, name))
+    def __getitem__(self, name: str) -> StreamedPiece | HeldPiece:
+        small = self.small.get(name)
+        if small is None:
+            output = self.pieces.outputs[name]  # (the piece ``pieces[name]`` is, its slices this file's)
+            return StreamedPiece(name, output.dtype, output.shape, self.pieces.region(output),
+                                 functools.partial(self._streamed, name))
+        _, output, region, nbytes = small
+        data = self._held(name)
+        self.pieces.tick(nbytes)
+        return HeldPiece(name, output.dtype, output.shape, region, data)
 
     def __contains__(self, name: object) -> bool:  # (Mapping's would build the piece, or raise and catch KeyError)
         return name in self.pieces
 
-    def _slices(self, name: str, block: int, first: int) -> Iterator[torch.Tensor]:
-        if first == 0 and self._small(name):
-            if name not in self.run:
-                self._read_run(name)
-            part = self.run.pop(name)
-            self.pieces.tick(part.nbytes)
-            yield part
-            return
+    def _streamed(self, name: str, block: int, first: int) -> Iterator[torch.Tensor]:
         self.close()  # the buffer goes back before the slices below take one
         yield from self.pieces[name].slices(block, first)
 
-    def _small(self, name: str) -> bool:
-        small = self.small.get(name)
-        if small is None:  # (asked twice per chunk: when a run is laid out, and when the chunk is written)
-            output = self.pieces.outputs[name]
-            region = self.pieces.region(output)
-            small = self.small[name] = output.dtype == output.source_dtype and name in self.position and \
-                0 < region.numel * itemsize(output.dtype) <= min(RUN_CHUNK_BYTES, self.pieces.buffers.nbytes)
-        return small
+    def _held(self, name: str) -> memoryview:
+        """The bytes of small chunk ``name``, read with the small chunks after it unless its run holds them."""
+        data = self.run.pop(name, None)
+        if data is None:
+            self._read_run(name)
+            data = self.run.pop(name)
+        return data
 
     def _read_run(self, name: str) -> None:
         self.close()
         placed, size = {}, 0
-        for later in self.names[self.position[name]:]:
-            if later in placed or not self._small(later):
+        for later in self.names[self.small[name][0]:]:
+            small = self.small.get(later)
+            if small is None or later in placed:
                 break
-            output = self.pieces.outputs[later]
-            nbytes = self.pieces.region(output).numel * itemsize(output.dtype)
             at = -(-size // ALIGN) * ALIGN  # each view starts aligned for its dtype
-            if at + nbytes > self.pieces.buffers.nbytes:
+            if at + small[3] > self.pieces.buffers.nbytes:
                 break
             placed[later] = at
-            size = at + nbytes
+            size = at + small[3]
         buffer = self.held.enter_context(self.pieces.buffers.take(size))
+        memory = host_memory(buffer)
+        typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer as each dtype: a view of it is one call (~1 us less)
         requests = []
         for later, at in placed.items():
-            output = self.pieces.outputs[later]
-            region = self.pieces.region(output)
-            part = buffer[at:at + region.numel * itemsize(output.dtype)].view(output.dtype)
-            requests.append(ReadRequest(output.source.name, region, part))
-            self.run[later] = part
+            _, output, region, nbytes = self.small[later]
+            dtype = output.dtype
+            whole = typed.get(dtype)
+            if whole is None:
+                whole = typed[dtype] = buffer[:buffer.numel() // ALIGN * ALIGN].view(dtype)
+            dest = whole.as_strided((region.numel,), (1,), whole.storage_offset() + at // dtype.itemsize)
+            requests.append(ReadRequest(output.source.name, region, dest))
+            self.run[later] = memory[at:at + nbytes]
         self.pieces.reader.read(requests)
 
     def close(self) -> None:
