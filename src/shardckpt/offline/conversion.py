@@ -152,7 +152,7 @@ def select(reader: CheckpointReader, selection: Selection, dtype: torch.dtype | 
             outputs.append(Output(path_name(path), path, info, cast))
     marked = replace_refs(tree, dict.fromkeys((o.source.name for o in outputs), OutputTensor()))
     check_savable_depth(marked)
-    check_unique_names(_as_tensors(marked))
+    check_unique_names(_as_tensors(marked, torch.empty(0, device="meta")))
     return encode(marked, _is_output_tensor), outputs
 
 
@@ -204,12 +204,13 @@ def _rekeyed(optim: dict, key_type: OptimStateKeyType, id_order: Sequence[str] |
     return rekey_optim_state_dict(optim, key_type, id_order)
 
 
-def _as_tensors(tree: Any) -> Any:
-    """The tree with meta tensors at the tensor leaves (for the save-side name checks)."""
+def _as_tensors(tree: Any, meta: torch.Tensor) -> Any:
+    """The tree with the tensor ``meta`` at every tensor leaf (for the save-side name checks, which look at names
+    and types only: one tensor for all, not one made per leaf)."""
     if _is_output_tensor(tree):
-        return torch.empty(0, device="meta")
+        return meta
     if isinstance(tree, dict):
-        return {k: _as_tensors(v) for k, v in tree.items()}
+        return {k: _as_tensors(v, meta) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return [_as_tensors(v) for v in tree]
+        return [_as_tensors(v, meta) for v in tree]
     return tree

@@ -132,10 +132,12 @@ class Dim0Chunks(Sequence[Region]):
         return self._len
 
     def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[j] for j in range(self._len)[i]]
-        j = range(self._len)[i]
-        return FlatRange(j * self.size, min(j * self.size + self.size, self.numel))
+        if type(i) is not int or not 0 <= i < self._len:  # (a chunk's own index, the common case, read directly)
+            if isinstance(i, slice):
+                return [self[j] for j in range(self._len)[i]]
+            i = range(self._len)[i]
+        start = i * self.size
+        return FlatRange(start, min(start + self.size, self.numel))
 
     def last_numel(self) -> int:
         return self.numel - (self._len - 1) * self.size
@@ -146,7 +148,8 @@ class Dim0TensorPlan(TensorPlan):
     """A tensor stored as ``Dim0Chunks`` (at least one), written by ranks ``range(len(regions))``."""
 
     def chunks(self, first_file: dict[int, int]) -> Chunks:
-        return regular_chunks(self.regions[0].numel, [first_file[r] + self.slot for r in self.writers])
+        regions, slot = self.regions, self.slot  # (the first chunk's size without making its region: a commit's table)
+        return regular_chunks(min(regions.size, regions.numel), [first_file[r] + slot for r in self.writers])
 
 
 class RankTasks(Sequence[list]):

@@ -121,22 +121,21 @@ class ReadOnDemand(Mapping[str, StreamedPiece]):
 
 
 class FileRuns(Mapping[str, "StreamedPiece | HeldPiece"]):
-    """The pieces of one data file (``pieces``' own), its small chunks read in runs: a chunk of at most
-    ``RUN_CHUNK_BYTES`` (not cast, one of ``names``: those to write from their start) is read together with the small
-    chunks after it in the file's order (``names``), as many as one slice buffer holds, in one ``reader.read`` (which
-    coalesces reads of neighbouring chunks and checks each chunk's CRC), then each is a ``HeldPiece`` of its bytes in
-    that buffer. One read call per tensor cost a conversion of many small tensors most of its time. The buffer is held
-    until a chunk outside the run is asked for, or ``close``: the file's writer asks for its chunks one at a time, in
-    order, and writes a held piece before it asks for the next."""
+    """The pieces of one data file (``pieces``' own), its small chunks read in runs. ``chunks``: the names and
+    regions (the save plan's) of the chunks to write from their start, in the file's order. Such a chunk of at most
+    ``RUN_CHUNK_BYTES``, not cast, is read together with the small chunks after it, as many as one slice buffer
+    holds, in one ``reader.read`` (which coalesces reads of neighbouring chunks and checks each chunk's CRC); then
+    each is a ``HeldPiece`` of its bytes in that buffer. One read call per tensor cost a conversion of many small
+    tensors most of its time. The buffer is held until a chunk outside the run is asked for, or ``close``: the
+    file's writer asks for its chunks one at a time, in order, and writes a held piece before it asks for the next."""
 
-    def __init__(self, pieces: ReadOnDemand, names: list[str]):
-        self.pieces, self.names = pieces, names
+    def __init__(self, pieces: ReadOnDemand, chunks: list[tuple[str, Region]]):
+        self.pieces, self.names = pieces, [name for name, _ in chunks]
         self.small: dict[str, tuple[int, Output, FlatRange, int]] = {}  # position in names, output, region, bytes
         most = min(RUN_CHUNK_BYTES, pieces.buffers.nbytes)
-        for i, name in enumerate(names):
+        for i, (name, region) in enumerate(chunks):
             output = pieces.outputs[name]
-            if output.dtype == output.source_dtype:
-                region = pieces.region(output)
+            if output.dtype == output.source_dtype and type(region) is FlatRange:
                 nbytes = region.numel * itemsize(output.dtype)
                 if 0 < nbytes <= most:
                     self.small[name] = (i, output, region, nbytes)
@@ -155,7 +154,7 @@ class FileRuns(Mapping[str, "StreamedPiece | HeldPiece"]):
         return HeldPiece(name, output.dtype, output.shape, region, data)
 
     def __contains__(self, name: object) -> bool:  # (Mapping's would build the piece, or raise and catch KeyError)
-        return name in self.pieces
+        return name in self.pieces.outputs
 
     def _streamed(self, name: str, block: int, first: int) -> Iterator[torch.Tensor]:
         self.close()  # the buffer goes back before the slices below take one
