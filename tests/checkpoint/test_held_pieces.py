@@ -89,3 +89,33 @@ def test_the_writer_tells_the_index_it_wrote(tmp_path):
     write_data_file(storage, "h.bin", "h.index.json", [WriteTask(n, 0) for n in values], _Reused(values),
                     followed=writer.Followed(indexed=told.append))
     assert told == [(tmp_path / "h.index.json").read_bytes()]
+
+
+def test_a_resumed_convert_reads_only_the_chunks_it_did_not_keep_and_counts_each_once(tmp_path, monkeypatch):
+    """A rerun after a kill reads from the source only the small chunks the killed run's files do not keep, and its
+    progress counts every byte once: it never passes the total, and ends on it."""
+    import shardckpt
+    from shardckpt.checkpoint.verify import verify
+    from shardckpt.formats import native
+    from shardckpt.offline import resume
+    from tests.convert._kill import killed_after
+
+    monkeypatch.setattr(writer, "COALESCE_BYTES", 16 << 10)
+    monkeypatch.setattr(resume, "JOURNAL_BYTES", 0)  # a journal after every write the file holds
+    sd = {f"layers.{i}.w": torch.randn(4, 33, generator=torch.Generator().manual_seed(i)) for i in range(400)}
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    shardckpt.save(sd, src)
+    options = {"world_size": 2, "files_per_rank": 1}
+    killed_after(3, writer._Coalesced, "_flush", lambda: shardckpt.convert(src, dst, **options))
+    requested, real = [], native.NativeReader.read
+    monkeypatch.setattr(native.NativeReader, "read", lambda self, requests: (
+        requested.extend(r.tensor for r in requests), real(self, requests))[1])
+    told = []
+    report = shardckpt.convert(src, dst, progress=lambda done, total: told.append((done, total)), **options)
+    chunk = 2 * 33 * 4  # every chunk: two rows of one tensor
+    assert report.kept_bytes > 0 and report.kept_bytes % chunk == 0
+    assert len(requested) == 2 * len(sd) - report.kept_bytes // chunk
+    total = told[-1][1]
+    assert total == 2 * len(sd) * chunk and told[-1][0] == total
+    assert all(a[0] <= b[0] <= total for a, b in zip(told, told[1:]))
+    assert verify(dst).ok and shardckpt.diff(src, dst).equal
