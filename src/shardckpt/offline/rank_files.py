@@ -62,8 +62,8 @@ class RankFiles:
         journal = FileJournal(self.storage, journal_path, digest, self.version, isinstance(self.storage, LocalStorage))
         journal.begin(progress)
         # (the chunks to write from their start: a kept one is not read, a chunk a killed run began goes on streamed)
-        runs = FileRuns(self.pieces, [(t.name, self.plan.tensors[t.name].regions[t.chunk]) for t in tasks
-                                      if (t.name, t.chunk) not in progress.done and (t.name, t.chunk) != progress.current])
+        fresh = [t for t in tasks if (t.name, t.chunk) not in progress.done and (t.name, t.chunk) != progress.current]
+        runs = FileRuns(self.pieces, [(t.name, self.plan.tensors[t.name].regions[t.chunk]) for t in fresh])
         # (the journal's last word, the file finished, carries the index as written: not made again)
         followed = Followed(progress, writer, journal, indexed=functools.partial(journal.finish, progress))
         try:
