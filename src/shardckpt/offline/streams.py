@@ -1,6 +1,7 @@
 """How the offline verbs move values: each output tensor (``Output``) streamed from the source a slice at a time
 (``ReadOnDemand``, cast on the way if asked) through the slice buffers (``offline.memory.SliceBuffers``), as the
-``StreamedPiece``s every output writer takes: shardckpt chunks (``convert``), DCP chunks and safetensors files."""
+``StreamedPiece``s every output writer takes: shardckpt chunks (``convert``), DCP chunks and safetensors files.
+A ``convert``'s small chunks are read in runs instead and written as ``HeldPiece``s (``FileRuns``)."""
 from __future__ import annotations
 
 import contextlib
