@@ -39,14 +39,13 @@ class _Reused(Mapping):
     given back and taken again): a held piece not written before the next is asked for is written wrong."""
 
     def __init__(self, values: dict):
-        self.values, self.buffer, self.asked = values, torch.empty(1 << 20, dtype=torch.uint8), []
+        self.values, self.buffer = values, torch.empty(1 << 20, dtype=torch.uint8)
 
     def __getitem__(self, name: str) -> HeldPiece:
         data, shape, region = self.values[name]
         raw = as_bytes(data.reshape(-1))
         self.buffer.fill_(0xA5)  # what the previous piece held is gone
         self.buffer[:raw.numel()].copy_(raw)
-        self.asked.append(name)
         return HeldPiece(name, data.dtype, shape, region, host_memory(self.buffer)[:raw.numel()])
 
     def __contains__(self, name: object) -> bool:
