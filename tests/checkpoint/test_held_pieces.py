@@ -95,9 +95,9 @@ def test_a_resumed_convert_reads_only_the_chunks_it_did_not_keep_and_counts_each
     progress counts every byte once: it never passes the total, and ends on it."""
     import shardckpt
     from shardckpt.checkpoint.verify import verify
-    from shardckpt.formats import native
     from shardckpt.offline import resume
     from tests.convert._kill import killed_after
+    from tests.convert._spy import spy_reads
 
     monkeypatch.setattr(writer, "COALESCE_BYTES", 16 << 10)
     monkeypatch.setattr(resume, "JOURNAL_BYTES", 0)  # a journal after every write the file holds
@@ -106,9 +106,8 @@ def test_a_resumed_convert_reads_only_the_chunks_it_did_not_keep_and_counts_each
     shardckpt.save(sd, src)
     options = {"world_size": 2, "files_per_rank": 1}
     killed_after(3, writer._Coalesced, "_flush", lambda: shardckpt.convert(src, dst, **options))
-    requested, real = [], native.NativeReader.read
-    monkeypatch.setattr(native.NativeReader, "read", lambda self, requests: (
-        requested.extend(r.tensor for r in requests), real(self, requests))[1])
+    requested = []
+    spy_reads(monkeypatch, lambda reads: requested.extend(name for name, _ in reads))
     told = []
     report = shardckpt.convert(src, dst, progress=lambda done, total: told.append((done, total)), **options)
     chunk = 2 * 33 * 4  # every chunk: two rows of one tensor

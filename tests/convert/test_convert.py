@@ -105,15 +105,18 @@ def test_a_failure_mid_way_commits_nothing_keeps_the_old_checkpoint_and_what_a_r
     shardckpt.save(_state(), tmp_path / "src")
     shardckpt.save({"old": torch.ones(2)}, tmp_path / "dst")
     from shardckpt.formats.native import NativeReader
-    real, calls = NativeReader.read, []
+    calls = []
 
-    def failing(self, requests):
-        calls.append(1)
-        if len(calls) == 4:
-            raise OSError("disk gone")
-        return real(self, requests)
+    def failing(real):  # the fourth read of the source fails, whichever way it reads
+        def read(self, *args):
+            calls.append(1)
+            if len(calls) == 4:
+                raise OSError("disk gone")
+            return real(self, *args)
+        return read
 
-    monkeypatch.setattr(NativeReader, "read", failing)
+    monkeypatch.setattr(NativeReader, "read", failing(NativeReader.read))
+    monkeypatch.setattr(NativeReader, "read_flat", failing(NativeReader.read_flat))
     with pytest.raises(OSError, match="disk gone"):
         convert(tmp_path / "src", tmp_path / "dst", world_size=2, overwrite=True)
     monkeypatch.undo()

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import shardckpt
-from shardckpt.formats import native
 from tests._helpers import flip_byte, manifest_of
+from tests.convert._spy import spy_reads
 
 
 def _state() -> dict:
@@ -29,14 +29,9 @@ def _state() -> dict:
 
 
 def _reads(monkeypatch) -> list:
+    """How many chunks each call to the source's reader reads (either way: ``tests.convert._spy``)."""
     calls = []
-    real = native.NativeReader.read
-
-    def counted(self, requests):
-        calls.append(len(requests))
-        return real(self, requests)
-
-    monkeypatch.setattr(native.NativeReader, "read", counted)
+    spy_reads(monkeypatch, lambda reads: calls.append(len(reads)))
     return calls
 
 

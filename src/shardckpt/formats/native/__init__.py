@@ -1,16 +1,20 @@
 """shardckpt's own format (FORMAT.md) behind the read interface: a committed manifest and its data files.
 
 ``plan`` turns read requests into chunk reads (pure); ``reader`` executes them (indexes, ranged reads,
-block checksums). The collective side (every rank on the same generation, retries after a concurrent
+block checksums); ``flat_reads`` copies small tensors' flat ranges straight into one buffer (``formats.flat``). The collective side (every rank on the same generation, retries after a concurrent
 overwrite) is ``checkpoint.load``'s.
 """
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
+import torch
+
 from shardckpt.errors import CheckpointNotFoundError
 from shardckpt.format.manifest import FORMAT_NAME, MANIFEST_NAME, Manifest, parse_manifest
 from shardckpt.formats.api import Facts, ReadRequest, TensorInfo
+from shardckpt.formats.flat import FlatRead
+from shardckpt.formats.native.flat_reads import read_flat
 from shardckpt.formats.native.plan import plan_reads
 from shardckpt.formats.native.pool import files_view
 from shardckpt.formats.native.reader import Indexes, check_stored, execute_reads
@@ -48,6 +52,10 @@ class NativeReader:
     def check_stored(self, names: Iterable[str]) -> None:
         """Before memory is allocated for tensors ``names``: the data files can hold them (``reader.check_stored``)."""
         check_stored(self.storage, self.manifest, names, self.indexes, self.io_threads)
+
+    def read_flat(self, reads: Sequence[FlatRead], buffer: torch.Tensor) -> list[int]:
+        """``formats.flat``'s fast path: the small tensors' reads straight into ``buffer``; the rest by position."""
+        return read_flat(self.storage, self.manifest, self.indexes, reads, buffer, self.verify, self.io_threads)
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
         targets = check_requests(self.manifest.tensors, requests, self.storage.url(MANIFEST_NAME))

@@ -406,7 +406,7 @@ def small_spans(reads: list[ChunkRead], records: list[ChunkRecord], which: list[
     return [span for span in spans if len(span) > 1], large + [span[0] for span in spans if len(span) == 1]
 
 
-class _Window:
+class Window:
     """Bytes ``[start, start + len(data))`` of one data file, read once into ``data``, served to ``read_span`` as a
     storage; ``address``: where its first byte is (small chunks are copied from there)."""
 
@@ -431,13 +431,13 @@ def _read_small(storage: Storage, manifest: Manifest, reads: list[ChunkRead], re
     path = manifest.files[reads[span[0]].file].path
     start = records[span[0]].offset
     stop = max(records[i].offset + records[i].stored_length for i in span)
-    window = _Window(storage, path, start, bytearray(stop - start))
+    window = Window(storage, path, start, bytearray(stop - start))
     for i in span:
         if not _copy_small_chunk(window, reads[i], records[i], verify):
             execute_read(window, manifest, reads[i], records[i], verify)
 
 
-def _copy_small_chunk(window: _Window, read: ChunkRead, rec: ChunkRecord, verify: bool) -> bool:
+def _copy_small_chunk(window: Window, read: ChunkRead, rec: ChunkRecord, verify: bool) -> bool:
     """The common cases of a small chunk, without ``execute_read``'s general machinery: a raw one-block chunk
     whose every copy fills one CPU target of its dtype exactly with elements in the chunk's order: the whole
     chunk, or (a reshard of a flat chunk: ``convert``) a run of it. False: not such a case, or its block's
