@@ -23,7 +23,7 @@ def _output(name: str, shape: tuple, dtype: torch.dtype = torch.float32) -> Outp
 
 SHAPES = {  # sizes below, at and above the world sizes tested; empty, 0-d, 1-element, ragged last chunks
     "a": (10, 3), "b": (3, 5), "c": (1,), "d": (0, 4), "e": (5, 0), "f": (), "g": (17,), "h": (64, 2, 3),
-    "i": (7, 7), "j": (2,), "k": (), "l": (100,),
+    "i": (7, 7), "j": (2,), "k": (), "l": (100,), "m": (5, 3), "n": (6, 3), "o": (6, 3),  # m, n, o: one tiling
 }
 FLAT = {"g", "l"}  # placed as uneven flat shards (a LOCAL output's kind): planned rank by rank
 REPLICATED = {"f", "k", "i"}
@@ -77,6 +77,9 @@ def test_the_arithmetic_plan_is_the_chunk_by_chunk_plan(world, files_per_rank, d
         for first_file in ({r: r * files_per_rank for r in range(world)},
                            {r: (r * r + 3) * files_per_rank for r in range(world)}):  # affine, and not
             assert g.chunks(first_file) == w.chunks(first_file), name
+    crcs = {name: i for i, name in enumerate(want.tensors)}
+    for first_file in ({r: r * files_per_rank for r in range(world)}, {r: 3 * r + 1 for r in range(world)}):
+        assert got.table(first_file, crcs) == want.table(first_file, crcs)  # (tilings shared through a memo)
     assert [got.tasks[r] for r in range(world)] == want.tasks
     assert list(got.tasks) == want.tasks
     assert got.tasks.writing_ranks() == want.writing_ranks

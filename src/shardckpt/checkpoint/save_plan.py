@@ -49,8 +49,9 @@ class TensorPlan:
     writers: list[int] = field(default_factory=list)  # rank writing chunk i
     slot: int = 0  # which of each rank's data files holds this tensor's chunks
 
-    def chunks(self, first_file: dict[int, int]) -> Chunks:
-        """``first_file[rank]``: the manifest position of that rank's first data file."""
+    def chunks(self, first_file: dict[int, int], memo: dict | None = None) -> Chunks:
+        """``first_file[rank]``: the manifest position of that rank's first data file. ``memo``: chunks already made
+        for this ``first_file``, which a plan whose tensors share tilings may look up (``Dim0TensorPlan``)."""
         return compact_chunks(self.regions, [first_file[r] + self.slot for r in self.writers], self.shape)
 
 
@@ -67,11 +68,12 @@ class SavePlan:
         a tensor stored whole in one chunk (most of a save of many small tensors) finds its form by its dtype, shape
         and file, without a chunk description or manifest entry of its own (``TensorPlan.chunks`` for the others)."""
         keys: list[tuple] = []
+        memo: dict = {}
         for tp in self.tensors.values():
             if is_whole(tp.regions, math.prod(tp.shape)):  # (one region: one chunk, one writer)
                 keys.append((tp.dtype, tp.shape, first_file[tp.writers[0]] + tp.slot))
             else:
-                keys.append((tp.dtype, tp.shape, tp.chunks(first_file)))
+                keys.append((tp.dtype, tp.shape, tp.chunks(first_file, memo)))
 
         def form(key: tuple, i: int) -> dict:
             dtype, shape, placed = key

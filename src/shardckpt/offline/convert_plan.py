@@ -147,9 +147,16 @@ class Dim0Chunks(Sequence[Region]):
 class Dim0TensorPlan(TensorPlan):
     """A tensor stored as ``Dim0Chunks`` (at least one), written by ranks ``range(len(regions))``."""
 
-    def chunks(self, first_file: dict[int, int]) -> Chunks:
+    def chunks(self, first_file: dict[int, int], memo: dict | None = None) -> Chunks:
         regions, slot = self.regions, self.slot  # (the first chunk's size without making its region: a commit's table)
-        return regular_chunks(min(regions.size, regions.numel), [first_file[r] + slot for r in self.writers])
+        # (the chunks follow from the size, the count and the slot: tensors of one tiling share them, in ``memo``)
+        key = (min(regions.size, regions.numel), len(self.writers), slot)
+        chunks = memo.get(key) if memo is not None else None
+        if chunks is None:
+            chunks = regular_chunks(key[0], [first_file[r] + slot for r in self.writers])
+            if memo is not None:
+                memo[key] = chunks
+        return chunks
 
 
 class RankTasks(Sequence[list]):

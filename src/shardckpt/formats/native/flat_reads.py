@@ -36,27 +36,28 @@ def read_flat(storage: Storage, manifest: Manifest, indexes: Indexes, reads: Seq
         if entry is None:
             raise IncompatibleCheckpointError(f"{storage.url(MANIFEST_NAME)}: the checkpoint has no tensor "
                                               f"{r.tensor!r}")
-        if r.region.stop > math.prod(entry.shape):
-            raise IncompatibleCheckpointError(f"tensor {r.tensor!r}: {r.region} exceeds the {entry.numel} elements "
+        numel = math.prod(entry.shape)
+        if r.region.stop > numel:
+            raise IncompatibleCheckpointError(f"tensor {r.tensor!r}: {r.region} exceeds the {numel} elements "
                                               f"of shape {entry.shape}")
         chunks = entry.chunks
         if r.region.numel and entry.dtype == r.dtype and entry.dtype != torch.bool and \
                 type(chunks) is RegularChunks and chunks.count == 1:
-            wanted.append((k, entry, chunks.file(0)))
+            wanted.append((k, entry, chunks.file(0), numel * r.dtype.itemsize))
         else:
             rest.append(k)
     if not wanted:
         return rest
-    files = {f for _, _, f in wanted}
+    files = {f for _, _, f, _ in wanted}
     pins = lifecycle(storage)
     # Every data file opened first: a concurrent overwrite may delete them once a new manifest is committed.
     pins.pin([manifest.files[f].path for f in sorted(files)])
     try:
         found = indexes.of(files, io_threads)
         placed: list[Placed] = []
-        for k, entry, f in wanted:
+        for k, entry, f, nbytes in wanted:
             rec = found[f].get((entry.name, 0))
-            if rec is None or rec.frames or len(rec.blocks) != 1 or rec.length != entry.nbytes:
+            if rec is None or rec.frames or len(rec.blocks) != 1 or rec.length != nbytes:
                 rest.append(k)
             else:
                 placed.append((f, rec.offset, k, rec, entry))
