@@ -17,7 +17,8 @@ def spy_reads(monkeypatch, told: Callable[[list[tuple[str, int]]], None]) -> Non
 
     def read_flat(self, reads, buffer):
         left = real_flat(self, reads, buffer)
-        done = [(r.tensor, r.region.numel * r.dtype.itemsize) for k, r in enumerate(reads) if k not in set(left)]
+        unread = set(left)
+        done = [(r.tensor, r.region.numel * r.dtype.itemsize) for k, r in enumerate(reads) if k not in unread]
         if done:
             told(done)
         return left

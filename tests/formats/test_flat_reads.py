@@ -150,6 +150,16 @@ def test_a_buffer_that_is_not_contiguous_uint8_cpu_is_refused(tmp_path):
             read_flat(reader, reads, buffer)
 
 
+def test_the_own_readers_fast_path_checks_the_buffer_when_called_directly(tmp_path):
+    sd = _state()
+    shardckpt.save(sd, tmp_path / "c")
+    reader = open_reader(tmp_path / "c")
+    buffer = torch.full((8,), UNTOUCHED, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="does not fit"):  # (it copies to the addresses the reads name)
+        reader.read_flat([FlatRead("big", FlatRange(0, 3000), torch.float32, 0)], buffer)
+    assert (buffer == UNTOUCHED).all()
+
+
 def test_a_damaged_chunk_is_named_and_verify_off_reads_it_as_stored(tmp_path):
     sd = _state()
     path = str(tmp_path / "c")

@@ -26,8 +26,22 @@ class FlatRead(NamedTuple):
 
 def read_flat(reader: CheckpointReader, reads: Sequence[FlatRead], buffer: torch.Tensor) -> None:
     """Fill ``buffer`` (CPU, uint8, contiguous) with every read's elements, each at its ``at``: through the reader's
-    ``read_flat(reads, buffer)`` where it has one (it answers with the positions of the reads it left), else as
-    typed views through ``read``. Bad requests raise before anything is read, as ``read``'s do."""
+    ``read_flat(reads, buffer)`` where it has one (it checks them with ``check_flat_reads`` and answers with the
+    positions of the reads it left), else as typed views through ``read``. Bad requests raise before anything is
+    read, as ``read``'s do."""
+    fast = getattr(reader, "read_flat", None)
+    if fast is None:
+        check_flat_reads(reads, buffer)
+        rest = reads
+    else:
+        rest = [reads[i] for i in fast(reads, buffer)]
+    if rest:
+        reader.read(_typed(rest, buffer))
+
+
+def check_flat_reads(reads: Sequence[FlatRead], buffer: torch.Tensor) -> None:
+    """``ValueError`` unless ``buffer`` is contiguous CPU uint8 memory, aligned for every dtype, and each read's bytes
+    lie inside it at a multiple of its dtype's size (a reader copies to these addresses as they are)."""
     if buffer.dtype != torch.uint8 or not buffer.is_cpu or not buffer.is_contiguous():
         raise ValueError(f"flat reads go to a contiguous CPU uint8 buffer, not {buffer.dtype} on {buffer.device}")
     if buffer.data_ptr() % 16:  # (every dtype's view of it at a multiple of its size is aligned)
@@ -37,10 +51,6 @@ def read_flat(reader: CheckpointReader, reads: Sequence[FlatRead], buffer: torch
         n = itemsize(r.dtype)
         if type(r.region) is not FlatRange or r.at < 0 or r.at % n or r.at + r.region.numel * n > size:
             raise ValueError(f"flat read of {r.tensor!r} {r.region} to byte {r.at} does not fit a {size}-byte buffer")
-    fast = getattr(reader, "read_flat", None)
-    rest = reads if fast is None else [reads[i] for i in fast(reads, buffer)]
-    if rest:
-        reader.read(_typed(rest, buffer))
 
 
 def _typed(reads: Sequence[FlatRead], buffer: torch.Tensor) -> list[ReadRequest]:

@@ -128,8 +128,9 @@ class FileRuns(Mapping[str, "StreamedPiece | HeldPiece"]):
     ``RUN_CHUNK_BYTES``, not cast, is read together with the small chunks after it, as many as one slice buffer
     holds, in one ``formats.flat.read_flat`` (which coalesces reads of neighbouring chunks and checks each chunk's
     CRC, with no tensor per chunk from shardckpt's own reader); then each is a ``HeldPiece`` of its bytes in that
-    buffer. One read call per tensor cost a conversion of many small tensors most of its time. The buffer is held until a chunk outside the run is asked for, or ``close``: the
-    file's writer asks for its chunks one at a time, in order, and writes a held piece before it asks for the next."""
+    buffer. One read call per tensor cost a conversion of many small tensors most of its time. The buffer is held
+    until a chunk outside the run is asked for, or ``close``: the file's writer asks for its chunks one at a time, in
+    order, and writes a held piece before it asks for the next."""
 
     def __init__(self, pieces: ReadOnDemand, chunks: list[tuple[str, Region]]):
         self.pieces, self.names = pieces, [name for name, _ in chunks]

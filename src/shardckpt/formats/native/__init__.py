@@ -1,8 +1,9 @@
 """shardckpt's own format (FORMAT.md) behind the read interface: a committed manifest and its data files.
 
 ``plan`` turns read requests into chunk reads (pure); ``reader`` executes them (indexes, ranged reads,
-block checksums); ``flat_reads`` copies small tensors' flat ranges straight into one buffer (``formats.flat``). The collective side (every rank on the same generation, retries after a concurrent
-overwrite) is ``checkpoint.load``'s.
+block checksums); ``flat_reads`` copies small tensors' flat ranges straight into one buffer (``formats.flat``).
+The collective side (every rank on the same generation, retries after a concurrent overwrite) is
+``checkpoint.load``'s.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from shardckpt.errors import CheckpointNotFoundError
 from shardckpt.format.manifest import FORMAT_NAME, MANIFEST_NAME, Manifest, parse_manifest
 from shardckpt.formats.api import Facts, ReadRequest, TensorInfo
-from shardckpt.formats.flat import FlatRead
+from shardckpt.formats.flat import FlatRead, check_flat_reads
 from shardckpt.formats.native.flat_reads import read_flat
 from shardckpt.formats.native.plan import plan_reads
 from shardckpt.formats.native.pool import files_view
@@ -55,6 +56,7 @@ class NativeReader:
 
     def read_flat(self, reads: Sequence[FlatRead], buffer: torch.Tensor) -> list[int]:
         """``formats.flat``'s fast path: the small tensors' reads straight into ``buffer``; the rest by position."""
+        check_flat_reads(reads, buffer)  # (before any byte is copied to the addresses they name)
         return read_flat(self.storage, self.manifest, self.indexes, reads, buffer, self.verify, self.io_threads)
 
     def read(self, requests: Sequence[ReadRequest]) -> None:

@@ -28,7 +28,7 @@ Placed = tuple[int, int, int, ChunkRecord, TensorEntry]  # file, offset in it, p
 
 def read_flat(storage: Storage, manifest: Manifest, indexes: Indexes, reads: Sequence[FlatRead],
               buffer: torch.Tensor, verify: bool, io_threads: int) -> list[int]:
-    """Copy the reads of tensors stored whole as one raw block into ``buffer`` (checked by ``formats.flat``);
+    """Copy the reads of tensors stored whole as one raw block into ``buffer`` (``formats.flat.check_flat_reads``);
     answer the positions of the others. A read of a tensor the checkpoint lacks, or past its end, raises first."""
     wanted, rest = [], []
     for k, r in enumerate(reads):
@@ -81,7 +81,8 @@ def _windows(placed: list[Placed]) -> list[list[Placed]]:
     start = end = -1
     for p in placed:
         f, offset, _, rec, _ = p
-        if windows and windows[-1][0][0] == f and offset - end <= SPAN_GAP and offset + rec.length - start <= SPAN_BYTES:
+        if windows and windows[-1][0][0] == f and offset - end <= SPAN_GAP and \
+                offset + rec.length - start <= SPAN_BYTES:
             windows[-1].append(p)
             end = max(end, offset + rec.length)
         else:
