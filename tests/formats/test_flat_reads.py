@@ -15,6 +15,7 @@ from shardckpt.formats import native
 from shardckpt.formats.detect import open_reader
 from shardckpt.formats.flat import FlatRead, read_flat
 from shardckpt.formats.native import flat_reads
+from shardckpt.formats.native import reader as native_reader
 from shardckpt.regions import FlatRange
 from tests._helpers import flip_byte, manifest_of
 from tests.checkpoint.cases import block_size
@@ -111,7 +112,7 @@ def test_windows_on_an_object_store_are_read_on_threads_bit_for_bit(monkeypatch)
     sd = _state()
     url = "memory://flat-reads/ckpt"
     shardckpt.save(sd, url)
-    monkeypatch.setattr(flat_reads, "SPAN_BYTES", 256)  # many windows
+    monkeypatch.setattr(native_reader, "SPAN_BYTES", 256)  # many windows
     pools = []
     real_pool = flat_reads.ThreadPoolExecutor
     monkeypatch.setattr(flat_reads, "ThreadPoolExecutor", lambda *a, **k: pools.append(1) or real_pool(*a, **k))

@@ -1,7 +1,7 @@
 """Flat reads (``formats.flat``) of tensors stored whole, as one raw chunk of one block (every small tensor a save
 writes), straight into the caller's bytes: the chunks close together in one file are read with one ranged read
-(a ``Window``, as ``reader.small_spans`` groups them), each is checked against its block's CRC and the manifest's
-whole-tensor CRC (which is the same), and its wanted elements are copied to the buffer. Anything else (a tensor
+(a ``Window``; ``reader.close_runs`` groups them, as a load's small chunks), each is checked against its block's
+CRC and the manifest's whole-tensor CRC (which is the same), and its wanted elements are copied to the buffer. Anything else (a tensor
 of several chunks, a compressed chunk, a bool, a chunk whose bytes do not check) is left to ``read``, which reads
 it the general way and names what is wrong."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from shardckpt.format.chunks import RegularChunks
 from shardckpt.format.index import ChunkRecord
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from shardckpt.formats.flat import FlatRead
-from shardckpt.formats.native.reader import SPAN_BYTES, SPAN_GAP, Indexes, Window
+from shardckpt.formats.native.reader import Indexes, Window, close_runs
 from shardckpt.io import Storage, lifecycle
 from shardckpt.io.local import one_thread_suits
 
@@ -62,7 +62,8 @@ def read_flat(storage: Storage, manifest: Manifest, indexes: Indexes, reads: Seq
             else:
                 placed.append((f, rec.offset, k, rec, entry))
         placed.sort(key=lambda p: (p[0], p[1]))
-        windows = _windows(placed)
+        runs = close_runs([(f, offset, offset + rec.length) for f, offset, _, rec, _ in placed])
+        windows = [[placed[j] for j in run] for run in runs]
         copy = lambda window: _copy_window(storage, manifest, window, reads, buffer.data_ptr(), verify)  # noqa: E731
         if len(windows) > 1 and not one_thread_suits(storage, sum(p[3].length for p in placed)):
             with ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="shardckpt-read") as pool:
@@ -72,23 +73,6 @@ def read_flat(storage: Storage, manifest: Manifest, indexes: Indexes, reads: Seq
     finally:
         pins.release()
     return rest + [k for ks in left for k in ks]
-
-
-def _windows(placed: list[Placed]) -> list[list[Placed]]:
-    """The placed chunks, in file order, as runs of one file each at most ``SPAN_BYTES`` from first byte to last,
-    with gaps of at most ``SPAN_GAP``."""
-    windows: list[list[Placed]] = []
-    start = end = -1
-    for p in placed:
-        f, offset, _, rec, _ = p
-        if windows and windows[-1][0][0] == f and offset - end <= SPAN_GAP and \
-                offset + rec.length - start <= SPAN_BYTES:
-            windows[-1].append(p)
-            end = max(end, offset + rec.length)
-        else:
-            windows.append([p])
-            start, end = offset, offset + rec.length
-    return windows
 
 
 def _copy_window(storage: Storage, manifest: Manifest, window: list[Placed], reads: Sequence[FlatRead],

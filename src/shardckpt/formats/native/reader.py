@@ -387,23 +387,30 @@ def _read_lane(storage: Storage, manifest: Manifest, lane: tuple[str, list[Piece
 def small_spans(reads: list[ChunkRead], records: list[ChunkRecord], which: list[int],
                 ) -> tuple[list[list[int]], list[int]]:
     """The reads of small chunks (at most ``SMALL_CHUNK`` stored bytes) grouped into runs of one file, in file
-    order, each run at most ``SPAN_BYTES`` from its first byte to its last and with gaps of at most ``SPAN_GAP``:
-    one ranged read per run instead of one per chunk (many small tensors). The other reads are returned apart."""
+    order (``close_runs``): one ranged read per run instead of one per chunk (many small tensors). The other reads
+    are returned apart."""
     small = sorted((i for i in which if records[i].stored_length <= SMALL_CHUNK),
                    key=lambda i: (reads[i].file, records[i].offset))
-    spans: list[list[int]] = []
-    start = end = -1
-    for i in small:
-        a, b = records[i].offset, records[i].offset + records[i].stored_length
-        last = spans[-1] if spans else None
-        if last and reads[last[0]].file == reads[i].file and a - end <= SPAN_GAP and b - start <= SPAN_BYTES:
-            last.append(i)
-            end = max(end, b)
-        else:
-            spans.append([i])
-            start, end = a, b
+    runs = close_runs([(reads[i].file, records[i].offset, records[i].offset + records[i].stored_length)
+                       for i in small])
+    spans = [[small[j] for j in run] for run in runs]
     large = [i for i in which if records[i].stored_length > SMALL_CHUNK]
     return [span for span in spans if len(span) > 1], large + [span[0] for span in spans if len(span) == 1]
+
+
+def close_runs(spans: list[tuple[int, int, int]]) -> list[list[int]]:
+    """The positions of ``spans`` (file, first byte, end; in file order) grouped into runs of one file, each at most
+    ``SPAN_BYTES`` from its first byte to its last and with gaps of at most ``SPAN_GAP``: one ranged read each."""
+    runs: list[list[int]] = []
+    start = end = -1
+    for k, (f, a, b) in enumerate(spans):
+        if runs and spans[runs[-1][0]][0] == f and a - end <= SPAN_GAP and b - start <= SPAN_BYTES:
+            runs[-1].append(k)
+            end = max(end, b)
+        else:
+            runs.append([k])
+            start, end = a, b
+    return runs
 
 
 class Window:
